@@ -1,0 +1,541 @@
+//! One error type per operation, each with a stable code.
+//!
+//! Display strings are lowercase without a full stop; a cause is shown through
+//! [`std::error::Error::source`], never repeated in `Display`.
+
+use std::fmt;
+use std::io;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::broker::{BrokerError, SlotToken};
+use crate::job::InvalidJob;
+
+/// Stable error codes, as listed in the public contract.
+pub mod codes {
+    /// The job spec was rejected at the boundary; nothing was acquired.
+    pub const JOB_INVALID: &str = "JOB_INVALID";
+    /// The caller cancelled while waiting for a slot; nothing leaked.
+    pub const LEASE_ACQUIRE_CANCELLED: &str = "LEASE_ACQUIRE_CANCELLED";
+    /// No slot within the acquire timeout.
+    pub const LEASE_ACQUIRE_TIMEOUT: &str = "LEASE_ACQUIRE_TIMEOUT";
+    /// The broker refused or failed; no release was invented.
+    pub const LEASE_ACQUIRE_FAILED: &str = "LEASE_ACQUIRE_FAILED";
+    /// The body returned `Err(E)`; cleanup succeeded.
+    pub const LEASE_BODY_FAILED: &str = "LEASE_BODY_FAILED";
+    /// The body (or a task it spawned through its context) panicked; cleanup succeeded.
+    pub const LEASE_BODY_PANICKED: &str = "LEASE_BODY_PANICKED";
+    /// The job was cancelled; cleanup succeeded.
+    pub const LEASE_BODY_CANCELLED: &str = "LEASE_BODY_CANCELLED";
+    /// The body reported that an external effect may or may not have happened.
+    pub const LEASE_DELIVERY_UNKNOWN: &str = "LEASE_DELIVERY_UNKNOWN";
+    /// The body succeeded; the release did not finish within the cleanup timeout.
+    pub const LEASE_CLEANUP_TIMEOUT: &str = "LEASE_CLEANUP_TIMEOUT";
+    /// The body succeeded; the release failed.
+    pub const LEASE_CLEANUP_FAILED: &str = "LEASE_CLEANUP_FAILED";
+    /// Physical completion could not be proven in its bound; the slot is quarantined.
+    pub const LEASE_CLEANUP_UNCONFIRMED: &str = "LEASE_CLEANUP_UNCONFIRMED";
+    /// Both the body and the cleanup failed.
+    pub const LEASE_BODY_AND_CLEANUP_FAILED: &str = "LEASE_BODY_AND_CLEANUP_FAILED";
+    /// The supervisor has shut down (or its runtime is gone).
+    pub const SUPERVISOR_STOPPED: &str = "SUPERVISOR_STOPPED";
+    /// The supervisor could not start with this configuration.
+    pub const SUPERVISOR_START_FAILED: &str = "SUPERVISOR_START_FAILED";
+}
+
+/// Why [`Supervisor::acquire`](crate::Supervisor::acquire) (or the acquire step of a job) ended
+/// without a slot. Nothing was leaked in any case.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum AcquireError {
+    /// The caller cancelled while waiting.
+    Cancelled,
+    /// No slot within the acquire timeout.
+    TimedOut {
+        /// The timeout that ran out.
+        after: Duration,
+    },
+    /// The broker refused or failed, or returned a token the supervisor refuses.
+    Failed(BrokerError),
+    /// A slot was granted but the job's temp dir could not be made; the slot was released.
+    Scratch(Arc<io::Error>),
+    /// The supervisor has shut down or its runtime is gone.
+    Stopped,
+}
+
+impl AcquireError {
+    /// `LEASE_ACQUIRE_CANCELLED`, `LEASE_ACQUIRE_TIMEOUT`, `LEASE_ACQUIRE_FAILED` or
+    /// `SUPERVISOR_STOPPED`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::Cancelled => codes::LEASE_ACQUIRE_CANCELLED,
+            Self::TimedOut { .. } => codes::LEASE_ACQUIRE_TIMEOUT,
+            Self::Failed(_) | Self::Scratch(_) => codes::LEASE_ACQUIRE_FAILED,
+            Self::Stopped => codes::SUPERVISOR_STOPPED,
+        }
+    }
+}
+
+impl fmt::Display for AcquireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cancelled => f.write_str("acquire cancelled while waiting for a slot"),
+            Self::TimedOut { after } => write!(f, "no slot within {after:?}"),
+            Self::Failed(_) => f.write_str("slot acquire failed"),
+            Self::Scratch(_) => f.write_str("could not create the job's temp dir"),
+            Self::Stopped => f.write_str("supervisor stopped"),
+        }
+    }
+}
+
+impl std::error::Error for AcquireError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Failed(e) => Some(e),
+            Self::Scratch(e) => Some(&**e),
+            _ => None,
+        }
+    }
+}
+
+/// What went wrong in cleanup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CleanupErrorKind {
+    /// The broker release did not finish within the cleanup timeout.
+    Timeout,
+    /// The broker release failed.
+    Failed,
+    /// Physical completion (worker exit, tracked tasks, temp dir removal) could not be proven
+    /// within its bound; the slot is quarantined, never declared clean.
+    Unconfirmed,
+    /// The supervisor was gone before the release could finish.
+    SupervisorStopped,
+}
+
+/// A release that did not finish cleanly. Cloneable: one failure may be reported to several
+/// places (the caller and the error sink never both, but repeated `release` calls may share it).
+#[derive(Debug, Clone)]
+pub struct CleanupError {
+    kind: CleanupErrorKind,
+    token: Option<SlotToken>,
+    detail: Option<String>,
+    source: Option<CleanupSource>,
+}
+
+#[derive(Debug, Clone)]
+enum CleanupSource {
+    Broker(BrokerError),
+    Io(Arc<io::Error>),
+}
+
+impl CleanupError {
+    pub(crate) fn timeout(token: SlotToken, after: Duration) -> Self {
+        Self {
+            kind: CleanupErrorKind::Timeout,
+            token: Some(token),
+            detail: Some(format!("release of {token} took longer than {after:?}")),
+            source: None,
+        }
+    }
+
+    pub(crate) fn broker(token: SlotToken, err: BrokerError) -> Self {
+        Self {
+            kind: CleanupErrorKind::Failed,
+            token: Some(token),
+            detail: None,
+            source: Some(CleanupSource::Broker(err)),
+        }
+    }
+
+    pub(crate) fn unconfirmed(token: SlotToken, detail: String, io: Option<io::Error>) -> Self {
+        Self {
+            kind: CleanupErrorKind::Unconfirmed,
+            token: Some(token),
+            detail: Some(detail),
+            source: io.map(|e| CleanupSource::Io(Arc::new(e))),
+        }
+    }
+
+    pub(crate) fn stopped(token: Option<SlotToken>) -> Self {
+        Self {
+            kind: CleanupErrorKind::SupervisorStopped,
+            token,
+            detail: None,
+            source: None,
+        }
+    }
+
+    /// What went wrong.
+    pub fn kind(&self) -> CleanupErrorKind {
+        self.kind
+    }
+
+    /// `LEASE_CLEANUP_TIMEOUT`, `LEASE_CLEANUP_FAILED`, `LEASE_CLEANUP_UNCONFIRMED` or
+    /// `SUPERVISOR_STOPPED`.
+    pub fn code(&self) -> &'static str {
+        match self.kind {
+            CleanupErrorKind::Timeout => codes::LEASE_CLEANUP_TIMEOUT,
+            CleanupErrorKind::Failed => codes::LEASE_CLEANUP_FAILED,
+            CleanupErrorKind::Unconfirmed => codes::LEASE_CLEANUP_UNCONFIRMED,
+            CleanupErrorKind::SupervisorStopped => codes::SUPERVISOR_STOPPED,
+        }
+    }
+
+    /// The token whose release failed, when known.
+    pub fn token(&self) -> Option<SlotToken> {
+        self.token
+    }
+
+    /// The broker's error, when the broker release failed.
+    pub fn broker_error(&self) -> Option<&BrokerError> {
+        match &self.source {
+            Some(CleanupSource::Broker(e)) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for CleanupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match self.kind {
+            CleanupErrorKind::Timeout => "slot release timed out",
+            CleanupErrorKind::Failed => "slot release failed",
+            CleanupErrorKind::Unconfirmed => "cleanup unconfirmed, slot quarantined",
+            CleanupErrorKind::SupervisorStopped => "supervisor stopped before the release finished",
+        };
+        f.write_str(what)?;
+        if let Some(detail) = &self.detail {
+            write!(f, ": {detail}")?;
+        } else if let Some(token) = self.token {
+            write!(f, " ({token})")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for CleanupError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.source {
+            Some(CleanupSource::Broker(e)) => Some(e),
+            Some(CleanupSource::Io(e)) => Some(&**e),
+            None => None,
+        }
+    }
+}
+
+/// How a job's own work failed (body, sibling tasks, cancellation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BodyErrorKind {
+    /// The body returned `Err(E)`.
+    Failed,
+    /// The body, or a task it spawned through its context, panicked.
+    Panicked,
+    /// The job was cancelled; wins over an ordinary failure or a panic.
+    Cancelled,
+    /// An external effect may or may not have happened; wins over everything.
+    DeliveryUnknown,
+}
+
+/// The failure of a job's own work, decided only after the body and every task it spawned
+/// through its context have ended. Keeps every part: the winning kind (delivery-unknown >
+/// cancellation > panic or error) and whatever lost to it.
+#[derive(Debug)]
+pub struct BodyError<E> {
+    kind: BodyErrorKind,
+    error: Option<E>,
+    panics: Vec<String>,
+    delivery_unknown: Option<String>,
+}
+
+impl<E> BodyError<E> {
+    /// Applies the priority ladder. Returns `None` when nothing failed.
+    pub(crate) fn decide(
+        error: Option<E>,
+        panics: Vec<String>,
+        delivery_unknown: Option<String>,
+        cancelled: bool,
+    ) -> Option<Self> {
+        let kind = if delivery_unknown.is_some() {
+            BodyErrorKind::DeliveryUnknown
+        } else if cancelled {
+            BodyErrorKind::Cancelled
+        } else if !panics.is_empty() {
+            BodyErrorKind::Panicked
+        } else if error.is_some() {
+            BodyErrorKind::Failed
+        } else {
+            return None;
+        };
+        Some(Self {
+            kind,
+            error,
+            panics,
+            delivery_unknown,
+        })
+    }
+
+    /// Which failure won.
+    pub fn kind(&self) -> BodyErrorKind {
+        self.kind
+    }
+
+    /// `LEASE_BODY_FAILED`, `LEASE_BODY_PANICKED`, `LEASE_BODY_CANCELLED` or
+    /// `LEASE_DELIVERY_UNKNOWN`.
+    pub fn code(&self) -> &'static str {
+        match self.kind {
+            BodyErrorKind::Failed => codes::LEASE_BODY_FAILED,
+            BodyErrorKind::Panicked => codes::LEASE_BODY_PANICKED,
+            BodyErrorKind::Cancelled => codes::LEASE_BODY_CANCELLED,
+            BodyErrorKind::DeliveryUnknown => codes::LEASE_DELIVERY_UNKNOWN,
+        }
+    }
+
+    /// The body's own error, if it returned one (also when a higher-priority failure won).
+    pub fn error(&self) -> Option<&E> {
+        self.error.as_ref()
+    }
+
+    /// Takes the body's own error out.
+    pub fn into_error(self) -> Option<E> {
+        self.error
+    }
+
+    /// Panic messages of the body and of tasks it spawned through its context, in the order
+    /// they happened.
+    pub fn panics(&self) -> &[String] {
+        &self.panics
+    }
+
+    /// The reason given to
+    /// [`WorkerContext::mark_delivery_unknown`](crate::WorkerContext::mark_delivery_unknown), if any.
+    pub fn delivery_unknown(&self) -> Option<&str> {
+        self.delivery_unknown.as_deref()
+    }
+}
+
+impl<E> fmt::Display for BodyError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            BodyErrorKind::Failed => f.write_str("job body failed"),
+            BodyErrorKind::Panicked => {
+                write!(f, "job panicked: {}", self.panics.first().map_or("", |s| s))
+            }
+            BodyErrorKind::Cancelled => f.write_str("job cancelled"),
+            BodyErrorKind::DeliveryUnknown => write!(
+                f,
+                "delivery unknown: {}",
+                self.delivery_unknown.as_deref().unwrap_or("")
+            ),
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for BodyError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.error.as_ref().map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// Why [`Supervisor::run`](crate::Supervisor::run) did not return the body's value. Keeps
+/// everything; [`code`](Self::code) says which part failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum JobError<E> {
+    /// The job spec was refused at the boundary (`JOB_INVALID`).
+    Invalid(InvalidJob),
+    /// No slot was acquired; no body ran.
+    Acquire(AcquireError),
+    /// The job's own work failed; cleanup succeeded.
+    Body(BodyError<E>),
+    /// The job's own work succeeded; cleanup did not.
+    Cleanup(CleanupError),
+    /// Both failed (`LEASE_BODY_AND_CLEANUP_FAILED`).
+    BodyAndCleanup {
+        /// The job's own failure.
+        body: BodyError<E>,
+        /// The cleanup failure.
+        cleanup: CleanupError,
+    },
+}
+
+impl<E> JobError<E> {
+    /// The stable code of the contract table.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::Invalid(e) => e.code(),
+            Self::Acquire(e) => e.code(),
+            Self::Body(e) => e.code(),
+            Self::Cleanup(e) => e.code(),
+            Self::BodyAndCleanup { .. } => codes::LEASE_BODY_AND_CLEANUP_FAILED,
+        }
+    }
+
+    /// The job's own failure, if any.
+    pub fn body_error(&self) -> Option<&BodyError<E>> {
+        match self {
+            Self::Body(b) | Self::BodyAndCleanup { body: b, .. } => Some(b),
+            _ => None,
+        }
+    }
+
+    /// The cleanup failure, if any.
+    pub fn cleanup_error(&self) -> Option<&CleanupError> {
+        match self {
+            Self::Cleanup(c) | Self::BodyAndCleanup { cleanup: c, .. } => Some(c),
+            _ => None,
+        }
+    }
+
+    /// The acquire failure, if the job never got a slot.
+    pub fn acquire_error(&self) -> Option<&AcquireError> {
+        match self {
+            Self::Acquire(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+impl<E> fmt::Display for JobError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Invalid(_) => f.write_str("job refused"),
+            Self::Acquire(_) => f.write_str("job got no slot"),
+            Self::Body(_) => f.write_str("job failed"),
+            Self::Cleanup(_) => f.write_str("job succeeded but its cleanup failed"),
+            // Two causes: `source()` can return one, so both are named here.
+            Self::BodyAndCleanup { body, cleanup } => {
+                write!(f, "job failed ({body}) and its cleanup failed ({cleanup})")
+            }
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for JobError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Invalid(e) => Some(e),
+            Self::Acquire(e) => Some(e),
+            Self::Body(e) => Some(e),
+            Self::Cleanup(e) => Some(e),
+            Self::BodyAndCleanup { .. } => None,
+        }
+    }
+}
+
+/// Why [`SupervisorBuilder::start`](crate::SupervisorBuilder::start) failed.
+/// Code: `SUPERVISOR_START_FAILED`.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StartError {
+    /// Neither `.slots(n)` nor `.broker(b)` was given.
+    NoBroker,
+    /// The pool has no slot (`.slots(0)`, or a broker reporting capacity 0).
+    ZeroCapacity,
+    /// A duration that must be positive was zero.
+    ZeroDuration(&'static str),
+    /// The work root cannot be created or used.
+    WorkRoot {
+        /// The path that failed.
+        path: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
+    /// The supervisor actor could not be spawned (no tokio runtime, or ractor refused).
+    Spawn(String),
+}
+
+impl StartError {
+    /// Always `SUPERVISOR_START_FAILED`.
+    pub fn code(&self) -> &'static str {
+        codes::SUPERVISOR_START_FAILED
+    }
+}
+
+impl fmt::Display for StartError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NoBroker => f.write_str("no slots configured: call .slots(n) or .broker(b)"),
+            Self::ZeroCapacity => f.write_str("the slot pool has no slot"),
+            Self::ZeroDuration(what) => write!(f, "{what} must be positive"),
+            Self::WorkRoot { path, .. } => write!(f, "unusable work root {}", path.display()),
+            Self::Spawn(msg) => write!(f, "could not spawn the supervisor actor: {msg}"),
+        }
+    }
+}
+
+impl std::error::Error for StartError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::WorkRoot { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+/// [`Supervisor::shutdown`](crate::Supervisor::shutdown) could not reach the supervisor (its
+/// runtime is gone, or it died). Code: `SUPERVISOR_STOPPED`.
+#[derive(Debug, Clone)]
+pub struct ShutdownError {
+    _priv: (),
+}
+
+impl ShutdownError {
+    pub(crate) fn new() -> Self {
+        Self { _priv: () }
+    }
+
+    /// Always `SUPERVISOR_STOPPED`.
+    pub fn code(&self) -> &'static str {
+        codes::SUPERVISOR_STOPPED
+    }
+}
+
+impl fmt::Display for ShutdownError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("supervisor unreachable: it died or its runtime is gone")
+    }
+}
+
+impl std::error::Error for ShutdownError {}
+
+/// Use-after-release: the lease's release has begun, its token may belong to someone else.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseReleased {
+    _priv: (),
+}
+
+impl LeaseReleased {
+    pub(crate) fn new() -> Self {
+        Self { _priv: () }
+    }
+
+    /// Always `LEASE_RELEASED`.
+    pub fn code(&self) -> &'static str {
+        "LEASE_RELEASED"
+    }
+}
+
+impl fmt::Display for LeaseReleased {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("lease already released")
+    }
+}
+
+impl std::error::Error for LeaseReleased {}
+
+// Every error of the crate is `Send + Sync + 'static`.
+const _: fn() = || {
+    fn assert<T: std::error::Error + Send + Sync + 'static>() {}
+    assert::<InvalidJob>();
+    assert::<AcquireError>();
+    assert::<CleanupError>();
+    assert::<BrokerError>();
+    assert::<StartError>();
+    assert::<ShutdownError>();
+    assert::<LeaseReleased>();
+    assert::<BodyError<io::Error>>();
+    assert::<JobError<io::Error>>();
+};

@@ -1,0 +1,172 @@
+//! The explicit lease, for code that cannot put its work in a closure.
+
+use std::fmt;
+
+use ractor::ActorRef;
+use tokio::sync::oneshot;
+
+use crate::broker::SlotToken;
+use crate::error::{CleanupError, LeaseReleased};
+use crate::supervisor::Supervisor;
+use crate::supervisor::messages::SupMsg;
+use crate::supervisor::state::LeaseKey;
+
+/// One slot, held until [`release`](Self::release) or drop.
+///
+/// Prefer [`Supervisor::run`], which also tracks the work done under the slot. A `Lease` only
+/// guarantees the bookkeeping: exactly one broker release, awaited by `release`, refused use
+/// after release has begun, and a release even when the lease is dropped.
+///
+/// Dropping an unreleased lease never blocks: it sends a release message and the supervisor
+/// releases the slot; a failure then goes to the error sink, the `render_slot.release.failed.count`
+/// metric and a `tracing` error event.
+///
+/// # Examples
+///
+/// ```
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+/// use leasehold::Supervisor;
+///
+/// let sup = Supervisor::builder().slots(1).start().await?;
+/// let mut lease = sup.acquire().await?;
+/// let slot = lease.slot_id()?;
+/// assert_eq!(slot, 0);
+/// lease.release().await?;
+/// lease.release().await?; // a no-op: the broker is not called again
+/// assert!(lease.slot_id().is_err());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # }).unwrap();
+/// ```
+#[must_use = "a Lease holds a slot: dropping it releases the slot at once"]
+pub struct Lease {
+    key: LeaseKey,
+    token: SlotToken,
+    actor: ActorRef<SupMsg>,
+    state: State,
+    /// Keeps the supervisor from shutting down (last handle dropped) while this lease lives.
+    keepalive: Option<Supervisor>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Held,
+    /// A release was asked for; its answer may not have been heard (the call was cancelled).
+    Releasing,
+    Released,
+    /// Owned by the supervisor again (it could not be delivered): drop does nothing.
+    Defused,
+}
+
+impl Lease {
+    pub(crate) fn new(key: LeaseKey, token: SlotToken, actor: ActorRef<SupMsg>) -> Self {
+        Self {
+            key,
+            token,
+            actor,
+            state: State::Held,
+            keepalive: None,
+        }
+    }
+
+    pub(crate) fn keep_alive(&mut self, sup: Supervisor) {
+        self.keepalive = Some(sup);
+    }
+
+    pub(crate) fn defuse(mut self) {
+        self.state = State::Defused;
+    }
+
+    /// The slot held.
+    ///
+    /// # Errors
+    ///
+    /// [`LeaseReleased`] once release has begun: the slot may already belong to someone else.
+    pub fn slot_id(&self) -> Result<u32, LeaseReleased> {
+        self.token().map(|t| t.slot_id())
+    }
+
+    /// The lease id (a fencing token for the brokers leasehold ships).
+    ///
+    /// # Errors
+    ///
+    /// [`LeaseReleased`] once release has begun.
+    pub fn lease_id(&self) -> Result<u64, LeaseReleased> {
+        self.token().map(|t| t.lease_id())
+    }
+
+    /// The whole token.
+    ///
+    /// # Errors
+    ///
+    /// [`LeaseReleased`] once release has begun.
+    pub fn token(&self) -> Result<SlotToken, LeaseReleased> {
+        match self.state {
+            State::Held => Ok(self.token),
+            _ => Err(LeaseReleased::new()),
+        }
+    }
+
+    /// Whether release has begun.
+    pub fn is_released(&self) -> bool {
+        self.state != State::Held
+    }
+
+    /// Gives the slot back and waits for the broker's answer, bounded by the supervisor's
+    /// cleanup timeout. A second call is a no-op returning `Ok(())`: the broker is called once.
+    ///
+    /// # Errors
+    ///
+    /// [`CleanupError`]: `LEASE_CLEANUP_FAILED` when the broker refused, `LEASE_CLEANUP_TIMEOUT`
+    /// when it did not answer in time, `SUPERVISOR_STOPPED` when the supervisor was gone.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future does not cancel the release: the supervisor finishes it under its own
+    /// cleanup timeout, and a failure nobody hears goes to the error sink. Calling `release`
+    /// again after a cancelled call waits for that same release (or returns `Ok(())` if it has
+    /// already finished).
+    pub async fn release(&mut self) -> Result<(), CleanupError> {
+        if matches!(self.state, State::Released | State::Defused) {
+            return Ok(());
+        }
+        self.state = State::Releasing;
+        let (tx, rx) = oneshot::channel();
+        let msg = SupMsg::Release {
+            key: self.key,
+            reply: Some(tx),
+        };
+        let result = if self.actor.send_message(msg).is_err() {
+            Err(CleanupError::stopped(Some(self.token)))
+        } else {
+            rx.await
+                .unwrap_or_else(|_| Err(CleanupError::stopped(Some(self.token))))
+        };
+        self.state = State::Released;
+        result
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.state != State::Held {
+            return;
+        }
+        let msg = SupMsg::Release {
+            key: self.key,
+            reply: None,
+        };
+        if self.actor.send_message(msg).is_err() {
+            // The supervisor (and its slot table) is gone; nothing is left to release to.
+            tracing::error!(token = %self.token, "lease dropped after its supervisor stopped");
+        }
+    }
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("token", &self.token)
+            .field("state", &self.state)
+            .finish()
+    }
+}

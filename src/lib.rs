@@ -1,0 +1,34 @@
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub, rust_2018_idioms)]
+#![deny(unused_must_use)]
+
+mod broker;
+mod error;
+mod job;
+mod lease;
+mod sink;
+mod supervisor;
+mod worker;
+
+pub use broker::{AcquireRequest, BrokerError, BrokerErrorKind, LocalBroker, SlotBroker, SlotToken};
+pub use error::{
+    AcquireError, BodyError, BodyErrorKind, CleanupError, CleanupErrorKind, JobError,
+    LeaseReleased, ShutdownError, StartError, codes,
+};
+pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN};
+pub use lease::Lease;
+pub use sink::OrphanedFailure;
+pub use supervisor::{
+    DEFAULT_CANCEL_GRACE, DEFAULT_CLEANUP_TIMEOUT, ShutdownReport, Stats, Supervisor,
+    SupervisorBuilder, metric_names,
+};
+pub use worker::WorkerContext;
+
+/// Re-exported so that callers can build the token [`JobSpec::with_cancel`] takes.
+pub use tokio_util::sync::CancellationToken;
+
+impl<E> From<InvalidJob> for JobError<E> {
+    fn from(err: InvalidJob) -> Self {
+        JobError::Invalid(err)
+    }
+}

@@ -1,0 +1,33 @@
+//! Where failures go when no caller is left to hear them.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::broker::SlotToken;
+use crate::error::CleanupError;
+
+/// A cleanup failure that had no caller left: a dropped [`Lease`](crate::Lease), a `run` future
+/// dropped before its release finished, a late release of a quarantined slot.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct OrphanedFailure {
+    /// The job, when the lease belonged to one.
+    pub job_id: Option<String>,
+    /// The token concerned.
+    pub token: SlotToken,
+    /// What failed.
+    pub error: CleanupError,
+}
+
+impl fmt::Display for OrphanedFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.job_id {
+            Some(job) => write!(f, "job {job} ({}): {}", self.token, self.error),
+            None => write!(f, "{}: {}", self.token, self.error),
+        }
+    }
+}
+
+/// The user's error sink: called on the supervisor's task, so it must be quick and must not
+/// block (hand the failure to a channel if it needs I/O).
+pub(crate) type ErrorSink = Arc<dyn Fn(&OrphanedFailure) + Send + Sync>;

@@ -1,0 +1,677 @@
+//! The supervisor actor: a thin, effectful shell around the pure [`LeaseTable`].
+//!
+//! Only this actor mutates the slot table. It never awaits a broker or the file system inside
+//! its mailbox: broker futures get one inline poll (the in-process broker answers there) and
+//! otherwise run in a task that reports back by message; temp dirs are removed on the blocking
+//! pool. The one await in a handler is the worker actor's spawn, which returns as soon as the
+//! worker's `pre_start` (a move of its arguments) is done.
+
+use std::collections::HashMap;
+use std::io;
+use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_util::task::TaskTracker;
+use tracing::Span;
+
+use super::ShutdownReport;
+use super::messages::{
+    CancelReason, PendingJob, ReleaseReply, RunOutcome, SupMsg, WaiterKind,
+};
+use super::state::{Edge, LeaseKey, LeaseKind, LeaseTable, Phase, ReleaseOutcome, WaiterId};
+use super::stats::{SharedStats, metric_names};
+use crate::broker::{AcquireRequest, BrokerError, DynBroker, SlotToken, poll_once};
+use crate::error::{AcquireError, CleanupError, CleanupErrorKind};
+use crate::lease::Lease;
+use crate::sink::{ErrorSink, OrphanedFailure};
+use crate::worker::{JobShared, WorkerActor, WorkerArgs, WorkerContext};
+
+/// Settings fixed at start.
+pub(crate) struct Config {
+    pub(crate) cleanup_timeout: Duration,
+    pub(crate) cancel_grace: Duration,
+    pub(crate) drain_timeout: Option<Duration>,
+    pub(crate) work_root: PathBuf,
+    pub(crate) error_sink: Option<ErrorSink>,
+}
+
+pub(crate) struct SupervisorActor;
+
+pub(crate) struct SupArgs {
+    pub(crate) broker: Arc<dyn DynBroker>,
+    pub(crate) config: Arc<Config>,
+    pub(crate) stats: Arc<SharedStats>,
+    pub(crate) owned_root: Option<tempfile::TempDir>,
+}
+
+struct Waiter {
+    kind: WaiterKind,
+    span: Span,
+    since: Instant,
+}
+
+struct RunningJob {
+    job_id: Arc<str>,
+    shared: Arc<JobShared>,
+    /// Taken when the caller has been answered (at the end, or early on quarantine).
+    reply: Option<oneshot::Sender<RunOutcome>>,
+    temp_dir: PathBuf,
+}
+
+pub(crate) struct SupState {
+    table: LeaseTable,
+    broker: Arc<dyn DynBroker>,
+    config: Arc<Config>,
+    stats: Arc<SharedStats>,
+    waiters: HashMap<WaiterId, Waiter>,
+    jobs: HashMap<LeaseKey, RunningJob>,
+    workers: HashMap<ActorId, LeaseKey>,
+    release_replies: HashMap<LeaseKey, Vec<ReleaseReply>>,
+    release_started: HashMap<LeaseKey, Instant>,
+    shutdown_replies: Vec<oneshot::Sender<ShutdownReport>>,
+    report: ShutdownReport,
+    next_request: u64,
+    owned_root: Option<tempfile::TempDir>,
+}
+
+impl Actor for SupervisorActor {
+    type Msg = SupMsg;
+    type State = SupState;
+    type Arguments = SupArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<SupMsg>,
+        args: SupArgs,
+    ) -> Result<SupState, ActorProcessingErr> {
+        Ok(SupState {
+            table: LeaseTable::new(args.broker.capacity()),
+            broker: args.broker,
+            config: args.config,
+            stats: args.stats,
+            waiters: HashMap::new(),
+            jobs: HashMap::new(),
+            workers: HashMap::new(),
+            release_replies: HashMap::new(),
+            release_started: HashMap::new(),
+            shutdown_replies: Vec::new(),
+            report: ShutdownReport::default(),
+            next_request: 1,
+            owned_root: args.owned_root,
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<SupMsg>,
+        msg: SupMsg,
+        state: &mut SupState,
+    ) -> Result<(), ActorProcessingErr> {
+        state.on_message(&myself, msg).await;
+        state.settle(&myself).await;
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<SupMsg>,
+        evt: SupervisionEvent,
+        state: &mut SupState,
+    ) -> Result<(), ActorProcessingErr> {
+        let id = match evt {
+            SupervisionEvent::ActorTerminated(cell, last_state, _) => {
+                // On a normal stop ractor moves the worker's state into this event. It is dropped
+                // here, before the event counts as one of the two proofs of physical exit.
+                drop(last_state);
+                cell.get_id()
+            }
+            SupervisionEvent::ActorFailed(cell, err) => {
+                // Not expected (the worker catches its body's panics), and not proof of anything
+                // on its own: ractor may deliver this before the worker's state is dropped, which
+                // is why the join handle is awaited too.
+                tracing::error!(error = %err, "worker actor failed");
+                cell.get_id()
+            }
+            _ => return Ok(()),
+        };
+        if let Some(key) = state.workers.remove(&id)
+            && state.table.note_worker_end(key, false)
+        {
+            state.remove_scratch(&myself, key);
+        }
+        state.settle(&myself).await;
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<SupMsg>,
+        state: &mut SupState,
+    ) -> Result<(), ActorProcessingErr> {
+        // Waiters still queued (the actor is stopping for another reason than shutdown) hear
+        // SUPERVISOR_STOPPED when their reply senders drop with the state.
+        if let Some(root) = state.owned_root.take()
+            && state.table.quarantined() > 0
+        {
+            // Quarantined temp dirs are evidence: keep them.
+            let kept = root.keep();
+            tracing::warn!(root = %kept.display(), "work root kept: it holds quarantined temp dirs");
+        }
+        Ok(())
+    }
+}
+
+impl SupState {
+    async fn on_message(&mut self, myself: &ActorRef<SupMsg>, msg: SupMsg) {
+        match msg {
+            SupMsg::Acquire { waiter, kind, span } => {
+                if self.table.enqueue(waiter) {
+                    let since = Instant::now();
+                    self.waiters.insert(waiter, Waiter { kind, span, since });
+                } else {
+                    reply_not_started(kind, AcquireError::Stopped);
+                }
+            }
+            SupMsg::Cancel { waiter, reason } => self.cancel_waiter(waiter, reason),
+            SupMsg::BrokerAcquired { result } => self.on_acquired(myself, result).await,
+            SupMsg::WorkerExited { key } => {
+                if self.table.note_worker_end(key, true) {
+                    self.remove_scratch(myself, key);
+                }
+            }
+            SupMsg::DrainTimedOut { key, after } => self.on_drain_timeout(key, after),
+            SupMsg::ScratchRemoved { key, result } => self.on_scratch_removed(myself, key, result),
+            SupMsg::Release { key, reply } => self.on_release_request(myself, key, reply),
+            SupMsg::BrokerReleased { key, result } => self.finish_release(key, result),
+            SupMsg::Shutdown { reply } => self.begin_shutdown(myself, reply),
+        }
+    }
+
+    /// After every message: start the broker acquires the queue needs, publish stats, and finish
+    /// a shutdown that has nothing left to wait for.
+    async fn settle(&mut self, myself: &ActorRef<SupMsg>) {
+        self.pump(myself).await;
+        self.stats.publish(&self.table);
+        self.maybe_finish_shutdown(myself);
+    }
+
+    fn cancel_waiter(&mut self, waiter: WaiterId, reason: CancelReason) {
+        if self.table.cancel_waiter(waiter)
+            && let Some(w) = self.waiters.remove(&waiter)
+        {
+            reply_not_started(w.kind, reason.into_error());
+        }
+    }
+
+    fn pop_live_waiter(&mut self) -> Option<Waiter> {
+        let id = self.table.pop_waiter()?;
+        self.waiters.remove(&id)
+    }
+
+    /// Issues the broker acquires the queue needs. A broker that answers on the first poll is
+    /// handled inline, which may free room for more: hence the loop.
+    async fn pump(&mut self, myself: &ActorRef<SupMsg>) {
+        loop {
+            let n = self.table.requests_to_issue();
+            if n == 0 {
+                return;
+            }
+            let mut ready = Vec::new();
+            for _ in 0..n {
+                let request_id = self.next_request;
+                self.next_request += 1;
+                let job_id = self.table.head().and_then(|w| match &self.waiters.get(&w)?.kind {
+                    WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
+                    WaiterKind::Lease { .. } => None,
+                });
+                let request = AcquireRequest::new(request_id, job_id.as_deref());
+                let mut fut = Arc::clone(&self.broker).acquire_boxed(request);
+                match poll_once(&mut fut) {
+                    Poll::Ready(result) => ready.push(result),
+                    Poll::Pending => {
+                        let me = myself.clone();
+                        tokio::spawn(async move {
+                            let result = fut.await;
+                            // If the supervisor is gone its state (and the broker's view of it)
+                            // is gone too; nothing is left to give the token to.
+                            let _ = me.send_message(SupMsg::BrokerAcquired { result });
+                        });
+                    }
+                }
+            }
+            if ready.is_empty() {
+                return;
+            }
+            for result in ready {
+                self.on_acquired(myself, result).await;
+            }
+        }
+    }
+
+    async fn on_acquired(&mut self, myself: &ActorRef<SupMsg>, result: Result<SlotToken, BrokerError>) {
+        let token = match result {
+            Ok(token) => token,
+            Err(err) => {
+                self.table.request_failed();
+                // Tokens are fungible and so are failures: the longest waiter hears it.
+                if let Some(w) = self.pop_live_waiter() {
+                    let _e = w.span.enter();
+                    tracing::warn!(error = %err, "slot acquire failed");
+                    reply_not_started(w.kind, AcquireError::Failed(err));
+                }
+                return;
+            }
+        };
+        if let Err(refused) = self.table.token_arrived(token) {
+            // Not released: releasing a duplicate could free the live holder's slot.
+            tracing::error!(%refused, "refusing a token from the broker");
+            if let Some(w) = self.pop_live_waiter() {
+                let err = BrokerError::invalid_response(refused.to_string());
+                reply_not_started(w.kind, AcquireError::Failed(err));
+            }
+            return;
+        }
+        loop {
+            let Some(waiter) = self.pop_live_waiter() else {
+                // Nobody waits any more: the token goes straight back, exactly once.
+                let key = self.table.grant(token, LeaseKind::Surplus);
+                self.apply(key, Edge::ReleaseRequested);
+                self.start_release(myself, key, token);
+                return;
+            };
+            match waiter.kind {
+                WaiterKind::Lease { reply } => {
+                    if reply.is_closed() {
+                        continue;
+                    }
+                    let key = self.table.grant(token, LeaseKind::Explicit);
+                    record_grant(&waiter.span, waiter.since, token);
+                    let lease = Lease::new(key, token, myself.clone());
+                    if let Err(Ok(lease)) = reply.send(Ok(lease)) {
+                        // The caller left between the check and the send: release it here.
+                        lease.defuse();
+                        self.apply(key, Edge::ReleaseRequested);
+                        self.start_release(myself, key, token);
+                    }
+                    return;
+                }
+                WaiterKind::Job(job) => {
+                    // A grant racing with the caller's cancellation goes to the next waiter.
+                    if job.shared.cancel.is_cancelled() || job.reply.is_closed() {
+                        let _ = job.reply.send(RunOutcome::NotStarted(AcquireError::Cancelled));
+                        continue;
+                    }
+                    let key = self.table.grant(token, LeaseKind::Job);
+                    record_grant(&waiter.span, waiter.since, token);
+                    self.start_job(myself, key, token, *job).await;
+                    return;
+                }
+            }
+        }
+    }
+
+    async fn start_job(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey, token: SlotToken, job: PendingJob) {
+        let PendingJob {
+            job_id,
+            shared,
+            body,
+            reply,
+            span,
+        } = job;
+        span.record("slot_id", token.slot_id());
+        span.record("lease_id", token.lease_id());
+        let made = tempfile::Builder::new()
+            .prefix(&format!("{job_id}-"))
+            .tempdir_in(&self.config.work_root);
+        let temp_dir = match made {
+            Ok(dir) => dir.keep(),
+            Err(err) => {
+                let _e = span.enter();
+                tracing::error!(error = %err, "could not create the job's temp dir");
+                let _ = reply.send(RunOutcome::NotStarted(AcquireError::Scratch(Arc::new(err))));
+                self.apply(key, Edge::ReleaseRequested);
+                self.start_release(myself, key, token);
+                return;
+            }
+        };
+        let tracker = TaskTracker::new();
+        let ctx = WorkerContext::new(
+            token,
+            Arc::clone(&job_id),
+            temp_dir.clone(),
+            Arc::clone(&shared),
+            tracker.clone(),
+            span,
+        );
+        let args = WorkerArgs {
+            body,
+            ctx,
+            shared: Arc::clone(&shared),
+            grace: self.config.cancel_grace,
+        };
+        match Actor::spawn_linked(None, WorkerActor, args, myself.get_cell()).await {
+            Ok((worker, join)) => {
+                self.workers.insert(worker.get_id(), key);
+                self.jobs.insert(
+                    key,
+                    RunningJob {
+                        job_id,
+                        shared,
+                        reply: Some(reply),
+                        temp_dir,
+                    },
+                );
+                tokio::spawn(drive_worker(join, tracker, myself.clone(), key, self.config.drain_timeout));
+            }
+            Err(err) => {
+                // The worker's pre_start only moves its arguments, so the body never ran.
+                tracing::error!(error = %err, "could not spawn the worker actor");
+                let _ = std::fs::remove_dir_all(&temp_dir);
+                let err = BrokerError::new(format!("worker spawn failed: {err}"));
+                let _ = reply.send(RunOutcome::NotStarted(AcquireError::Failed(err)));
+                self.apply(key, Edge::ReleaseRequested);
+                self.start_release(myself, key, token);
+            }
+        }
+    }
+
+    /// Both proofs of the worker's end are in: remove its temp dir off the mailbox.
+    fn remove_scratch(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey) {
+        let Some(job) = self.jobs.get(&key) else {
+            return;
+        };
+        let path = job.temp_dir.clone();
+        let me = myself.clone();
+        tokio::task::spawn_blocking(move || {
+            let result = match std::fs::remove_dir_all(&path) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+                other => other,
+            };
+            let _ = me.send_message(SupMsg::ScratchRemoved { key, result });
+        });
+    }
+
+    fn on_scratch_removed(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey, result: io::Result<()>) {
+        let Some(record) = self.table.get(key) else {
+            return;
+        };
+        let (token, phase) = (record.token, record.phase);
+        match result {
+            Ok(()) => {
+                if phase == Phase::Quarantined {
+                    tracing::info!(%token, "quarantined slot proven clean late; releasing it");
+                }
+                if self.apply(key, Edge::Drained) {
+                    self.start_release(myself, key, token);
+                }
+            }
+            Err(err) => {
+                let path = self.jobs.get(&key).map(|j| j.temp_dir.display().to_string());
+                let detail = format!("temp dir {} could not be removed", path.unwrap_or_default());
+                if phase == Phase::Draining {
+                    self.apply(key, Edge::Unconfirmed);
+                }
+                self.answer_job_early(key, CleanupError::unconfirmed(token, detail, Some(err)));
+            }
+        }
+    }
+
+    fn on_drain_timeout(&mut self, key: LeaseKey, after: Duration) {
+        let Some(record) = self.table.get(key) else {
+            return;
+        };
+        let token = record.token;
+        if record.phase == Phase::Granted {
+            self.apply(key, Edge::BodyEnded);
+        }
+        if self.table.get(key).map(|r| r.phase) == Some(Phase::Draining) {
+            self.apply(key, Edge::Unconfirmed);
+            let detail = format!(
+                "tasks spawned through the worker context were still running {after:?} after the worker ended; the slot stays quarantined until they end"
+            );
+            self.answer_job_early(key, CleanupError::unconfirmed(token, detail, None));
+        }
+    }
+
+    /// Tells the job's caller (or, with no caller left, the sink) that cleanup is unconfirmed.
+    fn answer_job_early(&mut self, key: LeaseKey, err: CleanupError) {
+        let job = self.jobs.get_mut(&key);
+        let job_id = job.as_ref().map(|j| j.job_id.to_string());
+        let reply = job.and_then(|j| j.reply.take());
+        let undelivered = match reply {
+            Some(reply) => match reply.send(RunOutcome::Finished { cleanup: Err(err) }) {
+                Ok(()) => None,
+                Err(RunOutcome::Finished { cleanup: Err(err) }) => Some(err),
+                Err(_) => None,
+            },
+            None => Some(err),
+        };
+        if let Some(err) = undelivered {
+            self.sink(job_id, err);
+        }
+    }
+
+    fn on_release_request(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey, reply: Option<ReleaseReply>) {
+        let Some(record) = self.table.get(key) else {
+            // Already released (by an earlier call, or at shutdown): a no-op.
+            if let Some(reply) = reply {
+                let _ = reply.send(Ok(()));
+            }
+            return;
+        };
+        let (token, phase, kind) = (record.token, record.phase, record.kind);
+        match (phase, kind) {
+            (Phase::Granted, LeaseKind::Explicit) => {
+                self.apply(key, Edge::ReleaseRequested);
+                self.release_replies.entry(key).or_default().extend(reply);
+                self.start_release(myself, key, token);
+            }
+            (Phase::Releasing, LeaseKind::Explicit) => {
+                self.release_replies.entry(key).or_default().extend(reply);
+            }
+            _ => {
+                if let Some(reply) = reply {
+                    let _ = reply.send(Ok(()));
+                }
+            }
+        }
+    }
+
+    /// Starts the broker release of `token` under the cleanup timeout. The timeout is the
+    /// supervisor's own: no caller's cancellation reaches this task.
+    fn start_release(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey, token: SlotToken) {
+        self.release_started.insert(key, Instant::now());
+        let mut fut = Arc::clone(&self.broker).release_boxed(token);
+        match poll_once(&mut fut) {
+            Poll::Ready(result) => {
+                self.finish_release(key, result.map_err(|e| CleanupError::broker(token, e)));
+            }
+            Poll::Pending => {
+                let timeout = self.config.cleanup_timeout;
+                let me = myself.clone();
+                tokio::spawn(async move {
+                    let result = match tokio::time::timeout(timeout, fut).await {
+                        Ok(Ok(())) => Ok(()),
+                        Ok(Err(e)) => Err(CleanupError::broker(token, e)),
+                        Err(_) => Err(CleanupError::timeout(token, timeout)),
+                    };
+                    let _ = me.send_message(SupMsg::BrokerReleased { key, result });
+                });
+            }
+        }
+    }
+
+    fn finish_release(&mut self, key: LeaseKey, result: Result<(), CleanupError>) {
+        let Some(record) = self.table.get(key) else {
+            return;
+        };
+        let kind = record.kind;
+        let outcome = match &result {
+            Ok(()) => ReleaseOutcome::Ok,
+            Err(e) if e.kind() == CleanupErrorKind::Timeout => ReleaseOutcome::TimedOut,
+            Err(_) => ReleaseOutcome::Failed,
+        };
+        if !self.apply(key, Edge::Released(outcome)) {
+            return;
+        }
+        if let Some(started) = self.release_started.remove(&key) {
+            metrics::histogram!(metric_names::RELEASE_DURATION_MS)
+                .record(started.elapsed().as_secs_f64() * 1e3);
+        }
+        metrics::counter!(metric_names::RELEASE_COUNT).increment(1);
+        if result.is_err() {
+            metrics::counter!(metric_names::RELEASE_FAILED_COUNT).increment(1);
+        }
+        match kind {
+            LeaseKind::Job => {
+                let job = self.jobs.remove(&key);
+                let job_id = job.as_ref().map(|j| j.job_id.to_string());
+                let undelivered = match job.and_then(|mut j| j.reply.take()) {
+                    Some(reply) => match reply.send(RunOutcome::Finished { cleanup: result }) {
+                        Err(RunOutcome::Finished { cleanup: Err(err) }) => Some(err),
+                        _ => None,
+                    },
+                    None => result.err(),
+                };
+                if let Some(err) = undelivered {
+                    self.sink(job_id, err);
+                }
+            }
+            LeaseKind::Explicit => {
+                let replies = self.release_replies.remove(&key).unwrap_or_default();
+                let mut heard = false;
+                for reply in replies {
+                    heard |= reply.send(result.clone()).is_ok();
+                }
+                if !heard && let Err(err) = result {
+                    self.sink(None, err);
+                }
+            }
+            LeaseKind::Surplus => {
+                if let Err(err) = result {
+                    self.sink(None, err);
+                }
+            }
+        }
+    }
+
+    fn begin_shutdown(&mut self, myself: &ActorRef<SupMsg>, reply: Option<oneshot::Sender<ShutdownReport>>) {
+        if !self.table.is_stopping() {
+            for waiter in self.table.begin_stop() {
+                if let Some(w) = self.waiters.remove(&waiter) {
+                    self.report.refused_waiters += 1;
+                    reply_not_started(w.kind, AcquireError::Stopped);
+                }
+            }
+            let held: Vec<_> = self.table.keys().map(|(k, r)| (k, r.token, r.phase, r.kind)).collect();
+            for (key, token, phase, kind) in held {
+                match (phase, kind) {
+                    (Phase::Granted, LeaseKind::Job) => {
+                        if let Some(job) = self.jobs.get(&key) {
+                            job.shared.cancel.cancel();
+                            self.report.cancelled_jobs += 1;
+                        }
+                    }
+                    (Phase::Granted, LeaseKind::Explicit) => {
+                        // The holder's later release() or drop is then a no-op.
+                        self.report.released_leases += 1;
+                        self.apply(key, Edge::ReleaseRequested);
+                        self.start_release(myself, key, token);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        self.shutdown_replies.extend(reply);
+    }
+
+    fn maybe_finish_shutdown(&mut self, myself: &ActorRef<SupMsg>) {
+        // Quarantined slots cannot be waited for (they may never be proven clean); they are
+        // reported instead.
+        if !self.table.is_stopping() || self.table.pending() > 0 || self.table.active() > 0 {
+            return;
+        }
+        self.report.quarantined = self.table.quarantined();
+        self.report.stats = self.stats.snapshot();
+        for reply in self.shutdown_replies.drain(..) {
+            let _ = reply.send(self.report.clone());
+        }
+        self.stats.mark_shut_down();
+        myself.stop(None);
+    }
+
+    /// Applies an edge; an illegal one is a bug, logged, and changes nothing.
+    fn apply(&mut self, key: LeaseKey, edge: Edge) -> bool {
+        match self.table.apply(key, edge) {
+            Ok(_) => true,
+            Err(illegal) => {
+                tracing::error!(%illegal, key, "lease state machine refused an edge");
+                debug_assert!(false, "{illegal}");
+                false
+            }
+        }
+    }
+
+    /// A cleanup failure with no caller left: error sink, metric (counted by the caller of this),
+    /// and a tracing error event.
+    fn sink(&self, job_id: Option<String>, error: CleanupError) {
+        let Some(token) = error.token() else { return };
+        tracing::error!(job_id = job_id.as_deref(), %token, code = error.code(), %error, "cleanup failed with no caller left");
+        if let Some(sink) = &self.config.error_sink {
+            let failure = OrphanedFailure { job_id, token, error };
+            // A panicking sink must not take the supervisor (and every slot) down with it.
+            if std::panic::catch_unwind(AssertUnwindSafe(|| sink(&failure))).is_err() {
+                tracing::error!("the error sink panicked");
+            }
+        }
+    }
+}
+
+fn reply_not_started(kind: WaiterKind, err: AcquireError) {
+    match kind {
+        WaiterKind::Lease { reply } => {
+            let _ = reply.send(Err(err));
+        }
+        WaiterKind::Job(job) => {
+            let _ = job.reply.send(RunOutcome::NotStarted(err));
+        }
+    }
+}
+
+fn record_grant(span: &Span, since: Instant, token: SlotToken) {
+    let waited_ms = since.elapsed().as_secs_f64() * 1e3;
+    metrics::counter!(metric_names::ACQUIRE_COUNT).increment(1);
+    metrics::histogram!(metric_names::ACQUIRE_DURATION_MS).record(waited_ms);
+    let _e = span.enter();
+    tracing::debug!(slot_id = token.slot_id(), lease_id = token.lease_id(), waited_ms, "slot granted");
+}
+
+/// Awaits the worker's physical end: its actor task (the join handle resolves only once the
+/// actor is fully gone, state dropped), then every task and blocking closure spawned through
+/// its context. Runs outside the supervisor's mailbox.
+async fn drive_worker(
+    join: JoinHandle<()>,
+    tracker: TaskTracker,
+    sup: ActorRef<SupMsg>,
+    key: LeaseKey,
+    drain_timeout: Option<Duration>,
+) {
+    let _ = join.await;
+    tracker.close();
+    match drain_timeout {
+        Some(after) => {
+            if tokio::time::timeout(after, tracker.wait()).await.is_err() {
+                let _ = sup.send_message(SupMsg::DrainTimedOut { key, after });
+                tracker.wait().await;
+            }
+        }
+        None => tracker.wait().await,
+    }
+    let _ = sup.send_message(SupMsg::WorkerExited { key });
+}

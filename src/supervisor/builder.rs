@@ -1,0 +1,198 @@
+//! Configuring and starting a supervisor.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::Actor;
+
+use super::Supervisor;
+use super::actor::{Config, SupArgs, SupervisorActor};
+use super::stats::SharedStats;
+use crate::broker::{DynBroker, LocalBroker, SlotBroker};
+use crate::error::StartError;
+use crate::sink::{ErrorSink, OrphanedFailure};
+
+/// Default bound for each release.
+pub const DEFAULT_CLEANUP_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default time a cancelled body may keep running before its future is dropped.
+pub const DEFAULT_CANCEL_GRACE: Duration = Duration::from_secs(5);
+
+enum Source {
+    None,
+    Slots(u32),
+    Broker(Arc<dyn DynBroker>),
+}
+
+/// Builds a [`Supervisor`]. Start with [`Supervisor::builder`].
+#[must_use = "a builder does nothing until .start().await"]
+pub struct SupervisorBuilder {
+    source: Source,
+    cleanup_timeout: Duration,
+    acquire_timeout: Option<Duration>,
+    cancel_grace: Duration,
+    drain_timeout: Option<Duration>,
+    work_root: Option<PathBuf>,
+    error_sink: Option<ErrorSink>,
+}
+
+impl SupervisorBuilder {
+    pub(crate) fn new() -> Self {
+        Self {
+            source: Source::None,
+            cleanup_timeout: DEFAULT_CLEANUP_TIMEOUT,
+            acquire_timeout: None,
+            cancel_grace: DEFAULT_CANCEL_GRACE,
+            drain_timeout: None,
+            work_root: None,
+            error_sink: None,
+        }
+    }
+
+    /// Uses the in-process [`LocalBroker`] with `n` slots (replaces any `.broker(..)`).
+    pub fn slots(mut self, n: u32) -> Self {
+        self.source = Source::Slots(n);
+        self
+    }
+
+    /// Uses any [`SlotBroker`] (replaces any `.slots(..)`); the broker alone decides capacity.
+    pub fn broker<B: SlotBroker>(mut self, broker: B) -> Self {
+        self.source = Source::Broker(Arc::new(broker));
+        self
+    }
+
+    /// Bound for each broker release (default 5 s). The caller's cancellation cannot shorten it.
+    pub fn cleanup_timeout(mut self, timeout: Duration) -> Self {
+        self.cleanup_timeout = timeout;
+        self
+    }
+
+    /// How long a caller waits for a slot before `LEASE_ACQUIRE_TIMEOUT` (default: no bound,
+    /// FIFO).
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = Some(timeout);
+        self
+    }
+
+    /// How long a cancelled body may keep running before the worker drops its future (default
+    /// 5 s). Tracked tasks and blocking closures are awaited regardless: they cannot be dropped.
+    pub fn cancel_grace(mut self, grace: Duration) -> Self {
+        self.cancel_grace = grace;
+        self
+    }
+
+    /// How long tracked tasks may outlive the worker before the slot is quarantined and the
+    /// caller hears `LEASE_CLEANUP_UNCONFIRMED` (default: no bound, the slot waits). A
+    /// quarantined slot is released as soon as its tasks end and its temp dir is removed.
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = Some(timeout);
+        self
+    }
+
+    /// The directory under which each job gets its own temp dir (created if missing). Default:
+    /// a fresh directory under the OS temp dir, owned by the supervisor and removed when it stops.
+    pub fn work_root(mut self, root: impl Into<PathBuf>) -> Self {
+        self.work_root = Some(root.into());
+        self
+    }
+
+    /// Where cleanup failures go when no caller is left to hear them (a dropped lease, a dropped
+    /// `run` future). Called on the supervisor's task: keep it quick and non-blocking.
+    pub fn error_sink(mut self, sink: impl Fn(&OrphanedFailure) + Send + Sync + 'static) -> Self {
+        self.error_sink = Some(Arc::new(sink));
+        self
+    }
+
+    /// Validates the configuration and spawns the supervisor actor on the current tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`StartError`] (code `SUPERVISOR_START_FAILED`): no slots configured, zero capacity, a
+    /// zero cleanup timeout, an unusable work root, or no tokio runtime.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: dropping the future after the actor has spawned leaves a supervisor with
+    /// no handle, which stops at once (nothing can have been acquired through it).
+    pub async fn start(self) -> Result<Supervisor, StartError> {
+        let broker: Arc<dyn DynBroker> = match self.source {
+            Source::None => return Err(StartError::NoBroker),
+            Source::Slots(0) => return Err(StartError::ZeroCapacity),
+            Source::Slots(n) => Arc::new(LocalBroker::new(n)),
+            Source::Broker(b) if b.capacity() == Some(0) => return Err(StartError::ZeroCapacity),
+            Source::Broker(b) => b,
+        };
+        if self.cleanup_timeout.is_zero() {
+            return Err(StartError::ZeroDuration("cleanup_timeout"));
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(StartError::Spawn("no tokio runtime".into()));
+        }
+        let (work_root, owned_root) = match self.work_root {
+            Some(path) => (prepare_root(path)?, None),
+            None => {
+                let dir = tempfile::Builder::new()
+                    .prefix("leasehold-")
+                    .tempdir()
+                    .map_err(|source| StartError::WorkRoot {
+                        path: std::env::temp_dir(),
+                        source,
+                    })?;
+                (dir.path().to_path_buf(), Some(dir))
+            }
+        };
+        let config = Arc::new(Config {
+            cleanup_timeout: self.cleanup_timeout,
+            cancel_grace: self.cancel_grace,
+            drain_timeout: self.drain_timeout,
+            work_root: work_root.clone(),
+            error_sink: self.error_sink,
+        });
+        let stats = Arc::new(SharedStats::default());
+        let args = SupArgs {
+            broker,
+            config,
+            stats: Arc::clone(&stats),
+            owned_root,
+        };
+        let (actor, join) = Actor::spawn(None, SupervisorActor, args)
+            .await
+            .map_err(|e| StartError::Spawn(e.to_string()))?;
+        Ok(Supervisor::from_parts(actor, join, stats, self.acquire_timeout, work_root))
+    }
+}
+
+/// Creates the root if needed, proves it writable, and makes it absolute.
+fn prepare_root(path: PathBuf) -> Result<PathBuf, StartError> {
+    let fail = |source| StartError::WorkRoot {
+        path: path.clone(),
+        source,
+    };
+    std::fs::create_dir_all(&path).map_err(fail)?;
+    let root = std::fs::canonicalize(&path).map_err(fail)?;
+    tempfile::Builder::new()
+        .prefix(".leasehold-probe-")
+        .tempdir_in(&root)
+        .map_err(fail)?;
+    Ok(root)
+}
+
+impl fmt::Debug for SupervisorBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let source = match &self.source {
+            Source::None => "none".to_owned(),
+            Source::Slots(n) => format!("LocalBroker({n})"),
+            Source::Broker(_) => "custom broker".to_owned(),
+        };
+        f.debug_struct("SupervisorBuilder")
+            .field("source", &source)
+            .field("cleanup_timeout", &self.cleanup_timeout)
+            .field("acquire_timeout", &self.acquire_timeout)
+            .field("cancel_grace", &self.cancel_grace)
+            .field("drain_timeout", &self.drain_timeout)
+            .field("work_root", &self.work_root)
+            .field("error_sink", &self.error_sink.is_some())
+            .finish()
+    }
+}

@@ -1,0 +1,74 @@
+//! Messages to the supervisor actor. Every message that starts work carries the caller's span.
+
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tracing::Span;
+
+use super::state::{LeaseKey, WaiterId};
+use crate::broker::{BrokerError, SlotToken};
+use crate::error::{AcquireError, CleanupError};
+use crate::lease::Lease;
+use crate::supervisor::ShutdownReport;
+use crate::worker::{BoxedBody, JobShared};
+
+pub(crate) enum SupMsg {
+    /// Join the FIFO queue.
+    Acquire { waiter: WaiterId, kind: WaiterKind, span: Span },
+    /// The caller stopped waiting. Ignored once the waiter has been served.
+    Cancel { waiter: WaiterId, reason: CancelReason },
+    /// A broker acquire that did not finish on its first poll has ended.
+    BrokerAcquired { result: Result<SlotToken, BrokerError> },
+    /// The worker's task has ended and every tracked task has returned.
+    WorkerExited { key: LeaseKey },
+    /// Tracked tasks outlived the drain bound: quarantine, tell the caller.
+    DrainTimedOut { key: LeaseKey, after: Duration },
+    /// The temp dir removal ended.
+    ScratchRemoved { key: LeaseKey, result: io::Result<()> },
+    /// An explicit lease is given back (`reply` is `None` when it was dropped).
+    Release { key: LeaseKey, reply: Option<ReleaseReply> },
+    /// A broker release that did not finish on its first poll has ended (or timed out).
+    BrokerReleased { key: LeaseKey, result: Result<(), CleanupError> },
+    /// Stop: refuse new work, cancel jobs, wait, release everything (`None`: last handle dropped).
+    Shutdown { reply: Option<oneshot::Sender<ShutdownReport>> },
+}
+
+pub(crate) type ReleaseReply = oneshot::Sender<Result<(), CleanupError>>;
+
+pub(crate) enum WaiterKind {
+    Lease { reply: oneshot::Sender<Result<Lease, AcquireError>> },
+    Job(Box<PendingJob>),
+}
+
+pub(crate) struct PendingJob {
+    pub(crate) job_id: Arc<str>,
+    pub(crate) shared: Arc<JobShared>,
+    pub(crate) body: BoxedBody,
+    pub(crate) reply: oneshot::Sender<RunOutcome>,
+    pub(crate) span: Span,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum CancelReason {
+    Cancelled,
+    TimedOut(Duration),
+}
+
+impl CancelReason {
+    pub(crate) fn into_error(self) -> AcquireError {
+        match self {
+            Self::Cancelled => AcquireError::Cancelled,
+            Self::TimedOut(after) => AcquireError::TimedOut { after },
+        }
+    }
+}
+
+/// What `run` hears back.
+pub(crate) enum RunOutcome {
+    /// No body ran and nothing is held.
+    NotStarted(AcquireError),
+    /// The release pipeline has finished (or quarantined the slot).
+    Finished { cleanup: Result<(), CleanupError> },
+}

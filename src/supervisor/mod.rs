@@ -1,0 +1,408 @@
+//! The supervisor: a cheap-clone handle ([`Supervisor`]) in front of one actor that owns every
+//! slot token.
+
+mod actor;
+mod builder;
+pub(crate) mod messages;
+pub(crate) mod state;
+mod stats;
+
+use std::fmt;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use ractor::ActorRef;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::Span;
+
+pub use builder::{DEFAULT_CANCEL_GRACE, DEFAULT_CLEANUP_TIMEOUT, SupervisorBuilder};
+pub use stats::{Stats, metric_names};
+
+use messages::{CancelReason, PendingJob, RunOutcome, SupMsg, WaiterKind};
+use state::WaiterId;
+use stats::SharedStats;
+
+use crate::error::{AcquireError, BodyError, CleanupError, JobError, ShutdownError};
+use crate::job::JobSpec;
+use crate::lease::Lease;
+use crate::worker::{BoxedBody, JobShared, WorkerContext};
+
+/// The handle to a running supervisor. `Clone + Send + Sync`; clones share one actor.
+///
+/// When the last handle (and the last [`Lease`]) is dropped, the supervisor shuts down on its
+/// own, as [`shutdown`](Self::shutdown) would.
+///
+/// # Examples
+///
+/// ```
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+/// use leasehold::{JobSpec, Supervisor};
+///
+/// let sup = Supervisor::builder().slots(2).start().await?;
+/// let n = sup
+///     .run(JobSpec::new("hello")?, |ctx| async move {
+///         std::fs::write(ctx.temp_dir().join("out.txt"), b"hi")?;
+///         Ok::<_, std::io::Error>(ctx.slot_id())
+///     })
+///     .await?;
+/// assert!(n < 2);
+/// sup.shutdown().await?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # }).unwrap();
+/// ```
+#[derive(Clone)]
+pub struct Supervisor {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    actor: ActorRef<SupMsg>,
+    join: Mutex<Option<JoinHandle<()>>>,
+    stats: Arc<SharedStats>,
+    acquire_timeout: Option<Duration>,
+    next_waiter: AtomicU64,
+    work_root: PathBuf,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Last handle gone: shut down, so that the actor does not outlive every way to reach it.
+        let _ = self.actor.send_message(SupMsg::Shutdown { reply: None });
+    }
+}
+
+/// What [`Supervisor::shutdown`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// Callers that were still waiting for a slot and heard `SUPERVISOR_STOPPED`.
+    pub refused_waiters: usize,
+    /// Running jobs that were cancelled (and then waited for).
+    pub cancelled_jobs: usize,
+    /// Explicit leases still held, released by the supervisor on their holders' behalf.
+    pub released_leases: usize,
+    /// Slots left in quarantine (their temp dirs are kept).
+    pub quarantined: usize,
+    /// The counters at the end.
+    pub stats: Stats,
+}
+
+impl Supervisor {
+    /// Starts configuring a supervisor.
+    pub fn builder() -> SupervisorBuilder {
+        SupervisorBuilder::new()
+    }
+
+    fn from_parts(
+        actor: ActorRef<SupMsg>,
+        join: JoinHandle<()>,
+        stats: Arc<SharedStats>,
+        acquire_timeout: Option<Duration>,
+        work_root: PathBuf,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                actor,
+                join: Mutex::new(Some(join)),
+                stats,
+                acquire_timeout,
+                next_waiter: AtomicU64::new(1),
+                work_root,
+            }),
+        }
+    }
+
+    /// A cheap snapshot of the counters (atomics; no message to the actor).
+    pub fn stats(&self) -> Stats {
+        self.inner.stats.snapshot()
+    }
+
+    /// The directory under which job temp dirs are made.
+    pub fn work_root(&self) -> &Path {
+        &self.inner.work_root
+    }
+
+    fn next_waiter(&self) -> WaiterId {
+        // Relaxed: only uniqueness matters.
+        self.inner.next_waiter.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Waits for a slot (FIFO) and returns it as an explicit [`Lease`].
+    ///
+    /// # Errors
+    ///
+    /// [`AcquireError`]: `LEASE_ACQUIRE_TIMEOUT` after the configured acquire timeout,
+    /// `LEASE_ACQUIRE_FAILED` when the broker failed, `SUPERVISOR_STOPPED` after shutdown.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe. Dropping the future withdraws the request; a slot granted in the same
+    /// instant is released by the supervisor (or goes to the next waiter), never leaked.
+    pub async fn acquire(&self) -> Result<Lease, AcquireError> {
+        let waiter = self.next_waiter();
+        let (tx, rx) = oneshot::channel();
+        let msg = SupMsg::Acquire {
+            waiter,
+            kind: WaiterKind::Lease { reply: tx },
+            span: Span::current(),
+        };
+        if self.inner.actor.send_message(msg).is_err() {
+            return Err(AcquireError::Stopped);
+        }
+        let mut guard = WaitGuard::new(&self.inner.actor, waiter, None);
+        let reply = await_reply(&self.inner.actor, waiter, rx, None, self.inner.acquire_timeout).await;
+        guard.disarm();
+        match reply {
+            Ok(Ok(mut lease)) => {
+                lease.keep_alive(self.clone());
+                Ok(lease)
+            }
+            Ok(Err(err)) => Err(err),
+            Err(_) => Err(AcquireError::Stopped),
+        }
+    }
+
+    /// Runs `body` under a slot, as a worker actor linked to the supervisor, and returns only
+    /// after the whole release pipeline has finished: the body ended, the worker and every task
+    /// it spawned through its context physically ended, its temp dir removed, the broker release
+    /// awaited under the cleanup timeout, the slot handed on.
+    ///
+    /// A job whose token is already cancelled acquires nothing and ends
+    /// `LEASE_ACQUIRE_CANCELLED`.
+    ///
+    /// # Errors
+    ///
+    /// [`JobError`], whose [`code`](JobError::code) is one of the contract's stable codes; when
+    /// both the body and the cleanup failed, both are kept.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future cancels the job cooperatively (the body's
+    /// [`cancelled`](WorkerContext::cancelled) resolves; after the cancel grace its future is
+    /// dropped). The supervisor still completes every step of the release pipeline on its own;
+    /// a cleanup failure nobody hears goes to the error sink.
+    pub async fn run<F, Fut, T, E>(&self, job: JobSpec, body: F) -> Result<T, JobError<E>>
+    where
+        F: FnOnce(WorkerContext) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Send + 'static,
+        E: Send + 'static,
+    {
+        let (job_id, caller_token) = job.into_parts();
+        // A child token: cancelling the job (drop, shutdown) never cancels the caller's token.
+        let cancel = caller_token.map_or_else(CancellationToken::new, |t| t.child_token());
+        if cancel.is_cancelled() {
+            return Err(JobError::Acquire(AcquireError::Cancelled));
+        }
+        let shared = Arc::new(JobShared::new(cancel.clone()));
+        let (body_tx, mut body_rx) = oneshot::channel::<Result<T, E>>();
+        let boxed: BoxedBody = Box::new(move |ctx| {
+            let fut = body(ctx);
+            Box::pin(async move {
+                let _ = body_tx.send(fut.await);
+            })
+        });
+        let span = tracing::info_span!(
+            "leasehold.job",
+            job_id = %job_id,
+            slot_id = tracing::field::Empty,
+            lease_id = tracing::field::Empty,
+        );
+        let waiter = self.next_waiter();
+        let (tx, rx) = oneshot::channel();
+        let pending = PendingJob {
+            job_id: Arc::from(job_id),
+            shared: Arc::clone(&shared),
+            body: boxed,
+            reply: tx,
+            span: span.clone(),
+        };
+        let msg = SupMsg::Acquire {
+            waiter,
+            kind: WaiterKind::Job(Box::new(pending)),
+            span,
+        };
+        if self.inner.actor.send_message(msg).is_err() {
+            return Err(JobError::Acquire(AcquireError::Stopped));
+        }
+        let mut guard = WaitGuard::new(&self.inner.actor, waiter, Some(cancel.clone()));
+        let outcome = await_reply(&self.inner.actor, waiter, rx, Some(&cancel), self.inner.acquire_timeout).await;
+        guard.disarm();
+        let cleanup = match outcome {
+            Ok(RunOutcome::NotStarted(err)) => return Err(JobError::Acquire(err)),
+            Ok(RunOutcome::Finished { cleanup }) => cleanup,
+            // The supervisor died (its runtime is gone): nothing more can be proven.
+            Err(_) if !shared.started() => return Err(JobError::Acquire(AcquireError::Stopped)),
+            Err(_) => Err(CleanupError::stopped(None)),
+        };
+        // Every writer of `shared` and `body_rx` has ended: the worker and its tracked tasks
+        // were joined before the supervisor answered (or the slot was quarantined, in which case
+        // late sibling reports are not waited for).
+        let (value, error) = match body_rx.try_recv() {
+            Ok(Ok(v)) => (Some(v), None),
+            Ok(Err(e)) => (None, Some(e)),
+            Err(_) => (None, None),
+        };
+        let panics = shared.take_panics();
+        // No value, no error and no panic: the body future was dropped after the grace.
+        let cancelled = value.is_none() && (cancel.is_cancelled() || (error.is_none() && panics.is_empty()));
+        let failure = BodyError::decide(error, panics, shared.take_delivery_unknown(), cancelled);
+        match (failure, cleanup) {
+            (None, Ok(())) => Ok(value.expect("no failure means the body returned a value")),
+            (None, Err(cleanup)) => Err(JobError::Cleanup(cleanup)),
+            (Some(body), Ok(())) => Err(JobError::Body(body)),
+            (Some(body), Err(cleanup)) => Err(JobError::BodyAndCleanup { body, cleanup }),
+        }
+    }
+
+    /// Refuses new work, fails every waiter with `SUPERVISOR_STOPPED`, cancels running jobs,
+    /// waits for every worker and release, releases explicit leases still held, then stops the
+    /// actor. Quarantined slots are reported, not waited for. A second call returns the same
+    /// kind of report.
+    ///
+    /// # Errors
+    ///
+    /// [`ShutdownError`] when the supervisor was unreachable without having shut down (its
+    /// runtime is gone, or it died).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future does not stop the shutdown, which continues on its own.
+    pub async fn shutdown(&self) -> Result<ShutdownReport, ShutdownError> {
+        let (tx, rx) = oneshot::channel();
+        let sent = self
+            .inner
+            .actor
+            .send_message(SupMsg::Shutdown { reply: Some(tx) })
+            .is_ok();
+        let report = if sent { rx.await.ok() } else { None };
+        // Wait for the actor's task itself, so that its state (and an owned work root) is gone
+        // when this returns.
+        let join = self.inner.join.lock().take();
+        if let Some(join) = join {
+            let _ = join.await;
+        }
+        match report {
+            Some(report) => Ok(report),
+            None if self.inner.stats.is_shut_down() => Ok(ShutdownReport {
+                stats: self.stats(),
+                ..ShutdownReport::default()
+            }),
+            None => Err(ShutdownError::new()),
+        }
+    }
+}
+
+impl fmt::Debug for Supervisor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Supervisor")
+            .field("work_root", &self.inner.work_root)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// Withdraws a waiter (and cancels its job) when the waiting future is dropped.
+struct WaitGuard<'a> {
+    actor: &'a ActorRef<SupMsg>,
+    waiter: WaiterId,
+    cancel: Option<CancellationToken>,
+    armed: bool,
+}
+
+impl<'a> WaitGuard<'a> {
+    fn new(actor: &'a ActorRef<SupMsg>, waiter: WaiterId, cancel: Option<CancellationToken>) -> Self {
+        Self {
+            actor,
+            waiter,
+            cancel,
+            armed: true,
+        }
+    }
+
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for WaitGuard<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Some(cancel) = &self.cancel {
+            cancel.cancel();
+        }
+        let _ = self.actor.send_message(SupMsg::Cancel {
+            waiter: self.waiter,
+            reason: CancelReason::Cancelled,
+        });
+    }
+}
+
+/// Waits for the supervisor's answer. Cancellation and the acquire timeout do not abandon the
+/// wait: they ask the supervisor to withdraw the waiter and keep listening, so a grant that won
+/// the race is never lost (for a job, the answer is then the job's own result).
+async fn await_reply<T>(
+    actor: &ActorRef<SupMsg>,
+    waiter: WaiterId,
+    mut rx: oneshot::Receiver<T>,
+    cancel: Option<&CancellationToken>,
+    timeout: Option<Duration>,
+) -> Result<T, oneshot::error::RecvError> {
+    if cancel.is_none() && timeout.is_none() {
+        return rx.await;
+    }
+    let timer = async {
+        match timeout {
+            Some(t) => tokio::time::sleep(t).await,
+            None => std::future::pending().await,
+        }
+    };
+    let cancelled = async {
+        match cancel {
+            Some(c) => c.cancelled().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(timer, cancelled);
+    let (mut timer_live, mut cancel_live) = (true, true);
+    loop {
+        let reason = tokio::select! {
+            biased;
+            reply = &mut rx => return reply,
+            () = &mut cancelled, if cancel_live => {
+                cancel_live = false;
+                CancelReason::Cancelled
+            }
+            () = &mut timer, if timer_live => {
+                timer_live = false;
+                CancelReason::TimedOut(timeout.unwrap_or_default())
+            }
+        };
+        // If the actor is gone, `rx` resolves with an error on the next turn.
+        let _ = actor.send_message(SupMsg::Cancel { waiter, reason });
+    }
+}
+
+// The handle and the futures of public async fns are `Send` (and the handle `Sync`).
+const _: fn() = || {
+    fn send_sync<T: Send + Sync + Clone>() {}
+    fn send<T: Send>(_: &T) {}
+    send_sync::<Supervisor>();
+    let sup: &Supervisor = todo_ref();
+    send(&sup.acquire());
+    send(&sup.shutdown());
+    send(&sup.run(JobSpec::new("x").unwrap(), |_ctx| async { Ok::<(), std::io::Error>(()) }));
+};
+
+#[allow(clippy::needless_lifetimes)]
+fn todo_ref<'a, T>() -> &'a T {
+    unreachable!("only used in a never-called type assertion")
+}

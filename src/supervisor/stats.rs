@@ -1,0 +1,102 @@
+//! The synchronous `Stats` snapshot and the metric names.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use super::state::LeaseTable;
+
+/// Metric names, emitted through the [`metrics`] facade (install any exporter).
+pub mod metric_names {
+    /// Counter: slots granted.
+    pub const ACQUIRE_COUNT: &str = "render_slot.acquire.count";
+    /// Histogram: milliseconds from joining the queue to the grant.
+    pub const ACQUIRE_DURATION_MS: &str = "render_slot.acquire.duration_ms";
+    /// Counter: broker releases finished (any outcome).
+    pub const RELEASE_COUNT: &str = "render_slot.release.count";
+    /// Histogram: milliseconds a broker release took.
+    pub const RELEASE_DURATION_MS: &str = "render_slot.release.duration_ms";
+    /// Counter: broker releases that failed or timed out.
+    pub const RELEASE_FAILED_COUNT: &str = "render_slot.release.failed.count";
+    /// Gauge: leases held (granted, draining or releasing).
+    pub const ACTIVE_COUNT: &str = "render_slot.active.count";
+    /// Counter: leases a distributed broker saw expire while orphaned.
+    pub const ORPHAN_EXPIRED_COUNT: &str = "render_slot.orphan_expired.count";
+    /// Gauge: quarantined slots.
+    pub const QUARANTINED_COUNT: &str = "render_slot.quarantined.count";
+    /// Gauge: callers waiting for a slot.
+    pub const WAITING_COUNT: &str = "render_slot.waiting.count";
+}
+
+/// A cheap snapshot of a supervisor's counters. Fields are read independently (each is exact,
+/// the set is not one atomic picture while work is in flight); when nothing is in flight,
+/// `acquired_total == released_total + release_failed_total + active + quarantined`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Leases held, including those draining and releasing (not quarantined ones).
+    pub active: usize,
+    /// Callers waiting for a slot.
+    pub waiting: usize,
+    /// Tokens granted by the broker, ever.
+    pub acquired_total: u64,
+    /// Broker releases that succeeded, ever.
+    pub released_total: u64,
+    /// Broker releases that failed or timed out, ever.
+    pub release_failed_total: u64,
+    /// Leases a distributed broker saw expire while orphaned, ever.
+    pub orphan_expired_total: u64,
+    /// Slots held in quarantine now.
+    pub quarantined: usize,
+}
+
+/// Atomics the actor publishes into after each message; `Supervisor::stats` reads them.
+#[derive(Debug, Default)]
+pub(crate) struct SharedStats {
+    active: AtomicU64,
+    waiting: AtomicU64,
+    acquired_total: AtomicU64,
+    released_total: AtomicU64,
+    release_failed_total: AtomicU64,
+    orphan_expired_total: AtomicU64,
+    quarantined: AtomicU64,
+    shut_down: AtomicBool,
+}
+
+impl SharedStats {
+    // Relaxed: each field is a standalone gauge; no other memory is published through them.
+    pub(crate) fn publish(&self, table: &LeaseTable) {
+        let c = table.counters();
+        let set = |cell: &AtomicU64, v: u64| cell.store(v, Ordering::Relaxed);
+        set(&self.active, table.active() as u64);
+        set(&self.waiting, table.waiting() as u64);
+        set(&self.acquired_total, c.acquired_total);
+        set(&self.released_total, c.released_total);
+        set(&self.release_failed_total, c.release_failed_total);
+        set(&self.orphan_expired_total, c.orphan_expired_total);
+        set(&self.quarantined, table.quarantined() as u64);
+        metrics::gauge!(metric_names::ACTIVE_COUNT).set(table.active() as f64);
+        metrics::gauge!(metric_names::WAITING_COUNT).set(table.waiting() as f64);
+        metrics::gauge!(metric_names::QUARANTINED_COUNT).set(table.quarantined() as f64);
+    }
+
+    /// Set by the actor right before it stops after a completed shutdown.
+    pub(crate) fn mark_shut_down(&self) {
+        self.shut_down.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn is_shut_down(&self) -> bool {
+        self.shut_down.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn snapshot(&self) -> Stats {
+        let get = |cell: &AtomicU64| cell.load(Ordering::Relaxed);
+        Stats {
+            active: get(&self.active) as usize,
+            waiting: get(&self.waiting) as usize,
+            acquired_total: get(&self.acquired_total),
+            released_total: get(&self.released_total),
+            release_failed_total: get(&self.release_failed_total),
+            orphan_expired_total: get(&self.orphan_expired_total),
+            quarantined: get(&self.quarantined) as usize,
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! What a job body gets: its slot, its temp dir, its cancellation, and tracked spawning.
+
+use std::fmt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use futures_util::FutureExt;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, Span};
+
+use super::JobShared;
+use crate::broker::SlotToken;
+
+/// The job body's view of its lease. Cheap to clone; clones may be moved into sibling tasks.
+///
+/// Everything spawned through [`spawn`](Self::spawn) and [`spawn_blocking`](Self::spawn_blocking)
+/// is part of the worker's physical lifetime: the temp dir is removed and the slot returned only
+/// after every such task and closure has returned, even when the job was cancelled and its body
+/// has already ended. Work started any other way (`tokio::spawn`, `std::thread::spawn`) is not
+/// tracked and must not touch the slot or the temp dir.
+#[derive(Clone)]
+pub struct WorkerContext {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    token: SlotToken,
+    job_id: Arc<str>,
+    temp_dir: PathBuf,
+    shared: Arc<JobShared>,
+    tracker: TaskTracker,
+    span: Span,
+}
+
+impl WorkerContext {
+    pub(crate) fn new(
+        token: SlotToken,
+        job_id: Arc<str>,
+        temp_dir: PathBuf,
+        shared: Arc<JobShared>,
+        tracker: TaskTracker,
+        span: Span,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                token,
+                job_id,
+                temp_dir,
+                shared,
+                tracker,
+                span,
+            }),
+        }
+    }
+
+    /// The slot this job holds.
+    pub fn slot_id(&self) -> u32 {
+        self.inner.token.slot_id()
+    }
+
+    /// The lease id of this job's token (a fencing token for the brokers leasehold ships).
+    pub fn lease_id(&self) -> u64 {
+        self.inner.token.lease_id()
+    }
+
+    /// The whole token.
+    pub fn token(&self) -> SlotToken {
+        self.inner.token
+    }
+
+    /// The job id given to [`JobSpec::new`](crate::JobSpec::new).
+    pub fn job_id(&self) -> &str {
+        &self.inner.job_id
+    }
+
+    /// The job's own temp dir, strictly inside the work root. It exists while the worker lives
+    /// and is removed only after the worker and all its tracked tasks have physically ended.
+    pub fn temp_dir(&self) -> &Path {
+        &self.inner.temp_dir
+    }
+
+    /// The span every part of this job runs in (`job_id`, `slot_id`, `lease_id`).
+    pub fn span(&self) -> &Span {
+        &self.inner.span
+    }
+
+    /// Whether cancellation has been requested (by the caller's token, by dropping the `run`
+    /// future, or by shutdown).
+    pub fn is_cancelled(&self) -> bool {
+        self.inner.shared.cancel.is_cancelled()
+    }
+
+    /// Resolves when cancellation is requested. After the supervisor's cancel grace period the
+    /// body future is dropped; tracked tasks and blocking closures are still awaited.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping this future has no effect, and it can be created again.
+    pub async fn cancelled(&self) {
+        self.inner.shared.cancel.cancelled().await
+    }
+
+    /// A clone of the job's cancellation token, for code that takes one. Cancelling it cancels
+    /// this job (and only this job).
+    pub fn cancellation_token(&self) -> CancellationToken {
+        self.inner.shared.cancel.clone()
+    }
+
+    /// Declares that an external effect of this job may or may not have happened (an upload
+    /// whose acknowledgement was lost, say). The job then ends `LEASE_DELIVERY_UNKNOWN`, which
+    /// wins over cancellation and every other failure, so that nobody retries it blindly. The
+    /// first reason is kept. Sibling tasks may call it through their clone of the context.
+    pub fn mark_delivery_unknown(&self, reason: impl Into<String>) {
+        self.inner.shared.mark_delivery_unknown(reason.into());
+    }
+
+    /// Spawns a tracked sibling task in the job's span. The slot waits for it, even after
+    /// cancellation. A panic in it is recorded for the job's result (`LEASE_BODY_PANICKED` unless
+    /// something of higher priority happened) and still reaches the returned handle.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn spawn<F>(&self, fut: F) -> JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let shared = Arc::clone(&self.inner.shared);
+        let fut = fut.instrument(self.inner.span.clone());
+        self.inner.tracker.spawn(async move {
+            match AssertUnwindSafe(fut).catch_unwind().await {
+                Ok(v) => v,
+                Err(payload) => {
+                    shared.record_panic(&*payload);
+                    std::panic::resume_unwind(payload)
+                }
+            }
+        })
+    }
+
+    /// Runs a blocking closure on tokio's blocking pool, tracked like [`spawn`](Self::spawn):
+    /// the temp dir and the slot wait for it to return, whatever happened to the body.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn spawn_blocking<F, R>(&self, f: F) -> JoinHandle<R>
+    where
+        F: FnOnce() -> R + Send + 'static,
+        R: Send + 'static,
+    {
+        let shared = Arc::clone(&self.inner.shared);
+        let span = self.inner.span.clone();
+        self.inner.tracker.spawn_blocking(move || {
+            let _entered = span.enter();
+            match std::panic::catch_unwind(AssertUnwindSafe(f)) {
+                Ok(v) => v,
+                Err(payload) => {
+                    shared.record_panic(&*payload);
+                    std::panic::resume_unwind(payload)
+                }
+            }
+        })
+    }
+}
+
+impl fmt::Debug for WorkerContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkerContext")
+            .field("job_id", &self.inner.job_id)
+            .field("token", &self.inner.token)
+            .field("temp_dir", &self.inner.temp_dir)
+            .field("cancelled", &self.is_cancelled())
+            .finish()
+    }
+}
