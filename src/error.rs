@@ -335,7 +335,9 @@ impl<E> fmt::Display for BodyError<E> {
 
 impl<E: std::error::Error + 'static> std::error::Error for BodyError<E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.error.as_ref().map(|e| e as &(dyn std::error::Error + 'static))
+        self.error
+            .as_ref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
     }
 }
 

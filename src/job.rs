@@ -114,10 +114,16 @@ impl fmt::Display for InvalidJob {
         match &self.reason {
             InvalidJobReason::Empty => f.write_str("invalid job id: empty"),
             InvalidJobReason::TooLong(n) => {
-                write!(f, "invalid job id: {n} bytes, at most {MAX_JOB_ID_LEN} allowed")
+                write!(
+                    f,
+                    "invalid job id: {n} bytes, at most {MAX_JOB_ID_LEN} allowed"
+                )
             }
             InvalidJobReason::BadChar(c) => {
-                write!(f, "invalid job id: character {c:?} is not in [A-Za-z0-9_.:-]")
+                write!(
+                    f,
+                    "invalid job id: character {c:?} is not in [A-Za-z0-9_.:-]"
+                )
             }
         }
     }

@@ -1,5 +1,10 @@
 #![doc = include_str!("../README.md")]
-#![warn(missing_docs, missing_debug_implementations, unreachable_pub, rust_2018_idioms)]
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    unreachable_pub,
+    rust_2018_idioms
+)]
 #![deny(unused_must_use)]
 
 mod broker;
@@ -10,7 +15,9 @@ mod sink;
 mod supervisor;
 mod worker;
 
-pub use broker::{AcquireRequest, BrokerError, BrokerErrorKind, LocalBroker, SlotBroker, SlotToken};
+pub use broker::{
+    AcquireRequest, BrokerError, BrokerErrorKind, LocalBroker, SlotBroker, SlotToken,
+};
 pub use error::{
     AcquireError, BodyError, BodyErrorKind, CleanupError, CleanupErrorKind, JobError,
     LeaseReleased, ShutdownError, StartError, codes,

@@ -16,7 +16,10 @@ pub(crate) trait DynBroker: Send + Sync + 'static {
         self: Arc<Self>,
         request: AcquireRequest,
     ) -> BoxFuture<'static, Result<SlotToken, BrokerError>>;
-    fn release_boxed(self: Arc<Self>, token: SlotToken) -> BoxFuture<'static, Result<(), BrokerError>>;
+    fn release_boxed(
+        self: Arc<Self>,
+        token: SlotToken,
+    ) -> BoxFuture<'static, Result<(), BrokerError>>;
     fn capacity(&self) -> Option<u32>;
 }
 
@@ -28,7 +31,10 @@ impl<B: SlotBroker> DynBroker for B {
         Box::pin(async move { SlotBroker::acquire(&*self, request).await })
     }
 
-    fn release_boxed(self: Arc<Self>, token: SlotToken) -> BoxFuture<'static, Result<(), BrokerError>> {
+    fn release_boxed(
+        self: Arc<Self>,
+        token: SlotToken,
+    ) -> BoxFuture<'static, Result<(), BrokerError>> {
         Box::pin(async move { SlotBroker::release(&*self, token).await })
     }
 

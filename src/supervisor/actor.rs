@@ -21,9 +21,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Span;
 
 use super::ShutdownReport;
-use super::messages::{
-    CancelReason, PendingJob, ReleaseReply, RunOutcome, SupMsg, WaiterKind,
-};
+use super::messages::{CancelReason, PendingJob, ReleaseReply, RunOutcome, SupMsg, WaiterKind};
 use super::state::{Edge, LeaseKey, LeaseKind, LeaseTable, Phase, ReleaseOutcome, WaiterId};
 use super::stats::{SharedStats, metric_names};
 use crate::broker::{AcquireRequest, BrokerError, DynBroker, SlotToken, poll_once};
@@ -198,6 +196,7 @@ impl SupState {
     async fn settle(&mut self, myself: &ActorRef<SupMsg>) {
         self.pump(myself).await;
         self.stats.publish(&self.table);
+        self.stats.publish_gauges(&self.table);
         self.maybe_finish_shutdown(myself);
     }
 
@@ -205,8 +204,14 @@ impl SupState {
         if self.table.cancel_waiter(waiter)
             && let Some(w) = self.waiters.remove(&waiter)
         {
-            reply_not_started(w.kind, reason.into_error());
+            self.refuse(w.kind, reason.into_error());
         }
+    }
+
+    /// Answers a waiter that gets no slot, after publishing the figures it may read next.
+    fn refuse(&self, kind: WaiterKind, err: AcquireError) {
+        self.stats.publish(&self.table);
+        reply_not_started(kind, err);
     }
 
     fn pop_live_waiter(&mut self) -> Option<Waiter> {
@@ -226,10 +231,13 @@ impl SupState {
             for _ in 0..n {
                 let request_id = self.next_request;
                 self.next_request += 1;
-                let job_id = self.table.head().and_then(|w| match &self.waiters.get(&w)?.kind {
-                    WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
-                    WaiterKind::Lease { .. } => None,
-                });
+                let job_id = self
+                    .table
+                    .head()
+                    .and_then(|w| match &self.waiters.get(&w)?.kind {
+                        WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
+                        WaiterKind::Lease { .. } => None,
+                    });
                 let request = AcquireRequest::new(request_id, job_id.as_deref());
                 let mut fut = Arc::clone(&self.broker).acquire_boxed(request);
                 match poll_once(&mut fut) {
@@ -254,7 +262,11 @@ impl SupState {
         }
     }
 
-    async fn on_acquired(&mut self, myself: &ActorRef<SupMsg>, result: Result<SlotToken, BrokerError>) {
+    async fn on_acquired(
+        &mut self,
+        myself: &ActorRef<SupMsg>,
+        result: Result<SlotToken, BrokerError>,
+    ) {
         let token = match result {
             Ok(token) => token,
             Err(err) => {
@@ -263,7 +275,7 @@ impl SupState {
                 if let Some(w) = self.pop_live_waiter() {
                     let _e = w.span.enter();
                     tracing::warn!(error = %err, "slot acquire failed");
-                    reply_not_started(w.kind, AcquireError::Failed(err));
+                    self.refuse(w.kind, AcquireError::Failed(err));
                 }
                 return;
             }
@@ -273,7 +285,7 @@ impl SupState {
             tracing::error!(%refused, "refusing a token from the broker");
             if let Some(w) = self.pop_live_waiter() {
                 let err = BrokerError::invalid_response(refused.to_string());
-                reply_not_started(w.kind, AcquireError::Failed(err));
+                self.refuse(w.kind, AcquireError::Failed(err));
             }
             return;
         }
@@ -292,6 +304,7 @@ impl SupState {
                     }
                     let key = self.table.grant(token, LeaseKind::Explicit);
                     record_grant(&waiter.span, waiter.since, token);
+                    self.stats.publish(&self.table);
                     let lease = Lease::new(key, token, myself.clone());
                     if let Err(Ok(lease)) = reply.send(Ok(lease)) {
                         // The caller left between the check and the send: release it here.
@@ -304,7 +317,7 @@ impl SupState {
                 WaiterKind::Job(job) => {
                     // A grant racing with the caller's cancellation goes to the next waiter.
                     if job.shared.cancel.is_cancelled() || job.reply.is_closed() {
-                        let _ = job.reply.send(RunOutcome::NotStarted(AcquireError::Cancelled));
+                        self.refuse(WaiterKind::Job(job), AcquireError::Cancelled);
                         continue;
                     }
                     let key = self.table.grant(token, LeaseKind::Job);
@@ -316,7 +329,13 @@ impl SupState {
         }
     }
 
-    async fn start_job(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey, token: SlotToken, job: PendingJob) {
+    async fn start_job(
+        &mut self,
+        myself: &ActorRef<SupMsg>,
+        key: LeaseKey,
+        token: SlotToken,
+        job: PendingJob,
+    ) {
         let PendingJob {
             job_id,
             shared,
@@ -367,7 +386,13 @@ impl SupState {
                         temp_dir,
                     },
                 );
-                tokio::spawn(drive_worker(join, tracker, myself.clone(), key, self.config.drain_timeout));
+                tokio::spawn(drive_worker(
+                    join,
+                    tracker,
+                    myself.clone(),
+                    key,
+                    self.config.drain_timeout,
+                ));
             }
             Err(err) => {
                 // The worker's pre_start only moves its arguments, so the body never ran.
@@ -397,7 +422,12 @@ impl SupState {
         });
     }
 
-    fn on_scratch_removed(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey, result: io::Result<()>) {
+    fn on_scratch_removed(
+        &mut self,
+        myself: &ActorRef<SupMsg>,
+        key: LeaseKey,
+        result: io::Result<()>,
+    ) {
         let Some(record) = self.table.get(key) else {
             return;
         };
@@ -412,7 +442,10 @@ impl SupState {
                 }
             }
             Err(err) => {
-                let path = self.jobs.get(&key).map(|j| j.temp_dir.display().to_string());
+                let path = self
+                    .jobs
+                    .get(&key)
+                    .map(|j| j.temp_dir.display().to_string());
                 let detail = format!("temp dir {} could not be removed", path.unwrap_or_default());
                 if phase == Phase::Draining {
                     self.apply(key, Edge::Unconfirmed);
@@ -441,6 +474,7 @@ impl SupState {
 
     /// Tells the job's caller (or, with no caller left, the sink) that cleanup is unconfirmed.
     fn answer_job_early(&mut self, key: LeaseKey, err: CleanupError) {
+        self.stats.publish(&self.table);
         let job = self.jobs.get_mut(&key);
         let job_id = job.as_ref().map(|j| j.job_id.to_string());
         let reply = job.and_then(|j| j.reply.take());
@@ -457,7 +491,12 @@ impl SupState {
         }
     }
 
-    fn on_release_request(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey, reply: Option<ReleaseReply>) {
+    fn on_release_request(
+        &mut self,
+        myself: &ActorRef<SupMsg>,
+        key: LeaseKey,
+        reply: Option<ReleaseReply>,
+    ) {
         let Some(record) = self.table.get(key) else {
             // Already released (by an earlier call, or at shutdown): a no-op.
             if let Some(reply) = reply {
@@ -528,6 +567,7 @@ impl SupState {
         if result.is_err() {
             metrics::counter!(metric_names::RELEASE_FAILED_COUNT).increment(1);
         }
+        self.stats.publish(&self.table);
         match kind {
             LeaseKind::Job => {
                 let job = self.jobs.remove(&key);
@@ -561,15 +601,23 @@ impl SupState {
         }
     }
 
-    fn begin_shutdown(&mut self, myself: &ActorRef<SupMsg>, reply: Option<oneshot::Sender<ShutdownReport>>) {
+    fn begin_shutdown(
+        &mut self,
+        myself: &ActorRef<SupMsg>,
+        reply: Option<oneshot::Sender<ShutdownReport>>,
+    ) {
         if !self.table.is_stopping() {
             for waiter in self.table.begin_stop() {
                 if let Some(w) = self.waiters.remove(&waiter) {
                     self.report.refused_waiters += 1;
-                    reply_not_started(w.kind, AcquireError::Stopped);
+                    self.refuse(w.kind, AcquireError::Stopped);
                 }
             }
-            let held: Vec<_> = self.table.keys().map(|(k, r)| (k, r.token, r.phase, r.kind)).collect();
+            let held: Vec<_> = self
+                .table
+                .keys()
+                .map(|(k, r)| (k, r.token, r.phase, r.kind))
+                .collect();
             for (key, token, phase, kind) in held {
                 match (phase, kind) {
                     (Phase::Granted, LeaseKind::Job) => {
@@ -624,7 +672,11 @@ impl SupState {
         let Some(token) = error.token() else { return };
         tracing::error!(job_id = job_id.as_deref(), %token, code = error.code(), %error, "cleanup failed with no caller left");
         if let Some(sink) = &self.config.error_sink {
-            let failure = OrphanedFailure { job_id, token, error };
+            let failure = OrphanedFailure {
+                job_id,
+                token,
+                error,
+            };
             // A panicking sink must not take the supervisor (and every slot) down with it.
             if std::panic::catch_unwind(AssertUnwindSafe(|| sink(&failure))).is_err() {
                 tracing::error!("the error sink panicked");
@@ -649,7 +701,12 @@ fn record_grant(span: &Span, since: Instant, token: SlotToken) {
     metrics::counter!(metric_names::ACQUIRE_COUNT).increment(1);
     metrics::histogram!(metric_names::ACQUIRE_DURATION_MS).record(waited_ms);
     let _e = span.enter();
-    tracing::debug!(slot_id = token.slot_id(), lease_id = token.lease_id(), waited_ms, "slot granted");
+    tracing::debug!(
+        slot_id = token.slot_id(),
+        lease_id = token.lease_id(),
+        waited_ms,
+        "slot granted"
+    );
 }
 
 /// Awaits the worker's physical end: its actor task (the join handle resolves only once the

@@ -159,7 +159,13 @@ impl SupervisorBuilder {
         let (actor, join) = Actor::spawn(None, SupervisorActor, args)
             .await
             .map_err(|e| StartError::Spawn(e.to_string()))?;
-        Ok(Supervisor::from_parts(actor, join, stats, self.acquire_timeout, work_root))
+        Ok(Supervisor::from_parts(
+            actor,
+            join,
+            stats,
+            self.acquire_timeout,
+            work_root,
+        ))
     }
 }
 

@@ -16,29 +16,51 @@ use crate::worker::{BoxedBody, JobShared};
 
 pub(crate) enum SupMsg {
     /// Join the FIFO queue.
-    Acquire { waiter: WaiterId, kind: WaiterKind, span: Span },
+    Acquire {
+        waiter: WaiterId,
+        kind: WaiterKind,
+        span: Span,
+    },
     /// The caller stopped waiting. Ignored once the waiter has been served.
-    Cancel { waiter: WaiterId, reason: CancelReason },
+    Cancel {
+        waiter: WaiterId,
+        reason: CancelReason,
+    },
     /// A broker acquire that did not finish on its first poll has ended.
-    BrokerAcquired { result: Result<SlotToken, BrokerError> },
+    BrokerAcquired {
+        result: Result<SlotToken, BrokerError>,
+    },
     /// The worker's task has ended and every tracked task has returned.
     WorkerExited { key: LeaseKey },
     /// Tracked tasks outlived the drain bound: quarantine, tell the caller.
     DrainTimedOut { key: LeaseKey, after: Duration },
     /// The temp dir removal ended.
-    ScratchRemoved { key: LeaseKey, result: io::Result<()> },
+    ScratchRemoved {
+        key: LeaseKey,
+        result: io::Result<()>,
+    },
     /// An explicit lease is given back (`reply` is `None` when it was dropped).
-    Release { key: LeaseKey, reply: Option<ReleaseReply> },
+    Release {
+        key: LeaseKey,
+        reply: Option<ReleaseReply>,
+    },
     /// A broker release that did not finish on its first poll has ended (or timed out).
-    BrokerReleased { key: LeaseKey, result: Result<(), CleanupError> },
+    BrokerReleased {
+        key: LeaseKey,
+        result: Result<(), CleanupError>,
+    },
     /// Stop: refuse new work, cancel jobs, wait, release everything (`None`: last handle dropped).
-    Shutdown { reply: Option<oneshot::Sender<ShutdownReport>> },
+    Shutdown {
+        reply: Option<oneshot::Sender<ShutdownReport>>,
+    },
 }
 
 pub(crate) type ReleaseReply = oneshot::Sender<Result<(), CleanupError>>;
 
 pub(crate) enum WaiterKind {
-    Lease { reply: oneshot::Sender<Result<Lease, AcquireError>> },
+    Lease {
+        reply: oneshot::Sender<Result<Lease, AcquireError>>,
+    },
     Job(Box<PendingJob>),
 }
 

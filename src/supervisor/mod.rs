@@ -156,7 +156,14 @@ impl Supervisor {
             return Err(AcquireError::Stopped);
         }
         let mut guard = WaitGuard::new(&self.inner.actor, waiter, None);
-        let reply = await_reply(&self.inner.actor, waiter, rx, None, self.inner.acquire_timeout).await;
+        let reply = await_reply(
+            &self.inner.actor,
+            waiter,
+            rx,
+            None,
+            self.inner.acquire_timeout,
+        )
+        .await;
         guard.disarm();
         match reply {
             Ok(Ok(mut lease)) => {
@@ -232,7 +239,14 @@ impl Supervisor {
             return Err(JobError::Acquire(AcquireError::Stopped));
         }
         let mut guard = WaitGuard::new(&self.inner.actor, waiter, Some(cancel.clone()));
-        let outcome = await_reply(&self.inner.actor, waiter, rx, Some(&cancel), self.inner.acquire_timeout).await;
+        let outcome = await_reply(
+            &self.inner.actor,
+            waiter,
+            rx,
+            Some(&cancel),
+            self.inner.acquire_timeout,
+        )
+        .await;
         guard.disarm();
         let cleanup = match outcome {
             Ok(RunOutcome::NotStarted(err)) => return Err(JobError::Acquire(err)),
@@ -251,7 +265,8 @@ impl Supervisor {
         };
         let panics = shared.take_panics();
         // No value, no error and no panic: the body future was dropped after the grace.
-        let cancelled = value.is_none() && (cancel.is_cancelled() || (error.is_none() && panics.is_empty()));
+        let cancelled =
+            value.is_none() && (cancel.is_cancelled() || (error.is_none() && panics.is_empty()));
         let failure = BodyError::decide(error, panics, shared.take_delivery_unknown(), cancelled);
         match (failure, cleanup) {
             (None, Ok(())) => Ok(value.expect("no failure means the body returned a value")),
@@ -317,7 +332,11 @@ struct WaitGuard<'a> {
 }
 
 impl<'a> WaitGuard<'a> {
-    fn new(actor: &'a ActorRef<SupMsg>, waiter: WaiterId, cancel: Option<CancellationToken>) -> Self {
+    fn new(
+        actor: &'a ActorRef<SupMsg>,
+        waiter: WaiterId,
+        cancel: Option<CancellationToken>,
+    ) -> Self {
         Self {
             actor,
             waiter,
@@ -399,7 +418,9 @@ const _: fn() = || {
     let sup: &Supervisor = todo_ref();
     send(&sup.acquire());
     send(&sup.shutdown());
-    send(&sup.run(JobSpec::new("x").unwrap(), |_ctx| async { Ok::<(), std::io::Error>(()) }));
+    send(&sup.run(JobSpec::new("x").unwrap(), |_ctx| async {
+        Ok::<(), std::io::Error>(())
+    }));
 };
 
 #[allow(clippy::needless_lifetimes)]

@@ -66,7 +66,11 @@ pub(crate) struct IllegalTransition {
 
 impl fmt::Display for IllegalTransition {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "illegal lease transition {:?} from {:?}", self.edge, self.from)
+        write!(
+            f,
+            "illegal lease transition {:?} from {:?}",
+            self.edge, self.from
+        )
     }
 }
 
@@ -120,10 +124,16 @@ impl fmt::Display for TokenRefused {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::SlotHeld { token, holder } => {
-                write!(f, "broker granted {token} but that slot is held by live {holder}")
+                write!(
+                    f,
+                    "broker granted {token} but that slot is held by live {holder}"
+                )
             }
             Self::LeaseIdLive { token, holder } => {
-                write!(f, "broker granted {token} but that lease id is live as {holder}")
+                write!(
+                    f,
+                    "broker granted {token} but that lease id is live as {holder}"
+                )
             }
         }
     }
@@ -143,7 +153,8 @@ pub(crate) struct Counters {
 pub(crate) struct LeaseTable {
     capacity: Option<usize>,
     leases: HashMap<LeaseKey, LeaseRecord>,
-    by_slot: HashMap<u32, LeaseKey>,
+    /// Slot id (widened) → the newest lease on it.
+    by_slot: HashMap<u64, LeaseKey>,
     by_lease_id: HashMap<u64, LeaseKey>,
     /// FIFO of waiter ids; ids no longer in `waiting` are skipped when popped (lazy deletion
     /// keeps cancel O(1)).
@@ -188,8 +199,12 @@ impl LeaseTable {
     /// Removes a waiter; `true` when it was still waiting.
     pub(crate) fn cancel_waiter(&mut self, waiter: WaiterId) -> bool {
         let removed = self.waiting.remove(&waiter);
-        if self.waiting.is_empty() {
-            self.queue.clear();
+        // Cancelled ids stay in the queue until popped; compact when they dominate, so that a
+        // long-lived head waiter with many cancelled waiters behind it cannot grow the queue
+        // without bound (amortised O(1) per cancel).
+        if self.queue.len() > 2 * self.waiting.len() + 16 {
+            let waiting = &self.waiting;
+            self.queue.retain(|w| waiting.contains(w));
         }
         removed
     }
@@ -229,19 +244,25 @@ impl LeaseTable {
     }
 
     /// A broker acquire ended with a token: checks it against every live lease.
+    ///
+    /// A lease whose broker release is in flight does not conflict: the broker may apply the
+    /// release and grant the slot again before the release's answer reaches the supervisor (a
+    /// remote broker, or one shared by several supervisors). Refusing such a token would leak
+    /// it, since a refused token is never released.
     pub(crate) fn token_arrived(&mut self, token: SlotToken) -> Result<(), TokenRefused> {
         self.pending -= 1;
-        if let Some(k) = self.by_slot.get(&token.slot_id()) {
-            return Err(TokenRefused::SlotHeld {
-                token,
-                holder: self.leases[k].token,
-            });
+        let conflict = |index: &HashMap<_, LeaseKey>, id| {
+            index
+                .get(&id)
+                .map(|k| &self.leases[k])
+                .filter(|r| r.phase != Phase::Releasing)
+                .map(|r| r.token)
+        };
+        if let Some(holder) = conflict(&self.by_slot, u64::from(token.slot_id())) {
+            return Err(TokenRefused::SlotHeld { token, holder });
         }
-        if let Some(k) = self.by_lease_id.get(&token.lease_id()) {
-            return Err(TokenRefused::LeaseIdLive {
-                token,
-                holder: self.leases[k].token,
-            });
+        if let Some(holder) = conflict(&self.by_lease_id, token.lease_id()) {
+            return Err(TokenRefused::LeaseIdLive { token, holder });
         }
         Ok(())
     }
@@ -264,7 +285,7 @@ impl LeaseTable {
             event_seen: false,
             scratch_started: false,
         };
-        self.by_slot.insert(token.slot_id(), key);
+        self.by_slot.insert(u64::from(token.slot_id()), key);
         self.by_lease_id.insert(token.lease_id(), key);
         self.leases.insert(key, record);
         self.counters.acquired_total += 1;
@@ -272,7 +293,11 @@ impl LeaseTable {
     }
 
     /// Moves a lease along `edge`, keeping the indexes and counters in step.
-    pub(crate) fn apply(&mut self, key: LeaseKey, edge: Edge) -> Result<Option<Phase>, IllegalTransition> {
+    pub(crate) fn apply(
+        &mut self,
+        key: LeaseKey,
+        edge: Edge,
+    ) -> Result<Option<Phase>, IllegalTransition> {
         let from = self.leases.get(&key).map(|r| r.phase);
         let to = step(from, edge)?;
         if from == Some(Phase::Quarantined) {
@@ -287,8 +312,14 @@ impl LeaseTable {
             }
             None => {
                 let record = self.leases.remove(&key).expect("checked by step");
-                self.by_slot.remove(&record.token.slot_id());
-                self.by_lease_id.remove(&record.token.lease_id());
+                // A newer lease may already hold the slot (see `token_arrived`).
+                let slot = u64::from(record.token.slot_id());
+                if self.by_slot.get(&slot) == Some(&key) {
+                    self.by_slot.remove(&slot);
+                }
+                if self.by_lease_id.get(&record.token.lease_id()) == Some(&key) {
+                    self.by_lease_id.remove(&record.token.lease_id());
+                }
                 match edge {
                     Edge::Released(ReleaseOutcome::Ok) => self.counters.released_total += 1,
                     _ => self.counters.release_failed_total += 1,

@@ -62,7 +62,9 @@ pub(crate) struct SharedStats {
 }
 
 impl SharedStats {
-    // Relaxed: each field is a standalone gauge; no other memory is published through them.
+    /// Stores the table's figures. Called before every reply, so that a caller who has just
+    /// been answered reads figures that already include what it was answered about.
+    // Relaxed: each field is a standalone figure; the reply's channel orders it for the caller.
     pub(crate) fn publish(&self, table: &LeaseTable) {
         let c = table.counters();
         let set = |cell: &AtomicU64, v: u64| cell.store(v, Ordering::Relaxed);
@@ -73,6 +75,10 @@ impl SharedStats {
         set(&self.release_failed_total, c.release_failed_total);
         set(&self.orphan_expired_total, c.orphan_expired_total);
         set(&self.quarantined, table.quarantined() as u64);
+    }
+
+    /// Sets the gauges of DESIGN.md section 5 (once per handled message).
+    pub(crate) fn publish_gauges(&self, table: &LeaseTable) {
         metrics::gauge!(metric_names::ACTIVE_COUNT).set(table.active() as f64);
         metrics::gauge!(metric_names::WAITING_COUNT).set(table.waiting() as f64);
         metrics::gauge!(metric_names::QUARANTINED_COUNT).set(table.quarantined() as f64);
