@@ -251,8 +251,12 @@ pub struct BodyError<E> {
 }
 
 impl<E> BodyError<E> {
-    /// Applies the priority ladder. Returns `None` when nothing failed.
+    /// Applies the priority ladder: delivery-unknown > cancellation > panic > ordinary error.
+    /// Returns `None` when the body produced its value and nothing failed (a cancellation
+    /// request the body completed its work despite is not a failure). A body with no value, no
+    /// error and no panic was dropped after the cancel grace: cancelled.
     pub(crate) fn decide(
+        has_value: bool,
         error: Option<E>,
         panics: Vec<String>,
         delivery_unknown: Option<String>,
@@ -260,6 +264,8 @@ impl<E> BodyError<E> {
     ) -> Option<Self> {
         let kind = if delivery_unknown.is_some() {
             BodyErrorKind::DeliveryUnknown
+        } else if has_value && panics.is_empty() {
+            return None;
         } else if cancelled {
             BodyErrorKind::Cancelled
         } else if !panics.is_empty() {
@@ -267,7 +273,7 @@ impl<E> BodyError<E> {
         } else if error.is_some() {
             BodyErrorKind::Failed
         } else {
-            return None;
+            BodyErrorKind::Cancelled
         };
         Some(Self {
             kind,

@@ -72,6 +72,13 @@ impl Lease {
         self.keepalive = Some(sup);
     }
 
+    /// A completed shutdown released every lease still held (on the holder's behalf).
+    fn released_by_shutdown(&self) -> bool {
+        self.keepalive
+            .as_ref()
+            .is_some_and(Supervisor::has_shut_down)
+    }
+
     pub(crate) fn defuse(mut self) {
         self.state = State::Defused;
     }
@@ -136,7 +143,11 @@ impl Lease {
             reply: Some(tx),
         };
         let result = if self.actor.send_message(msg).is_err() {
-            Err(CleanupError::stopped(Some(self.token)))
+            if self.released_by_shutdown() {
+                Ok(())
+            } else {
+                Err(CleanupError::stopped(Some(self.token)))
+            }
         } else {
             rx.await
                 .unwrap_or_else(|_| Err(CleanupError::stopped(Some(self.token))))
@@ -155,9 +166,9 @@ impl Drop for Lease {
             key: self.key,
             reply: None,
         };
-        if self.actor.send_message(msg).is_err() {
-            // The supervisor (and its slot table) is gone; nothing is left to release to.
-            tracing::error!(token = %self.token, "lease dropped after its supervisor stopped");
+        if self.actor.send_message(msg).is_err() && !self.released_by_shutdown() {
+            // The supervisor died (its runtime is gone); nothing is left to release to.
+            tracing::error!(token = %self.token, "lease dropped after its supervisor died");
         }
     }
 }

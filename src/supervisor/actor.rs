@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
+use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, MessagingErr, SupervisionEvent};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_util::task::TaskTracker;
@@ -75,6 +75,8 @@ pub(crate) struct SupState {
     shutdown_replies: Vec<oneshot::Sender<ShutdownReport>>,
     report: ShutdownReport,
     next_request: u64,
+    /// Set at the shutdown deadline: broker acquires still in flight are no longer waited for.
+    abandon_pending: bool,
     owned_root: Option<tempfile::TempDir>,
 }
 
@@ -101,6 +103,7 @@ impl Actor for SupervisorActor {
             shutdown_replies: Vec::new(),
             report: ShutdownReport::default(),
             next_request: 1,
+            abandon_pending: false,
             owned_root: args.owned_root,
         })
     }
@@ -188,6 +191,7 @@ impl SupState {
             SupMsg::Release { key, reply } => self.on_release_request(myself, key, reply),
             SupMsg::BrokerReleased { key, result } => self.finish_release(key, result),
             SupMsg::Shutdown { reply } => self.begin_shutdown(myself, reply),
+            SupMsg::ShutdownDeadline => self.abandon_pending = true,
         }
     }
 
@@ -244,11 +248,19 @@ impl SupState {
                     Poll::Ready(result) => ready.push(result),
                     Poll::Pending => {
                         let me = myself.clone();
+                        let broker = Arc::clone(&self.broker);
+                        let timeout = self.config.cleanup_timeout;
                         tokio::spawn(async move {
                             let result = fut.await;
-                            // If the supervisor is gone its state (and the broker's view of it)
-                            // is gone too; nothing is left to give the token to.
-                            let _ = me.send_message(SupMsg::BrokerAcquired { result });
+                            let msg = SupMsg::BrokerAcquired { result };
+                            if let Err(MessagingErr::SendErr(SupMsg::BrokerAcquired {
+                                result: Ok(token),
+                            })) = me.send_message(msg)
+                            {
+                                // The supervisor stopped while this acquire was in flight: nobody
+                                // can hold the token, so it goes straight back, exactly once.
+                                release_orphan(broker, token, timeout).await;
+                            }
                         });
                     }
                 }
@@ -271,11 +283,19 @@ impl SupState {
             Ok(token) => token,
             Err(err) => {
                 self.table.request_failed();
-                // Tokens are fungible and so are failures: the longest waiter hears it.
+                // Tokens are fungible and so are failures: the longest waiter hears it. A waiter
+                // that has already left (or whose job is cancelled) absorbs it instead: it has
+                // its answer, and every other waiter is still covered by its own request.
                 if let Some(w) = self.pop_live_waiter() {
                     let _e = w.span.enter();
                     tracing::warn!(error = %err, "slot acquire failed");
-                    self.refuse(w.kind, AcquireError::Failed(err));
+                    let err = match &w.kind {
+                        WaiterKind::Job(job) if job.shared.cancel.is_cancelled() => {
+                            AcquireError::Cancelled
+                        }
+                        _ => AcquireError::Failed(err),
+                    };
+                    self.refuse(w.kind, err);
                 }
                 return;
             }
@@ -613,6 +633,15 @@ impl SupState {
                     self.refuse(w.kind, AcquireError::Stopped);
                 }
             }
+            if self.table.pending() > 0 {
+                // A broker acquire that never answers must not hold the shutdown forever.
+                let me = myself.clone();
+                let deadline = self.config.cleanup_timeout;
+                tokio::spawn(async move {
+                    tokio::time::sleep(deadline).await;
+                    let _ = me.send_message(SupMsg::ShutdownDeadline);
+                });
+            }
             let held: Vec<_> = self
                 .table
                 .keys()
@@ -642,7 +671,8 @@ impl SupState {
     fn maybe_finish_shutdown(&mut self, myself: &ActorRef<SupMsg>) {
         // Quarantined slots cannot be waited for (they may never be proven clean); they are
         // reported instead.
-        if !self.table.is_stopping() || self.table.pending() > 0 || self.table.active() > 0 {
+        let waiting_on_broker = self.table.pending() > 0 && !self.abandon_pending;
+        if !self.table.is_stopping() || waiting_on_broker || self.table.active() > 0 {
             return;
         }
         self.report.quarantined = self.table.quarantined();
@@ -707,6 +737,21 @@ fn record_grant(span: &Span, since: Instant, token: SlotToken) {
         waited_ms,
         "slot granted"
     );
+}
+
+/// Releases a token that arrived after the supervisor stopped, under the cleanup timeout.
+async fn release_orphan(broker: Arc<dyn DynBroker>, token: SlotToken, timeout: Duration) {
+    match tokio::time::timeout(timeout, broker.release_boxed(token)).await {
+        Ok(Ok(())) => {
+            tracing::info!(%token, "released a token granted after the supervisor stopped")
+        }
+        Ok(Err(error)) => {
+            tracing::error!(%token, %error, "could not release a token granted after the supervisor stopped")
+        }
+        Err(_) => {
+            tracing::error!(%token, ?timeout, "release of a token granted after the supervisor stopped timed out")
+        }
+    }
 }
 
 /// Awaits the worker's physical end: its actor task (the join handle resolves only once the

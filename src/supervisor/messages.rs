@@ -53,6 +53,9 @@ pub(crate) enum SupMsg {
     Shutdown {
         reply: Option<oneshot::Sender<ShutdownReport>>,
     },
+    /// The cleanup timeout has passed since shutdown began: stop waiting for broker acquires
+    /// still in flight (their tasks release whatever they still get).
+    ShutdownDeadline,
 }
 
 pub(crate) type ReleaseReply = oneshot::Sender<Result<(), CleanupError>>;

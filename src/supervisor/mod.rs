@@ -128,6 +128,11 @@ impl Supervisor {
         &self.inner.work_root
     }
 
+    /// Whether a shutdown has completed (every lease then was released or quarantined).
+    pub(crate) fn has_shut_down(&self) -> bool {
+        self.inner.stats.is_shut_down()
+    }
+
     fn next_waiter(&self) -> WaiterId {
         // Relaxed: only uniqueness matters.
         self.inner.next_waiter.fetch_add(1, Ordering::Relaxed)
@@ -263,11 +268,13 @@ impl Supervisor {
             Ok(Err(e)) => (None, Some(e)),
             Err(_) => (None, None),
         };
-        let panics = shared.take_panics();
-        // No value, no error and no panic: the body future was dropped after the grace.
-        let cancelled =
-            value.is_none() && (cancel.is_cancelled() || (error.is_none() && panics.is_empty()));
-        let failure = BodyError::decide(error, panics, shared.take_delivery_unknown(), cancelled);
+        let failure = BodyError::decide(
+            value.is_some(),
+            error,
+            shared.take_panics(),
+            shared.take_delivery_unknown(),
+            cancel.is_cancelled(),
+        );
         match (failure, cleanup) {
             (None, Ok(())) => Ok(value.expect("no failure means the body returned a value")),
             (None, Err(cleanup)) => Err(JobError::Cleanup(cleanup)),
