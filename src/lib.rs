@@ -11,6 +11,7 @@ mod broker;
 mod error;
 mod job;
 mod lease;
+mod process;
 mod sink;
 mod supervisor;
 mod worker;
@@ -24,12 +25,14 @@ pub use error::{
 };
 pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN};
 pub use lease::Lease;
+pub use process::{JobProcess, ProcessError, ProcessSpec};
 pub use sink::OrphanedFailure;
 pub use supervisor::{
-    DEFAULT_CANCEL_GRACE, DEFAULT_CLEANUP_TIMEOUT, ShutdownReport, Stats, Supervisor,
+    DEFAULT_CANCEL_GRACE, DEFAULT_CLEANUP_TIMEOUT, DEFAULT_PROCESS_GRACE,
+    DEFAULT_PROCESS_PROOF_BOUND, QuarantinedSlot, ReclaimReport, ShutdownReport, Stats, Supervisor,
     SupervisorBuilder, metric_names,
 };
-pub use worker::WorkerContext;
+pub use worker::{PathRefused, PathRefusedReason, WorkerContext};
 
 /// Re-exported so that callers can build the token [`JobSpec::with_cancel`] takes.
 pub use tokio_util::sync::CancellationToken;

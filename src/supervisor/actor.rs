@@ -20,13 +20,14 @@ use tokio::task::JoinHandle;
 use tokio_util::task::TaskTracker;
 use tracing::Span;
 
-use super::ShutdownReport;
 use super::messages::{CancelReason, PendingJob, ReleaseReply, RunOutcome, SupMsg, WaiterKind};
 use super::state::{Edge, LeaseKey, LeaseKind, LeaseTable, Phase, ReleaseOutcome, WaiterId};
 use super::stats::{SharedStats, metric_names};
+use super::{QuarantinedSlot, ReclaimReport, ShutdownReport};
 use crate::broker::{AcquireRequest, BrokerError, DynBroker, SlotToken, poll_once};
 use crate::error::{AcquireError, CleanupError, CleanupErrorKind};
 use crate::lease::Lease;
+use crate::process::{ProcessPolicy, Unproven};
 use crate::sink::{ErrorSink, OrphanedFailure};
 use crate::worker::{JobShared, WorkerActor, WorkerArgs, WorkerContext};
 
@@ -37,6 +38,7 @@ pub(crate) struct Config {
     pub(crate) drain_timeout: Option<Duration>,
     pub(crate) work_root: PathBuf,
     pub(crate) error_sink: Option<ErrorSink>,
+    pub(crate) process_policy: ProcessPolicy,
 }
 
 pub(crate) struct SupervisorActor;
@@ -52,6 +54,29 @@ struct Waiter {
     kind: WaiterKind,
     span: Span,
     since: Instant,
+}
+
+/// Why a slot is quarantined, and what would prove it clean.
+enum Quarantine {
+    /// Tracked tasks outlived the drain bound; released on its own once they end.
+    Draining { reason: String },
+    /// The temp dir could not be removed; removal is retried on reclaim.
+    Scratch { reason: String },
+    /// Processes could not be proven gone; re-checked on reclaim.
+    Processes {
+        reason: String,
+        evidence: Vec<Unproven>,
+    },
+}
+
+impl Quarantine {
+    fn reason(&self) -> &str {
+        match self {
+            Self::Draining { reason }
+            | Self::Scratch { reason }
+            | Self::Processes { reason, .. } => reason,
+        }
+    }
 }
 
 struct RunningJob {
@@ -72,6 +97,7 @@ pub(crate) struct SupState {
     workers: HashMap<ActorId, LeaseKey>,
     release_replies: HashMap<LeaseKey, Vec<ReleaseReply>>,
     release_started: HashMap<LeaseKey, Instant>,
+    quarantine: HashMap<LeaseKey, Quarantine>,
     shutdown_replies: Vec<oneshot::Sender<ShutdownReport>>,
     report: ShutdownReport,
     next_request: u64,
@@ -100,6 +126,7 @@ impl Actor for SupervisorActor {
             workers: HashMap::new(),
             release_replies: HashMap::new(),
             release_started: HashMap::new(),
+            quarantine: HashMap::new(),
             shutdown_replies: Vec::new(),
             report: ShutdownReport::default(),
             next_request: 1,
@@ -144,7 +171,7 @@ impl Actor for SupervisorActor {
         if let Some(key) = state.workers.remove(&id)
             && state.table.note_worker_end(key, false)
         {
-            state.remove_scratch(&myself, key);
+            state.proofs_complete(&myself, key);
         }
         state.settle(&myself).await;
         Ok(())
@@ -181,17 +208,17 @@ impl SupState {
             }
             SupMsg::Cancel { waiter, reason } => self.cancel_waiter(waiter, reason),
             SupMsg::BrokerAcquired { result } => self.on_acquired(myself, result).await,
-            SupMsg::WorkerExited { key } => {
-                if self.table.note_worker_end(key, true) {
-                    self.remove_scratch(myself, key);
-                }
-            }
+            SupMsg::WorkerExited { key } => self.on_worker_exited(myself, key),
             SupMsg::DrainTimedOut { key, after } => self.on_drain_timeout(key, after),
             SupMsg::ScratchRemoved { key, result } => self.on_scratch_removed(myself, key, result),
             SupMsg::Release { key, reply } => self.on_release_request(myself, key, reply),
             SupMsg::BrokerReleased { key, result } => self.finish_release(key, result),
             SupMsg::Shutdown { reply } => self.begin_shutdown(myself, reply),
             SupMsg::ShutdownDeadline => self.abandon_pending = true,
+            SupMsg::Quarantined { reply } => {
+                let _ = reply.send(self.list_quarantine());
+            }
+            SupMsg::Reclaim { reply } => self.reclaim(myself, reply),
         }
     }
 
@@ -387,6 +414,7 @@ impl SupState {
             Arc::clone(&shared),
             tracker.clone(),
             span,
+            self.config.process_policy,
         );
         let args = WorkerArgs {
             body,
@@ -442,6 +470,58 @@ impl SupState {
         });
     }
 
+    /// Both proofs of the worker's end are in: remove the temp dir, unless the slot is held in
+    /// quarantine for something only `reclaim_quarantined` can re-check.
+    fn proofs_complete(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey) {
+        if matches!(
+            self.quarantine.get(&key),
+            Some(Quarantine::Processes { .. } | Quarantine::Scratch { .. })
+        ) {
+            return;
+        }
+        self.remove_scratch(myself, key);
+    }
+
+    fn on_worker_exited(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey) {
+        let unproven = self
+            .jobs
+            .get(&key)
+            .map(|j| j.shared.take_unproven())
+            .unwrap_or_default();
+        // The worker and its tracked tasks (keepers included) have ended, either way.
+        let both_proofs = self.table.note_worker_end(key, true);
+        if unproven.is_empty() {
+            if both_proofs {
+                self.proofs_complete(myself, key);
+            }
+            return;
+        }
+        // Processes may still run in the temp dir: keep both, never declare the slot clean.
+        let Some(record) = self.table.get(key) else {
+            return;
+        };
+        let token = record.token;
+        if record.phase == Phase::Granted {
+            self.apply(key, Edge::BodyEnded);
+        }
+        let reason = unproven
+            .iter()
+            .map(|u| u.reason.as_str())
+            .collect::<Vec<_>>()
+            .join("; ");
+        if self.table.get(key).map(|r| r.phase) == Some(Phase::Draining) {
+            self.apply(key, Edge::Unconfirmed);
+        }
+        self.quarantine.insert(
+            key,
+            Quarantine::Processes {
+                reason: reason.clone(),
+                evidence: unproven,
+            },
+        );
+        self.answer_job_early(key, CleanupError::unconfirmed(token, reason, None));
+    }
+
     fn on_scratch_removed(
         &mut self,
         myself: &ActorRef<SupMsg>,
@@ -455,6 +535,7 @@ impl SupState {
         match result {
             Ok(()) => {
                 if phase == Phase::Quarantined {
+                    self.quarantine.remove(&key);
                     tracing::info!(%token, "quarantined slot proven clean late; releasing it");
                 }
                 if self.apply(key, Edge::Drained) {
@@ -470,6 +551,12 @@ impl SupState {
                 if phase == Phase::Draining {
                     self.apply(key, Edge::Unconfirmed);
                 }
+                self.quarantine.insert(
+                    key,
+                    Quarantine::Scratch {
+                        reason: detail.clone(),
+                    },
+                );
                 self.answer_job_early(key, CleanupError::unconfirmed(token, detail, Some(err)));
             }
         }
@@ -487,6 +574,12 @@ impl SupState {
             self.apply(key, Edge::Unconfirmed);
             let detail = format!(
                 "tasks spawned through the worker context were still running {after:?} after the worker ended; the slot stays quarantined until they end"
+            );
+            self.quarantine.insert(
+                key,
+                Quarantine::Draining {
+                    reason: detail.clone(),
+                },
             );
             self.answer_job_early(key, CleanupError::unconfirmed(token, detail, None));
         }
@@ -509,6 +602,63 @@ impl SupState {
         if let Some(err) = undelivered {
             self.sink(job_id, err);
         }
+    }
+
+    fn list_quarantine(&self) -> Vec<QuarantinedSlot> {
+        let mut out: Vec<_> = self
+            .quarantine
+            .iter()
+            .filter_map(|(key, q)| {
+                let record = self.table.get(*key)?;
+                (record.phase == Phase::Quarantined).then(|| QuarantinedSlot {
+                    token: record.token,
+                    job_id: self.jobs.get(key).map(|j| j.job_id.to_string()),
+                    reason: q.reason().to_owned(),
+                })
+            })
+            .collect();
+        out.sort_by_key(|q| q.token.lease_id());
+        out
+    }
+
+    /// Checks every quarantined slot again; those now proven clean go through the rest of the
+    /// pipeline (temp dir removal, broker release).
+    fn reclaim(&mut self, myself: &ActorRef<SupMsg>, reply: oneshot::Sender<ReclaimReport>) {
+        let mut report = ReclaimReport::default();
+        let keys: Vec<LeaseKey> = self.quarantine.keys().copied().collect();
+        for key in keys {
+            let Some(record) = self.table.get(key) else {
+                self.quarantine.remove(&key);
+                continue;
+            };
+            let (token, exited) = (record.token, record.exited && record.event_seen);
+            let job_id = self.jobs.get(&key).map(|j| j.job_id.to_string());
+            let still = match self.quarantine.get_mut(&key).expect("listed") {
+                Quarantine::Draining { reason } => Some(reason.clone()),
+                Quarantine::Scratch { .. } => None,
+                Quarantine::Processes { evidence, .. } => {
+                    let reasons: Vec<_> = evidence.iter().filter_map(Unproven::recheck).collect();
+                    (!reasons.is_empty()).then(|| reasons.join("; "))
+                }
+            };
+            match still {
+                Some(reason) => report.still_quarantined.push(QuarantinedSlot {
+                    token,
+                    job_id,
+                    reason,
+                }),
+                None if exited || matches!(self.quarantine[&key], Quarantine::Scratch { .. }) => {
+                    report.reclaimed.push(token);
+                    self.remove_scratch(myself, key);
+                }
+                None => report.still_quarantined.push(QuarantinedSlot {
+                    token,
+                    job_id,
+                    reason: "the worker has not been proven to have exited".into(),
+                }),
+            }
+        }
+        let _ = reply.send(report);
     }
 
     fn on_release_request(

@@ -12,12 +12,17 @@ use super::actor::{Config, SupArgs, SupervisorActor};
 use super::stats::SharedStats;
 use crate::broker::{DynBroker, LocalBroker, SlotBroker};
 use crate::error::StartError;
+use crate::process::ProcessPolicy;
 use crate::sink::{ErrorSink, OrphanedFailure};
 
 /// Default bound for each release.
 pub const DEFAULT_CLEANUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default time a cancelled body may keep running before its future is dropped.
 pub const DEFAULT_CANCEL_GRACE: Duration = Duration::from_secs(5);
+/// Default time between `SIGTERM` and `SIGKILL` for a job's process group.
+pub const DEFAULT_PROCESS_GRACE: Duration = Duration::from_secs(5);
+/// Default bound for proving a job's process group empty.
+pub const DEFAULT_PROCESS_PROOF_BOUND: Duration = Duration::from_secs(2);
 
 enum Source {
     None,
@@ -35,6 +40,9 @@ pub struct SupervisorBuilder {
     drain_timeout: Option<Duration>,
     work_root: Option<PathBuf>,
     error_sink: Option<ErrorSink>,
+    process_grace: Duration,
+    process_proof_bound: Duration,
+    child_subreaper: bool,
 }
 
 impl SupervisorBuilder {
@@ -47,6 +55,9 @@ impl SupervisorBuilder {
             drain_timeout: None,
             work_root: None,
             error_sink: None,
+            process_grace: DEFAULT_PROCESS_GRACE,
+            process_proof_bound: DEFAULT_PROCESS_PROOF_BOUND,
+            child_subreaper: true,
         }
     }
 
@@ -104,6 +115,32 @@ impl SupervisorBuilder {
         self
     }
 
+    /// Time between `SIGTERM` and `SIGKILL` when a job's process group is stopped (default 5 s).
+    pub fn process_grace(mut self, grace: Duration) -> Self {
+        self.process_grace = grace;
+        self
+    }
+
+    /// How long a job's process group may take to be proven empty once its leader has been
+    /// reaped (after `SIGKILL`, when it was stopped) before the slot is quarantined (default 2 s).
+    pub fn process_proof_bound(mut self, bound: Duration) -> Self {
+        self.process_proof_bound = bound;
+        self
+    }
+
+    /// Whether this process becomes a child subreaper (Linux `PR_SET_CHILD_SUBREAPER`) when a job
+    /// first spawns a process (default `true`). As a subreaper it inherits descendants orphaned by
+    /// their parents, so it can reap them and see those that left their job's process group; a
+    /// job ends `LEASE_CLEANUP_UNCONFIRMED` while such an orphan is alive. The setting is
+    /// process-wide and cannot be undone; any other child of this process in a process group of
+    /// its own (neither this process's group nor a job's) is then also taken for an escaped
+    /// descendant. Turn it off when that matters more than reaping escapees; descendants that
+    /// escape a job's group are then seen only while their parent is alive.
+    pub fn child_subreaper(mut self, enabled: bool) -> Self {
+        self.child_subreaper = enabled;
+        self
+    }
+
     /// Validates the configuration and spawns the supervisor actor on the current tokio runtime.
     ///
     /// # Errors
@@ -148,6 +185,11 @@ impl SupervisorBuilder {
             drain_timeout: self.drain_timeout,
             work_root: work_root.clone(),
             error_sink: self.error_sink,
+            process_policy: ProcessPolicy {
+                grace: self.process_grace,
+                proof_bound: self.process_proof_bound,
+                subreaper: self.child_subreaper,
+            },
         });
         let stats = Arc::new(SharedStats::default());
         let args = SupArgs {
@@ -199,6 +241,9 @@ impl fmt::Debug for SupervisorBuilder {
             .field("drain_timeout", &self.drain_timeout)
             .field("work_root", &self.work_root)
             .field("error_sink", &self.error_sink.is_some())
+            .field("process_grace", &self.process_grace)
+            .field("process_proof_bound", &self.process_proof_bound)
+            .field("child_subreaper", &self.child_subreaper)
             .finish()
     }
 }

@@ -11,7 +11,7 @@ use super::state::{LeaseKey, WaiterId};
 use crate::broker::{BrokerError, SlotToken};
 use crate::error::{AcquireError, CleanupError};
 use crate::lease::Lease;
-use crate::supervisor::ShutdownReport;
+use crate::supervisor::{QuarantinedSlot, ReclaimReport, ShutdownReport};
 use crate::worker::{BoxedBody, JobShared};
 
 pub(crate) enum SupMsg {
@@ -56,6 +56,14 @@ pub(crate) enum SupMsg {
     /// The cleanup timeout has passed since shutdown began: stop waiting for broker acquires
     /// still in flight (their tasks release whatever they still get).
     ShutdownDeadline,
+    /// List the quarantined slots.
+    Quarantined {
+        reply: oneshot::Sender<Vec<QuarantinedSlot>>,
+    },
+    /// Re-check the quarantined slots and release those now proven clean.
+    Reclaim {
+        reply: oneshot::Sender<ReclaimReport>,
+    },
 }
 
 pub(crate) type ReleaseReply = oneshot::Sender<Result<(), CleanupError>>;

@@ -21,13 +21,17 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Span;
 
-pub use builder::{DEFAULT_CANCEL_GRACE, DEFAULT_CLEANUP_TIMEOUT, SupervisorBuilder};
+pub use builder::{
+    DEFAULT_CANCEL_GRACE, DEFAULT_CLEANUP_TIMEOUT, DEFAULT_PROCESS_GRACE,
+    DEFAULT_PROCESS_PROOF_BOUND, SupervisorBuilder,
+};
 pub use stats::{Stats, metric_names};
 
 use messages::{CancelReason, PendingJob, RunOutcome, SupMsg, WaiterKind};
 use state::WaiterId;
 use stats::SharedStats;
 
+use crate::broker::SlotToken;
 use crate::error::{AcquireError, BodyError, CleanupError, JobError, ShutdownError};
 use crate::job::JobSpec;
 use crate::lease::Lease;
@@ -91,6 +95,28 @@ pub struct ShutdownReport {
     pub quarantined: usize,
     /// The counters at the end.
     pub stats: Stats,
+}
+
+/// A quarantined slot: held, not reusable, with the reason it could not be declared clean.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QuarantinedSlot {
+    /// The slot's token (still held from the broker).
+    pub token: SlotToken,
+    /// The job that held it.
+    pub job_id: Option<String>,
+    /// Why its physical completion is not proven.
+    pub reason: String,
+}
+
+/// What [`Supervisor::reclaim_quarantined`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReclaimReport {
+    /// Slots now proven clean: their temp dirs are being removed and their tokens released.
+    pub reclaimed: Vec<SlotToken>,
+    /// Slots still quarantined, with the reason.
+    pub still_quarantined: Vec<QuarantinedSlot>,
 }
 
 impl Supervisor {
@@ -281,6 +307,46 @@ impl Supervisor {
             (Some(body), Ok(())) => Err(JobError::Body(body)),
             (Some(body), Err(cleanup)) => Err(JobError::BodyAndCleanup { body, cleanup }),
         }
+    }
+
+    /// The quarantined slots, with the reason each could not be declared clean.
+    ///
+    /// # Errors
+    ///
+    /// [`ShutdownError`] (code `SUPERVISOR_STOPPED`) when the supervisor is gone.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    pub async fn quarantined(&self) -> Result<Vec<QuarantinedSlot>, ShutdownError> {
+        let (tx, rx) = oneshot::channel();
+        self.inner
+            .actor
+            .send_message(SupMsg::Quarantined { reply: tx })
+            .map_err(|_| ShutdownError::new())?;
+        rx.await.map_err(|_| ShutdownError::new())
+    }
+
+    /// Checks every quarantined slot again: process groups proven empty now (and escaped
+    /// descendants proven gone), temp dirs that can be removed now. Those slots continue
+    /// through the pipeline (temp dir removal, broker release) and are handed on; the others
+    /// stay quarantined. A slot quarantined by the drain timeout needs no call: it is released
+    /// as soon as its tasks end.
+    ///
+    /// # Errors
+    ///
+    /// [`ShutdownError`] (code `SUPERVISOR_STOPPED`) when the supervisor is gone.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future does not undo the check: slots found clean are released anyway.
+    pub async fn reclaim_quarantined(&self) -> Result<ReclaimReport, ShutdownError> {
+        let (tx, rx) = oneshot::channel();
+        self.inner
+            .actor
+            .send_message(SupMsg::Reclaim { reply: tx })
+            .map_err(|_| ShutdownError::new())?;
+        rx.await.map_err(|_| ShutdownError::new())
     }
 
     /// Refuses new work, fails every waiter with `SUPERVISOR_STOPPED`, cancels running jobs,

@@ -12,8 +12,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span};
 
-use super::JobShared;
+use super::{JobShared, PathRefused};
 use crate::broker::SlotToken;
+use crate::process::{JobProcess, ProcessError, ProcessPolicy, ProcessSpec};
 
 /// The job body's view of its lease. Cheap to clone; clones may be moved into sibling tasks.
 ///
@@ -34,6 +35,7 @@ struct Inner {
     shared: Arc<JobShared>,
     tracker: TaskTracker,
     span: Span,
+    process_policy: ProcessPolicy,
 }
 
 impl WorkerContext {
@@ -44,6 +46,7 @@ impl WorkerContext {
         shared: Arc<JobShared>,
         tracker: TaskTracker,
         span: Span,
+        process_policy: ProcessPolicy,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -53,6 +56,7 @@ impl WorkerContext {
                 shared,
                 tracker,
                 span,
+                process_policy,
             }),
         }
     }
@@ -81,6 +85,50 @@ impl WorkerContext {
     /// and is removed only after the worker and all its tracked tasks have physically ended.
     pub fn temp_dir(&self) -> &Path {
         &self.inner.temp_dir
+    }
+
+    /// Resolves `relative` inside the job's temp dir.
+    ///
+    /// # Errors
+    ///
+    /// [`PathRefused`] (code `JOB_PATH_REFUSED`) for an absolute path, a `..` component, or a
+    /// symlink that leads out of the temp dir.
+    pub fn path(&self, relative: impl AsRef<Path>) -> Result<PathBuf, PathRefused> {
+        crate::worker::confine(&self.inner.temp_dir, relative.as_ref())
+    }
+
+    /// Starts a child process as the leader of its own process group, in the job's temp dir,
+    /// with every path of `spec` confined to it. The process is part of the worker's physical
+    /// lifetime: the temp dir is removed and the slot returned only after the child has been
+    /// reaped and its whole group proven empty, descendants that left the group included. On
+    /// cancellation (or shutdown) the group gets `SIGTERM`, then `SIGKILL` after the process
+    /// grace; if its absence cannot be proven, the slot is quarantined.
+    ///
+    /// # Errors
+    ///
+    /// [`ProcessError`]: `JOB_PATH_REFUSED` (nothing ran) or `PROCESS_SPAWN_FAILED`.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn spawn_process(&self, spec: ProcessSpec) -> Result<JobProcess, ProcessError> {
+        let (process, keeper) = crate::process::spawn(
+            spec,
+            &self.inner.temp_dir,
+            &self.inner.shared.cancel,
+            self.inner.process_policy,
+        )?;
+        let shared = Arc::clone(&self.inner.shared);
+        self.inner.tracker.spawn(
+            async move {
+                if let Some(unproven) = keeper.await {
+                    tracing::error!(reason = %unproven.reason, "a job's processes could not be proven gone");
+                    shared.mark_unproven(unproven);
+                }
+            }
+            .instrument(self.inner.span.clone()),
+        );
+        Ok(process)
     }
 
     /// The span every part of this job runs in (`job_id`, `slot_id`, `lease_id`).

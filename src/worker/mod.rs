@@ -7,8 +7,11 @@
 
 mod actor;
 mod context;
+mod paths;
 mod shared;
 
 pub(crate) use actor::{BoxedBody, WorkerActor, WorkerArgs};
 pub use context::WorkerContext;
+pub(crate) use paths::confine;
+pub use paths::{PathRefused, PathRefusedReason};
 pub(crate) use shared::JobShared;

@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 
+use crate::process::Unproven;
+
 /// Per-job record written by the worker and its tracked tasks, read by `run` only after the
 /// whole release pipeline has finished (so after every writer has ended).
 #[derive(Debug)]
@@ -15,6 +17,8 @@ pub(crate) struct JobShared {
     pub(crate) cancel: CancellationToken,
     panics: Mutex<Vec<String>>,
     delivery_unknown: Mutex<Option<String>>,
+    /// Process groups the job's keepers could not prove gone.
+    unproven: Mutex<Vec<Unproven>>,
     started: AtomicBool,
 }
 
@@ -24,6 +28,7 @@ impl JobShared {
             cancel,
             panics: Mutex::new(Vec::new()),
             delivery_unknown: Mutex::new(None),
+            unproven: Mutex::new(Vec::new()),
             started: AtomicBool::new(false),
         }
     }
@@ -42,6 +47,15 @@ impl JobShared {
     pub(crate) fn mark_delivery_unknown(&self, reason: String) {
         // The first reason is kept: it is the effect that was first in doubt.
         self.delivery_unknown.lock().get_or_insert(reason);
+    }
+
+    pub(crate) fn mark_unproven(&self, evidence: Unproven) {
+        self.unproven.lock().push(evidence);
+    }
+
+    /// Read by the supervisor once the worker and every tracked task (keepers included) ended.
+    pub(crate) fn take_unproven(&self) -> Vec<Unproven> {
+        std::mem::take(&mut *self.unproven.lock())
     }
 
     pub(crate) fn take_panics(&self) -> Vec<String> {
