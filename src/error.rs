@@ -40,6 +40,9 @@ pub mod codes {
     pub const LEASE_BODY_AND_CLEANUP_FAILED: &str = "LEASE_BODY_AND_CLEANUP_FAILED";
     /// The supervisor has shut down (or its runtime is gone).
     pub const SUPERVISOR_STOPPED: &str = "SUPERVISOR_STOPPED";
+    /// The GPU device of the lease was lost; the slot is quarantined until the device is
+    /// replaced.
+    pub const LEASE_GPU_DEVICE_LOST: &str = "LEASE_GPU_DEVICE_LOST";
     /// The supervisor could not start with this configuration.
     pub const SUPERVISOR_START_FAILED: &str = "SUPERVISOR_START_FAILED";
 }
@@ -62,6 +65,10 @@ pub enum AcquireError {
     Scratch(Arc<io::Error>),
     /// The supervisor has shut down or its runtime is gone.
     Stopped,
+    /// A slot was granted but its GPU device could not be made usable; the slot was released
+    /// and no body ran.
+    #[cfg(feature = "gpu")]
+    Gpu(crate::gpu::GpuError),
 }
 
 impl AcquireError {
@@ -72,6 +79,8 @@ impl AcquireError {
             Self::Cancelled => codes::LEASE_ACQUIRE_CANCELLED,
             Self::TimedOut { .. } => codes::LEASE_ACQUIRE_TIMEOUT,
             Self::Failed(_) | Self::Scratch(_) => codes::LEASE_ACQUIRE_FAILED,
+            #[cfg(feature = "gpu")]
+            Self::Gpu(_) => codes::LEASE_ACQUIRE_FAILED,
             Self::Stopped => codes::SUPERVISOR_STOPPED,
         }
     }
@@ -85,6 +94,8 @@ impl fmt::Display for AcquireError {
             Self::Failed(_) => f.write_str("slot acquire failed"),
             Self::Scratch(_) => f.write_str("could not create the job's temp dir"),
             Self::Stopped => f.write_str("supervisor stopped"),
+            #[cfg(feature = "gpu")]
+            Self::Gpu(_) => f.write_str("the slot's gpu device is unavailable"),
         }
     }
 }
@@ -94,6 +105,8 @@ impl std::error::Error for AcquireError {
         match self {
             Self::Failed(e) => Some(e),
             Self::Scratch(e) => Some(&**e),
+            #[cfg(feature = "gpu")]
+            Self::Gpu(e) => Some(e),
             _ => None,
         }
     }
@@ -112,6 +125,8 @@ pub enum CleanupErrorKind {
     Unconfirmed,
     /// The supervisor was gone before the release could finish.
     SupervisorStopped,
+    /// The lease's GPU device was lost; the slot is quarantined until it is replaced.
+    GpuDeviceLost,
 }
 
 /// A release that did not finish cleanly. Cloneable: one failure may be reported to several
@@ -158,6 +173,16 @@ impl CleanupError {
         }
     }
 
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
+    pub(crate) fn with_kind(kind: CleanupErrorKind, token: SlotToken, detail: String) -> Self {
+        Self {
+            kind,
+            token: Some(token),
+            detail: Some(detail),
+            source: None,
+        }
+    }
+
     pub(crate) fn stopped(token: Option<SlotToken>) -> Self {
         Self {
             kind: CleanupErrorKind::SupervisorStopped,
@@ -180,6 +205,7 @@ impl CleanupError {
             CleanupErrorKind::Failed => codes::LEASE_CLEANUP_FAILED,
             CleanupErrorKind::Unconfirmed => codes::LEASE_CLEANUP_UNCONFIRMED,
             CleanupErrorKind::SupervisorStopped => codes::SUPERVISOR_STOPPED,
+            CleanupErrorKind::GpuDeviceLost => codes::LEASE_GPU_DEVICE_LOST,
         }
     }
 
@@ -204,6 +230,9 @@ impl fmt::Display for CleanupError {
             CleanupErrorKind::Failed => "slot release failed",
             CleanupErrorKind::Unconfirmed => "cleanup unconfirmed, slot quarantined",
             CleanupErrorKind::SupervisorStopped => "supervisor stopped before the release finished",
+            CleanupErrorKind::GpuDeviceLost => {
+                "gpu device lost, slot quarantined until it is replaced"
+            }
         };
         f.write_str(what)?;
         if let Some(detail) = &self.detail {
@@ -453,6 +482,9 @@ pub enum StartError {
     },
     /// The supervisor actor could not be spawned (no tokio runtime, or ractor refused).
     Spawn(String),
+    /// The GPU devices could not be opened.
+    #[cfg(feature = "gpu")]
+    Gpu(crate::gpu::GpuError),
 }
 
 impl StartError {
@@ -470,6 +502,8 @@ impl fmt::Display for StartError {
             Self::ZeroDuration(what) => write!(f, "{what} must be positive"),
             Self::WorkRoot { path, .. } => write!(f, "unusable work root {}", path.display()),
             Self::Spawn(msg) => write!(f, "could not spawn the supervisor actor: {msg}"),
+            #[cfg(feature = "gpu")]
+            Self::Gpu(_) => f.write_str("could not open the gpu devices"),
         }
     }
 }
@@ -478,6 +512,8 @@ impl std::error::Error for StartError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::WorkRoot { source, .. } => Some(source),
+            #[cfg(feature = "gpu")]
+            Self::Gpu(e) => Some(e),
             _ => None,
         }
     }

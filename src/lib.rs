@@ -9,6 +9,8 @@
 
 mod broker;
 mod error;
+#[cfg(feature = "gpu")]
+mod gpu;
 mod job;
 mod lease;
 mod process;
@@ -23,6 +25,8 @@ pub use error::{
     AcquireError, BodyError, BodyErrorKind, CleanupError, CleanupErrorKind, JobError,
     LeaseReleased, ShutdownError, StartError, codes,
 };
+#[cfg(feature = "gpu")]
+pub use gpu::{GpuError, GpuOptions, JobGpu, SlotScratch};
 pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN};
 pub use lease::Lease;
 pub use process::{JobProcess, ProcessError, ProcessSpec};
@@ -32,6 +36,9 @@ pub use supervisor::{
     DEFAULT_PROCESS_PROOF_BOUND, QuarantinedSlot, ReclaimReport, ShutdownReport, Stats, Supervisor,
     SupervisorBuilder, metric_names,
 };
+/// Re-exported (feature `gpu`) so that jobs use exactly the wgpu the supervisor was built with.
+#[cfg(feature = "gpu")]
+pub use wgpu;
 pub use worker::{PathRefused, PathRefusedReason, WorkerContext};
 
 /// Re-exported so that callers can build the token [`JobSpec::with_cancel`] takes.

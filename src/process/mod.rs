@@ -341,11 +341,12 @@ pub(crate) struct Unproven {
     pub(crate) reason: String,
     pgid: i32,
     escapees: Vec<Escapee>,
+    subreaper: bool,
 }
 
 impl Unproven {
     /// Checks again; `None` once everything is proven gone.
-    pub(crate) fn recheck(&self) -> Option<String> {
+    pub(crate) fn recheck(&mut self) -> Option<String> {
         reap_group_zombies(self.pgid);
         let reason = if !group_empty(self.pgid) {
             Some(format!("process group {} still has members", self.pgid))
@@ -354,9 +355,17 @@ impl Unproven {
                 "descendant pid {} that left its group is still alive",
                 e.pid()
             ))
+        } else if self.subreaper
+            && let Some(orphan) = unaccounted_orphan()
+        {
+            let reason = format!(
+                "pid {}, an orphaned descendant of a job, is still alive",
+                orphan.pid()
+            );
+            self.escapees.push(orphan);
+            Some(reason)
         } else {
-            unaccounted_orphan()
-                .map(|pid| format!("pid {pid}, an orphaned descendant of a job, is still alive"))
+            None
         };
         if reason.is_none() {
             LIVE_GROUPS.lock().remove(&self.pgid);
@@ -377,6 +386,8 @@ async fn keep(
 ) -> Option<Unproven> {
     let mut escapees = Vec::new();
     let mut status: Status = None;
+    // Once the group is proven empty its id may be reused by the kernel: never signal it again.
+    let mut emptied = false;
     // 1. Until the leader exits on its own, or the job stops it.
     tokio::select! {
         biased;
@@ -391,6 +402,7 @@ async fn keep(
         loop {
             reap_group_zombies(pgid);
             if group_empty(pgid) {
+                emptied = true;
                 break;
             }
             tokio::select! {
@@ -399,7 +411,7 @@ async fn keep(
             }
         }
     }
-    if stop.is_cancelled() {
+    if stop.is_cancelled() && !emptied {
         escapees = snapshot_escapees(pgid);
         terminate(&mut child, &mut status, pgid, &escapees, policy.grace).await;
         if status_tx.borrow().is_none() {
@@ -407,7 +419,7 @@ async fn keep(
         }
     }
     // 3. Prove it: the group is empty, and every descendant that left it is gone.
-    match prove(pgid, &escapees, policy.proof_bound).await {
+    match prove(pgid, &mut escapees, policy).await {
         None => {
             LIVE_GROUPS.lock().remove(&pgid);
             forget_escapees(&escapees);
@@ -417,6 +429,7 @@ async fn keep(
             reason,
             pgid,
             escapees,
+            subreaper: policy.subreaper,
         }),
     }
 }
@@ -461,8 +474,8 @@ async fn terminate(
 
 /// Polls (with backoff) until the group is empty, the escapees are gone and no orphan of ours
 /// is unaccounted for, or `bound` has passed.
-async fn prove(pgid: i32, escapees: &[Escapee], bound: Duration) -> Option<String> {
-    let deadline = tokio::time::Instant::now() + bound;
+async fn prove(pgid: i32, escapees: &mut Vec<Escapee>, policy: ProcessPolicy) -> Option<String> {
+    let deadline = tokio::time::Instant::now() + policy.proof_bound;
     let mut backoff = Backoff::new();
     loop {
         reap_group_zombies(pgid);
@@ -473,12 +486,22 @@ async fn prove(pgid: i32, escapees: &[Escapee], bound: Duration) -> Option<Strin
                 "descendant pid {} of process group {pgid} left the group and is still alive",
                 e.pid()
             ))
+        } else if policy.subreaper
+            && let Some(orphan) = unaccounted_orphan()
+        {
+            let reason = format!(
+                "pid {}, an orphaned descendant that left its job's process group, is still alive",
+                orphan.pid()
+            );
+            if tokio::time::Instant::now() >= deadline {
+                // Attributed to this job from now on: re-checked (and reaped) through its evidence.
+                escapees.push(orphan);
+            } else {
+                KNOWN_ESCAPEES.lock().remove(&orphan.pid());
+            }
+            Some(reason)
         } else {
-            unaccounted_orphan().map(|pid| {
-                format!(
-                    "pid {pid}, an orphaned descendant that left its job's process group, is still alive"
-                )
-            })
+            None
         };
         match reason {
             None => return None,
@@ -608,8 +631,10 @@ mod linux {
     }
 
     /// A live child of this process (reparented to it as the subreaper) in a group of its own
-    /// that no job owns: a descendant that escaped its job's group and was orphaned.
-    pub(crate) fn unaccounted_orphan() -> Option<i32> {
+    /// that no job owns: a descendant that escaped its job's group and was orphaned. Zombies are
+    /// skipped, never reaped here: one may be a child the application started itself and will
+    /// wait for. The one returned is registered as a known escapee.
+    pub(crate) fn unaccounted_orphan() -> Option<Escapee> {
         let me = rustix::process::getpid();
         let my_group = rustix::process::getpgrp().as_raw_nonzero().get();
         let live = LIVE_GROUPS.lock().clone();
@@ -619,13 +644,10 @@ mod linux {
                 continue;
             }
             if child.zombie {
-                if let Some(pid) = Pid::from_raw(child.pid) {
-                    let _ =
-                        rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::NOHANG);
-                }
                 continue;
             }
-            return Some(child.pid);
+            KNOWN_ESCAPEES.lock().insert(child.pid);
+            return Some(Escapee(child));
         }
         None
     }
@@ -656,7 +678,7 @@ mod portable {
         Vec::new()
     }
 
-    pub(crate) fn unaccounted_orphan() -> Option<i32> {
+    pub(crate) fn unaccounted_orphan() -> Option<Escapee> {
         None
     }
 }

@@ -39,11 +39,15 @@ pub(crate) struct Config {
     pub(crate) work_root: PathBuf,
     pub(crate) error_sink: Option<ErrorSink>,
     pub(crate) process_policy: ProcessPolicy,
+    #[cfg(feature = "gpu")]
+    pub(crate) gpu: Option<Arc<crate::gpu::GpuPool>>,
 }
 
 pub(crate) struct SupervisorActor;
 
 pub(crate) struct SupArgs {
+    /// The table's capacity: the broker's, capped by the GPU pool's sub-slots.
+    pub(crate) capacity: Option<u32>,
     pub(crate) broker: Arc<dyn DynBroker>,
     pub(crate) config: Arc<Config>,
     pub(crate) stats: Arc<SharedStats>,
@@ -67,6 +71,9 @@ enum Quarantine {
         reason: String,
         evidence: Vec<Unproven>,
     },
+    /// The lease's GPU device was lost; released once it is replaced (or given up).
+    #[cfg(feature = "gpu")]
+    GpuLost { reason: String, device: usize },
 }
 
 impl Quarantine {
@@ -75,6 +82,8 @@ impl Quarantine {
             Self::Draining { reason }
             | Self::Scratch { reason }
             | Self::Processes { reason, .. } => reason,
+            #[cfg(feature = "gpu")]
+            Self::GpuLost { reason, .. } => reason,
         }
     }
 }
@@ -85,6 +94,8 @@ struct RunningJob {
     /// Taken when the caller has been answered (at the end, or early on quarantine).
     reply: Option<oneshot::Sender<RunOutcome>>,
     temp_dir: PathBuf,
+    #[cfg(feature = "gpu")]
+    placement: Option<crate::gpu::Placement>,
 }
 
 pub(crate) struct SupState {
@@ -113,11 +124,20 @@ impl Actor for SupervisorActor {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<SupMsg>,
+        myself: ActorRef<SupMsg>,
         args: SupArgs,
     ) -> Result<SupState, ActorProcessingErr> {
+        #[cfg(feature = "gpu")]
+        if let Some(pool) = &args.config.gpu {
+            let me = myself.clone();
+            pool.set_replaced_hook(Box::new(move |device| {
+                let _ = me.send_message(SupMsg::GpuReplaced { device });
+            }));
+        }
+        #[cfg(not(feature = "gpu"))]
+        let _ = myself;
         Ok(SupState {
-            table: LeaseTable::new(args.broker.capacity()),
+            table: LeaseTable::new(args.capacity),
             broker: args.broker,
             config: args.config,
             stats: args.stats,
@@ -209,7 +229,12 @@ impl SupState {
             SupMsg::Cancel { waiter, reason } => self.cancel_waiter(waiter, reason),
             SupMsg::BrokerAcquired { result } => self.on_acquired(myself, result).await,
             SupMsg::WorkerExited { key } => self.on_worker_exited(myself, key),
-            SupMsg::DrainTimedOut { key, after } => self.on_drain_timeout(key, after),
+            SupMsg::DrainTimedOut { key, after } => self.on_unconfirmed(
+                key,
+                format!(
+                    "tasks spawned through the worker context were still running {after:?} after the worker ended; the slot stays quarantined until they end"
+                ),
+            ),
             SupMsg::ScratchRemoved { key, result } => self.on_scratch_removed(myself, key, result),
             SupMsg::Release { key, reply } => self.on_release_request(myself, key, reply),
             SupMsg::BrokerReleased { key, result } => self.finish_release(key, result),
@@ -219,6 +244,9 @@ impl SupState {
                 let _ = reply.send(self.list_quarantine());
             }
             SupMsg::Reclaim { reply } => self.reclaim(myself, reply),
+            #[cfg(feature = "gpu")]
+            SupMsg::GpuReplaced { device } => self.on_gpu_replaced(myself, device),
+            SupMsg::Unconfirmed { key, detail } => self.on_unconfirmed(key, detail),
         }
     }
 
@@ -406,6 +434,21 @@ impl SupState {
                 return;
             }
         };
+        #[cfg(feature = "gpu")]
+        let placement = match &self.config.gpu {
+            Some(pool) => match pool.place() {
+                Some(p) => Some((Arc::clone(pool), p)),
+                None => {
+                    let _ = std::fs::remove_dir_all(&temp_dir);
+                    let err = crate::gpu::GpuError::CreateFailed("no usable gpu slot".into());
+                    let _ = reply.send(RunOutcome::NotStarted(AcquireError::Gpu(err)));
+                    self.apply(key, Edge::ReleaseRequested);
+                    self.start_release(myself, key, token);
+                    return;
+                }
+            },
+            None => None,
+        };
         let tracker = TaskTracker::new();
         let ctx = WorkerContext::new(
             token,
@@ -421,10 +464,16 @@ impl SupState {
             ctx,
             shared: Arc::clone(&shared),
             grace: self.config.cancel_grace,
+            #[cfg(feature = "gpu")]
+            gpu: placement.clone(),
         };
         match Actor::spawn_linked(None, WorkerActor, args, myself.get_cell()).await {
             Ok((worker, join)) => {
                 self.workers.insert(worker.get_id(), key);
+                #[cfg(feature = "gpu")]
+                let gpu_placement = placement.as_ref().map(|(_, p)| *p);
+                #[cfg(feature = "gpu")]
+                let gpu = placement.map(|(pool, _)| (pool, Arc::clone(&shared)));
                 self.jobs.insert(
                     key,
                     RunningJob {
@@ -432,19 +481,28 @@ impl SupState {
                         shared,
                         reply: Some(reply),
                         temp_dir,
+                        #[cfg(feature = "gpu")]
+                        placement: gpu_placement,
                     },
                 );
-                tokio::spawn(drive_worker(
+                let driver = Driver {
                     join,
                     tracker,
-                    myself.clone(),
+                    sup: myself.clone(),
                     key,
-                    self.config.drain_timeout,
-                ));
+                    drain_timeout: self.config.drain_timeout,
+                    #[cfg(feature = "gpu")]
+                    gpu,
+                };
+                tokio::spawn(driver.run());
             }
             Err(err) => {
                 // The worker's pre_start only moves its arguments, so the body never ran.
                 tracing::error!(error = %err, "could not spawn the worker actor");
+                #[cfg(feature = "gpu")]
+                if let Some((pool, p)) = &placement {
+                    pool.free(*p);
+                }
                 let _ = std::fs::remove_dir_all(&temp_dir);
                 let err = BrokerError::new(format!("worker spawn failed: {err}"));
                 let _ = reply.send(RunOutcome::NotStarted(AcquireError::Failed(err)));
@@ -473,11 +531,11 @@ impl SupState {
     /// Both proofs of the worker's end are in: remove the temp dir, unless the slot is held in
     /// quarantine for something only `reclaim_quarantined` can re-check.
     fn proofs_complete(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey) {
-        if matches!(
-            self.quarantine.get(&key),
-            Some(Quarantine::Processes { .. } | Quarantine::Scratch { .. })
-        ) {
-            return;
+        match self.quarantine.get(&key) {
+            Some(Quarantine::Processes { .. } | Quarantine::Scratch { .. }) => return,
+            #[cfg(feature = "gpu")]
+            Some(Quarantine::GpuLost { .. }) => return,
+            _ => {}
         }
         self.remove_scratch(myself, key);
     }
@@ -490,6 +548,11 @@ impl SupState {
             .unwrap_or_default();
         // The worker and its tracked tasks (keepers included) have ended, either way.
         let both_proofs = self.table.note_worker_end(key, true);
+        #[cfg(feature = "gpu")]
+        if let Some((device, reason)) = self.jobs.get(&key).and_then(|j| j.shared.take_gpu_lost()) {
+            self.quarantine_gpu_lost(key, device, reason);
+            return;
+        }
         if unproven.is_empty() {
             if both_proofs {
                 self.proofs_complete(myself, key);
@@ -562,7 +625,9 @@ impl SupState {
         }
     }
 
-    fn on_drain_timeout(&mut self, key: LeaseKey, after: Duration) {
+    /// The worker's physical end is late (tracked tasks past the drain bound, GPU work past the
+    /// fence bound): quarantine now, tell the caller; the slot is released when it does end.
+    fn on_unconfirmed(&mut self, key: LeaseKey, detail: String) {
         let Some(record) = self.table.get(key) else {
             return;
         };
@@ -572,9 +637,6 @@ impl SupState {
         }
         if self.table.get(key).map(|r| r.phase) == Some(Phase::Draining) {
             self.apply(key, Edge::Unconfirmed);
-            let detail = format!(
-                "tasks spawned through the worker context were still running {after:?} after the worker ended; the slot stays quarantined until they end"
-            );
             self.quarantine.insert(
                 key,
                 Quarantine::Draining {
@@ -637,9 +699,13 @@ impl SupState {
                 Quarantine::Draining { reason } => Some(reason.clone()),
                 Quarantine::Scratch { .. } => None,
                 Quarantine::Processes { evidence, .. } => {
-                    let reasons: Vec<_> = evidence.iter().filter_map(Unproven::recheck).collect();
+                    let reasons: Vec<_> =
+                        evidence.iter_mut().filter_map(Unproven::recheck).collect();
                     (!reasons.is_empty()).then(|| reasons.join("; "))
                 }
+                // Released when the device is replaced (or given up for good).
+                #[cfg(feature = "gpu")]
+                Quarantine::GpuLost { reason, .. } => Some(reason.clone()),
             };
             match still {
                 Some(reason) => report.still_quarantined.push(QuarantinedSlot {
@@ -659,6 +725,56 @@ impl SupState {
             }
         }
         let _ = reply.send(report);
+    }
+
+    #[cfg(feature = "gpu")]
+    fn quarantine_gpu_lost(&mut self, key: LeaseKey, device: usize, reason: String) {
+        let Some(record) = self.table.get(key) else {
+            return;
+        };
+        let token = record.token;
+        if record.phase == Phase::Granted {
+            self.apply(key, Edge::BodyEnded);
+        }
+        if self.table.get(key).map(|r| r.phase) == Some(Phase::Draining) {
+            self.apply(key, Edge::Unconfirmed);
+        }
+        let detail = format!("gpu device {device} lost: {reason}");
+        self.quarantine.insert(
+            key,
+            Quarantine::GpuLost {
+                reason: detail.clone(),
+                device,
+            },
+        );
+        let err = CleanupError::with_kind(CleanupErrorKind::GpuDeviceLost, token, detail);
+        self.answer_job_early(key, err);
+        if let Some(pool) = &self.config.gpu {
+            // The slot is needed back: re-create the device now (one creator, with backoff).
+            pool.recreate_in_background(device);
+        }
+    }
+
+    /// A lost device was replaced (or given up for good): its quarantined slots, whose GPU work
+    /// died with the old device, continue through the pipeline.
+    #[cfg(feature = "gpu")]
+    fn on_gpu_replaced(&mut self, myself: &ActorRef<SupMsg>, device: usize) {
+        let keys: Vec<LeaseKey> = self
+            .quarantine
+            .iter()
+            .filter(|(_, q)| matches!(q, Quarantine::GpuLost { device: d, .. } if *d == device))
+            .map(|(k, _)| *k)
+            .collect();
+        for key in keys {
+            let proven = self
+                .table
+                .get(key)
+                .is_some_and(|r| r.exited && r.event_seen);
+            if proven {
+                self.quarantine.remove(&key);
+                self.remove_scratch(myself, key);
+            }
+        }
     }
 
     fn on_release_request(
@@ -741,6 +857,13 @@ impl SupState {
         match kind {
             LeaseKind::Job => {
                 let job = self.jobs.remove(&key);
+                #[cfg(feature = "gpu")]
+                if let (Some(pool), Some(p)) =
+                    (&self.config.gpu, job.as_ref().and_then(|j| j.placement))
+                {
+                    // The fence has passed: the sub-slot and its scratch may serve the next lease.
+                    pool.free(p);
+                }
                 let job_id = job.as_ref().map(|j| j.job_id.to_string());
                 let undelivered = match job.and_then(|mut j| j.reply.take()) {
                     Some(reply) => match reply.send(RunOutcome::Finished { cleanup: result }) {
@@ -825,6 +948,11 @@ impl SupState {
         if !self.table.is_stopping() || waiting_on_broker || self.table.active() > 0 {
             return;
         }
+        #[cfg(feature = "gpu")]
+        if let Some(pool) = &self.config.gpu {
+            // Every lease has been released, so every fence has passed: nothing is in flight.
+            pool.close();
+        }
         self.report.quarantined = self.table.quarantined();
         self.report.stats = self.stats.snapshot();
         for reply in self.shutdown_replies.drain(..) {
@@ -904,26 +1032,56 @@ async fn release_orphan(broker: Arc<dyn DynBroker>, token: SlotToken, timeout: D
     }
 }
 
-/// Awaits the worker's physical end: its actor task (the join handle resolves only once the
-/// actor is fully gone, state dropped), then every task and blocking closure spawned through
-/// its context. Runs outside the supervisor's mailbox.
-async fn drive_worker(
+/// Awaits the worker's physical end, outside the supervisor's mailbox: its actor task (the join
+/// handle resolves only once the actor is fully gone, state dropped), then every task and
+/// blocking closure spawned through its context, then (with a GPU) every submission made on its
+/// device's queue before that point.
+struct Driver {
     join: JoinHandle<()>,
     tracker: TaskTracker,
     sup: ActorRef<SupMsg>,
     key: LeaseKey,
     drain_timeout: Option<Duration>,
-) {
-    let _ = join.await;
-    tracker.close();
-    match drain_timeout {
-        Some(after) => {
-            if tokio::time::timeout(after, tracker.wait()).await.is_err() {
-                let _ = sup.send_message(SupMsg::DrainTimedOut { key, after });
-                tracker.wait().await;
+    #[cfg(feature = "gpu")]
+    gpu: Option<(Arc<crate::gpu::GpuPool>, Arc<JobShared>)>,
+}
+
+impl Driver {
+    async fn run(self) {
+        let _ = self.join.await;
+        let (tracker, sup, key) = (self.tracker, self.sup, self.key);
+        tracker.close();
+        match self.drain_timeout {
+            Some(after) => {
+                if tokio::time::timeout(after, tracker.wait()).await.is_err() {
+                    let _ = sup.send_message(SupMsg::DrainTimedOut { key, after });
+                    tracker.wait().await;
+                }
+            }
+            None => tracker.wait().await,
+        }
+        #[cfg(feature = "gpu")]
+        if let Some((pool, shared)) = &self.gpu
+            && let Some(gpu) = shared.gpu()
+        {
+            use crate::gpu::FenceFailure;
+            match pool.fence(&gpu).await {
+                Ok(()) => {}
+                Err(FenceFailure::Timeout(after)) => {
+                    let detail = format!(
+                        "gpu work submitted under the lease had not completed {after:?} after the worker ended; the slot stays quarantined until it does"
+                    );
+                    let _ = sup.send_message(SupMsg::Unconfirmed { key, detail });
+                    // Keep waiting: the slot is released as soon as the work completes.
+                    let device = gpu.device().clone();
+                    let _ = tokio::task::spawn_blocking(move || {
+                        device.poll(wgpu::PollType::wait_indefinitely())
+                    })
+                    .await;
+                }
+                Err(FenceFailure::Lost { device, reason }) => shared.mark_gpu_lost(device, reason),
             }
         }
-        None => tracker.wait().await,
+        let _ = sup.send_message(SupMsg::WorkerExited { key });
     }
-    let _ = sup.send_message(SupMsg::WorkerExited { key });
 }

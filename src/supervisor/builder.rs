@@ -43,6 +43,8 @@ pub struct SupervisorBuilder {
     process_grace: Duration,
     process_proof_bound: Duration,
     child_subreaper: bool,
+    #[cfg(feature = "gpu")]
+    gpu: Option<crate::gpu::GpuOptions>,
 }
 
 impl SupervisorBuilder {
@@ -58,6 +60,8 @@ impl SupervisorBuilder {
             process_grace: DEFAULT_PROCESS_GRACE,
             process_proof_bound: DEFAULT_PROCESS_PROOF_BOUND,
             child_subreaper: true,
+            #[cfg(feature = "gpu")]
+            gpu: None,
         }
     }
 
@@ -141,6 +145,17 @@ impl SupervisorBuilder {
         self
     }
 
+    /// Owns GPU devices (feature `gpu`): they are opened at start, shared with jobs through
+    /// [`WorkerContext::gpu`](crate::WorkerContext::gpu), and a slot returns only after the GPU
+    /// work submitted under it has completed. Without `.slots(n)` or `.broker(b)`, the pool's
+    /// sub-slots (devices × slots per device) are the slots; with them, at most that many
+    /// leases are held at once.
+    #[cfg(feature = "gpu")]
+    pub fn gpu(mut self, options: crate::gpu::GpuOptions) -> Self {
+        self.gpu = Some(options);
+        self
+    }
+
     /// Validates the configuration and spawns the supervisor actor on the current tokio runtime.
     ///
     /// # Errors
@@ -153,7 +168,24 @@ impl SupervisorBuilder {
     /// Not cancel safe: dropping the future after the actor has spawned leaves a supervisor with
     /// no handle, which stops at once (nothing can have been acquired through it).
     pub async fn start(self) -> Result<Supervisor, StartError> {
-        let broker: Arc<dyn DynBroker> = match self.source {
+        #[cfg(feature = "gpu")]
+        let gpu = match self.gpu {
+            Some(opts) => Some(Arc::new(
+                crate::gpu::GpuPool::open(opts)
+                    .await
+                    .map_err(StartError::Gpu)?,
+            )),
+            None => None,
+        };
+        #[cfg(feature = "gpu")]
+        let gpu_capacity = gpu.as_ref().map(|g| g.capacity());
+        #[cfg(not(feature = "gpu"))]
+        let gpu_capacity: Option<u32> = None;
+        let source = match (self.source, gpu_capacity) {
+            (Source::None, Some(n)) => Source::Slots(n),
+            (source, _) => source,
+        };
+        let broker: Arc<dyn DynBroker> = match source {
             Source::None => return Err(StartError::NoBroker),
             Source::Slots(0) => return Err(StartError::ZeroCapacity),
             Source::Slots(n) => Arc::new(LocalBroker::new(n)),
@@ -185,14 +217,23 @@ impl SupervisorBuilder {
             drain_timeout: self.drain_timeout,
             work_root: work_root.clone(),
             error_sink: self.error_sink,
+            #[cfg(feature = "gpu")]
+            gpu: gpu.clone(),
             process_policy: ProcessPolicy {
                 grace: self.process_grace,
                 proof_bound: self.process_proof_bound,
                 subreaper: self.child_subreaper,
             },
         });
+        #[cfg(feature = "gpu")]
+        let gpu_handle = gpu;
         let stats = Arc::new(SharedStats::default());
+        let capacity = match (broker.capacity(), gpu_capacity) {
+            (Some(b), Some(g)) => Some(b.min(g)),
+            (b, g) => b.or(g),
+        };
         let args = SupArgs {
+            capacity,
             broker,
             config,
             stats: Arc::clone(&stats),
@@ -207,6 +248,8 @@ impl SupervisorBuilder {
             stats,
             self.acquire_timeout,
             work_root,
+            #[cfg(feature = "gpu")]
+            gpu_handle,
         ))
     }
 }

@@ -56,6 +56,12 @@ pub(crate) enum SupMsg {
     /// The cleanup timeout has passed since shutdown began: stop waiting for broker acquires
     /// still in flight (their tasks release whatever they still get).
     ShutdownDeadline,
+    /// A lost GPU device was replaced (or given up for good).
+    #[cfg(feature = "gpu")]
+    GpuReplaced { device: usize },
+    /// The worker's physical end is late (GPU work past the fence bound): quarantine now.
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
+    Unconfirmed { key: LeaseKey, detail: String },
     /// List the quarantined slots.
     Quarantined {
         reply: oneshot::Sender<Vec<QuarantinedSlot>>,

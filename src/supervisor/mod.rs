@@ -72,6 +72,8 @@ struct Inner {
     acquire_timeout: Option<Duration>,
     next_waiter: AtomicU64,
     work_root: PathBuf,
+    #[cfg(feature = "gpu")]
+    gpu: Option<Arc<crate::gpu::GpuPool>>,
 }
 
 impl Drop for Inner {
@@ -131,6 +133,7 @@ impl Supervisor {
         stats: Arc<SharedStats>,
         acquire_timeout: Option<Duration>,
         work_root: PathBuf,
+        #[cfg(feature = "gpu")] gpu: Option<Arc<crate::gpu::GpuPool>>,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -140,6 +143,8 @@ impl Supervisor {
                 acquire_timeout,
                 next_waiter: AtomicU64::new(1),
                 work_root,
+                #[cfg(feature = "gpu")]
+                gpu,
             }),
         }
     }
@@ -286,6 +291,14 @@ impl Supervisor {
             Err(_) if !shared.started() => return Err(JobError::Acquire(AcquireError::Stopped)),
             Err(_) => Err(CleanupError::stopped(None)),
         };
+        #[cfg(feature = "gpu")]
+        if let Some(err) = shared.take_gpu_unavailable() {
+            // No body ran; the slot went back through the pipeline.
+            return Err(match cleanup {
+                Ok(()) => JobError::Acquire(AcquireError::Gpu(err)),
+                Err(cleanup) => JobError::Cleanup(cleanup),
+            });
+        }
         // Every writer of `shared` and `body_rx` has ended: the worker and its tracked tasks
         // were joined before the supervisor answered (or the slot was quarantined, in which case
         // late sibling reports are not waited for).
@@ -307,6 +320,26 @@ impl Supervisor {
             (Some(body), Ok(())) => Err(JobError::Body(body)),
             (Some(body), Err(cleanup)) => Err(JobError::BodyAndCleanup { body, cleanup }),
         }
+    }
+
+    /// The supervisor's GPU device of that index (feature `gpu`), while it is usable: for tools
+    /// and fault-injection tests (`device.destroy()` simulates a device loss).
+    #[cfg(feature = "gpu")]
+    pub fn gpu_device(&self, index: usize) -> Option<wgpu::Device> {
+        self.inner.gpu.as_ref()?.device(index)
+    }
+
+    /// How many times the GPU device of that index has been created (feature `gpu`): 1 at
+    /// start, one more per re-creation after a loss.
+    #[cfg(feature = "gpu")]
+    pub fn gpu_device_generation(&self, index: usize) -> Option<u64> {
+        self.inner.gpu.as_ref()?.generation(index)
+    }
+
+    /// How many GPU devices the supervisor owns (feature `gpu`).
+    #[cfg(feature = "gpu")]
+    pub fn gpu_device_count(&self) -> usize {
+        self.inner.gpu.as_ref().map_or(0, |g| g.device_count())
     }
 
     /// The quarantined slots, with the reason each could not be declared clean.

@@ -22,6 +22,9 @@ pub(crate) struct WorkerArgs {
     pub(crate) ctx: WorkerContext,
     pub(crate) shared: Arc<JobShared>,
     pub(crate) grace: Duration,
+    /// Where the lease's GPU work runs (checked out before the body).
+    #[cfg(feature = "gpu")]
+    pub(crate) gpu: Option<(Arc<crate::gpu::GpuPool>, crate::gpu::Placement)>,
 }
 
 pub(crate) struct WorkerState {
@@ -65,7 +68,25 @@ async fn run_body(args: WorkerArgs) {
         ctx,
         shared,
         grace,
+        #[cfg(feature = "gpu")]
+        gpu,
     } = args;
+    #[cfg(feature = "gpu")]
+    if let Some((pool, placement)) = gpu {
+        // May re-create a lost device (one creator, with backoff): in the worker, never in the
+        // supervisor's mailbox.
+        match pool.checkout(placement).await {
+            Ok(job_gpu) => {
+                ctx.set_gpu(job_gpu.clone());
+                shared.set_gpu(job_gpu);
+            }
+            Err(err) => {
+                tracing::error!(error = %err, "the slot's gpu device is unavailable; the body does not run");
+                shared.set_gpu_unavailable(err);
+                return;
+            }
+        }
+    }
     shared.mark_started();
     // Calling the closure runs user code: it happens here, in the worker, never in the
     // supervisor's mailbox.

@@ -36,6 +36,8 @@ struct Inner {
     tracker: TaskTracker,
     span: Span,
     process_policy: ProcessPolicy,
+    #[cfg(feature = "gpu")]
+    gpu: std::sync::OnceLock<crate::gpu::JobGpu>,
 }
 
 impl WorkerContext {
@@ -57,6 +59,8 @@ impl WorkerContext {
                 tracker,
                 span,
                 process_policy,
+                #[cfg(feature = "gpu")]
+                gpu: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -85,6 +89,18 @@ impl WorkerContext {
     /// and is removed only after the worker and all its tracked tasks have physically ended.
     pub fn temp_dir(&self) -> &Path {
         &self.inner.temp_dir
+    }
+
+    /// The GPU of this lease (feature `gpu`): the device its slot belongs to, its queue, adapter
+    /// and the slot's scratch buffers. `None` when the supervisor owns no GPU.
+    #[cfg(feature = "gpu")]
+    pub fn gpu(&self) -> Option<&crate::gpu::JobGpu> {
+        self.inner.gpu.get()
+    }
+
+    #[cfg(feature = "gpu")]
+    pub(crate) fn set_gpu(&self, gpu: crate::gpu::JobGpu) {
+        let _ = self.inner.gpu.set(gpu);
     }
 
     /// Resolves `relative` inside the job's temp dir.

@@ -19,6 +19,15 @@ pub(crate) struct JobShared {
     delivery_unknown: Mutex<Option<String>>,
     /// Process groups the job's keepers could not prove gone.
     unproven: Mutex<Vec<Unproven>>,
+    /// The job's GPU, once checked out (read by the driver for the release fence).
+    #[cfg(feature = "gpu")]
+    gpu: Mutex<Option<crate::gpu::JobGpu>>,
+    /// The job's GPU device was lost (device index, reason).
+    #[cfg(feature = "gpu")]
+    gpu_lost: Mutex<Option<(usize, String)>>,
+    /// The job's GPU device could not be made usable; the body did not run.
+    #[cfg(feature = "gpu")]
+    gpu_unavailable: Mutex<Option<crate::gpu::GpuError>>,
     started: AtomicBool,
 }
 
@@ -29,6 +38,12 @@ impl JobShared {
             panics: Mutex::new(Vec::new()),
             delivery_unknown: Mutex::new(None),
             unproven: Mutex::new(Vec::new()),
+            #[cfg(feature = "gpu")]
+            gpu: Mutex::new(None),
+            #[cfg(feature = "gpu")]
+            gpu_lost: Mutex::new(None),
+            #[cfg(feature = "gpu")]
+            gpu_unavailable: Mutex::new(None),
             started: AtomicBool::new(false),
         }
     }
@@ -56,6 +71,36 @@ impl JobShared {
     /// Read by the supervisor once the worker and every tracked task (keepers included) ended.
     pub(crate) fn take_unproven(&self) -> Vec<Unproven> {
         std::mem::take(&mut *self.unproven.lock())
+    }
+
+    #[cfg(feature = "gpu")]
+    pub(crate) fn set_gpu(&self, gpu: crate::gpu::JobGpu) {
+        *self.gpu.lock() = Some(gpu);
+    }
+
+    #[cfg(feature = "gpu")]
+    pub(crate) fn gpu(&self) -> Option<crate::gpu::JobGpu> {
+        self.gpu.lock().clone()
+    }
+
+    #[cfg(feature = "gpu")]
+    pub(crate) fn mark_gpu_lost(&self, device: usize, reason: String) {
+        *self.gpu_lost.lock() = Some((device, reason));
+    }
+
+    #[cfg(feature = "gpu")]
+    pub(crate) fn take_gpu_lost(&self) -> Option<(usize, String)> {
+        self.gpu_lost.lock().take()
+    }
+
+    #[cfg(feature = "gpu")]
+    pub(crate) fn set_gpu_unavailable(&self, err: crate::gpu::GpuError) {
+        *self.gpu_unavailable.lock() = Some(err);
+    }
+
+    #[cfg(feature = "gpu")]
+    pub(crate) fn take_gpu_unavailable(&self) -> Option<crate::gpu::GpuError> {
+        self.gpu_unavailable.lock().take()
     }
 
     pub(crate) fn take_panics(&self) -> Vec<String> {
