@@ -12,6 +12,7 @@ mod error;
 #[cfg(feature = "gpu")]
 mod gpu;
 mod job;
+mod job_handle;
 mod lease;
 mod process;
 mod sink;
@@ -28,6 +29,7 @@ pub use error::{
 #[cfg(feature = "gpu")]
 pub use gpu::{GpuError, GpuOptions, JobGpu, SlotScratch};
 pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN};
+pub use job_handle::JobHandle;
 pub use lease::Lease;
 pub use process::{JobProcess, ProcessError, ProcessSpec};
 pub use sink::OrphanedFailure;

@@ -560,6 +560,12 @@ impl GpuPool {
         self.devices.len()
     }
 
+    /// Whether a lost device has been dealt with: usable again, or given up for good.
+    pub(crate) fn settled(&self, index: usize) -> bool {
+        let dev = &self.devices[index];
+        dev.usable() || dev.state.lock().dead
+    }
+
     /// How many times the device has been created (1 at start, +1 per re-creation).
     pub(crate) fn generation(&self, index: usize) -> Option<u64> {
         Some(self.devices.get(index)?.state.lock().generation)

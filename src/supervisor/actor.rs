@@ -114,6 +114,11 @@ pub(crate) struct SupState {
     next_request: u64,
     /// Set at the shutdown deadline: broker acquires still in flight are no longer waited for.
     abandon_pending: bool,
+    /// The GPU devices are being closed (at shutdown), or have been.
+    #[cfg(feature = "gpu")]
+    gpu_closing: bool,
+    #[cfg(feature = "gpu")]
+    gpu_closed: bool,
     owned_root: Option<tempfile::TempDir>,
 }
 
@@ -151,6 +156,10 @@ impl Actor for SupervisorActor {
             report: ShutdownReport::default(),
             next_request: 1,
             abandon_pending: false,
+            #[cfg(feature = "gpu")]
+            gpu_closing: false,
+            #[cfg(feature = "gpu")]
+            gpu_closed: false,
             owned_root: args.owned_root,
         })
     }
@@ -246,6 +255,8 @@ impl SupState {
             SupMsg::Reclaim { reply } => self.reclaim(myself, reply),
             #[cfg(feature = "gpu")]
             SupMsg::GpuReplaced { device } => self.on_gpu_replaced(myself, device),
+            #[cfg(feature = "gpu")]
+            SupMsg::GpuClosed => self.gpu_closed = true,
             SupMsg::Unconfirmed { key, detail } => self.on_unconfirmed(key, detail),
         }
     }
@@ -533,8 +544,16 @@ impl SupState {
     fn proofs_complete(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey) {
         match self.quarantine.get(&key) {
             Some(Quarantine::Processes { .. } | Quarantine::Scratch { .. }) => return,
+            // Released here only if the device was already replaced (or given up) before this
+            // last proof came in; otherwise `on_gpu_replaced` releases it.
             #[cfg(feature = "gpu")]
-            Some(Quarantine::GpuLost { .. }) => return,
+            Some(Quarantine::GpuLost { device, .. }) => {
+                let settled = self.config.gpu.as_ref().is_some_and(|g| g.settled(*device));
+                if !settled {
+                    return;
+                }
+                self.quarantine.remove(&key);
+            }
             _ => {}
         }
         self.remove_scratch(myself, key);
@@ -551,6 +570,10 @@ impl SupState {
         #[cfg(feature = "gpu")]
         if let Some((device, reason)) = self.jobs.get(&key).and_then(|j| j.shared.take_gpu_lost()) {
             self.quarantine_gpu_lost(key, device, reason);
+            if both_proofs {
+                // The device may already have been replaced by another lease's checkout.
+                self.proofs_complete(myself, key);
+            }
             return;
         }
         if unproven.is_empty() {
@@ -949,9 +972,21 @@ impl SupState {
             return;
         }
         #[cfg(feature = "gpu")]
-        if let Some(pool) = &self.config.gpu {
-            // Every lease has been released, so every fence has passed: nothing is in flight.
-            pool.close();
+        if let Some(pool) = &self.config.gpu
+            && !self.gpu_closed
+        {
+            // Every lease has been released (so every fence has passed), but a quarantined one's
+            // work may still run: wait for it and destroy the devices on the blocking pool, then
+            // come back here.
+            if !self.gpu_closing {
+                self.gpu_closing = true;
+                let (pool, me) = (Arc::clone(pool), myself.clone());
+                tokio::task::spawn_blocking(move || {
+                    pool.close();
+                    let _ = me.send_message(SupMsg::GpuClosed);
+                });
+            }
+            return;
         }
         self.report.quarantined = self.table.quarantined();
         self.report.stats = self.stats.snapshot();

@@ -59,6 +59,9 @@ pub(crate) enum SupMsg {
     /// A lost GPU device was replaced (or given up for good).
     #[cfg(feature = "gpu")]
     GpuReplaced { device: usize },
+    /// The GPU devices have been closed (at shutdown).
+    #[cfg(feature = "gpu")]
+    GpuClosed,
     /// The worker's physical end is late (GPU work past the fence bound): quarantine now.
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
     Unconfirmed { key: LeaseKey, detail: String },

@@ -34,6 +34,7 @@ use stats::SharedStats;
 use crate::broker::SlotToken;
 use crate::error::{AcquireError, BodyError, CleanupError, JobError, ShutdownError};
 use crate::job::JobSpec;
+use crate::job_handle::JobHandle;
 use crate::lease::Lease;
 use crate::worker::{BoxedBody, JobShared, WorkerContext};
 
@@ -72,6 +73,8 @@ struct Inner {
     acquire_timeout: Option<Duration>,
     next_waiter: AtomicU64,
     work_root: PathBuf,
+    /// The runtime the supervisor was started on, for `submit` from non-async code.
+    runtime: tokio::runtime::Handle,
     #[cfg(feature = "gpu")]
     gpu: Option<Arc<crate::gpu::GpuPool>>,
 }
@@ -143,6 +146,7 @@ impl Supervisor {
                 acquire_timeout,
                 next_waiter: AtomicU64::new(1),
                 work_root,
+                runtime: tokio::runtime::Handle::current(),
                 #[cfg(feature = "gpu")]
                 gpu,
             }),
@@ -380,6 +384,51 @@ impl Supervisor {
             .send_message(SupMsg::Reclaim { reply: tx })
             .map_err(|_| ShutdownError::new())?;
         rx.await.map_err(|_| ShutdownError::new())
+    }
+
+    /// Submits a job without waiting: for game and render loops that cannot `.await`. The job
+    /// runs exactly as with [`run`](Self::run), on the runtime the supervisor was started on;
+    /// the returned [`JobHandle`] is polled without blocking (`is_finished`, `try_take`) and can
+    /// cancel the job. Callable from any thread, inside or outside a runtime.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{JobSpec, Supervisor};
+    ///
+    /// let rt = tokio::runtime::Runtime::new()?;
+    /// let sup = rt.block_on(Supervisor::builder().slots(1).start())?;
+    /// let mut bake = sup.submit(JobSpec::new("bake-0")?, |_ctx| async { Ok::<_, std::io::Error>(42) });
+    /// let value = loop {
+    ///     // once per frame
+    ///     if let Some(result) = bake.try_take() {
+    ///         break result?;
+    ///     }
+    ///     std::thread::yield_now();
+    /// };
+    /// assert_eq!(value, 42);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn submit<F, Fut, T, E>(&self, job: JobSpec, body: F) -> JobHandle<T, E>
+    where
+        F: FnOnce(WorkerContext) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Send + 'static,
+        E: Send + 'static,
+    {
+        let cancel = job
+            .cancel_token()
+            .map_or_else(CancellationToken::new, CancellationToken::child_token);
+        let job_id = job.id().to_owned();
+        let job = job.with_cancel(cancel.clone());
+        let (tx, rx) = oneshot::channel();
+        let sup = self.clone();
+        // If the runtime is gone the task is dropped unrun, the sender with it, and the handle
+        // answers SUPERVISOR_STOPPED.
+        drop(self.inner.runtime.spawn(async move {
+            let _ = tx.send(sup.run(job, body).await);
+        }));
+        JobHandle::new(job_id, cancel, rx)
     }
 
     /// Refuses new work, fails every waiter with `SUPERVISOR_STOPPED`, cancels running jobs,
