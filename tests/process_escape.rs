@@ -17,18 +17,6 @@ use tokio::sync::oneshot;
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => false,
-        Ok(stat) => {
-            let state = stat
-                .rsplit_once(')')
-                .and_then(|(_, rest)| rest.trim_start().chars().next());
-            !matches!(state, Some('Z' | 'X') | None)
-        }
-    }
-}
-
 async fn first_line(stdout: tokio::process::ChildStdout) -> i32 {
     let mut lines = BufReader::new(stdout).lines();
     lines
@@ -45,7 +33,7 @@ fn broker_logging_escapee(log: EventLog, pid: Arc<parking_lot::Mutex<Option<i32>
     let broker = TestBroker::new(1);
     broker.on_release(move |_| {
         let p = pid.lock().expect("escapee recorded before any release");
-        log.push(if alive(p) {
+        log.push(if common::proc_alive(p) {
             "release:escapee-alive"
         } else {
             "release:escapee-gone"
@@ -98,11 +86,11 @@ async fn an_escapee_whose_parent_is_alive_is_stopped_and_proven_gone_before_the_
     {
         tokio::task::yield_now().await;
     }
-    assert!(alive(pid));
+    assert!(common::proc_alive(pid));
     cancel.cancel();
     let err = job.await.unwrap().unwrap_err();
     assert_eq!(err.code(), "LEASE_BODY_CANCELLED");
-    assert!(!alive(pid));
+    assert!(!common::proc_alive(pid));
     assert_eq!(log.events(), ["release:escapee-gone"]);
     let report = sup.shutdown().await.unwrap();
     broker.assert_quiescent(report.stats);
@@ -144,7 +132,7 @@ async fn an_orphaned_escapee_keeps_the_slot_quarantined_until_it_is_gone_and_rec
     let pid = escapee.lock().unwrap();
     assert_eq!(err.code(), "LEASE_CLEANUP_UNCONFIRMED", "{err}");
     assert!(err.body_error().is_none());
-    assert!(alive(pid));
+    assert!(common::proc_alive(pid));
     let stats = sup.stats();
     assert_eq!(stats.quarantined, 1);
     assert_eq!(
@@ -172,7 +160,7 @@ async fn an_orphaned_escapee_keeps_the_slot_quarantined_until_it_is_gone_and_rec
         rustix::process::Signal::KILL,
     )
     .unwrap();
-    while alive(pid) {
+    while common::proc_alive(pid) {
         tokio::task::yield_now().await;
     }
     let released = broker.0.released.notified();

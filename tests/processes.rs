@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,24 +15,6 @@ use leasehold::{CancellationToken, JobSpec, ProcessSpec, Supervisor};
 use parking_lot::Mutex;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::oneshot;
-
-/// Alive as far as the kernel knows: a process that exists and is not a zombie.
-fn alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => false,
-        Ok(stat) => {
-            // The state follows the command name, which is in parentheses.
-            let state = stat
-                .rsplit_once(')')
-                .and_then(|(_, rest)| rest.trim_start().chars().next());
-            !matches!(state, Some('Z' | 'X') | None)
-        }
-    }
-}
-
-fn exists(pid: i32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-}
 
 /// Watches, on a thread of its own, for the moment the temp dir is gone while one of `pids`
 /// still exists (alive or unreaped): the order this issue forbids.
@@ -48,7 +30,7 @@ impl OrderWatch {
         let handle = std::thread::spawn(move || {
             while !flag.load(Ordering::SeqCst) {
                 let dir_gone = !dir.exists();
-                if dir_gone && let Some(pid) = pids.iter().find(|p| exists(**p)) {
+                if dir_gone && let Some(pid) = pids.iter().find(|p| common::proc_exists(**p)) {
                     return Some(format!("temp dir removed while pid {pid} still existed"));
                 }
                 std::thread::yield_now();
@@ -70,7 +52,12 @@ impl OrderWatch {
 fn broker_checking(pids: Arc<Mutex<Vec<i32>>>, log: EventLog) -> TestBroker {
     let broker = TestBroker::new(1);
     broker.on_release(move |_| {
-        let left: Vec<_> = pids.lock().iter().copied().filter(|p| exists(*p)).collect();
+        let left: Vec<_> = pids
+            .lock()
+            .iter()
+            .copied()
+            .filter(|p| common::proc_exists(*p))
+            .collect();
         log.push(if left.is_empty() {
             "release:all-gone".to_owned()
         } else {
@@ -137,14 +124,22 @@ async fn run_cancelled_group(
     };
     let (recorded, dir) = started_rx.await.unwrap();
     for pid in &recorded {
-        assert!(alive(*pid), "pid {pid} should run before the cancellation");
+        assert!(
+            common::proc_alive(*pid),
+            "pid {pid} should run before the cancellation"
+        );
     }
     // The next job waits for the slot and must see every pid gone when it starts.
     let next = {
         let (sup, pids) = (sup.clone(), Arc::clone(&pids));
         tokio::spawn(async move {
             sup.run(JobSpec::new("next").unwrap(), move |_ctx| async move {
-                let left: Vec<_> = pids.lock().iter().copied().filter(|p| exists(*p)).collect();
+                let left: Vec<_> = pids
+                    .lock()
+                    .iter()
+                    .copied()
+                    .filter(|p| common::proc_exists(*p))
+                    .collect();
                 Ok::<_, std::io::Error>(left)
             })
             .await
@@ -161,7 +156,10 @@ async fn run_cancelled_group(
     );
     assert!(!dir.exists());
     for pid in &recorded {
-        assert!(!exists(*pid), "pid {pid} left behind (alive or unreaped)");
+        assert!(
+            !common::proc_exists(*pid),
+            "pid {pid} left behind (alive or unreaped)"
+        );
     }
     let report = sup.shutdown().await.unwrap();
     broker.assert_quiescent(report.stats);
@@ -283,7 +281,7 @@ async fn shutdown_stops_running_process_groups_and_waits_for_them() {
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.cancelled_jobs, 1);
     assert_eq!(report.quarantined, 0);
-    assert!(!exists(pid));
+    assert!(!common::proc_exists(pid));
     // The body saw its child die of the signal.
     let outcome = job.await.unwrap();
     assert!(

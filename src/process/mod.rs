@@ -347,31 +347,22 @@ pub(crate) struct Unproven {
 impl Unproven {
     /// Checks again; `None` once everything is proven gone.
     pub(crate) fn recheck(&mut self) -> Option<String> {
-        reap_group_zombies(self.pgid);
-        let reason = if !group_empty(self.pgid) {
-            Some(format!("process group {} still has members", self.pgid))
-        } else if let Some(e) = self.escapees.iter().find(|e| !e.gone()) {
-            Some(format!(
-                "descendant pid {} that left its group is still alive",
-                e.pid()
-            ))
-        } else if self.subreaper
-            && let Some(orphan) = unaccounted_orphan()
-        {
-            let reason = format!(
-                "pid {}, an orphaned descendant of a job, is still alive",
-                orphan.pid()
-            );
-            self.escapees.push(orphan);
-            Some(reason)
-        } else {
-            None
-        };
-        if reason.is_none() {
-            LIVE_GROUPS.lock().remove(&self.pgid);
-            forget_escapees(&self.escapees);
+        match unproven_part(self.pgid, &self.escapees, self.subreaper) {
+            Some((reason, orphan)) => {
+                // An orphan seen now is attributed to this job: re-checked (and reaped) with it.
+                self.escapees.extend(orphan);
+                Some(reason)
+            }
+            None => {
+                self.forget();
+                None
+            }
         }
-        reason
+    }
+
+    fn forget(&self) {
+        LIVE_GROUPS.lock().remove(&self.pgid);
+        forget_escapees(&self.escapees);
     }
 }
 
@@ -478,37 +469,55 @@ async fn prove(pgid: i32, escapees: &mut Vec<Escapee>, policy: ProcessPolicy) ->
     let deadline = tokio::time::Instant::now() + policy.proof_bound;
     let mut backoff = Backoff::new();
     loop {
-        reap_group_zombies(pgid);
-        let reason = if !group_empty(pgid) {
-            Some(format!("process group {pgid} still has members"))
-        } else if let Some(e) = escapees.iter().find(|e| !e.gone()) {
-            Some(format!(
-                "descendant pid {} of process group {pgid} left the group and is still alive",
-                e.pid()
-            ))
-        } else if policy.subreaper
-            && let Some(orphan) = unaccounted_orphan()
-        {
-            let reason = format!(
-                "pid {}, an orphaned descendant that left its job's process group, is still alive",
-                orphan.pid()
-            );
-            if tokio::time::Instant::now() >= deadline {
-                // Attributed to this job from now on: re-checked (and reaped) through its evidence.
-                escapees.push(orphan);
-            } else {
-                KNOWN_ESCAPEES.lock().remove(&orphan.pid());
+        let reason = unproven_part(pgid, escapees, policy.subreaper).map(|(reason, orphan)| {
+            match orphan {
+                // Attributed to this job once the bound has passed: re-checked (and reaped)
+                // through its evidence from then on.
+                Some(orphan) if tokio::time::Instant::now() >= deadline => escapees.push(orphan),
+                Some(orphan) => {
+                    KNOWN_ESCAPEES.lock().remove(&orphan.pid());
+                }
+                None => {}
             }
-            Some(reason)
-        } else {
-            None
-        };
+            reason
+        });
         match reason {
             None => return None,
             Some(reason) if tokio::time::Instant::now() >= deadline => return Some(reason),
             Some(_) => backoff.sleep().await,
         }
     }
+}
+
+/// The first thing not yet proven gone: a member of the group (zombies of ours reaped first),
+/// a recorded escapee, or (with the subreaper) an orphan no job accounts for, which is returned
+/// registered as a known escapee for the caller to attribute or forget.
+fn unproven_part(
+    pgid: i32,
+    escapees: &[Escapee],
+    subreaper: bool,
+) -> Option<(String, Option<Escapee>)> {
+    reap_group_zombies(pgid);
+    if !group_empty(pgid) {
+        return Some((format!("process group {pgid} still has members"), None));
+    }
+    if let Some(e) = escapees.iter().find(|e| !e.gone()) {
+        return Some((
+            format!(
+                "descendant pid {} of process group {pgid} left the group and is still alive",
+                e.pid()
+            ),
+            None,
+        ));
+    }
+    if subreaper && let Some(orphan) = unaccounted_orphan() {
+        let reason = format!(
+            "pid {}, an orphaned descendant that left its job's process group, is still alive",
+            orphan.pid()
+        );
+        return Some((reason, Some(orphan)));
+    }
+    None
 }
 
 fn forget_escapees(escapees: &[Escapee]) {

@@ -583,21 +583,14 @@ impl SupState {
             return;
         }
         // Processes may still run in the temp dir: keep both, never declare the slot clean.
-        let Some(record) = self.table.get(key) else {
+        let Some((token, _)) = self.enter_quarantine(key) else {
             return;
         };
-        let token = record.token;
-        if record.phase == Phase::Granted {
-            self.apply(key, Edge::BodyEnded);
-        }
         let reason = unproven
             .iter()
             .map(|u| u.reason.as_str())
             .collect::<Vec<_>>()
             .join("; ");
-        if self.table.get(key).map(|r| r.phase) == Some(Phase::Draining) {
-            self.apply(key, Edge::Unconfirmed);
-        }
         self.quarantine.insert(
             key,
             Quarantine::Processes {
@@ -648,18 +641,26 @@ impl SupState {
         }
     }
 
-    /// The worker's physical end is late (tracked tasks past the drain bound, GPU work past the
-    /// fence bound): quarantine now, tell the caller; the slot is released when it does end.
-    fn on_unconfirmed(&mut self, key: LeaseKey, detail: String) {
-        let Some(record) = self.table.get(key) else {
-            return;
-        };
+    /// Moves a lease whose physical end is not proven into quarantine (through `Draining` if
+    /// its body had not been seen to end). Returns its token, and whether it was newly
+    /// quarantined (`false`: it already was); `None` for a lease that is not live.
+    fn enter_quarantine(&mut self, key: LeaseKey) -> Option<(SlotToken, bool)> {
+        let record = self.table.get(key)?;
         let token = record.token;
         if record.phase == Phase::Granted {
             self.apply(key, Edge::BodyEnded);
         }
-        if self.table.get(key).map(|r| r.phase) == Some(Phase::Draining) {
+        let newly = self.table.get(key).map(|r| r.phase) == Some(Phase::Draining);
+        if newly {
             self.apply(key, Edge::Unconfirmed);
+        }
+        Some((token, newly))
+    }
+
+    /// The worker's physical end is late (tracked tasks past the drain bound, GPU work past the
+    /// fence bound): quarantine now, tell the caller; the slot is released when it does end.
+    fn on_unconfirmed(&mut self, key: LeaseKey, detail: String) {
+        if let Some((token, true)) = self.enter_quarantine(key) {
             self.quarantine.insert(
                 key,
                 Quarantine::Draining {
@@ -752,16 +753,9 @@ impl SupState {
 
     #[cfg(feature = "gpu")]
     fn quarantine_gpu_lost(&mut self, key: LeaseKey, device: usize, reason: String) {
-        let Some(record) = self.table.get(key) else {
+        let Some((token, _)) = self.enter_quarantine(key) else {
             return;
         };
-        let token = record.token;
-        if record.phase == Phase::Granted {
-            self.apply(key, Edge::BodyEnded);
-        }
-        if self.table.get(key).map(|r| r.phase) == Some(Phase::Draining) {
-            self.apply(key, Edge::Unconfirmed);
-        }
         let detail = format!("gpu device {device} lost: {reason}");
         self.quarantine.insert(
             key,

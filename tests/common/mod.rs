@@ -266,3 +266,22 @@ impl EventLog {
             .unwrap_or_else(|| panic!("event {e:?} missing from {:?}", self.events()))
     }
 }
+
+/// Alive as far as the kernel knows (Linux `/proc`): the process exists and is not a zombie.
+pub fn proc_alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => false,
+        Ok(stat) => {
+            // The state follows the command name, which is in parentheses.
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next());
+            !matches!(state, Some('Z' | 'X') | None)
+        }
+    }
+}
+
+/// The process exists at all (alive or an unreaped zombie).
+pub fn proc_exists(pid: i32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
