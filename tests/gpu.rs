@@ -176,7 +176,11 @@ async fn a_cancelled_job_keeps_its_slot_until_its_gpu_work_has_completed() {
                 // Clear the marker, then the long work, then the marker after it.
                 gpu.queue()
                     .write_buffer(&gpu.scratch().storage, 0, &0u32.to_le_bytes());
-                gpu.submit([dispatch(&gpu, "long", 1024), dispatch(&gpu, "mark", 1)]);
+                // The long work straight on the queue (covered all the same), the marker
+                // through the context (recorded).
+                gpu.queue().submit([dispatch(&gpu, "long", 1024)]);
+                gpu.submit([dispatch(&gpu, "mark", 1)]);
+                assert_eq!(gpu.submissions(), 1);
                 let done_log = log.clone();
                 gpu.queue()
                     .on_submitted_work_done(move || done_log.push("gpu-done"));
