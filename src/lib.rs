@@ -27,7 +27,7 @@ pub use error::{
     LeaseReleased, ShutdownError, StartError, codes,
 };
 #[cfg(feature = "gpu")]
-pub use gpu::{GpuError, GpuOptions, JobGpu, SlotScratch};
+pub use gpu::{FencePolicy, GpuError, GpuOptions, JobGpu, SlotScratch};
 pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN};
 pub use job_handle::JobHandle;
 pub use lease::Lease;

@@ -445,3 +445,61 @@ async fn a_loss_seen_by_several_leases_re_creates_the_device_once() {
     assert_eq!(report.quarantined, 0);
     broker.assert_quiescent(report.stats);
 }
+
+/// With several slots on one device, `FencePolicy::Queue` (the default) makes a lease's release
+/// wait for everything queued before it, other slots' work included; `FencePolicy::Recorded`
+/// waits only for what the lease submitted through its context.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fence_policy_decides_whether_a_release_waits_for_other_slots_work() {
+    use leasehold::FencePolicy;
+    for policy in [FencePolicy::Queue, FencePolicy::Recorded] {
+        let log = EventLog::default();
+        let broker = TestBroker::new(2);
+        {
+            let log = log.clone();
+            broker.on_release(move |lease| {
+                log.push(format!("release-{lease}"));
+                Plan::Ok
+            });
+        }
+        let opts = GpuOptions::new().slots_per_device(2).fence_policy(policy);
+        let Some(sup) = start(Supervisor::builder().broker(broker.clone()), opts).await else {
+            return;
+        };
+        let (submitted_tx, submitted_rx) = oneshot::channel();
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let busy = {
+            let (sup, log, gate) = (sup.clone(), log.clone(), Arc::clone(&gate));
+            tokio::spawn(async move {
+                sup.run(JobSpec::new("busy").unwrap(), move |ctx| async move {
+                    let gpu = ctx.gpu().unwrap().clone();
+                    gpu.submit([dispatch(&gpu, "long", 1024)]);
+                    gpu.queue()
+                        .on_submitted_work_done(move || log.push("busy-gpu-done"));
+                    submitted_tx.send(()).unwrap();
+                    gate.notified().await;
+                    Ok::<_, std::io::Error>(())
+                })
+                .await
+            })
+        };
+        submitted_rx.await.unwrap();
+        // A job that submits nothing, on the other slot of the same device.
+        sup.run(JobSpec::new("idle").unwrap(), |_ctx| async {
+            Ok::<_, std::io::Error>(())
+        })
+        .await
+        .unwrap();
+        gate.notify_one();
+        busy.await.unwrap().unwrap();
+        let events = log.events();
+        let idle_release = log.position("release-2");
+        let busy_done = log.position("busy-gpu-done");
+        match policy {
+            FencePolicy::Queue => assert!(busy_done < idle_release, "{policy:?}: {events:?}"),
+            _ => assert!(idle_release < busy_done, "{policy:?}: {events:?}"),
+        }
+        let report = sup.shutdown().await.unwrap();
+        broker.assert_quiescent(report.stats);
+    }
+}

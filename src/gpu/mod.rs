@@ -30,6 +30,21 @@ pub struct GpuOptions {
     scratch_bytes: u64,
     recreate_attempts: u32,
     recreate_backoff: Duration,
+    fence_policy: FencePolicy,
+}
+
+/// What a lease's release waits for on the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum FencePolicy {
+    /// Everything submitted on the device's queue before the fence (default): covers work a
+    /// job submitted directly on the queue, at the price of also waiting for other slots' work
+    /// queued before it when a device has several slots.
+    #[default]
+    Queue,
+    /// Only the submissions made through [`JobGpu::submit`]: for jobs that never submit on the
+    /// queue directly. A job that submitted nothing through it is not waited for at all.
+    Recorded,
 }
 
 impl Default for GpuOptions {
@@ -52,6 +67,7 @@ impl GpuOptions {
             scratch_bytes: 1 << 20,
             recreate_attempts: 5,
             recreate_backoff: Duration::from_millis(50),
+            fence_policy: FencePolicy::Queue,
         }
     }
 
@@ -92,6 +108,12 @@ impl GpuOptions {
     /// How long the release waits for a lease's GPU work before quarantining the slot.
     pub fn fence_timeout(mut self, timeout: Duration) -> Self {
         self.fence_timeout = timeout;
+        self
+    }
+
+    /// What a lease's release waits for on the GPU (default [`FencePolicy::Queue`]).
+    pub fn fence_policy(mut self, policy: FencePolicy) -> Self {
+        self.fence_policy = policy;
         self
     }
 
@@ -189,6 +211,8 @@ struct JobGpuInner {
     device_index: usize,
     generation: u64,
     submissions: AtomicU64,
+    /// The latest submission made through the context.
+    last: Mutex<Option<wgpu::SubmissionIndex>>,
     owner: Arc<GpuDevice>,
 }
 
@@ -227,6 +251,7 @@ impl JobGpu {
     ) -> wgpu::SubmissionIndex {
         let index = self.inner.queue.submit(buffers);
         self.inner.submissions.fetch_add(1, Ordering::Relaxed);
+        *self.inner.last.lock() = Some(index.clone());
         index
     }
 
@@ -265,10 +290,13 @@ impl fmt::Debug for GpuDevice {
 }
 
 /// How a lease's GPU fence ended badly.
-#[derive(Debug, Clone)]
 pub(crate) enum FenceFailure {
-    /// The work did not complete within the bound: the slot is quarantined.
-    Timeout(Duration),
+    /// The work did not complete within the bound: the slot is quarantined until the wait,
+    /// which goes on, ends.
+    Timeout {
+        after: Duration,
+        still_waiting: futures_util::future::BoxFuture<'static, ()>,
+    },
     /// The device was lost: the slot is quarantined until the device is replaced.
     Lost { device: usize, reason: String },
 }
@@ -398,6 +426,7 @@ impl GpuPool {
                 device_index: placement.device,
                 generation,
                 submissions: AtomicU64::new(0),
+                last: Mutex::new(None),
                 owner: Arc::clone(dev),
             }),
         })
@@ -477,7 +506,6 @@ impl GpuPool {
     /// Waits, off the caller's thread, for every submission made on the lease's queue so far.
     pub(crate) async fn fence(&self, gpu: &JobGpu) -> Result<(), FenceFailure> {
         let inner = Arc::clone(&gpu.inner);
-        let timeout = self.opts.fence_timeout;
         let lost = |inner: &JobGpuInner| {
             let state = inner.owner.state.lock();
             (state.generation != inner.generation || state.lost.is_some()).then(|| {
@@ -490,7 +518,8 @@ impl GpuPool {
         if let Some(l) = lost(&inner) {
             return Err(l);
         }
-        let polled = tokio::task::spawn_blocking(move || {
+        let policy = self.opts.fence_policy;
+        let mut wait = tokio::task::spawn_blocking(move || {
             // A non-blocking poll first: it runs the device's maintenance, which is where a
             // loss (a driver reset, `destroy()`) is noticed and the loss callback fires. A
             // blocking wait on a device already lost may never return.
@@ -498,16 +527,35 @@ impl GpuPool {
             if lost(&inner).is_some() {
                 return (Ok(wgpu::PollStatus::QueueEmpty), inner);
             }
-            // An empty submission is ordered after everything submitted on this queue before it.
-            let index = inner.queue.submit(std::iter::empty());
+            let index = match policy {
+                // An empty submission is ordered after everything submitted on this queue
+                // before it, through the context or not.
+                FencePolicy::Queue => Some(inner.queue.submit(std::iter::empty())),
+                FencePolicy::Recorded => inner.last.lock().clone(),
+            };
+            let Some(index) = index else {
+                return (Ok(wgpu::PollStatus::QueueEmpty), inner);
+            };
+            // No timeout here: wgpu-core 30.0.2 can panic in a timed wait that runs out while
+            // other threads submit (gfx-rs/wgpu#9958). The bound is the tokio timer below.
             let r = inner.device.poll(wgpu::PollType::Wait {
                 submission_index: Some(index),
-                timeout: Some(timeout),
+                timeout: None,
             });
             (r, inner)
-        })
-        .await;
-        let (result, inner) = match polled {
+        });
+        let joined = match tokio::time::timeout(self.opts.fence_timeout, &mut wait).await {
+            Ok(joined) => joined,
+            Err(_) => {
+                return Err(FenceFailure::Timeout {
+                    after: self.opts.fence_timeout,
+                    still_waiting: Box::pin(async move {
+                        let _ = wait.await;
+                    }),
+                });
+            }
+        };
+        let (result, inner) = match joined {
             Ok(v) => v,
             Err(e) => {
                 return Err(FenceFailure::Lost {
@@ -519,14 +567,10 @@ impl GpuPool {
         if let Some(l) = lost(&inner) {
             return Err(l);
         }
-        match result {
-            Ok(_) => Ok(()),
-            Err(wgpu::PollError::Timeout) => Err(FenceFailure::Timeout(timeout)),
-            Err(e) => Err(FenceFailure::Lost {
-                device: inner.device_index,
-                reason: e.to_string(),
-            }),
-        }
+        result.map(|_| ()).map_err(|e| FenceFailure::Lost {
+            device: inner.device_index,
+            reason: e.to_string(),
+        })
     }
 
     /// Waits for all GPU work on every device, then destroys the devices (at shutdown, after

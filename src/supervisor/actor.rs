@@ -1096,17 +1096,16 @@ impl Driver {
             use crate::gpu::FenceFailure;
             match pool.fence(&gpu).await {
                 Ok(()) => {}
-                Err(FenceFailure::Timeout(after)) => {
+                Err(FenceFailure::Timeout {
+                    after,
+                    still_waiting,
+                }) => {
                     let detail = format!(
                         "gpu work submitted under the lease had not completed {after:?} after the worker ended; the slot stays quarantined until it does"
                     );
                     let _ = sup.send_message(SupMsg::Unconfirmed { key, detail });
-                    // Keep waiting: the slot is released as soon as the work completes.
-                    let device = gpu.device().clone();
-                    let _ = tokio::task::spawn_blocking(move || {
-                        device.poll(wgpu::PollType::wait_indefinitely())
-                    })
-                    .await;
+                    // The wait goes on: the slot is released as soon as the work completes.
+                    let _ = still_waiting.await;
                 }
                 Err(FenceFailure::Lost { device, reason }) => shared.mark_gpu_lost(device, reason),
             }
