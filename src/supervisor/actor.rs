@@ -21,8 +21,10 @@ use tokio_util::task::TaskTracker;
 use tracing::Span;
 
 use super::messages::{CancelReason, PendingJob, ReleaseReply, RunOutcome, SupMsg, WaiterKind};
-use super::state::{Edge, LeaseKey, LeaseKind, LeaseTable, Phase, ReleaseOutcome, WaiterId};
-use super::stats::{SharedStats, metric_names};
+use super::state::{
+    Edge, LeaseKey, LeaseKind, LeaseTable, Phase, ReleaseOutcome, WaiterId, shrink_map,
+};
+use super::stats::{Published, SharedStats, metric_names};
 use super::{QuarantinedSlot, ReclaimReport, ShutdownReport};
 use crate::broker::{AcquireRequest, BrokerError, DynBroker, SlotToken, poll_once};
 use crate::error::{AcquireError, CleanupError, CleanupErrorKind};
@@ -55,8 +57,8 @@ pub(crate) struct SupArgs {
 }
 
 struct Waiter {
+    /// Carries the caller's span.
     kind: WaiterKind,
-    span: Span,
     since: Instant,
 }
 
@@ -103,11 +105,12 @@ pub(crate) struct SupState {
     broker: Arc<dyn DynBroker>,
     config: Arc<Config>,
     stats: Arc<SharedStats>,
+    /// What was last stored into `stats`.
+    published: Published,
     waiters: HashMap<WaiterId, Waiter>,
     jobs: HashMap<LeaseKey, RunningJob>,
     workers: HashMap<ActorId, LeaseKey>,
     release_replies: HashMap<LeaseKey, Vec<ReleaseReply>>,
-    release_started: HashMap<LeaseKey, Instant>,
     quarantine: HashMap<LeaseKey, Quarantine>,
     shutdown_replies: Vec<oneshot::Sender<ShutdownReport>>,
     report: ShutdownReport,
@@ -146,11 +149,11 @@ impl Actor for SupervisorActor {
             broker: args.broker,
             config: args.config,
             stats: args.stats,
+            published: Published::default(),
             waiters: HashMap::new(),
             jobs: HashMap::new(),
             workers: HashMap::new(),
             release_replies: HashMap::new(),
-            release_started: HashMap::new(),
             quarantine: HashMap::new(),
             shutdown_replies: Vec::new(),
             report: ShutdownReport::default(),
@@ -227,10 +230,10 @@ impl Actor for SupervisorActor {
 impl SupState {
     async fn on_message(&mut self, myself: &ActorRef<SupMsg>, msg: SupMsg) {
         match msg {
-            SupMsg::Acquire { waiter, kind, span } => {
+            SupMsg::Acquire { waiter, kind } => {
                 if self.table.enqueue(waiter) {
                     let since = Instant::now();
-                    self.waiters.insert(waiter, Waiter { kind, span, since });
+                    self.waiters.insert(waiter, Waiter { kind, since });
                 } else {
                     reply_not_started(kind, AcquireError::Stopped);
                 }
@@ -246,7 +249,11 @@ impl SupState {
             ),
             SupMsg::ScratchRemoved { key, result } => self.on_scratch_removed(myself, key, result),
             SupMsg::Release { key, reply } => self.on_release_request(myself, key, reply),
-            SupMsg::BrokerReleased { key, result } => self.finish_release(key, result),
+            SupMsg::BrokerReleased {
+                key,
+                result,
+                started,
+            } => self.finish_release(key, result, started),
             SupMsg::Shutdown { reply } => self.begin_shutdown(myself, reply),
             SupMsg::ShutdownDeadline => self.abandon_pending = true,
             SupMsg::Quarantined { reply } => {
@@ -261,13 +268,26 @@ impl SupState {
         }
     }
 
-    /// After every message: start the broker acquires the queue needs, publish stats, and finish
-    /// a shutdown that has nothing left to wait for.
+    /// After every message: start the broker acquires the queue needs, publish stats (what
+    /// changed), give back the capacity a flood left, and finish a shutdown that has nothing
+    /// left to wait for.
     async fn settle(&mut self, myself: &ActorRef<SupMsg>) {
         self.pump(myself).await;
-        self.stats.publish(&self.table);
-        self.stats.publish_gauges(&self.table);
+        self.stats.publish(&self.table, &mut self.published);
+        SharedStats::publish_gauges(&self.table);
+        self.shrink_idle();
         self.maybe_finish_shutdown(myself);
+    }
+
+    /// Returns the memory of maps that have emptied out (after a flood drains): amortised O(1),
+    /// since a map is only rebuilt once it has lost three quarters of its capacity.
+    fn shrink_idle(&mut self) {
+        shrink_map(&mut self.waiters, SHRINK_FLOOR);
+        shrink_map(&mut self.jobs, SHRINK_FLOOR);
+        shrink_map(&mut self.workers, SHRINK_FLOOR);
+        shrink_map(&mut self.release_replies, SHRINK_FLOOR);
+        shrink_map(&mut self.quarantine, SHRINK_FLOOR);
+        self.table.shrink_idle();
     }
 
     fn cancel_waiter(&mut self, waiter: WaiterId, reason: CancelReason) {
@@ -279,8 +299,8 @@ impl SupState {
     }
 
     /// Answers a waiter that gets no slot, after publishing the figures it may read next.
-    fn refuse(&self, kind: WaiterKind, err: AcquireError) {
-        self.stats.publish(&self.table);
+    fn refuse(&mut self, kind: WaiterKind, err: AcquireError) {
+        self.stats.publish(&self.table, &mut self.published);
         reply_not_started(kind, err);
     }
 
@@ -353,7 +373,8 @@ impl SupState {
                 // that has already left (or whose job is cancelled) absorbs it instead: it has
                 // its answer, and every other waiter is still covered by its own request.
                 if let Some(w) = self.pop_live_waiter() {
-                    let _e = w.span.enter();
+                    let span = w.kind.span().clone();
+                    let _e = span.enter();
                     tracing::warn!(error = %err, "slot acquire failed");
                     let err = match &w.kind {
                         WaiterKind::Job(job) if job.shared.cancel.is_cancelled() => {
@@ -384,13 +405,13 @@ impl SupState {
                 return;
             };
             match waiter.kind {
-                WaiterKind::Lease { reply } => {
+                WaiterKind::Lease { reply, span } => {
                     if reply.is_closed() {
                         continue;
                     }
                     let key = self.table.grant(token, LeaseKind::Explicit);
-                    record_grant(&waiter.span, waiter.since, token);
-                    self.stats.publish(&self.table);
+                    record_grant(&span, waiter.since, token);
+                    self.stats.publish(&self.table, &mut self.published);
                     let lease = Lease::new(key, token, myself.clone());
                     if let Err(Ok(lease)) = reply.send(Ok(lease)) {
                         // The caller left between the check and the send: release it here.
@@ -407,7 +428,7 @@ impl SupState {
                         continue;
                     }
                     let key = self.table.grant(token, LeaseKind::Job);
-                    record_grant(&waiter.span, waiter.since, token);
+                    record_grant(&job.span, waiter.since, token);
                     self.start_job(myself, key, token, *job).await;
                     return;
                 }
@@ -673,7 +694,7 @@ impl SupState {
 
     /// Tells the job's caller (or, with no caller left, the sink) that cleanup is unconfirmed.
     fn answer_job_early(&mut self, key: LeaseKey, err: CleanupError) {
-        self.stats.publish(&self.table);
+        self.stats.publish(&self.table, &mut self.published);
         let job = self.jobs.get_mut(&key);
         let job_id = job.as_ref().map(|j| j.job_id.to_string());
         let reply = job.and_then(|j| j.reply.take());
@@ -828,11 +849,12 @@ impl SupState {
     /// Starts the broker release of `token` under the cleanup timeout. The timeout is the
     /// supervisor's own: no caller's cancellation reaches this task.
     fn start_release(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey, token: SlotToken) {
-        self.release_started.insert(key, Instant::now());
+        let started = Instant::now();
         let mut fut = Arc::clone(&self.broker).release_boxed(token);
         match poll_once(&mut fut) {
             Poll::Ready(result) => {
-                self.finish_release(key, result.map_err(|e| CleanupError::broker(token, e)));
+                let result = result.map_err(|e| CleanupError::broker(token, e));
+                self.finish_release(key, result, started);
             }
             Poll::Pending => {
                 let timeout = self.config.cleanup_timeout;
@@ -843,13 +865,22 @@ impl SupState {
                         Ok(Err(e)) => Err(CleanupError::broker(token, e)),
                         Err(_) => Err(CleanupError::timeout(token, timeout)),
                     };
-                    let _ = me.send_message(SupMsg::BrokerReleased { key, result });
+                    let _ = me.send_message(SupMsg::BrokerReleased {
+                        key,
+                        result,
+                        started,
+                    });
                 });
             }
         }
     }
 
-    fn finish_release(&mut self, key: LeaseKey, result: Result<(), CleanupError>) {
+    fn finish_release(
+        &mut self,
+        key: LeaseKey,
+        result: Result<(), CleanupError>,
+        started: Instant,
+    ) {
         let Some(record) = self.table.get(key) else {
             return;
         };
@@ -862,15 +893,13 @@ impl SupState {
         if !self.apply(key, Edge::Released(outcome)) {
             return;
         }
-        if let Some(started) = self.release_started.remove(&key) {
-            metrics::histogram!(metric_names::RELEASE_DURATION_MS)
-                .record(started.elapsed().as_secs_f64() * 1e3);
-        }
+        metrics::histogram!(metric_names::RELEASE_DURATION_MS)
+            .record(started.elapsed().as_secs_f64() * 1e3);
         metrics::counter!(metric_names::RELEASE_COUNT).increment(1);
         if result.is_err() {
             metrics::counter!(metric_names::RELEASE_FAILED_COUNT).increment(1);
         }
-        self.stats.publish(&self.table);
+        self.stats.publish(&self.table, &mut self.published);
         match kind {
             LeaseKind::Job => {
                 let job = self.jobs.remove(&key);
@@ -1022,9 +1051,12 @@ impl SupState {
     }
 }
 
+/// Map capacity kept however empty a map gets.
+const SHRINK_FLOOR: usize = 64;
+
 fn reply_not_started(kind: WaiterKind, err: AcquireError) {
     match kind {
-        WaiterKind::Lease { reply } => {
+        WaiterKind::Lease { reply, .. } => {
             let _ = reply.send(Err(err));
         }
         WaiterKind::Job(job) => {

@@ -2,7 +2,7 @@
 
 use std::io;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 use tracing::Span;
@@ -15,12 +15,8 @@ use crate::supervisor::{QuarantinedSlot, ReclaimReport, ShutdownReport};
 use crate::worker::{BoxedBody, JobShared};
 
 pub(crate) enum SupMsg {
-    /// Join the FIFO queue.
-    Acquire {
-        waiter: WaiterId,
-        kind: WaiterKind,
-        span: Span,
-    },
+    /// Join the FIFO queue. The caller's span travels in `kind` (one per waiter, not two).
+    Acquire { waiter: WaiterId, kind: WaiterKind },
     /// The caller stopped waiting. Ignored once the waiter has been served.
     Cancel {
         waiter: WaiterId,
@@ -48,6 +44,8 @@ pub(crate) enum SupMsg {
     BrokerReleased {
         key: LeaseKey,
         result: Result<(), CleanupError>,
+        /// When the release was started (for the release duration histogram).
+        started: Instant,
     },
     /// Stop: refuse new work, cancel jobs, wait, release everything (`None`: last handle dropped).
     Shutdown {
@@ -80,8 +78,19 @@ pub(crate) type ReleaseReply = oneshot::Sender<Result<(), CleanupError>>;
 pub(crate) enum WaiterKind {
     Lease {
         reply: oneshot::Sender<Result<Lease, AcquireError>>,
+        span: Span,
     },
     Job(Box<PendingJob>),
+}
+
+impl WaiterKind {
+    /// The caller's span (a job's own span for a job).
+    pub(crate) fn span(&self) -> &Span {
+        match self {
+            Self::Lease { span, .. } => span,
+            Self::Job(job) => &job.span,
+        }
+    }
 }
 
 pub(crate) struct PendingJob {

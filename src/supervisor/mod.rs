@@ -8,10 +8,12 @@ pub(crate) mod state;
 mod stats;
 
 use std::fmt;
-use std::future::Future;
+use std::future::{Future, poll_fn};
 use std::path::{Path, PathBuf};
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -189,8 +191,10 @@ impl Supervisor {
         let (tx, rx) = oneshot::channel();
         let msg = SupMsg::Acquire {
             waiter,
-            kind: WaiterKind::Lease { reply: tx },
-            span: Span::current(),
+            kind: WaiterKind::Lease {
+                reply: tx,
+                span: Span::current(),
+            },
         };
         if self.inner.actor.send_message(msg).is_err() {
             return Err(AcquireError::Stopped);
@@ -268,12 +272,11 @@ impl Supervisor {
             shared: Arc::clone(&shared),
             body: boxed,
             reply: tx,
-            span: span.clone(),
+            span,
         };
         let msg = SupMsg::Acquire {
             waiter,
             kind: WaiterKind::Job(Box::new(pending)),
-            span,
         };
         if self.inner.actor.send_message(msg).is_err() {
             return Err(JobError::Acquire(AcquireError::Stopped));
@@ -533,35 +536,39 @@ async fn await_reply<T>(
     if cancel.is_none() && timeout.is_none() {
         return rx.await;
     }
-    let timer = async {
-        match timeout {
-            Some(t) => tokio::time::sleep(t).await,
-            None => std::future::pending().await,
-        }
-    };
-    let cancelled = async {
-        match cancel {
-            Some(c) => c.cancelled().await,
-            None => std::future::pending().await,
-        }
-    };
-    tokio::pin!(timer, cancelled);
-    let (mut timer_live, mut cancel_live) = (true, true);
+    // Only what is configured exists: the timer is boxed and made only when an acquire timeout
+    // is set, so that an untimed wait (the common case, and a flood's) carries no `Sleep`.
+    let mut timer = timeout.map(|t| Box::pin(tokio::time::sleep(t)));
+    let mut cancelled = pin!(cancel.map(CancellationToken::cancelled));
     loop {
-        let reason = tokio::select! {
-            biased;
-            reply = &mut rx => return reply,
-            () = &mut cancelled, if cancel_live => {
-                cancel_live = false;
-                CancelReason::Cancelled
+        // Biased as before: the reply first, then the cancellation, then the timer. A source
+        // that fired is dropped and the wait goes on.
+        let next = poll_fn(|cx| {
+            if let Poll::Ready(reply) = Pin::new(&mut rx).poll(cx) {
+                return Poll::Ready(Err(reply));
             }
-            () = &mut timer, if timer_live => {
-                timer_live = false;
-                CancelReason::TimedOut(timeout.unwrap_or_default())
+            if let Some(fut) = cancelled.as_mut().as_pin_mut()
+                && fut.poll(cx).is_ready()
+            {
+                cancelled.set(None);
+                return Poll::Ready(Ok(CancelReason::Cancelled));
             }
-        };
-        // If the actor is gone, `rx` resolves with an error on the next turn.
-        let _ = actor.send_message(SupMsg::Cancel { waiter, reason });
+            if let Some(sleep) = timer.as_mut()
+                && sleep.as_mut().poll(cx).is_ready()
+            {
+                timer = None;
+                return Poll::Ready(Ok(CancelReason::TimedOut(timeout.unwrap_or_default())));
+            }
+            Poll::Pending
+        })
+        .await;
+        match next {
+            Err(reply) => return reply,
+            // If the actor is gone, `rx` resolves with an error on the next turn.
+            Ok(reason) => {
+                let _ = actor.send_message(SupMsg::Cancel { waiter, reason });
+            }
+        }
     }
 }
 

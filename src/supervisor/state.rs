@@ -298,7 +298,8 @@ impl LeaseTable {
         key: LeaseKey,
         edge: Edge,
     ) -> Result<Option<Phase>, IllegalTransition> {
-        let from = self.leases.get(&key).map(|r| r.phase);
+        let record = self.leases.get_mut(&key);
+        let from = record.as_ref().map(|r| r.phase);
         let to = step(from, edge)?;
         if from == Some(Phase::Quarantined) {
             self.quarantined -= 1;
@@ -308,7 +309,7 @@ impl LeaseTable {
                 if phase == Phase::Quarantined {
                     self.quarantined += 1;
                 }
-                self.leases.get_mut(&key).expect("checked by step").phase = phase;
+                record.expect("checked by step").phase = phase;
             }
             None => {
                 let record = self.leases.remove(&key).expect("checked by step");
@@ -354,6 +355,23 @@ impl LeaseTable {
         }
     }
 
+    /// Gives back the capacity of the queue and the indexes once they are mostly empty (after a
+    /// flood drains). Amortised O(1): a structure is rebuilt only when at most a quarter full.
+    pub(crate) fn shrink_idle(&mut self) {
+        const FLOOR: usize = 64;
+        let cap = self.queue.capacity();
+        if cap > FLOOR && self.queue.len() <= cap / 4 {
+            self.queue.shrink_to((self.queue.len() * 2).max(FLOOR));
+        }
+        let cap = self.waiting.capacity();
+        if cap > FLOOR && self.waiting.len() <= cap / 4 {
+            self.waiting.shrink_to((self.waiting.len() * 2).max(FLOOR));
+        }
+        shrink_map(&mut self.leases, FLOOR);
+        shrink_map(&mut self.by_slot, FLOOR);
+        shrink_map(&mut self.by_lease_id, FLOOR);
+    }
+
     /// Starts stopping: no new waiter; returns every waiter still queued, in FIFO order.
     pub(crate) fn begin_stop(&mut self) -> Vec<WaiterId> {
         self.stopping = true;
@@ -395,6 +413,18 @@ impl LeaseTable {
 
     pub(crate) fn counters(&self) -> Counters {
         self.counters
+    }
+}
+
+/// Gives back most of a map's capacity once it is at most a quarter full (see
+/// [`LeaseTable::shrink_idle`]).
+pub(crate) fn shrink_map<K: Eq + std::hash::Hash, V, S: std::hash::BuildHasher>(
+    map: &mut HashMap<K, V, S>,
+    floor: usize,
+) {
+    let cap = map.capacity();
+    if cap > floor && map.len() <= cap / 4 {
+        map.shrink_to((map.len() * 2).max(floor));
     }
 }
 

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use super::state::LeaseTable;
+use super::state::{Counters, LeaseTable};
 
 /// Metric names, emitted through the [`metrics`] facade (install any exporter).
 pub mod metric_names {
@@ -61,24 +61,60 @@ pub(crate) struct SharedStats {
     shut_down: AtomicBool,
 }
 
+/// The table's figures, as `Stats` shows them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Figures {
+    active: usize,
+    waiting: usize,
+    quarantined: usize,
+    counters: Counters,
+}
+
+impl Figures {
+    fn of(table: &LeaseTable) -> Self {
+        Self {
+            active: table.active(),
+            waiting: table.waiting(),
+            quarantined: table.quarantined(),
+            counters: table.counters(),
+        }
+    }
+}
+
+/// What the actor last stored into [`SharedStats`] (owned by the actor, their only writer), so
+/// that unchanged figures are not written again after every message and before every reply.
+#[derive(Debug, Default)]
+pub(crate) struct Published {
+    stored: Option<Figures>,
+}
+
 impl SharedStats {
     /// Stores the table's figures. Called before every reply, so that a caller who has just
-    /// been answered reads figures that already include what it was answered about.
+    /// been answered reads figures that already include what it was answered about. Nothing is
+    /// written when they equal what was last stored (the atomics still hold exactly that: the
+    /// actor is their only writer).
     // Relaxed: each field is a standalone figure; the reply's channel orders it for the caller.
-    pub(crate) fn publish(&self, table: &LeaseTable) {
-        let c = table.counters();
+    pub(crate) fn publish(&self, table: &LeaseTable, last: &mut Published) {
+        let now = Figures::of(table);
+        if last.stored == Some(now) {
+            return;
+        }
+        let c = now.counters;
         let set = |cell: &AtomicU64, v: u64| cell.store(v, Ordering::Relaxed);
-        set(&self.active, table.active() as u64);
-        set(&self.waiting, table.waiting() as u64);
+        set(&self.active, now.active as u64);
+        set(&self.waiting, now.waiting as u64);
         set(&self.acquired_total, c.acquired_total);
         set(&self.released_total, c.released_total);
         set(&self.release_failed_total, c.release_failed_total);
         set(&self.orphan_expired_total, c.orphan_expired_total);
-        set(&self.quarantined, table.quarantined() as u64);
+        set(&self.quarantined, now.quarantined as u64);
+        last.stored = Some(now);
     }
 
-    /// Sets the gauges of DESIGN.md section 5 (once per handled message).
-    pub(crate) fn publish_gauges(&self, table: &LeaseTable) {
+    /// Sets the gauges of DESIGN.md section 5 (once per handled message). Every time, even
+    /// unchanged: a recorder may drain gauges when it reads them (metrics-util's
+    /// `DebuggingRecorder` does), and must then see them again.
+    pub(crate) fn publish_gauges(table: &LeaseTable) {
         metrics::gauge!(metric_names::ACTIVE_COUNT).set(table.active() as f64);
         metrics::gauge!(metric_names::WAITING_COUNT).set(table.waiting() as f64);
         metrics::gauge!(metric_names::QUARANTINED_COUNT).set(table.quarantined() as f64);

@@ -15,37 +15,51 @@ pub(crate) struct JobShared {
     /// The job's own token: a child of the caller's token, cancelled also when the `run` future
     /// is dropped or the supervisor shuts down.
     pub(crate) cancel: CancellationToken,
-    panics: Mutex<Vec<String>>,
-    delivery_unknown: Mutex<Option<String>>,
+    /// Allocated on the first write: most jobs never write any, and a queued job holds this
+    /// record for as long as it waits.
+    records: Mutex<Option<Box<Records>>>,
+    started: AtomicBool,
+}
+
+/// What a job's body and tasks may record (see the accessors of [`JobShared`]).
+#[derive(Debug, Default)]
+struct Records {
+    panics: Vec<String>,
+    delivery_unknown: Option<String>,
     /// Process groups the job's keepers could not prove gone.
-    unproven: Mutex<Vec<Unproven>>,
+    unproven: Vec<Unproven>,
     /// The job's GPU, once checked out (read by the driver for the release fence).
     #[cfg(feature = "gpu")]
-    gpu: Mutex<Option<crate::gpu::JobGpu>>,
+    gpu: Option<crate::gpu::JobGpu>,
     /// The job's GPU device was lost (device index, reason).
     #[cfg(feature = "gpu")]
-    gpu_lost: Mutex<Option<(usize, String)>>,
+    gpu_lost: Option<(usize, String)>,
     /// The job's GPU device could not be made usable; the body did not run.
     #[cfg(feature = "gpu")]
-    gpu_unavailable: Mutex<Option<crate::gpu::GpuError>>,
-    started: AtomicBool,
+    gpu_unavailable: Option<crate::gpu::GpuError>,
 }
 
 impl JobShared {
     pub(crate) fn new(cancel: CancellationToken) -> Self {
         Self {
             cancel,
-            panics: Mutex::new(Vec::new()),
-            delivery_unknown: Mutex::new(None),
-            unproven: Mutex::new(Vec::new()),
-            #[cfg(feature = "gpu")]
-            gpu: Mutex::new(None),
-            #[cfg(feature = "gpu")]
-            gpu_lost: Mutex::new(None),
-            #[cfg(feature = "gpu")]
-            gpu_unavailable: Mutex::new(None),
+            records: Mutex::new(None),
             started: AtomicBool::new(false),
         }
+    }
+
+    /// Writes a record, allocating the records on the first write.
+    fn write<R>(&self, f: impl FnOnce(&mut Records) -> R) -> R {
+        f(self.records.lock().get_or_insert_with(Box::default))
+    }
+
+    /// Reads (or takes) a record; `R::default()` when nothing was ever written.
+    fn read<R: Default>(&self, f: impl FnOnce(&mut Records) -> R) -> R {
+        self.records
+            .lock()
+            .as_deref_mut()
+            .map(f)
+            .unwrap_or_default()
     }
 
     pub(crate) fn record_panic(&self, payload: &(dyn Any + Send)) {
@@ -56,59 +70,61 @@ impl JobShared {
         } else {
             "non-string panic payload".to_owned()
         };
-        self.panics.lock().push(msg);
+        self.write(|r| r.panics.push(msg));
     }
 
     pub(crate) fn mark_delivery_unknown(&self, reason: String) {
         // The first reason is kept: it is the effect that was first in doubt.
-        self.delivery_unknown.lock().get_or_insert(reason);
+        self.write(|r| {
+            r.delivery_unknown.get_or_insert(reason);
+        });
     }
 
     pub(crate) fn mark_unproven(&self, evidence: Unproven) {
-        self.unproven.lock().push(evidence);
+        self.write(|r| r.unproven.push(evidence));
     }
 
     /// Read by the supervisor once the worker and every tracked task (keepers included) ended.
     pub(crate) fn take_unproven(&self) -> Vec<Unproven> {
-        std::mem::take(&mut *self.unproven.lock())
+        self.read(|r| std::mem::take(&mut r.unproven))
     }
 
     #[cfg(feature = "gpu")]
     pub(crate) fn set_gpu(&self, gpu: crate::gpu::JobGpu) {
-        *self.gpu.lock() = Some(gpu);
+        self.write(|r| r.gpu = Some(gpu));
     }
 
     #[cfg(feature = "gpu")]
     pub(crate) fn gpu(&self) -> Option<crate::gpu::JobGpu> {
-        self.gpu.lock().clone()
+        self.read(|r| r.gpu.clone())
     }
 
     #[cfg(feature = "gpu")]
     pub(crate) fn mark_gpu_lost(&self, device: usize, reason: String) {
-        *self.gpu_lost.lock() = Some((device, reason));
+        self.write(|r| r.gpu_lost = Some((device, reason)));
     }
 
     #[cfg(feature = "gpu")]
     pub(crate) fn take_gpu_lost(&self) -> Option<(usize, String)> {
-        self.gpu_lost.lock().take()
+        self.read(|r| r.gpu_lost.take())
     }
 
     #[cfg(feature = "gpu")]
     pub(crate) fn set_gpu_unavailable(&self, err: crate::gpu::GpuError) {
-        *self.gpu_unavailable.lock() = Some(err);
+        self.write(|r| r.gpu_unavailable = Some(err));
     }
 
     #[cfg(feature = "gpu")]
     pub(crate) fn take_gpu_unavailable(&self) -> Option<crate::gpu::GpuError> {
-        self.gpu_unavailable.lock().take()
+        self.read(|r| r.gpu_unavailable.take())
     }
 
     pub(crate) fn take_panics(&self) -> Vec<String> {
-        std::mem::take(&mut *self.panics.lock())
+        self.read(|r| std::mem::take(&mut r.panics))
     }
 
     pub(crate) fn take_delivery_unknown(&self) -> Option<String> {
-        self.delivery_unknown.lock().take()
+        self.read(|r| r.delivery_unknown.take())
     }
 
     // Relaxed is enough: the flag is read after the worker has been joined (a happens-before
