@@ -359,12 +359,7 @@ impl Supervisor {
     ///
     /// Cancel safe: it only reads.
     pub async fn quarantined(&self) -> Result<Vec<QuarantinedSlot>, ShutdownError> {
-        let (tx, rx) = oneshot::channel();
-        self.inner
-            .actor
-            .send_message(SupMsg::Quarantined { reply: tx })
-            .map_err(|_| ShutdownError::new())?;
-        rx.await.map_err(|_| ShutdownError::new())
+        self.ask(|reply| SupMsg::Quarantined { reply }).await
     }
 
     /// Checks every quarantined slot again: process groups proven empty now (and escaped
@@ -381,10 +376,18 @@ impl Supervisor {
     ///
     /// Dropping the future does not undo the check: slots found clean are released anyway.
     pub async fn reclaim_quarantined(&self) -> Result<ReclaimReport, ShutdownError> {
+        self.ask(|reply| SupMsg::Reclaim { reply }).await
+    }
+
+    /// One request to the actor and its answer; an unreachable actor is `SUPERVISOR_STOPPED`.
+    async fn ask<R>(
+        &self,
+        msg: impl FnOnce(oneshot::Sender<R>) -> SupMsg,
+    ) -> Result<R, ShutdownError> {
         let (tx, rx) = oneshot::channel();
         self.inner
             .actor
-            .send_message(SupMsg::Reclaim { reply: tx })
+            .send_message(msg(tx))
             .map_err(|_| ShutdownError::new())?;
         rx.await.map_err(|_| ShutdownError::new())
     }
