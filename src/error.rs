@@ -45,6 +45,11 @@ pub mod codes {
     pub const LEASE_GPU_DEVICE_LOST: &str = "LEASE_GPU_DEVICE_LOST";
     /// The supervisor could not start with this configuration.
     pub const SUPERVISOR_START_FAILED: &str = "SUPERVISOR_START_FAILED";
+    /// The lease could not be kept alive (a distributed broker's TTL may lapse, or has): the
+    /// job was cancelled at once; its writes may be refused by fencing.
+    pub const LEASE_LOST: &str = "LEASE_LOST";
+    /// A fencing token older than one already accepted was refused.
+    pub const LEASE_FENCED: &str = "LEASE_FENCED";
 }
 
 /// Why [`Supervisor::acquire`](crate::Supervisor::acquire) (or the acquire step of a job) ended
@@ -266,6 +271,11 @@ pub enum BodyErrorKind {
     Cancelled,
     /// An external effect may or may not have happened; wins over everything.
     DeliveryUnknown,
+    /// The lease could not be kept alive (a distributed broker's TTL may lapse, or has), so
+    /// the job was cancelled at once. Wins over everything but delivery-unknown, and over a
+    /// value the body returned anyway: work done after the loss may have overlapped the next
+    /// holder's.
+    LeaseLost,
 }
 
 /// The failure of a job's own work, decided only after the body and every task it spawned
@@ -277,10 +287,12 @@ pub struct BodyError<E> {
     error: Option<E>,
     panics: Vec<String>,
     delivery_unknown: Option<String>,
+    lease_lost: Option<String>,
 }
 
 impl<E> BodyError<E> {
-    /// Applies the priority ladder: delivery-unknown > cancellation > panic > ordinary error.
+    /// Applies the priority ladder: delivery-unknown > lease lost > cancellation > panic >
+    /// ordinary error.
     /// Returns `None` when the body produced its value and nothing failed (a cancellation
     /// request the body completed its work despite is not a failure). A body with no value, no
     /// error and no panic was dropped after the cancel grace: cancelled.
@@ -289,10 +301,13 @@ impl<E> BodyError<E> {
         error: Option<E>,
         panics: Vec<String>,
         delivery_unknown: Option<String>,
+        lease_lost: Option<String>,
         cancelled: bool,
     ) -> Option<Self> {
         let kind = if delivery_unknown.is_some() {
             BodyErrorKind::DeliveryUnknown
+        } else if lease_lost.is_some() {
+            BodyErrorKind::LeaseLost
         } else if has_value && panics.is_empty() {
             return None;
         } else if cancelled {
@@ -309,6 +324,7 @@ impl<E> BodyError<E> {
             error,
             panics,
             delivery_unknown,
+            lease_lost,
         })
     }
 
@@ -325,7 +341,13 @@ impl<E> BodyError<E> {
             BodyErrorKind::Panicked => codes::LEASE_BODY_PANICKED,
             BodyErrorKind::Cancelled => codes::LEASE_BODY_CANCELLED,
             BodyErrorKind::DeliveryUnknown => codes::LEASE_DELIVERY_UNKNOWN,
+            BodyErrorKind::LeaseLost => codes::LEASE_LOST,
         }
+    }
+
+    /// Why the lease was lost, when [`kind`](Self::kind) is [`BodyErrorKind::LeaseLost`].
+    pub fn lease_lost(&self) -> Option<&str> {
+        self.lease_lost.as_deref()
     }
 
     /// The body's own error, if it returned one (also when a higher-priority failure won).
@@ -359,6 +381,11 @@ impl<E> fmt::Display for BodyError<E> {
                 write!(f, "job panicked: {}", self.panics.first().map_or("", |s| s))
             }
             BodyErrorKind::Cancelled => f.write_str("job cancelled"),
+            BodyErrorKind::LeaseLost => write!(
+                f,
+                "lease lost, job cancelled: {}",
+                self.lease_lost.as_deref().unwrap_or("")
+            ),
             BodyErrorKind::DeliveryUnknown => write!(
                 f,
                 "delivery unknown: {}",

@@ -8,7 +8,7 @@ use std::task::{Context, Poll, Waker};
 
 use futures_util::future::BoxFuture;
 
-use super::{AcquireRequest, BrokerError, SlotBroker, SlotToken};
+use super::{AcquireRequest, BrokerError, BrokerEvents, SlotBroker, SlotToken};
 
 /// The object-safe face of a broker, used by the supervisor.
 pub(crate) trait DynBroker: Send + Sync + 'static {
@@ -21,6 +21,9 @@ pub(crate) trait DynBroker: Send + Sync + 'static {
         token: SlotToken,
     ) -> BoxFuture<'static, Result<(), BrokerError>>;
     fn capacity(&self) -> Option<u32>;
+    fn renews(&self) -> bool;
+    fn keep_alive_boxed(self: Arc<Self>, token: SlotToken) -> BoxFuture<'static, BrokerError>;
+    fn attach(&self, events: BrokerEvents);
 }
 
 impl<B: SlotBroker> DynBroker for B {
@@ -40,6 +43,18 @@ impl<B: SlotBroker> DynBroker for B {
 
     fn capacity(&self) -> Option<u32> {
         SlotBroker::capacity(self)
+    }
+
+    fn renews(&self) -> bool {
+        SlotBroker::renews(self)
+    }
+
+    fn keep_alive_boxed(self: Arc<Self>, token: SlotToken) -> BoxFuture<'static, BrokerError> {
+        Box::pin(async move { SlotBroker::keep_alive(&*self, token).await })
+    }
+
+    fn attach(&self, events: BrokerEvents) {
+        SlotBroker::attach(self, events)
     }
 }
 

@@ -5,6 +5,8 @@
 //! is moved to a task of its own and its result comes back as a message.
 
 mod erased;
+#[cfg(feature = "etcd")]
+pub(crate) mod etcd;
 mod local;
 
 use std::fmt;
@@ -50,6 +52,7 @@ impl fmt::Display for SlotToken {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AcquireRequest {
     request_id: u64,
+    origin: u64,
     job_id: Option<Arc<str>>,
 }
 
@@ -58,8 +61,22 @@ impl AcquireRequest {
     pub fn new(request_id: u64, job_id: Option<&str>) -> Self {
         Self {
             request_id,
+            origin: 0,
             job_id: job_id.map(Arc::from),
         }
+    }
+
+    /// Sets the requester's identity (see [`origin`](Self::origin)).
+    pub fn with_origin(mut self, origin: u64) -> Self {
+        self.origin = origin;
+        self
+    }
+
+    /// Which supervisor asked: random per supervisor (0 when built by hand). Request ids are
+    /// only unique per supervisor, so a broker shared by several supervisors keys idempotency
+    /// on `(origin, request_id)`.
+    pub fn origin(&self) -> u64 {
+        self.origin
     }
 
     /// Unique per supervisor and per acquire: the idempotency key a broker uses to recognise the
@@ -117,6 +134,110 @@ pub trait SlotBroker: Send + Sync + 'static {
     fn capacity(&self) -> Option<u32> {
         None
     }
+
+    /// Whether this broker's leases lapse unless they are kept alive (a distributed broker's
+    /// TTL). `false` by default: the supervisor then never calls
+    /// [`keep_alive`](Self::keep_alive) and pays nothing for it.
+    fn renews(&self) -> bool {
+        false
+    }
+
+    /// Keeps the lease behind `token` alive, and reports its loss.
+    ///
+    /// Called once per granted token when [`renews`](Self::renews) is `true`, right after the
+    /// grant. The supervisor polls the future (on a task of its own) for as long as the lease's
+    /// worker lives, and drops it when the worker has exited or the lease's release begins:
+    /// renewal stops there, and the release (or, failing that, the TTL) ends the lease.
+    ///
+    /// The future resolves **only** when the lease is lost, or may lapse before it can be
+    /// renewed again; its output says why. The supervisor then cancels the lease's job at once,
+    /// and the job's result carries `LEASE_LOST` (the protected resource should also refuse the
+    /// lost lease's fencing token, see [`FencingGuard`](crate::FencingGuard)). The default never
+    /// resolves.
+    fn keep_alive(&self, token: SlotToken) -> impl Future<Output = BrokerError> + Send {
+        let _ = token;
+        std::future::pending()
+    }
+
+    /// Hands the broker a channel to report what happens to its leases outside any call (an
+    /// orphaned lease that expired). Called once by each supervisor started on this broker,
+    /// before its first acquire. The default ignores it.
+    fn attach(&self, events: BrokerEvents) {
+        let _ = events;
+    }
+}
+
+/// A shared broker: keep an `Arc` to observe the broker while a supervisor uses it (say
+/// `EtcdBroker::orphans_expired`), or share one broker between supervisors.
+impl<B: SlotBroker> SlotBroker for Arc<B> {
+    fn acquire(
+        &self,
+        request: AcquireRequest,
+    ) -> impl Future<Output = Result<SlotToken, BrokerError>> + Send {
+        (**self).acquire(request)
+    }
+
+    fn release(&self, token: SlotToken) -> impl Future<Output = Result<(), BrokerError>> + Send {
+        (**self).release(token)
+    }
+
+    fn capacity(&self) -> Option<u32> {
+        (**self).capacity()
+    }
+
+    fn renews(&self) -> bool {
+        (**self).renews()
+    }
+
+    fn keep_alive(&self, token: SlotToken) -> impl Future<Output = BrokerError> + Send {
+        (**self).keep_alive(token)
+    }
+
+    fn attach(&self, events: BrokerEvents) {
+        (**self).attach(events)
+    }
+}
+
+/// What a broker may report to the supervisor on its own (see [`SlotBroker::attach`]).
+///
+/// Cloneable and cheap; reports after the supervisor has stopped are ignored.
+#[derive(Clone)]
+pub struct BrokerEvents {
+    sink: Arc<dyn Fn(BrokerEvent) + Send + Sync>,
+}
+
+/// One report carried by [`BrokerEvents`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BrokerEvent {
+    /// A lease that nobody held any more (its acquire was given up, or its release's answer
+    /// was lost) was seen to have expired: the broker's TTL, not a release, ended it. Counted in
+    /// `orphan_expired_total` and `render_slot.orphan_expired.count`.
+    OrphanExpired {
+        /// The broker's own id for the expired lease.
+        lease_id: u64,
+    },
+}
+
+impl BrokerEvents {
+    /// Events delivered to `sink` (the supervisor builds one for each broker it starts on;
+    /// public so that a broker can be tested on its own).
+    pub fn new(sink: impl Fn(BrokerEvent) + Send + Sync + 'static) -> Self {
+        Self {
+            sink: Arc::new(sink),
+        }
+    }
+
+    /// Reports that an orphaned lease expired.
+    pub fn orphan_expired(&self, lease_id: u64) {
+        (self.sink)(BrokerEvent::OrphanExpired { lease_id });
+    }
+}
+
+impl fmt::Debug for BrokerEvents {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BrokerEvents").finish_non_exhaustive()
+    }
 }
 
 /// Why a broker call failed.
@@ -139,6 +260,7 @@ pub enum BrokerErrorKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BrokerError {
     kind: BrokerErrorKind,
+    code: Option<&'static str>,
     message: String,
 }
 
@@ -171,8 +293,21 @@ impl BrokerError {
     fn with_kind(kind: BrokerErrorKind, message: impl Into<String>) -> Self {
         Self {
             kind,
+            code: None,
             message: message.into(),
         }
+    }
+
+    /// Attaches the broker's own stable code (say `ETCD_FOREIGN_KEY`), shown before the
+    /// message.
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    /// The broker's own stable code, when it gave one.
+    pub fn code(&self) -> Option<&'static str> {
+        self.code
     }
 
     /// What kind of failure.
@@ -195,7 +330,10 @@ impl fmt::Display for BrokerError {
             BrokerErrorKind::DeliveryUnknown => "broker delivery unknown",
             BrokerErrorKind::InvalidResponse => "invalid broker response",
         };
-        write!(f, "{what}: {}", self.message)
+        match self.code {
+            Some(code) => write!(f, "{what}: {code}: {}", self.message),
+            None => write!(f, "{what}: {}", self.message),
+        }
     }
 }
 

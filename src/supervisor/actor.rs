@@ -26,7 +26,7 @@ use super::state::{
 };
 use super::stats::{Published, SharedStats, metric_names};
 use super::{QuarantinedSlot, ReclaimReport, ShutdownReport};
-use crate::broker::{AcquireRequest, BrokerError, DynBroker, SlotToken, poll_once};
+use crate::broker::{AcquireRequest, BrokerError, BrokerEvent, DynBroker, SlotToken, poll_once};
 use crate::error::{AcquireError, CleanupError, CleanupErrorKind};
 use crate::lease::Lease;
 use crate::process::{ProcessPolicy, Unproven};
@@ -123,6 +123,12 @@ pub(crate) struct SupState {
     #[cfg(feature = "gpu")]
     gpu_closed: bool,
     owned_root: Option<tempfile::TempDir>,
+    /// Keep-alive tasks of leases held from a broker that [`renews`](crate::SlotBroker::renews),
+    /// aborted when the lease's release begins.
+    renewals: HashMap<LeaseKey, tokio::task::AbortHandle>,
+    /// Random per supervisor: with the request id, a key unique among every supervisor that
+    /// shares a broker.
+    origin: u64,
 }
 
 impl Actor for SupervisorActor {
@@ -164,6 +170,13 @@ impl Actor for SupervisorActor {
             #[cfg(feature = "gpu")]
             gpu_closed: false,
             owned_root: args.owned_root,
+            renewals: HashMap::new(),
+            origin: {
+                use std::hash::{BuildHasher, Hasher};
+                let mut h = std::hash::RandomState::new().build_hasher();
+                h.write_u64(myself.get_id().pid());
+                h.finish()
+            },
         })
     }
 
@@ -216,6 +229,9 @@ impl Actor for SupervisorActor {
     ) -> Result<(), ActorProcessingErr> {
         // Waiters still queued (the actor is stopping for another reason than shutdown) hear
         // SUPERVISOR_STOPPED when their reply senders drop with the state.
+        for (_, renewal) in state.renewals.drain() {
+            renewal.abort();
+        }
         if let Some(root) = state.owned_root.take()
             && state.table.quarantined() > 0
         {
@@ -265,6 +281,12 @@ impl SupState {
             #[cfg(feature = "gpu")]
             SupMsg::GpuClosed => self.gpu_closed = true,
             SupMsg::Unconfirmed { key, detail } => self.on_unconfirmed(key, detail),
+            SupMsg::Broker(BrokerEvent::OrphanExpired { lease_id }) => {
+                tracing::warn!(lease_id, "an orphaned lease expired at the broker");
+                self.table.note_orphan_expired();
+                metrics::counter!(metric_names::ORPHAN_EXPIRED_COUNT).increment(1);
+                self.stats.publish(&self.table, &mut self.published);
+            }
         }
     }
 
@@ -328,7 +350,8 @@ impl SupState {
                         WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
                         WaiterKind::Lease { .. } => None,
                     });
-                let request = AcquireRequest::new(request_id, job_id.as_deref());
+                let request =
+                    AcquireRequest::new(request_id, job_id.as_deref()).with_origin(self.origin);
                 let mut fut = Arc::clone(&self.broker).acquire_boxed(request);
                 match poll_once(&mut fut) {
                     Poll::Ready(result) => ready.push(result),
@@ -411,6 +434,7 @@ impl SupState {
                     }
                     let key = self.table.grant(token, LeaseKind::Explicit);
                     record_grant(&span, waiter.since, token);
+                    self.start_renewal(key, token, None);
                     self.stats.publish(&self.table, &mut self.published);
                     let lease = Lease::new(key, token, myself.clone());
                     if let Err(Ok(lease)) = reply.send(Ok(lease)) {
@@ -452,6 +476,7 @@ impl SupState {
         } = job;
         span.record("slot_id", token.slot_id());
         span.record("lease_id", token.lease_id());
+        self.start_renewal(key, token, Some(Arc::clone(&shared)));
         let made = tempfile::Builder::new()
             .prefix(&format!("{job_id}-"))
             .tempdir_in(&self.config.work_root);
@@ -542,6 +567,25 @@ impl SupState {
                 self.start_release(myself, key, token);
             }
         }
+    }
+
+    /// Keeps the lease alive while it is held, when the broker needs that. A loss cancels the
+    /// lease's job at once and marks its result `LEASE_LOST`; renewal stops when the release
+    /// begins (so a quarantined slot, whose work may still run, keeps its lease).
+    fn start_renewal(&mut self, key: LeaseKey, token: SlotToken, job: Option<Arc<JobShared>>) {
+        if !self.broker.renews() {
+            return;
+        }
+        let lost = Arc::clone(&self.broker).keep_alive_boxed(token);
+        let task = tokio::spawn(async move {
+            let err = lost.await;
+            tracing::error!(%token, error = %err, "lease lost: it could not be kept alive");
+            if let Some(job) = job {
+                job.mark_lease_lost(err.to_string());
+                job.cancel.cancel();
+            }
+        });
+        self.renewals.insert(key, task.abort_handle());
     }
 
     /// Both proofs of the worker's end are in: remove its temp dir off the mailbox.
@@ -849,6 +893,9 @@ impl SupState {
     /// Starts the broker release of `token` under the cleanup timeout. The timeout is the
     /// supervisor's own: no caller's cancellation reaches this task.
     fn start_release(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey, token: SlotToken) {
+        if let Some(renewal) = self.renewals.remove(&key) {
+            renewal.abort();
+        }
         let started = Instant::now();
         let mut fut = Arc::clone(&self.broker).release_boxed(token);
         match poll_once(&mut fut) {

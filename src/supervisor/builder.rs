@@ -9,8 +9,9 @@ use ractor::Actor;
 
 use super::Supervisor;
 use super::actor::{Config, SupArgs, SupervisorActor};
+use super::messages::SupMsg;
 use super::stats::SharedStats;
-use crate::broker::{DynBroker, LocalBroker, SlotBroker};
+use crate::broker::{BrokerEvents, DynBroker, LocalBroker, SlotBroker};
 use crate::error::StartError;
 use crate::process::ProcessPolicy;
 use crate::sink::{ErrorSink, OrphanedFailure};
@@ -232,6 +233,7 @@ impl SupervisorBuilder {
             (Some(b), Some(g)) => Some(b.min(g)),
             (b, g) => b.or(g),
         };
+        let attach_to = Arc::clone(&broker);
         let args = SupArgs {
             capacity,
             broker,
@@ -242,6 +244,11 @@ impl SupervisorBuilder {
         let (actor, join) = Actor::spawn(None, SupervisorActor, args)
             .await
             .map_err(|e| StartError::Spawn(e.to_string()))?;
+        // Before `start` returns, so before any acquire.
+        let events_to = actor.clone();
+        attach_to.attach(BrokerEvents::new(move |event| {
+            let _ = events_to.send_message(SupMsg::Broker(event));
+        }));
         Ok(Supervisor::from_parts(
             actor,
             join,

@@ -8,7 +8,7 @@ use tokio::sync::oneshot;
 use tracing::Span;
 
 use super::state::{LeaseKey, WaiterId};
-use crate::broker::{BrokerError, SlotToken};
+use crate::broker::{BrokerError, BrokerEvent, SlotToken};
 use crate::error::{AcquireError, CleanupError};
 use crate::lease::Lease;
 use crate::supervisor::{QuarantinedSlot, ReclaimReport, ShutdownReport};
@@ -63,6 +63,8 @@ pub(crate) enum SupMsg {
     /// The worker's physical end is late (GPU work past the fence bound): quarantine now.
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
     Unconfirmed { key: LeaseKey, detail: String },
+    /// Something the broker reported on its own (see `SlotBroker::attach`).
+    Broker(BrokerEvent),
     /// List the quarantined slots.
     Quarantined {
         reply: oneshot::Sender<Vec<QuarantinedSlot>>,

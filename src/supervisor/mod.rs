@@ -319,6 +319,7 @@ impl Supervisor {
             error,
             shared.take_panics(),
             shared.take_delivery_unknown(),
+            shared.take_lease_lost(),
             cancel.is_cancelled(),
         );
         match (failure, cleanup) {

@@ -411,6 +411,11 @@ impl LeaseTable {
         self.pending
     }
 
+    /// A distributed broker saw an orphaned lease expire.
+    pub(crate) fn note_orphan_expired(&mut self) {
+        self.counters.orphan_expired_total += 1;
+    }
+
     pub(crate) fn counters(&self) -> Counters {
         self.counters
     }

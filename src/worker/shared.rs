@@ -26,6 +26,8 @@ pub(crate) struct JobShared {
 struct Records {
     panics: Vec<String>,
     delivery_unknown: Option<String>,
+    /// The broker could not keep the lease alive (why).
+    lease_lost: Option<String>,
     /// Process groups the job's keepers could not prove gone.
     unproven: Vec<Unproven>,
     /// The job's GPU, once checked out (read by the driver for the release fence).
@@ -78,6 +80,17 @@ impl JobShared {
         self.write(|r| {
             r.delivery_unknown.get_or_insert(reason);
         });
+    }
+
+    /// Records that the lease was lost; the first reason is kept.
+    pub(crate) fn mark_lease_lost(&self, reason: String) {
+        self.write(|r| {
+            r.lease_lost.get_or_insert(reason);
+        });
+    }
+
+    pub(crate) fn take_lease_lost(&self) -> Option<String> {
+        self.read(|r| r.lease_lost.take())
     }
 
     pub(crate) fn mark_unproven(&self, evidence: Unproven) {
