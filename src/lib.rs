@@ -9,6 +9,7 @@
 
 mod broker;
 mod error;
+mod fencing;
 #[cfg(feature = "gpu")]
 mod gpu;
 mod job;
@@ -19,13 +20,17 @@ mod sink;
 mod supervisor;
 mod worker;
 
+#[cfg(feature = "etcd")]
+pub use broker::etcd::{EtcdBroker, EtcdConfig, EtcdError, EtcdErrorKind};
 pub use broker::{
-    AcquireRequest, BrokerError, BrokerErrorKind, LocalBroker, SlotBroker, SlotToken,
+    AcquireRequest, BrokerError, BrokerErrorKind, BrokerEvent, BrokerEvents, LocalBroker,
+    SlotBroker, SlotToken,
 };
 pub use error::{
     AcquireError, BodyError, BodyErrorKind, CleanupError, CleanupErrorKind, JobError,
     LeaseReleased, ShutdownError, StartError, codes,
 };
+pub use fencing::{FencingGuard, StaleToken};
 #[cfg(feature = "gpu")]
 pub use gpu::{FencePolicy, GpuError, GpuOptions, JobGpu, SlotScratch};
 pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN};

@@ -1,0 +1,438 @@
+//! `EtcdBroker` against a real etcd started by the test on free loopback ports: the counting
+//! semaphore, idempotent acquire by request id, lost answers, validation, fencing.
+//!
+//! Needs the `etcd` feature (`cargo test --features etcd`) and an etcd binary; without the
+//! binary each test says SKIPPED, and with `LEASEHOLD_REQUIRE_ETCD=1` it fails instead.
+#![cfg(feature = "etcd")]
+
+mod etcd_support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use etcd_client::{Client, GetOptions};
+use etcd_support::{Etcd, Proxy, etcd_binary};
+use leasehold::{
+    AcquireRequest, BrokerErrorKind, BrokerEvents, EtcdBroker, EtcdConfig, FencingGuard, JobSpec,
+    SlotBroker, SlotToken, Supervisor,
+};
+
+fn config(endpoint: &str, pool: &str, capacity: u32) -> EtcdConfig {
+    EtcdConfig::new([endpoint], pool, capacity)
+        .ttl(Duration::from_secs(2))
+        .rpc_timeout(Duration::from_millis(500))
+        .retry_for(Duration::from_secs(3))
+}
+
+async fn client(etcd: &Etcd) -> Client {
+    Client::connect([etcd.endpoint()], None).await.unwrap()
+}
+
+/// Slot keys held right now, read straight from etcd: (key, lease).
+async fn slot_keys(c: &mut Client, pool: &str) -> Vec<(String, i64)> {
+    let resp = c
+        .get(
+            format!("leasehold/{pool}/slot/"),
+            Some(GetOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    resp.kvs()
+        .iter()
+        .map(|kv| (kv.key_str().unwrap().to_owned(), kv.lease()))
+        .collect()
+}
+
+/// Waits until etcd itself lists `lease` (asked directly, not through the proxy).
+async fn wait_for_lease(c: &mut Client, lease: i64) {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !c
+            .leases()
+            .await
+            .unwrap()
+            .leases()
+            .iter()
+            .any(|l| l.id() == lease)
+        {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("etcd granted the lease");
+}
+
+fn request(id: u64) -> AcquireRequest {
+    AcquireRequest::new(id, Some("job"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_grants_its_capacity_in_fifo_order_and_fencing_tokens_increase() {
+    let Some(bin) = etcd_binary("a_pool_grants_its_capacity_in_fifo_order") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let broker = Arc::new(
+        EtcdBroker::connect(config(&etcd.endpoint(), "fifo", 2))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(broker.capacity(), Some(2));
+    let a = broker.acquire(request(1)).await.unwrap();
+    let b = broker.acquire(request(2)).await.unwrap();
+    assert_ne!(a.slot_id(), b.slot_id());
+    assert!(b.lease_id() > a.lease_id(), "fencing tokens increase");
+
+    // Two more wait, in order; releasing one slot lets exactly the first waiter in.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut waiters = Vec::new();
+    for id in [3u64, 4] {
+        let b = Arc::clone(&broker);
+        let tx = tx.clone();
+        waiters.push(tokio::spawn(async move {
+            let t = b.acquire(request(id)).await.unwrap();
+            tx.send((id, t)).unwrap();
+            t
+        }));
+        // Queue order is etcd's create revision: wait until this waiter's key exists.
+        let mut c = client(&etcd).await;
+        let lease = broker.etcd_lease_for(&request(id));
+        let key = format!("leasehold/fifo/queue/{lease:016x}");
+        while c.get(key.clone(), None).await.unwrap().kvs().is_empty() {
+            tokio::task::yield_now().await;
+        }
+    }
+    broker.release(a).await.unwrap();
+    let (first, c) = rx.recv().await.unwrap();
+    assert_eq!(first, 3, "FIFO: the older waiter gets the freed slot");
+    assert_eq!(c.slot_id(), a.slot_id());
+    assert!(c.lease_id() > b.lease_id());
+    assert!(rx.try_recv().is_err(), "only one slot was freed");
+    broker.release(b).await.unwrap();
+    let (second, d) = rx.recv().await.unwrap();
+    assert_eq!(second, 4);
+    broker.release(c).await.unwrap();
+    broker.release(d).await.unwrap();
+    for w in waiters {
+        w.await.unwrap();
+    }
+    let mut c = client(&etcd).await;
+    assert!(
+        slot_keys(&mut c, "fifo").await.is_empty(),
+        "every slot free"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retrying_an_acquire_with_the_same_request_id_returns_the_same_grant() {
+    let Some(bin) = etcd_binary("retrying_an_acquire_with_the_same_request_id") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let broker = EtcdBroker::connect(config(&etcd.endpoint(), "idem", 3))
+        .await
+        .unwrap();
+    let first = broker.acquire(request(7)).await.unwrap();
+    let again = broker.acquire(request(7)).await.unwrap();
+    assert_eq!(first, again, "the retry finds the grant it already has");
+    let mut c = client(&etcd).await;
+    assert_eq!(
+        slot_keys(&mut c, "idem").await.len(),
+        1,
+        "one slot for one request"
+    );
+    broker.release(first).await.unwrap();
+    // Released twice: the second is refused as not ours (nothing else is touched).
+    let err = broker.release(first).await.unwrap_err();
+    assert_eq!(err.code(), Some("ETCD_TOKEN_NOT_OURS"));
+    // A token this broker never granted is refused the same way and releases nothing.
+    let other = broker.acquire(request(8)).await.unwrap();
+    let forged = SlotToken::new(other.slot_id(), other.lease_id() + 1000);
+    assert_eq!(
+        broker.release(forged).await.unwrap_err().code(),
+        Some("ETCD_TOKEN_NOT_OURS")
+    );
+    assert_eq!(slot_keys(&mut c, "idem").await.len(), 1);
+    broker.release(other).await.unwrap();
+    assert!(slot_keys(&mut c, "idem").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_grant_answer_is_recovered_by_request_id_and_never_takes_two_slots() {
+    let Some(bin) = etcd_binary("a_lost_grant_answer_is_recovered") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let proxy = Proxy::start(etcd.client_port());
+    let cfg = config(&proxy.endpoint(), "lost", 2).retry_for(Duration::from_millis(1500));
+    let broker = Arc::new(EtcdBroker::connect(cfg).await.unwrap());
+    let mut c = client(&etcd).await;
+
+    // etcd executes the grant, the answer never arrives: the acquire gives up, ambiguous.
+    proxy.drop_responses();
+    let lease = broker.etcd_lease_for(&request(1));
+    let first = {
+        let broker = Arc::clone(&broker);
+        tokio::spawn(async move { broker.acquire(request(1)).await })
+    };
+    wait_for_lease(&mut c, lease).await;
+    let err = first.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), BrokerErrorKind::Unavailable, "{err}");
+    assert!(err.to_string().contains("lease grant"), "{err}");
+
+    // The retry with the same request id gets that grant and one slot.
+    proxy.heal();
+    let token = broker.acquire(request(1)).await.unwrap();
+    assert_eq!(broker.etcd_lease_of(token), Some(lease));
+    let held = slot_keys(&mut c, "lost").await;
+    assert_eq!(held.len(), 1, "never two slots for one request: {held:?}");
+    assert_eq!(held[0].1, lease);
+
+    // Answers lost in the middle of an acquire are retried inside it with the same ids.
+    proxy.drop_responses();
+    let pending = {
+        let broker = Arc::clone(&broker);
+        tokio::spawn(async move { broker.acquire(request(2)).await })
+    };
+    let lease2 = broker.etcd_lease_for(&request(2));
+    // Once etcd has executed the grant, let answers through again.
+    wait_for_lease(&mut c, lease2).await;
+    proxy.heal();
+    let token2 = pending.await.unwrap().unwrap();
+    assert_eq!(broker.etcd_lease_of(token2), Some(lease2));
+    let held = slot_keys(&mut c, "lost").await;
+    assert_eq!(held.len(), 2, "{held:?}");
+
+    broker.release(token).await.unwrap();
+    broker.release(token2).await.unwrap();
+    assert!(slot_keys(&mut c, "lost").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_whose_answer_is_lost_frees_the_slot_within_the_ttl_and_counts_an_orphan() {
+    let Some(bin) = etcd_binary("a_release_whose_answer_is_lost") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let proxy = Proxy::start(etcd.client_port());
+    let cut_off = EtcdBroker::connect(
+        config(&proxy.endpoint(), "orphan", 1).retry_for(Duration::from_millis(800)),
+    )
+    .await
+    .unwrap();
+    let expired = Arc::new(AtomicU64::new(0));
+    let seen = Arc::clone(&expired);
+    let reported = Arc::new(tokio::sync::Notify::new());
+    let report = Arc::clone(&reported);
+    cut_off.attach(BrokerEvents::new(move |_| {
+        seen.fetch_add(1, Ordering::SeqCst);
+        report.notify_one();
+    }));
+    let other = EtcdBroker::connect(config(&etcd.endpoint(), "orphan", 1))
+        .await
+        .unwrap();
+
+    let token = cut_off.acquire(request(1)).await.unwrap();
+    proxy.blackhole();
+    let err = cut_off.release(token).await.unwrap_err();
+    assert_eq!(err.kind(), BrokerErrorKind::DeliveryUnknown, "{err}");
+
+    // The other broker's acquire waits on its watch and gets the slot once the TTL has run.
+    let started = tokio::time::Instant::now();
+    let next = tokio::time::timeout(Duration::from_secs(10), other.acquire(request(1)))
+        .await
+        .expect("the slot returns within the ttl")
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(next.slot_id(), token.slot_id());
+    assert!(next.lease_id() > token.lease_id());
+
+    // Once etcd is reachable again the orphan is seen expired, exactly once.
+    proxy.heal();
+    tokio::time::timeout(Duration::from_secs(10), reported.notified())
+        .await
+        .expect("the orphan's expiry is reported once etcd answers");
+    assert_eq!(cut_off.orphans_expired(), 1);
+    assert_eq!(expired.load(Ordering::SeqCst), 1);
+    other.release(next).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_different_capacity_for_the_same_pool_is_refused_at_start() {
+    let Some(bin) = etcd_binary("a_different_capacity_is_refused") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let _first = EtcdBroker::connect(config(&etcd.endpoint(), "cap", 3))
+        .await
+        .unwrap();
+    let err = EtcdBroker::connect(config(&etcd.endpoint(), "cap", 4))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "ETCD_CAPACITY_MISMATCH", "{err}");
+    assert!(err.to_string().contains("capacity 3"), "{err}");
+    // The same capacity under another prefix is another pool.
+    EtcdBroker::connect(config(&etcd.endpoint(), "cap", 4).key_prefix("other"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_keys_and_a_corrupt_capacity_are_refused_and_grant_nothing() {
+    let Some(bin) = etcd_binary("foreign_keys_and_a_corrupt_capacity") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let mut c = client(&etcd).await;
+    let broker = EtcdBroker::connect(config(&etcd.endpoint(), "guard", 2))
+        .await
+        .unwrap();
+
+    // A key leasehold did not write, under the pool prefix.
+    c.put("leasehold/guard/notes", "hello", None).await.unwrap();
+    let err = broker.acquire(request(1)).await.unwrap_err();
+    assert_eq!(err.code(), Some("ETCD_FOREIGN_KEY"), "{err}");
+    assert_eq!(err.kind(), BrokerErrorKind::InvalidResponse);
+    assert!(
+        slot_keys(&mut c, "guard").await.is_empty(),
+        "nothing granted"
+    );
+    let refused = EtcdBroker::connect(config(&etcd.endpoint(), "guard", 2))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), "ETCD_FOREIGN_KEY");
+    c.delete("leasehold/guard/notes", None).await.unwrap();
+
+    // A slot key without a lease (someone wrote it by hand).
+    c.put(
+        "leasehold/guard/slot/000001",
+        "leasehold/v1 holder lease=000000000000002a",
+        None,
+    )
+    .await
+    .unwrap();
+    let err = broker.acquire(request(2)).await.unwrap_err();
+    assert_eq!(err.code(), Some("ETCD_CORRUPT_RECORD"), "{err}");
+    c.delete("leasehold/guard/slot/000001", None).await.unwrap();
+
+    // A corrupted capacity record.
+    c.put("leasehold/guard/capacity", "two", None)
+        .await
+        .unwrap();
+    let err = broker.acquire(request(3)).await.unwrap_err();
+    assert_eq!(err.code(), Some("ETCD_CORRUPT_RECORD"), "{err}");
+    let refused = EtcdBroker::connect(config(&etcd.endpoint(), "guard", 2))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), "ETCD_CORRUPT_RECORD");
+    assert!(
+        slot_keys(&mut c, "guard").await.is_empty(),
+        "nothing granted"
+    );
+
+    // Repaired, the pool works again; the refused acquires left no waiter behind.
+    c.put("leasehold/guard/capacity", "leasehold/v1 capacity=2", None)
+        .await
+        .unwrap();
+    let t = broker.acquire(request(4)).await.unwrap();
+    broker.release(t).await.unwrap();
+    // The refused acquires' leases are revoked in the background, their queue keys with them.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let left = c
+                .get(
+                    "leasehold/guard/queue/",
+                    Some(GetOptions::new().with_prefix()),
+                )
+                .await
+                .unwrap();
+            if left.kvs().is_empty() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("refused acquires leave no waiter behind");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_supervisor_runs_jobs_on_etcd_slots_and_the_fencing_guard_refuses_old_tokens() {
+    let Some(bin) = etcd_binary("a_supervisor_runs_jobs_on_etcd_slots") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let broker = EtcdBroker::connect(config(&etcd.endpoint(), "sup", 2))
+        .await
+        .unwrap();
+    let sup = Supervisor::builder().broker(broker).start().await.unwrap();
+    let guard = Arc::new(FencingGuard::new());
+    let mut tokens = Vec::new();
+    for i in 0..6 {
+        let guard = Arc::clone(&guard);
+        let token = sup
+            .run(
+                JobSpec::new(format!("job-{i}")).unwrap(),
+                move |ctx| async move {
+                    guard.check(ctx.token()).expect("fresh token accepted");
+                    Ok::<_, std::io::Error>(ctx.token())
+                },
+            )
+            .await
+            .unwrap();
+        tokens.push(token);
+    }
+    assert!(tokens.windows(2).all(|w| w[0].lease_id() < w[1].lease_id()));
+    assert_eq!(
+        guard.check(tokens[0]).unwrap_err().code(),
+        "LEASE_FENCED",
+        "an older holder's token is refused"
+    );
+    let stats = sup.stats();
+    assert_eq!(stats.acquired_total, 6);
+    assert_eq!(stats.released_total, 6);
+    sup.shutdown().await.unwrap();
+    let mut c = client(&etcd).await;
+    assert!(slot_keys(&mut c, "sup").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_broker_shared_by_two_supervisors_never_gives_both_the_same_grant() {
+    let Some(bin) = etcd_binary("one_broker_shared_by_two_supervisors") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let broker = Arc::new(
+        EtcdBroker::connect(config(&etcd.endpoint(), "shared", 2))
+            .await
+            .unwrap(),
+    );
+    // Both supervisors number their requests from 1: the origin keeps their leases apart.
+    let a = Supervisor::builder()
+        .broker(Arc::clone(&broker))
+        .start()
+        .await
+        .unwrap();
+    let b = Supervisor::builder()
+        .broker(Arc::clone(&broker))
+        .start()
+        .await
+        .unwrap();
+    let mut la = a.acquire().await.unwrap();
+    let mut lb = b.acquire().await.unwrap();
+    let (ta, tb) = (la.token().unwrap(), lb.token().unwrap());
+    assert_ne!(ta, tb);
+    let mut c = client(&etcd).await;
+    let held = slot_keys(&mut c, "shared").await;
+    assert_eq!(held.len(), 2, "{held:?}");
+    assert_ne!(held[0].1, held[1].1, "two etcd leases");
+    let lease_a = broker.etcd_lease_of(ta).unwrap();
+    let key_a = format!("leasehold/shared/slot/{:06}", ta.slot_id());
+    assert!(held.contains(&(key_a, lease_a)), "{held:?}");
+    la.release().await.unwrap();
+    lb.release().await.unwrap();
+    assert!(slot_keys(&mut c, "shared").await.is_empty());
+    assert_eq!(broker.orphans_expired(), 0);
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+}
