@@ -1,33 +1,4 @@
 //! [`EtcdBroker`]: slots shared by several processes (on several hosts) through etcd.
-//!
-//! # Layout
-//!
-//! Everything lives under `{key_prefix}/{pool}/`, and nothing else may:
-//!
-//! | key | value | lease |
-//! |---|---|---|
-//! | `capacity` | `leasehold/v1 capacity=N` | none: written once, compared by every broker |
-//! | `queue/{lease:016x}` | `leasehold/v1 waiter owner=… request=…` | the waiter's lease |
-//! | `slot/{index:06}` | `leasehold/v1 holder lease={lease:016x}` | the holder's lease |
-//!
-//! # Protocol
-//!
-//! One acquire is one etcd lease, whose id is derived from the broker's random owner id and the
-//! supervisor's [`AcquireRequest::request_id`]: a retry of an ambiguous call finds what the first
-//! attempt already did (a grant says "lease already exists", the queue key is put only if
-//! absent, a slot already held under the lease is found and returned) and never takes a second
-//! slot. The waiter's queue key orders the pool FIFO by create revision; the first `k` waiters
-//! may claim the `k` free slots, each with a transaction that requires the slot key to be absent
-//! and the waiter's own queue key to be unchanged. Waiting is a watch on the pool prefix: no
-//! polling. The slot key's create revision (strictly increasing across the whole etcd cluster)
-//! is the token's lease id, and so its fencing token.
-//!
-//! While a token is held the supervisor drives [`SlotBroker::keep_alive`], which renews the
-//! lease every third of its TTL and resolves as soon as a renewal may not arrive in time.
-//! Release revokes the lease ("not found" counts as released). A lease that nobody holds any
-//! more (an acquire given up, a release whose answer was lost) is an orphan: a background task
-//! revokes it, or, when it is unreachable until the TTL has run out, sees it expired and
-//! reports it through [`BrokerEvents::orphan_expired`].
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -310,9 +281,38 @@ impl std::error::Error for EtcdError {}
 /// A [`SlotBroker`] whose slots live in etcd and are shared by every broker (in any process,
 /// on any host) configured with the same endpoints, key prefix and pool.
 ///
-/// See the [module documentation](self) for the key layout and the protocol. Create it with
-/// [`EtcdBroker::connect`] and hand it to
-/// [`SupervisorBuilder::broker`](crate::SupervisorBuilder::broker).
+/// Create it with [`EtcdBroker::connect`] and hand it to
+/// [`SupervisorBuilder::broker`](crate::SupervisorBuilder::broker) (an `Arc<EtcdBroker>` works
+/// too, to keep observing it).
+///
+/// # Layout
+///
+/// Everything lives under `{key_prefix}/{pool}/`, and nothing else may:
+///
+/// | key | value | lease |
+/// |---|---|---|
+/// | `capacity` | `leasehold/v1 capacity=N` | none: written once, compared by every broker |
+/// | `queue/{lease:016x}` | `leasehold/v1 waiter owner=… request=…` | the waiter's lease |
+/// | `slot/{index:06}` | `leasehold/v1 holder lease={lease:016x}` | the holder's lease |
+///
+/// # Protocol
+///
+/// One acquire is one etcd lease, whose id is derived from the broker's random owner id and the
+/// supervisor's [`AcquireRequest::request_id`]: a retry of an ambiguous call finds what the first
+/// attempt already did (a grant says "lease already exists", the queue key is put only if
+/// absent, a slot already held under the lease is found and returned) and never takes a second
+/// slot. The waiter's queue key orders the pool FIFO by create revision; the first `k` waiters
+/// may claim the `k` free slots, each with a transaction that requires the slot key to be absent
+/// and the waiter's own queue key to be unchanged. Waiting is a watch on the pool prefix: no
+/// polling. The slot key's create revision (strictly increasing across the whole etcd cluster)
+/// is the token's lease id, and so its fencing token.
+///
+/// While a token is held the supervisor drives [`SlotBroker::keep_alive`], which renews the
+/// lease every third of its TTL and resolves as soon as a renewal may not arrive in time.
+/// Release revokes the lease ("not found" counts as released). A lease that nobody holds any
+/// more (an acquire given up, a release whose answer was lost) is an orphan: a background task
+/// revokes it, or, when it is unreachable until the TTL has run out, sees it expired and
+/// reports it through [`BrokerEvents::orphan_expired`].
 ///
 /// # Examples
 ///
@@ -323,8 +323,8 @@ impl std::error::Error for EtcdError {}
 /// let config = EtcdConfig::new(["http://127.0.0.1:2379"], "render", 3);
 /// let broker = EtcdBroker::connect(config).await?;
 /// let sup = Supervisor::builder().broker(broker).start().await?;
-/// let lease = sup.acquire().await?;
-/// println!("fencing token {}", lease.token().lease_id());
+/// let mut lease = sup.acquire().await?;
+/// println!("fencing token {}", lease.lease_id()?);
 /// lease.release().await?;
 /// # Ok(()) }
 /// ```
