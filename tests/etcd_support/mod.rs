@@ -823,3 +823,229 @@ fn read_events(dir: &Path) -> Vec<Event> {
     }
     events
 }
+
+// ---------------------------------------------------------------------------------------------
+// Etcd with extra flags (TLS)
+// ---------------------------------------------------------------------------------------------
+
+/// What etcd (3.4/3.5, zap logger) logs when it starts serving clients over TLS. It serves
+/// clients only once its member is ready (has a leader and has published itself to the cluster),
+/// so this line means the server answers requests.
+pub const SERVING_SECURELY: &str = "serving client traffic securely";
+
+/// One etcd server started by [`Etcd::start_with`]: client URLs of a chosen scheme and extra
+/// command-line flags (e.g. `--cert-file`, `--key-file`, `--trusted-ca-file`,
+/// `--client-cert-auth`). Killed, reaped and removed on drop, like [`Etcd`].
+pub struct EtcdWith {
+    etcd: Etcd,
+    scheme: String,
+    extra_args: Vec<String>,
+}
+
+impl Etcd {
+    /// Like [`Etcd::start`], but the client URLs use `scheme` (`"http"` or `"https"`) and
+    /// `extra_args` are appended to etcd's command line (peers stay on plain http).
+    ///
+    /// Readiness: with `"http"`, `/health` says true (as for `start`); with `"https"` (where a
+    /// plain HTTP GET cannot be used), etcd's log of this run says [`SERVING_SECURELY`] and the
+    /// client port accepts a TCP connection. Retries with fresh ports up to 5 times if etcd exits
+    /// early; panics with the log tail if it never becomes ready.
+    pub fn start_with(bin: &Path, scheme: &str, extra_args: &[String]) -> EtcdWith {
+        assert!(
+            matches!(scheme, "http" | "https"),
+            "scheme must be \"http\" or \"https\", not {scheme:?}"
+        );
+        let mut server = EtcdWith {
+            etcd: Etcd {
+                bin: bin.to_path_buf(),
+                data: new_data_dir(),
+                logs: tempfile::Builder::new()
+                    .prefix("leasehold-etcd-log-")
+                    .tempdir()
+                    .expect("create etcd log dir"),
+                client_port: 0,
+                peer_port: 0,
+                child: None,
+                pid: 0,
+            },
+            scheme: scheme.to_owned(),
+            extra_args: extra_args.to_vec(),
+        };
+        let mut last_error = String::new();
+        for attempt in 1..=START_ATTEMPTS {
+            if attempt > 1 {
+                server.etcd.data = new_data_dir();
+            }
+            server.etcd.client_port = free_port();
+            server.etcd.peer_port = free_port();
+            while server.etcd.peer_port == server.etcd.client_port {
+                server.etcd.peer_port = free_port();
+            }
+            let log_from = server.spawn();
+            match server.wait_ready(HEALTH_LIMIT, log_from) {
+                Ok(()) => return server,
+                Err(WaitError::Exited(status)) => {
+                    last_error = format!(
+                        "attempt {attempt}: etcd exited early ({status}) on client port {}, \
+                         peer port {}",
+                        server.etcd.client_port, server.etcd.peer_port
+                    );
+                    eprintln!("{last_error}; retrying");
+                }
+                Err(WaitError::TimedOut) => panic!(
+                    "etcd did not become ready within {HEALTH_LIMIT:?} on {}; log tail:\n{}",
+                    server.endpoint(),
+                    server.log_tail()
+                ),
+            }
+        }
+        panic!(
+            "etcd failed to start {START_ATTEMPTS} times; last: {last_error}; log tail:\n{}",
+            server.log_tail()
+        );
+    }
+}
+
+impl EtcdWith {
+    /// The client URL, `{scheme}://127.0.0.1:PORT` (e.g. `https://127.0.0.1:PORT`).
+    pub fn endpoint(&self) -> String {
+        format!("{}://127.0.0.1:{}", self.scheme, self.etcd.client_port)
+    }
+
+    /// The client URLs' scheme, `http` or `https`.
+    pub fn scheme(&self) -> &str {
+        &self.scheme
+    }
+
+    /// The client port.
+    pub fn client_port(&self) -> u16 {
+        self.etcd.client_port
+    }
+
+    /// The peer port.
+    pub fn peer_port(&self) -> u16 {
+        self.etcd.peer_port
+    }
+
+    /// The process id of the current (or, after `kill9`, the last) etcd process.
+    pub fn pid(&self) -> u32 {
+        self.etcd.pid
+    }
+
+    /// Whether an etcd process is running (spawned and not yet reaped).
+    pub fn is_running(&mut self) -> bool {
+        self.etcd.is_running()
+    }
+
+    /// The data dir (removed on drop).
+    pub fn data_dir(&self) -> PathBuf {
+        self.etcd.data_dir()
+    }
+
+    /// The last ~40 lines of etcd's combined stdout/stderr (all attempts).
+    pub fn log_tail(&self) -> String {
+        self.etcd.log_tail()
+    }
+
+    /// The whole of etcd's combined stdout/stderr so far (all attempts).
+    pub fn log(&self) -> String {
+        let path = self.etcd.log_path();
+        fs::read(&path)
+            .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+            .unwrap_or_else(|e| format!("(cannot read {}: {e})", path.display()))
+    }
+
+    /// Sends SIGKILL to etcd and reaps it (no-op when it is not running).
+    pub fn kill9(&mut self) {
+        self.etcd.kill9();
+    }
+
+    /// Spawns etcd on the current ports with the extra flags; returns the log's length before
+    /// the spawn (where this run's lines begin).
+    fn spawn(&mut self) -> u64 {
+        let log_path = self.etcd.log_path();
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .expect("open etcd log file");
+        let log_from = log.metadata().map(|m| m.len()).unwrap_or(0);
+        let log_err = log.try_clone().expect("clone etcd log file");
+        let client = self.endpoint();
+        let peer = format!("http://127.0.0.1:{}", self.etcd.peer_port);
+        let child = Command::new(&self.etcd.bin)
+            .arg("--name")
+            .arg("t")
+            .arg("--data-dir")
+            .arg(self.etcd.data_dir())
+            .arg("--listen-client-urls")
+            .arg(&client)
+            .arg("--advertise-client-urls")
+            .arg(&client)
+            .arg("--listen-peer-urls")
+            .arg(&peer)
+            .arg("--initial-advertise-peer-urls")
+            .arg(&peer)
+            .arg("--initial-cluster")
+            .arg(format!("t={peer}"))
+            .arg("--logger")
+            .arg("zap")
+            .arg("--log-outputs")
+            .arg("stderr")
+            .args(&self.extra_args)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", self.etcd.bin.display()));
+        self.etcd.pid = child.id();
+        self.etcd.child = Some(child);
+        log_from
+    }
+
+    /// Whether etcd serves clients now: `/health` for http; for https, this run's log says
+    /// [`SERVING_SECURELY`] and the client port accepts a TCP connection.
+    fn ready(&self, log_from: u64) -> bool {
+        if self.scheme == "http" {
+            return self.etcd.healthy();
+        }
+        let logged = fs::read(self.etcd.log_path())
+            .ok()
+            .and_then(|bytes| {
+                let from = usize::try_from(log_from).ok()?;
+                bytes
+                    .get(from..)
+                    .map(|run| String::from_utf8_lossy(run).contains(SERVING_SECURELY))
+            })
+            .unwrap_or(false);
+        logged
+            && TcpStream::connect_timeout(
+                &SocketAddr::from(([127, 0, 0, 1], self.etcd.client_port)),
+                Duration::from_secs(1),
+            )
+            .is_ok()
+    }
+
+    fn wait_ready(&mut self, limit: Duration, log_from: u64) -> Result<(), WaitError> {
+        let deadline = Instant::now() + limit;
+        let mut backoff = Duration::from_millis(10);
+        loop {
+            if let Some(child) = &mut self.etcd.child {
+                if let Ok(Some(status)) = child.try_wait() {
+                    self.etcd.child = None;
+                    return Err(WaitError::Exited(status.to_string()));
+                }
+            } else {
+                return Err(WaitError::Exited("not running".into()));
+            }
+            if self.ready(log_from) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(WaitError::TimedOut);
+            }
+            thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(200));
+        }
+    }
+}
