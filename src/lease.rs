@@ -4,6 +4,7 @@ use std::fmt;
 
 use ractor::ActorRef;
 use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
 
 use crate::broker::SlotToken;
 use crate::error::{CleanupError, LeaseReleased};
@@ -45,6 +46,8 @@ pub struct Lease {
     state: State,
     /// Keeps the supervisor from shutting down (last handle dropped) while this lease lives.
     keepalive: Option<Supervisor>,
+    /// Cancelled when the broker reports the lease lost (only for brokers that renew).
+    lost: Option<CancellationToken>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,13 +61,43 @@ enum State {
 }
 
 impl Lease {
-    pub(crate) fn new(key: LeaseKey, token: SlotToken, actor: ActorRef<SupMsg>) -> Self {
+    pub(crate) fn new(
+        key: LeaseKey,
+        token: SlotToken,
+        actor: ActorRef<SupMsg>,
+        lost: Option<CancellationToken>,
+    ) -> Self {
         Self {
             key,
             token,
             actor,
             state: State::Held,
             keepalive: None,
+            lost,
+        }
+    }
+
+    /// Whether the broker has reported this lease lost: it could not be kept alive (a
+    /// distributed broker's TTL may lapse, or has), so the slot may already belong to someone
+    /// else and writes under [`lease_id`](Self::lease_id) may be fenced off. Always `false` for
+    /// brokers whose leases do not lapse (the `LocalBroker`). The lease must still be released.
+    pub fn is_lost(&self) -> bool {
+        self.lost
+            .as_ref()
+            .is_some_and(CancellationToken::is_cancelled)
+    }
+
+    /// Resolves when the broker reports this lease lost (see [`is_lost`](Self::is_lost));
+    /// never, for brokers whose leases do not lapse. Select on it next to the work done under
+    /// the lease.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only waits.
+    pub async fn lost(&self) {
+        match &self.lost {
+            Some(signal) => signal.cancelled().await,
+            None => std::future::pending().await,
         }
     }
 

@@ -158,7 +158,7 @@ async fn retrying_an_acquire_with_the_same_request_id_returns_the_same_grant() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_grant_answer_is_recovered_by_request_id_and_never_takes_two_slots() {
+async fn lost_grant_answers_are_recovered_by_request_id_and_never_take_two_slots() {
     let Some(bin) = etcd_binary("a_lost_grant_answer_is_recovered") else {
         return;
     };
@@ -168,40 +168,61 @@ async fn a_lost_grant_answer_is_recovered_by_request_id_and_never_takes_two_slot
     let broker = Arc::new(EtcdBroker::connect(cfg).await.unwrap());
     let mut c = client(&etcd).await;
 
-    // etcd executes the grant, the answer never arrives: the acquire gives up, ambiguous.
+    // Answers lost in the middle of an acquire: it retries with the same ids, and once they
+    // get through again it has the very grant etcd made while nobody heard the answer.
     proxy.drop_responses();
     let lease = broker.etcd_lease_for(&request(1));
-    let first = {
+    let pending = {
         let broker = Arc::clone(&broker);
         tokio::spawn(async move { broker.acquire(request(1)).await })
     };
     wait_for_lease(&mut c, lease).await;
-    let err = first.await.unwrap().unwrap_err();
-    assert_eq!(err.kind(), BrokerErrorKind::Unavailable, "{err}");
-    assert!(err.to_string().contains("lease grant"), "{err}");
-
-    // The retry with the same request id gets that grant and one slot.
     proxy.heal();
-    let token = broker.acquire(request(1)).await.unwrap();
-    assert_eq!(broker.etcd_lease_of(token), Some(lease));
+    let token = pending.await.unwrap().unwrap();
+    assert_eq!(broker.etcd_lease_of(token), Some(lease), "the same grant");
     let held = slot_keys(&mut c, "lost").await;
-    assert_eq!(held.len(), 1, "never two slots for one request: {held:?}");
-    assert_eq!(held[0].1, lease);
+    assert_eq!(
+        held,
+        vec![(format!("leasehold/lost/slot/{:06}", token.slot_id()), lease)]
+    );
 
-    // Answers lost in the middle of an acquire are retried inside it with the same ids.
+    // An acquire whose answers stay lost gives up (ambiguous); the broker revokes its lease in
+    // the background. A later retry with the same request id waits for that revoke to settle
+    // and takes one slot: never two for one request.
     proxy.drop_responses();
-    let pending = {
+    let lease2 = broker.etcd_lease_for(&request(2));
+    let first = {
         let broker = Arc::clone(&broker);
         tokio::spawn(async move { broker.acquire(request(2)).await })
     };
-    let lease2 = broker.etcd_lease_for(&request(2));
-    // Once etcd has executed the grant, let answers through again.
     wait_for_lease(&mut c, lease2).await;
+    let err = first.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), BrokerErrorKind::Unavailable, "{err}");
+    assert!(err.to_string().contains("lease grant"), "{err}");
     proxy.heal();
-    let token2 = pending.await.unwrap().unwrap();
-    assert_eq!(broker.etcd_lease_of(token2), Some(lease2));
+    let token2 = broker.acquire(request(2)).await.unwrap();
+    let lease2b = broker.etcd_lease_of(token2).unwrap();
     let held = slot_keys(&mut c, "lost").await;
-    assert_eq!(held.len(), 2, "{held:?}");
+    assert_eq!(held.len(), 2, "one slot per request: {held:?}");
+    assert!(held.contains(&(
+        format!("leasehold/lost/slot/{:06}", token2.slot_id()),
+        lease2b
+    )));
+    let live: Vec<i64> = c
+        .leases()
+        .await
+        .unwrap()
+        .leases()
+        .iter()
+        .map(|l| l.id())
+        .collect();
+    assert_eq!(
+        live.iter()
+            .filter(|l| **l == lease2 || **l == lease2b)
+            .count(),
+        1,
+        "the given-up lease was revoked (or taken back): one live lease for the request"
+    );
 
     broker.release(token).await.unwrap();
     broker.release(token2).await.unwrap();

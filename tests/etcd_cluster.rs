@@ -552,3 +552,133 @@ async fn user_password_auth_is_used_and_a_wrong_password_is_refused_without_show
         .unwrap_err();
     assert_eq!(err.code(), "ETCD_AUTH_FAILED", "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_freed_by_a_lost_lease_is_not_handed_out_while_its_old_job_winds_down() {
+    let Some(bin) = etcd_binary("a_slot_freed_by_a_lost_lease") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let proxy = Proxy::start(etcd.client_port());
+    let broker = EtcdBroker::connect(
+        config(&proxy.endpoint(), "wind", 2).retry_for(Duration::from_millis(800)),
+    )
+    .await
+    .unwrap();
+    let sup = Supervisor::builder()
+        .broker(broker)
+        .cleanup_timeout(Duration::from_secs(2))
+        .cancel_grace(Duration::from_secs(30))
+        .start()
+        .await
+        .unwrap();
+    let (granted_tx, granted_rx) = tokio::sync::oneshot::channel();
+    let (cancelled_tx, cancelled_rx) = tokio::sync::oneshot::channel();
+    let finish = Arc::new(tokio::sync::Notify::new());
+    let old = {
+        let sup = sup.clone();
+        let finish = Arc::clone(&finish);
+        tokio::spawn(async move {
+            sup.run(JobSpec::new("old").unwrap(), move |ctx| async move {
+                let _ = granted_tx.send(ctx.slot_id());
+                ctx.cancelled().await;
+                let _ = cancelled_tx.send(());
+                // Winds down slowly: the slot is still this process's until it has.
+                finish.notified().await;
+                Ok::<_, String>(())
+            })
+            .await
+        })
+    };
+    let old_slot = granted_rx.await.unwrap();
+    proxy.blackhole();
+    tokio::time::timeout(Duration::from_secs(10), cancelled_rx)
+        .await
+        .expect("the job is told its lease is lost")
+        .unwrap();
+    // etcd lets the lease lapse, so it calls both slots free; then this process reaches etcd
+    // again while the old job still runs.
+    wait_pool_empty(&etcd.endpoint(), "wind", Duration::from_secs(10)).await;
+    proxy.heal();
+
+    // A new job of the same supervisor gets the other slot, and is not refused as a
+    // duplicate of the slot its old job still occupies here.
+    let served = tokio::time::timeout(
+        Duration::from_secs(10),
+        sup.run(JobSpec::new("next").unwrap(), |ctx| async move {
+            Ok::<_, String>(ctx.slot_id())
+        }),
+    )
+    .await
+    .expect("the next job is served")
+    .expect("not refused as a duplicate slot");
+    assert_ne!(served, old_slot);
+
+    finish.notify_one();
+    let old = old.await.unwrap().unwrap_err();
+    assert_eq!(old.body_error().unwrap().code(), codes::LEASE_LOST, "{old}");
+    // And once the old job has ended, its slot serves again.
+    let again: Vec<u32> = futures_join(&sup).await;
+    assert!(again.contains(&old_slot), "{again:?}");
+    let stats = sup.stats();
+    assert_eq!(stats.active, 0);
+    sup.shutdown().await.unwrap();
+    wait_pool_empty(&etcd.endpoint(), "wind", Duration::from_secs(5)).await;
+}
+
+/// Runs two jobs at once and returns the slots they got.
+async fn futures_join(sup: &Supervisor) -> Vec<u32> {
+    let gate = Arc::new(tokio::sync::Barrier::new(2));
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..2 {
+        let sup = sup.clone();
+        let gate = Arc::clone(&gate);
+        set.spawn(async move {
+            sup.run(
+                JobSpec::new(format!("pair-{i}")).unwrap(),
+                move |ctx| async move {
+                    gate.wait().await; // both slots held at once
+                    Ok::<_, String>(ctx.slot_id())
+                },
+            )
+            .await
+            .unwrap()
+        });
+    }
+    let mut slots = Vec::new();
+    while let Some(s) = set.join_next().await {
+        slots.push(s.unwrap());
+    }
+    slots
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_explicit_lease_says_when_it_is_lost() {
+    let Some(bin) = etcd_binary("an_explicit_lease_says_when_it_is_lost") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let proxy = Proxy::start(etcd.client_port());
+    let broker = EtcdBroker::connect(
+        config(&proxy.endpoint(), "explicit", 1).retry_for(Duration::from_millis(800)),
+    )
+    .await
+    .unwrap();
+    let sup = Supervisor::builder()
+        .broker(broker)
+        .cleanup_timeout(Duration::from_secs(2))
+        .start()
+        .await
+        .unwrap();
+    let mut lease = sup.acquire().await.unwrap();
+    assert!(!lease.is_lost());
+    proxy.blackhole();
+    tokio::time::timeout(Duration::from_secs(10), lease.lost())
+        .await
+        .expect("lost() resolves before the lease could lapse");
+    assert!(lease.is_lost());
+    proxy.heal();
+    // Released all the same; the lapsed lease's revoke answers "not found", which is fine.
+    lease.release().await.unwrap();
+    sup.shutdown().await.unwrap();
+}

@@ -215,6 +215,9 @@ pub enum EtcdErrorKind {
     /// `ETCD_INVALID_RESPONSE`: etcd answered something that makes no sense (a lease id other
     /// than the one asked for, a lease id taken by someone else).
     InvalidResponse,
+    /// `ETCD_TLS_FAILED`: a certificate was refused (the server's by this client, or this
+    /// client's, or its absence, by the server).
+    Tls,
 }
 
 /// A failure of the etcd broker. Never contains credentials.
@@ -249,6 +252,7 @@ impl EtcdError {
             EtcdErrorKind::NotOurs => "ETCD_TOKEN_NOT_OURS",
             EtcdErrorKind::LeaseLost => "ETCD_LEASE_LOST",
             EtcdErrorKind::InvalidResponse => "ETCD_INVALID_RESPONSE",
+            EtcdErrorKind::Tls => "ETCD_TLS_FAILED",
         }
     }
 
@@ -261,9 +265,10 @@ impl EtcdError {
         let code = self.code();
         let err = match self.kind {
             EtcdErrorKind::Unavailable => BrokerError::unavailable(self.message),
-            EtcdErrorKind::Auth | EtcdErrorKind::InvalidConfig | EtcdErrorKind::LeaseLost => {
-                BrokerError::new(self.message)
-            }
+            EtcdErrorKind::Auth
+            | EtcdErrorKind::Tls
+            | EtcdErrorKind::InvalidConfig
+            | EtcdErrorKind::LeaseLost => BrokerError::new(self.message),
             _ => BrokerError::invalid_response(self.message),
         };
         err.with_code(code)
@@ -344,12 +349,17 @@ struct Inner {
     prefix: String,
     /// Random per broker: request ids are only unique per supervisor.
     nonce: u64,
-    /// Tokens this broker granted and has not released → (etcd lease, when last renewed).
-    held: Mutex<HashMap<SlotToken, (i64, Instant)>>,
+    /// Tokens this broker granted and has not released → (etcd lease, when last renewed,
+    /// the requesting supervisor's origin).
+    held: Mutex<HashMap<SlotToken, (i64, Instant, u64)>>,
+    /// Woken when a token is released: its slot index may be handed out again.
+    released: tokio::sync::Notify,
     /// Lease ids whose grant this broker has sent (a later "already exists" is its own).
     sent: Mutex<HashSet<i64>>,
-    /// Background revokes of orphaned leases, by lease (aborted by a retry of the acquire).
-    orphan_tasks: Mutex<HashMap<i64, tokio::task::AbortHandle>>,
+    /// Orphaned leases being settled in the background.
+    orphans: Mutex<HashMap<i64, Arc<OrphanCtl>>>,
+    /// Request lease id → epoch, bumped when a retry had to give up an earlier lease id.
+    epochs: Mutex<HashMap<i64, u32>>,
     orphans_expired: AtomicU64,
     events: Mutex<Vec<BrokerEvents>>,
 }
@@ -397,8 +407,36 @@ impl Fail {
     }
 }
 
+/// The error's message with its sources (tonic keeps the TLS or transport cause there).
+fn chain(err: &dyn std::error::Error) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = cause.source();
+    }
+    out
+}
+
 fn classify(err: etcd_client::Error) -> Fail {
     use etcd_client::Error as E;
+    let text = chain(&err);
+    // A certificate refused on either side is a definite answer, not an outage.
+    if [
+        "invalid peer certificate",
+        "InvalidCertificate",
+        "certificate required",
+        "UnknownIssuer",
+    ]
+    .iter()
+    .any(|m| text.contains(m))
+    {
+        return Fail::Fatal(EtcdError::new(EtcdErrorKind::Tls, format!("etcd: {text}")));
+    }
     match err {
         E::GRpcStatus(status) => {
             let msg = status.message();
@@ -421,8 +459,8 @@ fn classify(err: etcd_client::Error) -> Fail {
             }
             match i32::from(status.code()) {
                 // Cancelled, Unknown (transport), DeadlineExceeded, ResourceExhausted, Aborted,
-                // Unavailable.
-                1 | 2 | 4 | 8 | 10 | 14 => Fail::Ambiguous(format!("etcd: {msg}")),
+                // Internal (an HTTP/2 stream reset when etcd dies mid-call), Unavailable.
+                1 | 2 | 4 | 8 | 10 | 13 | 14 => Fail::Ambiguous(format!("etcd: {text}")),
                 // PermissionDenied, Unauthenticated.
                 7 | 16 => Fail::Fatal(EtcdError::new(EtcdErrorKind::Auth, format!("etcd: {msg}"))),
                 _ => Fail::Fatal(EtcdError::new(
@@ -431,13 +469,20 @@ fn classify(err: etcd_client::Error) -> Fail {
                 )),
             }
         }
-        E::TransportError(e) => Fail::Ambiguous(format!("transport: {e}")),
-        E::IoError(e) => Fail::Ambiguous(format!("io: {e}")),
+        E::TransportError(_) => Fail::Ambiguous(format!("transport: {text}")),
+        E::IoError(_) => Fail::Ambiguous(format!("io: {text}")),
         E::WatchError(e) => Fail::Ambiguous(format!("watch: {e}")),
+        // The client's own keep-alive reads the first answer: a TTL of 0 means the lease is
+        // gone, for certain.
+        E::LeaseKeepAliveError(e) if e.contains("lease not found") => Fail::NotFound,
         E::LeaseKeepAliveError(e) => Fail::Ambiguous(format!("keep-alive: {e}")),
-        other => Fail::Fatal(EtcdError::new(
+        E::InvalidArgs(_) | E::InvalidUri(_) | E::EndpointError(_) => Fail::Fatal(EtcdError::new(
+            EtcdErrorKind::InvalidConfig,
+            format!("etcd client refused the configuration: {text}"),
+        )),
+        _ => Fail::Fatal(EtcdError::new(
             EtcdErrorKind::InvalidResponse,
-            format!("etcd client: {other}"),
+            format!("etcd client: {text}"),
         )),
     }
 }
@@ -558,12 +603,27 @@ impl EtcdBroker {
             prefix: format!("{}/{}/", config.key_prefix, config.pool),
             nonce,
             held: Mutex::new(HashMap::new()),
+            released: tokio::sync::Notify::new(),
             sent: Mutex::new(HashSet::new()),
-            orphan_tasks: Mutex::new(HashMap::new()),
+            orphans: Mutex::new(HashMap::new()),
+            epochs: Mutex::new(HashMap::new()),
             orphans_expired: AtomicU64::new(0),
             events: Mutex::new(Vec::new()),
         });
-        inner.ensure_capacity().await?;
+        #[cfg(feature = "etcd-tls")]
+        let tls = config.tls.is_some();
+        #[cfg(not(feature = "etcd-tls"))]
+        let tls = false;
+        inner.ensure_capacity().await.map_err(|mut e| {
+            if tls && e.kind == EtcdErrorKind::Unavailable {
+                // A TLS server that refuses the client's certificate (or its absence) just
+                // closes the connection: say what it may have been.
+                e.message.push_str(
+                    " (over TLS: the server may require a client certificate, or have refused this one)",
+                );
+            }
+            e
+        })?;
         Ok(Self { inner })
     }
 
@@ -580,7 +640,7 @@ impl EtcdBroker {
 
     /// The etcd lease behind a token this broker holds (for tools and tests).
     pub fn etcd_lease_of(&self, token: SlotToken) -> Option<i64> {
-        self.inner.held.lock().get(&token).map(|(lease, _)| *lease)
+        self.inner.held.lock().get(&token).map(|(lease, ..)| *lease)
     }
 
     /// The etcd lease id an acquire with this request id uses (the idempotency key).
@@ -623,6 +683,8 @@ impl SlotBroker for EtcdBroker {
 struct OrphanGuard {
     inner: Arc<Inner>,
     lease: i64,
+    /// The supervisor the lease was for (its orphan expiry is reported to it).
+    origin: u64,
     /// The lease is known to have existed (a grant was answered, or a key was put under it).
     known: bool,
     armed: bool,
@@ -631,9 +693,27 @@ struct OrphanGuard {
 impl Drop for OrphanGuard {
     fn drop(&mut self) {
         if self.armed {
-            Inner::orphan(&self.inner, self.lease, self.known);
+            Inner::orphan(&self.inner, self.lease, self.origin, self.known);
         }
     }
+}
+
+/// Where the background revoke of an orphaned lease is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OrphanPhase {
+    /// No revoke sent yet: a retry of the same request may take the lease back.
+    Pending,
+    /// A revoke has been sent (it may still land): a retry must wait and use a new lease id.
+    Revoking,
+    /// Taken back by a retry; the task stops without revoking.
+    Cancelled,
+    /// Revoked, expired, or given up.
+    Done,
+}
+
+struct OrphanCtl {
+    phase: Mutex<OrphanPhase>,
+    done: tokio::sync::watch::Sender<bool>,
 }
 
 impl Inner {
@@ -816,17 +896,59 @@ impl Inner {
         )
     }
 
+    /// The lease id this acquire may use: the request's own, unless an earlier attempt's lease
+    /// has already been sent a revoke (which might still land), in which case that revoke is
+    /// waited for and a fresh lease id (next epoch) is used. Never two live leases for one
+    /// request.
+    async fn take_over(&self, request: &AcquireRequest) -> Result<i64, EtcdError> {
+        let base = self.lease_for(request);
+        loop {
+            let epoch = self.epochs.lock().get(&base).copied().unwrap_or(0);
+            let lease = if epoch == 0 {
+                base
+            } else {
+                (mix(base as u64 ^ mix(u64::from(epoch))) & (i64::MAX as u64)).max(1) as i64
+            };
+            let Some(ctl) = self.orphans.lock().get(&lease).cloned() else {
+                return Ok(lease);
+            };
+            let mut done = ctl.done.subscribe();
+            {
+                let mut phase = ctl.phase.lock();
+                if *phase == OrphanPhase::Pending {
+                    // No revoke was sent: the retry takes its lease back.
+                    *phase = OrphanPhase::Cancelled;
+                    drop(phase);
+                    self.forget_orphan(lease, &ctl);
+                    return Ok(lease);
+                }
+            }
+            let settled = timeout(self.retry_for, done.wait_for(|d| *d)).await;
+            if settled.is_err() {
+                return Err(EtcdError::new(
+                    EtcdErrorKind::Unavailable,
+                    format!(
+                        "an earlier attempt of this request (lease {lease:016x}) is still being revoked"
+                    ),
+                ));
+            }
+            self.forget_orphan(lease, &ctl);
+            let mut epochs = self.epochs.lock();
+            let next = epochs.entry(base).or_insert(0);
+            if *next == epoch {
+                *next += 1;
+            }
+        }
+    }
+
     async fn acquire(self: Arc<Self>, request: &AcquireRequest) -> Result<SlotToken, EtcdError> {
         let request_id = request.request_id();
-        let lease = self.lease_for(request);
-        // A retry takes its lease back from the background revoke of the earlier attempt.
-        if let Some(task) = self.orphan_tasks.lock().remove(&lease) {
-            task.abort();
-        }
+        let lease = self.take_over(request).await?;
         let first_ever = self.sent.lock().insert(lease);
         let mut guard = OrphanGuard {
             inner: Arc::clone(&self),
             lease,
+            origin: request.origin(),
             known: false,
             armed: true,
         };
@@ -839,8 +961,10 @@ impl Inner {
             //    id) hears "already exists": it is this broker's own grant.
             let attempts = AtomicU32::new(0);
             let ttl = self.ttl_secs;
+            // The TTL runs from when etcd applies the grant: at or after this instant.
+            let asked_at = Instant::now();
             let granted = self
-                .call("lease grant", Instant::now() + self.retry_for, |mut c| {
+                .call("lease grant", asked_at + self.retry_for, |mut c| {
                     attempts.fetch_add(1, Ordering::Relaxed);
                     async move {
                         c.lease_grant(ttl, Some(LeaseGrantOptions::new().with_id(lease)))
@@ -849,7 +973,7 @@ impl Inner {
                 })
                 .await;
             match granted {
-                Ok(resp) if resp.id() == lease && resp.ttl() > 0 => {}
+                Ok(resp) if resp.id() == lease && resp.ttl() > 0 => renewed = asked_at,
                 Ok(resp) => {
                     return Err(EtcdError::new(
                         EtcdErrorKind::InvalidResponse,
@@ -870,15 +994,22 @@ impl Inner {
                         format!("lease id {lease:016x} is already taken by another client"),
                     ));
                 }
-                Err(Fail::AlreadyExists) => {}
+                Err(Fail::AlreadyExists) => {
+                    // Granted by an earlier attempt, at an unknown time: renew now, so that
+                    // the renewal clock starts from a known instant.
+                    let sent_at = Instant::now();
+                    match self.renew_once(lease, sent_at + self.retry_for).await {
+                        Ok(()) => renewed = sent_at,
+                        Err(Fail::NotFound) if tries < 3 => continue,
+                        Err(f) => return Err(f.into_etcd("renew an earlier grant")),
+                    }
+                }
                 Err(f) => return Err(f.into_etcd("lease grant")),
             }
             guard.known = true;
-            renewed = Instant::now();
 
             // 2. Join the queue (unless already in it), reading the pool in the same revision.
-            //    The lease may have been revoked in between (an earlier attempt's background
-            //    revoke, aborted above but already sent): grant it again.
+            //    A lease that vanished in between is granted again.
             match self.enqueue(lease, request_id).await {
                 Ok(s) => {
                     snap = s;
@@ -892,12 +1023,18 @@ impl Inner {
         let mut watch: Option<WatchStream> = None;
         let renew_every = self.ttl / 3;
         loop {
+            // Armed before `held` is read: a local release in between still wakes this waiter.
+            let released = self.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
             if let Some((index, revision)) = snap.slot_of(lease) {
                 let token = SlotToken::new(index, revision as u64);
                 if snap.queue_rev(lease).is_some() {
                     self.delete_own_queue_key(lease).await;
                 }
-                self.held.lock().insert(token, (lease, renewed));
+                self.held
+                    .lock()
+                    .insert(token, (lease, renewed, request.origin()));
                 guard.armed = false;
                 return Ok(token);
             }
@@ -908,14 +1045,18 @@ impl Inner {
                 continue;
             };
             let ahead = snap.queue.iter().filter(|(_, r)| *r < my_rev).count();
+            // A slot index this broker still holds a token for is not handed out again, even
+            // when etcd has already freed it (a lease lost while its job still winds down):
+            // the supervisor would refuse the duplicate slot.
+            let local: HashSet<u32> = self.held.lock().keys().map(|t| t.slot_id()).collect();
             let free: Vec<u32> = (0..self.capacity)
-                .filter(|i| !snap.slots.contains_key(i))
+                .filter(|i| !snap.slots.contains_key(i) && !local.contains(i))
                 .collect();
             if let Some(&index) = free.get(ahead) {
                 snap = self.claim(lease, index, &qkey, my_rev).await?;
                 continue;
             }
-            // 3. Wait for the pool to change, renewing the lease meanwhile.
+            // 3. Wait for the pool to change (or a local release), renewing the lease meanwhile.
             if watch.is_none() {
                 let prefix = self.prefix.clone();
                 let start = snap.revision + 1;
@@ -950,9 +1091,14 @@ impl Inner {
                     // afresh and watch again from there.
                     _ => watch = None,
                 },
+                () = &mut released => {}
                 () = sleep_until(renewed + renew_every) => {
                     let sent_at = Instant::now();
-                    self.renew_once(lease).await.map_err(|f| f.into_etcd("renew while waiting"))?;
+                    // Retried until the lease could lapse, not just once.
+                    let lapse_at = renewed + self.ttl - self.margin();
+                    self.renew_once(lease, lapse_at)
+                        .await
+                        .map_err(|f| f.into_etcd("renew while waiting"))?;
                     renewed = sent_at;
                 }
             }
@@ -1061,64 +1207,48 @@ impl Inner {
         let _ = timeout(self.rpc_timeout, c.txn(txn)).await;
     }
 
-    /// One keep-alive round trip; the lease's remaining TTL must come back above zero.
-    async fn renew_once(&self, lease: i64) -> Result<(), Fail> {
-        let ttl = self
-            .call(
-                "renew",
-                Instant::now() + self.rpc_timeout,
-                |mut c| async move {
-                    let (mut keeper, mut stream) = c.lease_keep_alive(lease).await?;
-                    keeper.keep_alive().await?;
-                    match stream.message().await? {
-                        Some(resp) => Ok(resp.ttl()),
-                        None => Err(etcd_client::Error::LeaseKeepAliveError(
-                            "keep-alive stream closed".into(),
-                        )),
-                    }
-                },
-            )
-            .await?;
-        if ttl <= 0 {
-            Err(Fail::NotFound)
-        } else {
-            Ok(())
-        }
+    /// One keep-alive round trip, retried until `deadline`: `Ok` when etcd renewed the lease
+    /// (the client's keep-alive reads etcd's first answer, whose TTL must be above zero),
+    /// `NotFound` when etcd says the lease is gone.
+    async fn renew_once(&self, lease: i64, deadline: Instant) -> Result<(), Fail> {
+        self.call("renew", deadline, |mut c| async move {
+            c.lease_keep_alive(lease).await.map(|_| ())
+        })
+        .await
+    }
+
+    /// How long before the lease could lapse a holder is told it is lost.
+    fn margin(&self) -> Duration {
+        (self.ttl / 4).min(Duration::from_secs(2))
     }
 
     async fn keep_alive(&self, token: SlotToken) -> EtcdError {
-        let Some((lease, mut renewed)) = self.held.lock().get(&token).copied() else {
+        let Some((lease, mut renewed, _)) = self.held.lock().get(&token).copied() else {
             return EtcdError::new(
                 EtcdErrorKind::NotOurs,
                 format!("{token} was not granted by this broker"),
             );
         };
         let every = self.ttl / 3;
-        // Give up (and so cancel the job) while a quarter of the TTL is still left: the
-        // server counts from when it received the last renewal, at or after `renewed`.
-        let margin = (self.ttl / 4).min(Duration::from_secs(2));
         loop {
             sleep_until(renewed + every).await;
-            let lapse_at = renewed + self.ttl - margin;
+            // Give up (and so cancel the job) while part of the TTL is still left: etcd counts
+            // from when it received the last renewal, at or after `renewed`.
+            let lapse_at = renewed + self.ttl - self.margin();
             let mut backoff = Duration::from_millis(50);
             loop {
-                let now = Instant::now();
-                if now >= lapse_at {
-                    return EtcdError::new(
-                        EtcdErrorKind::LeaseLost,
-                        format!(
-                            "lease {lease:016x} of {token} could not be renewed for {:?}; it may lapse (ttl {:?})",
-                            now - renewed,
-                            self.ttl
-                        ),
-                    );
-                }
-                let bound = self.rpc_timeout.min(lapse_at - now);
-                match timeout(bound, self.renew_once(lease)).await {
+                // Always try at least once: a renewal that gets through proves the lease alive
+                // even when this task was late to run.
+                let sent_at = Instant::now();
+                let bound = self
+                    .rpc_timeout
+                    .min(lapse_at.saturating_duration_since(sent_at))
+                    .max(Duration::from_millis(50));
+                match timeout(bound, self.renew_once(lease, sent_at + bound)).await {
                     Ok(Ok(())) => {
-                        renewed = now;
+                        renewed = sent_at;
                         if let Some(entry) = self.held.lock().get_mut(&token) {
-                            entry.1 = now;
+                            entry.1 = sent_at;
                         }
                         break;
                     }
@@ -1133,24 +1263,37 @@ impl Inner {
                     }
                     _ => {}
                 }
-                let pause = backoff.min(lapse_at.saturating_duration_since(Instant::now()));
-                sleep(pause).await;
+                let now = Instant::now();
+                if now >= lapse_at {
+                    return EtcdError::new(
+                        EtcdErrorKind::LeaseLost,
+                        format!(
+                            "lease {lease:016x} of {token} could not be renewed for {:?}; it may lapse (ttl {:?})",
+                            now - renewed,
+                            self.ttl
+                        ),
+                    );
+                }
+                sleep(backoff.min(lapse_at - now)).await;
                 backoff = (backoff * 2).min(Duration::from_millis(500));
             }
         }
     }
 
     async fn release(self: Arc<Self>, token: SlotToken) -> Result<(), BrokerError> {
-        let Some((lease, _)) = self.held.lock().remove(&token) else {
+        let Some((lease, _, origin)) = self.held.lock().remove(&token) else {
             return Err(EtcdError::new(
                 EtcdErrorKind::NotOurs,
                 format!("{token} was not granted by this broker, or was already released"),
             )
             .into_broker());
         };
+        // The slot index is this broker's to hand out again (see `acquire`).
+        self.released.notify_waiters();
         let mut guard = OrphanGuard {
             inner: Arc::clone(&self),
             lease,
+            origin,
             known: true,
             armed: true,
         };
@@ -1177,9 +1320,10 @@ impl Inner {
         }
     }
 
-    /// Takes care of a lease nobody holds: revokes it (retrying while etcd does not answer),
-    /// and counts it as expired if etcd no longer knows it by the time it answers.
-    fn orphan(this: &Arc<Self>, lease: i64, known: bool) {
+    /// Takes care of a lease nobody holds: revokes it in the background (retrying while etcd
+    /// does not answer), and counts it as expired if etcd no longer knows it by the time it
+    /// answers.
+    fn orphan(this: &Arc<Self>, lease: i64, origin: u64, known: bool) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             tracing::warn!(
                 lease = format_args!("{lease:016x}"),
@@ -1187,21 +1331,45 @@ impl Inner {
             );
             return;
         };
+        let ctl = Arc::new(OrphanCtl {
+            phase: Mutex::new(OrphanPhase::Pending),
+            done: tokio::sync::watch::Sender::new(false),
+        });
+        if let Some(earlier) = this.orphans.lock().insert(lease, Arc::clone(&ctl)) {
+            // Cannot happen (one owner per lease at a time); never leave a waiter hanging.
+            earlier.done.send_replace(true);
+        }
         let me = Arc::clone(this);
-        let mut tasks = this.orphan_tasks.lock();
-        let task = rt.spawn(async move {
-            me.settle_orphan(lease, known).await;
-            me.orphan_tasks.lock().remove(&lease);
+        rt.spawn(async move {
+            me.settle_orphan(lease, origin, known, &ctl).await;
+            *ctl.phase.lock() = OrphanPhase::Done;
+            ctl.done.send_replace(true);
+            me.forget_orphan(lease, &ctl);
             me.sent.lock().remove(&lease);
         });
-        if let Some(earlier) = tasks.insert(lease, task.abort_handle()) {
-            earlier.abort();
+    }
+
+    /// Removes `ctl` from the orphan table, unless a newer record for the lease replaced it.
+    fn forget_orphan(&self, lease: i64, ctl: &Arc<OrphanCtl>) {
+        let mut orphans = self.orphans.lock();
+        if orphans.get(&lease).is_some_and(|c| Arc::ptr_eq(c, ctl)) {
+            orphans.remove(&lease);
         }
     }
 
-    async fn settle_orphan(&self, lease: i64, known: bool) {
+    async fn settle_orphan(&self, lease: i64, origin: u64, known: bool, ctl: &OrphanCtl) {
         let mut backoff = Duration::from_millis(100);
+        // etcd holds a lease at most its TTL past its last renewal, counted from a leader that
+        // is up: past this bound with no answer at all, stop and leave it to the TTL.
+        let give_up = Instant::now() + (self.ttl * 10).max(Duration::from_secs(60));
         loop {
+            {
+                let mut phase = ctl.phase.lock();
+                if *phase == OrphanPhase::Cancelled {
+                    return; // a retry of the same request took the lease back
+                }
+                *phase = OrphanPhase::Revoking;
+            }
             let mut c = self.client.clone();
             match timeout(self.rpc_timeout, c.lease_revoke(lease)).await {
                 Ok(Ok(_)) => {
@@ -1219,7 +1387,9 @@ impl Inner {
                             "orphaned etcd lease expired (its ttl ended it, not a release)"
                         );
                         for events in self.events.lock().iter() {
-                            events.orphan_expired(lease as u64);
+                            if events.origin() == 0 || events.origin() == origin || origin == 0 {
+                                events.orphan_expired(lease as u64);
+                            }
                         }
                         return;
                     }
@@ -1237,6 +1407,13 @@ impl Inner {
                     _ => {}
                 },
                 Err(_) => {}
+            }
+            if Instant::now() >= give_up {
+                tracing::warn!(
+                    lease = format_args!("{lease:016x}"),
+                    "etcd unreachable for too long: orphaned lease left to its ttl, not counted"
+                );
+                return;
             }
             sleep(backoff).await;
             backoff = (backoff * 2).min(self.ttl);

@@ -203,6 +203,7 @@ impl<B: SlotBroker> SlotBroker for Arc<B> {
 /// Cloneable and cheap; reports after the supervisor has stopped are ignored.
 #[derive(Clone)]
 pub struct BrokerEvents {
+    origin: u64,
     sink: Arc<dyn Fn(BrokerEvent) + Send + Sync>,
 }
 
@@ -224,8 +225,21 @@ impl BrokerEvents {
     /// public so that a broker can be tested on its own).
     pub fn new(sink: impl Fn(BrokerEvent) + Send + Sync + 'static) -> Self {
         Self {
+            origin: 0,
             sink: Arc::new(sink),
         }
+    }
+
+    /// Ties these events to one supervisor's [`AcquireRequest::origin`]: a broker shared by
+    /// several supervisors reports a lease's events only to the one that asked for it.
+    pub fn with_origin(mut self, origin: u64) -> Self {
+        self.origin = origin;
+        self
+    }
+
+    /// The supervisor these events go to (0: any).
+    pub fn origin(&self) -> u64 {
+        self.origin
     }
 
     /// Reports that an orphaned lease expired.

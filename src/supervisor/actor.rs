@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, MessagingErr, SupervisionEvent};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Span;
 
@@ -54,6 +55,21 @@ pub(crate) struct SupArgs {
     pub(crate) config: Arc<Config>,
     pub(crate) stats: Arc<SharedStats>,
     pub(crate) owned_root: Option<tempfile::TempDir>,
+    /// Random per supervisor (see `AcquireRequest::origin`).
+    pub(crate) origin: u64,
+}
+
+/// A lease's keep-alive task, and whom its loss concerns.
+struct Renewal {
+    task: tokio::task::AbortHandle,
+    target: LostTarget,
+}
+
+enum LostTarget {
+    /// The job is cancelled and reports `LEASE_LOST`.
+    Job(Arc<JobShared>),
+    /// The explicit lease's `lost()` signal.
+    Lease(CancellationToken),
 }
 
 struct Waiter {
@@ -125,7 +141,7 @@ pub(crate) struct SupState {
     owned_root: Option<tempfile::TempDir>,
     /// Keep-alive tasks of leases held from a broker that [`renews`](crate::SlotBroker::renews),
     /// aborted when the lease's release begins.
-    renewals: HashMap<LeaseKey, tokio::task::AbortHandle>,
+    renewals: HashMap<LeaseKey, Renewal>,
     /// Random per supervisor: with the request id, a key unique among every supervisor that
     /// shares a broker.
     origin: u64,
@@ -171,12 +187,7 @@ impl Actor for SupervisorActor {
             gpu_closed: false,
             owned_root: args.owned_root,
             renewals: HashMap::new(),
-            origin: {
-                use std::hash::{BuildHasher, Hasher};
-                let mut h = std::hash::RandomState::new().build_hasher();
-                h.write_u64(myself.get_id().pid());
-                h.finish()
-            },
+            origin: args.origin,
         })
     }
 
@@ -230,7 +241,7 @@ impl Actor for SupervisorActor {
         // Waiters still queued (the actor is stopping for another reason than shutdown) hear
         // SUPERVISOR_STOPPED when their reply senders drop with the state.
         for (_, renewal) in state.renewals.drain() {
-            renewal.abort();
+            renewal.task.abort();
         }
         if let Some(root) = state.owned_root.take()
             && state.table.quarantined() > 0
@@ -281,6 +292,7 @@ impl SupState {
             #[cfg(feature = "gpu")]
             SupMsg::GpuClosed => self.gpu_closed = true,
             SupMsg::Unconfirmed { key, detail } => self.on_unconfirmed(key, detail),
+            SupMsg::LeaseLost { key, reason } => self.on_lease_lost(key, reason),
             SupMsg::Broker(BrokerEvent::OrphanExpired { lease_id }) => {
                 tracing::warn!(lease_id, "an orphaned lease expired at the broker");
                 self.table.note_orphan_expired();
@@ -434,9 +446,13 @@ impl SupState {
                     }
                     let key = self.table.grant(token, LeaseKind::Explicit);
                     record_grant(&span, waiter.since, token);
-                    self.start_renewal(key, token, None);
+                    let lost = self.broker.renews().then(CancellationToken::new);
+                    if let Some(signal) = &lost {
+                        let target = LostTarget::Lease(signal.clone());
+                        self.start_renewal(myself, key, token, target);
+                    }
                     self.stats.publish(&self.table, &mut self.published);
-                    let lease = Lease::new(key, token, myself.clone());
+                    let lease = Lease::new(key, token, myself.clone(), lost);
                     if let Err(Ok(lease)) = reply.send(Ok(lease)) {
                         // The caller left between the check and the send: release it here.
                         lease.defuse();
@@ -476,7 +492,9 @@ impl SupState {
         } = job;
         span.record("slot_id", token.slot_id());
         span.record("lease_id", token.lease_id());
-        self.start_renewal(key, token, Some(Arc::clone(&shared)));
+        if self.broker.renews() {
+            self.start_renewal(myself, key, token, LostTarget::Job(Arc::clone(&shared)));
+        }
         let made = tempfile::Builder::new()
             .prefix(&format!("{job_id}-"))
             .tempdir_in(&self.config.work_root);
@@ -572,20 +590,55 @@ impl SupState {
     /// Keeps the lease alive while it is held, when the broker needs that. A loss cancels the
     /// lease's job at once and marks its result `LEASE_LOST`; renewal stops when the release
     /// begins (so a quarantined slot, whose work may still run, keeps its lease).
-    fn start_renewal(&mut self, key: LeaseKey, token: SlotToken, job: Option<Arc<JobShared>>) {
-        if !self.broker.renews() {
-            return;
-        }
+    fn start_renewal(
+        &mut self,
+        myself: &ActorRef<SupMsg>,
+        key: LeaseKey,
+        token: SlotToken,
+        target: LostTarget,
+    ) {
         let lost = Arc::clone(&self.broker).keep_alive_boxed(token);
+        let me = myself.clone();
         let task = tokio::spawn(async move {
             let err = lost.await;
-            tracing::error!(%token, error = %err, "lease lost: it could not be kept alive");
-            if let Some(job) = job {
-                job.mark_lease_lost(err.to_string());
-                job.cancel.cancel();
-            }
+            // Judged by the actor: renewal may have been stopped since.
+            let _ = me.send_message(SupMsg::LeaseLost {
+                key,
+                reason: err.to_string(),
+            });
         });
-        self.renewals.insert(key, task.abort_handle());
+        self.renewals.insert(
+            key,
+            Renewal {
+                task: task.abort_handle(),
+                target,
+            },
+        );
+    }
+
+    /// Renewal ends: the lease's release begins, or its worker has physically ended.
+    fn stop_renewal(&mut self, key: LeaseKey) {
+        if let Some(renewal) = self.renewals.remove(&key) {
+            renewal.task.abort();
+        }
+    }
+
+    /// The broker could not keep a lease alive. Acted on only while its renewal still runs:
+    /// a loss reported after the worker ended (or the release began) changes nothing.
+    fn on_lease_lost(&mut self, key: LeaseKey, reason: String) {
+        let Some(renewal) = self.renewals.remove(&key) else {
+            return;
+        };
+        let token = self.table.get(key).map(|r| r.token);
+        let job_id = self.jobs.get(&key).map(|j| j.job_id.to_string());
+        tracing::error!(?token, job_id, %reason, "lease lost: it could not be kept alive");
+        match renewal.target {
+            LostTarget::Job(shared) => {
+                shared.mark_lease_lost(reason);
+                shared.cancel.cancel();
+            }
+            LostTarget::Lease(signal) => signal.cancel(),
+        }
     }
 
     /// Both proofs of the worker's end are in: remove its temp dir off the mailbox.
@@ -630,7 +683,11 @@ impl SupState {
             .get(&key)
             .map(|j| j.shared.take_unproven())
             .unwrap_or_default();
-        // The worker and its tracked tasks (keepers included) have ended, either way.
+        // The worker and its tracked tasks (keepers included) have ended, either way. Renewal
+        // stops here, unless processes may still run (then the slot stays held, quarantined).
+        if unproven.is_empty() {
+            self.stop_renewal(key);
+        }
         let both_proofs = self.table.note_worker_end(key, true);
         #[cfg(feature = "gpu")]
         if let Some((device, reason)) = self.jobs.get(&key).and_then(|j| j.shared.take_gpu_lost()) {
@@ -893,9 +950,7 @@ impl SupState {
     /// Starts the broker release of `token` under the cleanup timeout. The timeout is the
     /// supervisor's own: no caller's cancellation reaches this task.
     fn start_release(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey, token: SlotToken) {
-        if let Some(renewal) = self.renewals.remove(&key) {
-            renewal.abort();
-        }
+        self.stop_renewal(key);
         let started = Instant::now();
         let mut fut = Arc::clone(&self.broker).release_boxed(token);
         match poll_once(&mut fut) {

@@ -234,7 +234,14 @@ impl SupervisorBuilder {
             (b, g) => b.or(g),
         };
         let attach_to = Arc::clone(&broker);
+        let origin = {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::hash::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            h.finish().max(1)
+        };
         let args = SupArgs {
+            origin,
             capacity,
             broker,
             config,
@@ -246,9 +253,12 @@ impl SupervisorBuilder {
             .map_err(|e| StartError::Spawn(e.to_string()))?;
         // Before `start` returns, so before any acquire.
         let events_to = actor.clone();
-        attach_to.attach(BrokerEvents::new(move |event| {
-            let _ = events_to.send_message(SupMsg::Broker(event));
-        }));
+        attach_to.attach(
+            BrokerEvents::new(move |event| {
+                let _ = events_to.send_message(SupMsg::Broker(event));
+            })
+            .with_origin(origin),
+        );
         Ok(Supervisor::from_parts(
             actor,
             join,

@@ -63,6 +63,8 @@ pub(crate) enum SupMsg {
     /// The worker's physical end is late (GPU work past the fence bound): quarantine now.
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
     Unconfirmed { key: LeaseKey, detail: String },
+    /// A lease's keep-alive resolved: the broker could not keep it alive.
+    LeaseLost { key: LeaseKey, reason: String },
     /// Something the broker reported on its own (see `SlotBroker::attach`).
     Broker(BrokerEvent),
     /// List the quarantined slots.
