@@ -354,6 +354,8 @@ struct Inner {
     held: Mutex<HashMap<SlotToken, (i64, Instant, u64)>>,
     /// Woken when a token is released: its slot index may be handed out again.
     released: tokio::sync::Notify,
+    /// A slot index likely to be free (the fast path's first guess).
+    hint: AtomicU32,
     /// Lease ids whose grant this broker has sent (a later "already exists" is its own).
     sent: Mutex<HashSet<i64>>,
     /// Orphaned leases being settled in the background.
@@ -604,6 +606,7 @@ impl EtcdBroker {
             nonce,
             held: Mutex::new(HashMap::new()),
             released: tokio::sync::Notify::new(),
+            hint: AtomicU32::new(0),
             sent: Mutex::new(HashSet::new()),
             orphans: Mutex::new(HashMap::new()),
             epochs: Mutex::new(HashMap::new()),
@@ -972,8 +975,12 @@ impl Inner {
                     }
                 })
                 .await;
+            let mut fresh = false;
             match granted {
-                Ok(resp) if resp.id() == lease && resp.ttl() > 0 => renewed = asked_at,
+                Ok(resp) if resp.id() == lease && resp.ttl() > 0 => {
+                    renewed = asked_at;
+                    fresh = true;
+                }
                 Ok(resp) => {
                     return Err(EtcdError::new(
                         EtcdErrorKind::InvalidResponse,
@@ -1010,7 +1017,12 @@ impl Inner {
 
             // 2. Join the queue (unless already in it), reading the pool in the same revision.
             //    A lease that vanished in between is granted again.
-            match self.enqueue(lease, request_id).await {
+            let joined = if fresh {
+                self.join_or_claim(lease, request_id).await
+            } else {
+                self.enqueue(lease, request_id).await
+            };
+            match joined {
                 Ok(s) => {
                     snap = s;
                     break;
@@ -1052,6 +1064,9 @@ impl Inner {
             let free: Vec<u32> = (0..self.capacity)
                 .filter(|i| !snap.slots.contains_key(i) && !local.contains(i))
                 .collect();
+            if let Some(&first) = free.first() {
+                self.hint.store(first, Ordering::Relaxed);
+            }
             if let Some(&index) = free.get(ahead) {
                 snap = self.claim(lease, index, &qkey, my_rev).await?;
                 continue;
@@ -1104,6 +1119,62 @@ impl Inner {
             }
             snap = self.fetch(Instant::now() + self.retry_for).await?;
         }
+    }
+
+    /// The uncontended fast path, for a lease just granted (so no key is under it yet): one
+    /// transaction claims a likely-free slot when nobody waits, and otherwise joins the queue;
+    /// either way it reads the pool. Saves the separate claim on an idle pool. A retry after a
+    /// lost answer finds the claimed slot in the read (or joins the queue, harmlessly: the put
+    /// of an existing queue key keeps its create revision, so its place).
+    async fn join_or_claim(&self, lease: i64, request_id: u64) -> Result<Snapshot, EtcdError> {
+        let local: HashSet<u32> = self.held.lock().keys().map(|t| t.slot_id()).collect();
+        let hint = self.hint.load(Ordering::Relaxed);
+        let guess = (0..self.capacity)
+            .map(|k| (hint.wrapping_add(k)) % self.capacity)
+            .find(|i| !local.contains(i));
+        let Some(guess) = guess else {
+            return self.enqueue(lease, request_id).await;
+        };
+        let read = TxnOp::get(self.prefix.clone(), Some(GetOptions::new().with_prefix()));
+        let txn = Txn::new()
+            .when([
+                // An empty range compares as one absent key: "nobody waits".
+                Compare::version(format!("{}queue/", self.prefix), CompareOp::Equal, 0)
+                    .with_prefix(),
+                Compare::create_revision(self.slot_key(guess), CompareOp::Equal, 0),
+            ])
+            .and_then([
+                TxnOp::put(
+                    self.slot_key(guess),
+                    format!("{FORMAT} holder lease={lease:016x}"),
+                    Some(PutOptions::new().with_lease(lease)),
+                ),
+                read.clone(),
+            ])
+            .or_else([
+                TxnOp::put(
+                    self.queue_key(lease),
+                    self.owner_value(request_id),
+                    Some(PutOptions::new().with_lease(lease)),
+                ),
+                read,
+            ]);
+        let resp = self
+            .call(
+                "claim or join the queue",
+                Instant::now() + self.retry_for,
+                |mut c| {
+                    let txn = txn.clone();
+                    async move { c.txn(txn).await }
+                },
+            )
+            .await
+            .map_err(|f| f.into_etcd("claim or join the queue"))?;
+        if resp.succeeded() {
+            self.hint
+                .store((guess + 1) % self.capacity, Ordering::Relaxed);
+        }
+        self.txn_snapshot(&resp)
     }
 
     /// Puts the waiter's queue key if absent; returns the pool as of that revision.
@@ -1290,6 +1361,7 @@ impl Inner {
         };
         // The slot index is this broker's to hand out again (see `acquire`).
         self.released.notify_waiters();
+        self.hint.store(token.slot_id(), Ordering::Relaxed);
         let mut guard = OrphanGuard {
             inner: Arc::clone(&self),
             lease,
