@@ -14,16 +14,11 @@ use std::time::Duration;
 use etcd_client::{Client, GetOptions};
 use etcd_support::{Etcd, Proxy, etcd_binary};
 use leasehold::{
-    AcquireRequest, BrokerErrorKind, BrokerEvents, EtcdBroker, EtcdConfig, FencingGuard, JobSpec,
-    SlotBroker, SlotToken, Supervisor,
+    AcquireRequest, BrokerErrorKind, BrokerEvents, EtcdBroker, FencingGuard, JobSpec, SlotBroker,
+    SlotToken, Supervisor,
 };
 
-fn config(endpoint: &str, pool: &str, capacity: u32) -> EtcdConfig {
-    EtcdConfig::new([endpoint], pool, capacity)
-        .ttl(Duration::from_secs(2))
-        .rpc_timeout(Duration::from_millis(500))
-        .retry_for(Duration::from_secs(3))
-}
+use etcd_support::test_config as config;
 
 async fn client(etcd: &Etcd) -> Client {
     Client::connect([etcd.endpoint()], None).await.unwrap()

@@ -20,19 +20,13 @@ use std::time::Duration;
 use etcd_client::{Client, GetOptions};
 use etcd_support::{Etcd, OccupancyRecord, Proxy, etcd_binary};
 use leasehold::{
-    AcquireRequest, EtcdBroker, EtcdConfig, FencingGuard, JobError, JobSpec, SlotBroker,
-    Supervisor, codes,
+    AcquireRequest, EtcdBroker, FencingGuard, JobError, JobSpec, SlotBroker, Supervisor, codes,
 };
 use parking_lot::Mutex;
 
 const CHILD_ENV: &str = "LEASEHOLD_ETCD_CHILD";
 
-fn config(endpoint: &str, pool: &str, capacity: u32) -> EtcdConfig {
-    EtcdConfig::new([endpoint], pool, capacity)
-        .ttl(Duration::from_secs(2))
-        .rpc_timeout(Duration::from_millis(500))
-        .retry_for(Duration::from_secs(3))
-}
+use etcd_support::test_config as config;
 
 async fn slot_keys(endpoint: &str, pool: &str) -> Vec<String> {
     let mut c = Client::connect([endpoint], None).await.unwrap();

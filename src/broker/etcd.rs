@@ -1159,22 +1159,12 @@ impl Inner {
                 ),
                 read,
             ]);
-        let resp = self
-            .call(
-                "claim or join the queue",
-                Instant::now() + self.retry_for,
-                |mut c| {
-                    let txn = txn.clone();
-                    async move { c.txn(txn).await }
-                },
-            )
-            .await
-            .map_err(|f| f.into_etcd("claim or join the queue"))?;
-        if resp.succeeded() {
+        let (claimed, snap) = self.txn_read("claim or join the queue", txn).await?;
+        if claimed {
             self.hint
                 .store((guess + 1) % self.capacity, Ordering::Relaxed);
         }
-        self.txn_snapshot(&resp)
+        Ok(snap)
     }
 
     /// Puts the waiter's queue key if absent; returns the pool as of that revision.
@@ -1192,18 +1182,20 @@ impl Inner {
                 read.clone(),
             ])
             .or_else([read]);
+        Ok(self.txn_read("join the queue", txn).await?.1)
+    }
+
+    /// Runs a transaction whose last operation (in either branch) reads the pool, retried
+    /// while its answer is lost: whether it succeeded, and the pool as it read it.
+    async fn txn_read(&self, what: &str, txn: Txn) -> Result<(bool, Snapshot), EtcdError> {
         let resp = self
-            .call(
-                "join the queue",
-                Instant::now() + self.retry_for,
-                |mut c| {
-                    let txn = txn.clone();
-                    async move { c.txn(txn).await }
-                },
-            )
+            .call(what, Instant::now() + self.retry_for, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
             .await
-            .map_err(|f| f.into_etcd("join the queue"))?;
-        self.txn_snapshot(&resp)
+            .map_err(|f| f.into_etcd(what))?;
+        Ok((resp.succeeded(), self.txn_snapshot(&resp)?))
     }
 
     /// The pool as read by the last `get` of a transaction.
@@ -1256,17 +1248,7 @@ impl Inner {
             .or_else([read]);
         // A retry after a lost answer fails the comparison (the slot now exists under this
         // lease) and reads the pool, where the slot is found.
-        let resp = self
-            .call("claim a slot", Instant::now() + self.retry_for, |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await
-            .map_err(|f| match f {
-                Fail::NotFound => Fail::NotFound.into_etcd("claim a slot"),
-                f => f.into_etcd("claim a slot"),
-            })?;
-        self.txn_snapshot(&resp)
+        Ok(self.txn_read("claim a slot", txn).await?.1)
     }
 
     async fn delete_own_queue_key(&self, lease: i64) {

@@ -1049,3 +1049,13 @@ impl EtcdWith {
         }
     }
 }
+
+/// The broker settings every etcd test uses: a short TTL (2 s, close to etcd's minimum) so
+/// that lapses happen within a test, and short call bounds.
+#[cfg(feature = "etcd")]
+pub fn test_config(endpoint: &str, pool: &str, capacity: u32) -> leasehold::EtcdConfig {
+    leasehold::EtcdConfig::new([endpoint], pool, capacity)
+        .ttl(std::time::Duration::from_secs(2))
+        .rpc_timeout(std::time::Duration::from_millis(500))
+        .retry_for(std::time::Duration::from_secs(3))
+}
