@@ -955,170 +955,199 @@ impl Inner {
             known: false,
             armed: true,
         };
-        let mut renewed;
-        let mut snap;
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            // 1. The lease. A retry (of this call or of an earlier one with the same request
-            //    id) hears "already exists": it is this broker's own grant.
-            let attempts = AtomicU32::new(0);
-            let ttl = self.ttl_secs;
-            // The TTL runs from when etcd applies the grant: at or after this instant.
-            let asked_at = Instant::now();
-            let granted = self
-                .call("lease grant", asked_at + self.retry_for, |mut c| {
-                    attempts.fetch_add(1, Ordering::Relaxed);
-                    async move {
-                        c.lease_grant(ttl, Some(LeaseGrantOptions::new().with_id(lease)))
-                            .await
-                    }
-                })
-                .await;
-            let mut fresh = false;
-            match granted {
-                Ok(resp) if resp.id() == lease && resp.ttl() > 0 => {
-                    renewed = asked_at;
-                    fresh = true;
-                }
-                Ok(resp) => {
-                    return Err(EtcdError::new(
-                        EtcdErrorKind::InvalidResponse,
-                        format!(
-                            "asked for lease {lease:016x}, etcd granted {:016x} with ttl {}",
-                            resp.id(),
-                            resp.ttl()
-                        ),
-                    ));
-                }
-                Err(Fail::AlreadyExists)
-                    if first_ever && tries == 1 && attempts.load(Ordering::Relaxed) == 1 =>
-                {
-                    guard.armed = false; // not ours: never revoke it
-                    self.sent.lock().remove(&lease);
-                    return Err(EtcdError::new(
-                        EtcdErrorKind::InvalidResponse,
-                        format!("lease id {lease:016x} is already taken by another client"),
-                    ));
-                }
-                Err(Fail::AlreadyExists) => {
-                    // Granted by an earlier attempt, at an unknown time: renew now, so that
-                    // the renewal clock starts from a known instant.
-                    let sent_at = Instant::now();
-                    match self.renew_once(lease, sent_at + self.retry_for).await {
-                        Ok(()) => renewed = sent_at,
-                        Err(Fail::NotFound) if tries < 3 => continue,
-                        Err(f) => return Err(f.into_etcd("renew an earlier grant")),
-                    }
-                }
-                Err(f) => return Err(f.into_etcd("lease grant")),
-            }
-            guard.known = true;
-
-            // 2. Join the queue (unless already in it), reading the pool in the same revision.
-            //    A lease that vanished in between is granted again.
-            let joined = if fresh {
-                self.join_or_claim(lease, request_id).await
-            } else {
-                self.enqueue(lease, request_id).await
-            };
-            match joined {
-                Ok(s) => {
-                    snap = s;
-                    break;
-                }
-                Err(e) if e.kind() == EtcdErrorKind::LeaseLost && tries < 3 => continue,
-                Err(e) => return Err(e),
-            }
-        }
-        let qkey = self.queue_key(lease);
-        let mut watch: Option<WatchStream> = None;
-        let renew_every = self.ttl / 3;
-        loop {
-            // Armed before `held` is read: a local release in between still wakes this waiter.
-            let released = self.released.notified();
-            tokio::pin!(released);
-            released.as_mut().enable();
-            if let Some((index, revision)) = snap.slot_of(lease) {
-                let token = SlotToken::new(index, revision as u64);
-                if snap.queue_rev(lease).is_some() {
-                    self.delete_own_queue_key(lease).await;
-                }
-                self.held
-                    .lock()
-                    .insert(token, (lease, renewed, request.origin()));
-                guard.armed = false;
-                return Ok(token);
-            }
-            let Some(my_rev) = snap.queue_rev(lease) else {
-                // The queue key is gone (the lease lapsed, or etcd lost it): join again; a
-                // lapsed lease refuses the put.
-                snap = self.enqueue(lease, request_id).await?;
-                continue;
-            };
-            let ahead = snap.queue.iter().filter(|(_, r)| *r < my_rev).count();
-            // A slot index this broker still holds a token for is not handed out again, even
-            // when etcd has already freed it (a lease lost while its job still winds down):
-            // the supervisor would refuse the duplicate slot.
-            let local: HashSet<u32> = self.held.lock().keys().map(|t| t.slot_id()).collect();
-            let free: Vec<u32> = (0..self.capacity)
-                .filter(|i| !snap.slots.contains_key(i) && !local.contains(i))
-                .collect();
-            if let Some(&first) = free.first() {
-                self.hint.store(first, Ordering::Relaxed);
-            }
-            if let Some(&index) = free.get(ahead) {
-                snap = self.claim(lease, index, &qkey, my_rev).await?;
-                continue;
-            }
-            // 3. Wait for the pool to change (or a local release), renewing the lease meanwhile.
-            if watch.is_none() {
-                let prefix = self.prefix.clone();
-                let start = snap.revision + 1;
-                let made = self
-                    .call(
-                        "watch the pool",
-                        Instant::now() + self.retry_for,
-                        |mut c| {
-                            let prefix = prefix.clone();
-                            async move {
-                                c.watch(
-                                    prefix,
-                                    Some(
-                                        WatchOptions::new()
-                                            .with_prefix()
-                                            .with_start_revision(start),
-                                    ),
-                                )
+        let result: Result<SlotToken, EtcdError> = async {
+            let mut renewed;
+            let mut snap;
+            let mut tries = 0;
+            loop {
+                tries += 1;
+                // 1. The lease. A retry (of this call or of an earlier one with the same request
+                //    id) hears "already exists": it is this broker's own grant.
+                let attempts = AtomicU32::new(0);
+                let ttl = self.ttl_secs;
+                // The TTL runs from when etcd applies the grant: at or after this instant.
+                let asked_at = Instant::now();
+                let granted = self
+                    .call("lease grant", asked_at + self.retry_for, |mut c| {
+                        attempts.fetch_add(1, Ordering::Relaxed);
+                        async move {
+                            c.lease_grant(ttl, Some(LeaseGrantOptions::new().with_id(lease)))
                                 .await
-                            }
-                        },
-                    )
-                    .await
-                    .map_err(|f| f.into_etcd("watch the pool"))?;
-                watch = Some(made);
-            }
-            let stream = watch.as_mut().expect("set above");
-            tokio::select! {
-                msg = stream.message() => match msg {
-                    Ok(Some(resp)) if !resp.canceled() => {}
-                    // Cancelled (compacted past our revision), closed or broken: read the pool
-                    // afresh and watch again from there.
-                    _ => watch = None,
-                },
-                () = &mut released => {}
-                () = sleep_until(renewed + renew_every) => {
-                    let sent_at = Instant::now();
-                    // Retried until the lease could lapse, not just once.
-                    let lapse_at = renewed + self.ttl - self.margin();
-                    self.renew_once(lease, lapse_at)
-                        .await
-                        .map_err(|f| f.into_etcd("renew while waiting"))?;
-                    renewed = sent_at;
+                        }
+                    })
+                    .await;
+                let mut fresh = false;
+                match granted {
+                    Ok(resp) if resp.id() == lease && resp.ttl() > 0 => {
+                        renewed = asked_at;
+                        fresh = true;
+                    }
+                    Ok(resp) => {
+                        return Err(EtcdError::new(
+                            EtcdErrorKind::InvalidResponse,
+                            format!(
+                                "asked for lease {lease:016x}, etcd granted {:016x} with ttl {}",
+                                resp.id(),
+                                resp.ttl()
+                            ),
+                        ));
+                    }
+                    Err(Fail::AlreadyExists)
+                        if first_ever && tries == 1 && attempts.load(Ordering::Relaxed) == 1 =>
+                    {
+                        guard.armed = false; // not ours: never revoke it
+                        self.sent.lock().remove(&lease);
+                        return Err(EtcdError::new(
+                            EtcdErrorKind::InvalidResponse,
+                            format!("lease id {lease:016x} is already taken by another client"),
+                        ));
+                    }
+                    Err(Fail::AlreadyExists) => {
+                        // Granted by an earlier attempt, at an unknown time: renew now, so that
+                        // the renewal clock starts from a known instant.
+                        let sent_at = Instant::now();
+                        match self.renew_once(lease, sent_at + self.retry_for).await {
+                            Ok(()) => renewed = sent_at,
+                            Err(Fail::NotFound) if tries < 3 => continue,
+                            Err(f) => return Err(f.into_etcd("renew an earlier grant")),
+                        }
+                    }
+                    Err(f) => return Err(f.into_etcd("lease grant")),
+                }
+                guard.known = true;
+
+                // 2. Join the queue (unless already in it), reading the pool in the same revision.
+                //    A lease that vanished in between is granted again.
+                let joined = if fresh {
+                    self.join_or_claim(lease, request_id).await
+                } else {
+                    self.enqueue(lease, request_id).await
+                };
+                match joined {
+                    Ok(s) => {
+                        snap = s;
+                        break;
+                    }
+                    Err(e) if e.kind() == EtcdErrorKind::LeaseLost && tries < 3 => continue,
+                    Err(e) => return Err(e),
                 }
             }
-            snap = self.fetch(Instant::now() + self.retry_for).await?;
+            let qkey = self.queue_key(lease);
+            let mut watch: Option<WatchStream> = None;
+            let renew_every = self.ttl / 3;
+            loop {
+                // Armed before `held` is read: a local release in between still wakes this waiter.
+                let released = self.released.notified();
+                tokio::pin!(released);
+                released.as_mut().enable();
+                if let Some((index, revision)) = snap.slot_of(lease) {
+                    let token = SlotToken::new(index, revision as u64);
+                    if snap.queue_rev(lease).is_some() {
+                        self.delete_own_queue_key(lease).await;
+                    }
+                    self.held
+                        .lock()
+                        .insert(token, (lease, renewed, request.origin()));
+                    guard.armed = false;
+                    return Ok(token);
+                }
+                let Some(my_rev) = snap.queue_rev(lease) else {
+                    // The queue key is gone (the lease lapsed, or etcd lost it): join again; a
+                    // lapsed lease refuses the put.
+                    snap = self.enqueue(lease, request_id).await?;
+                    continue;
+                };
+                let ahead = snap.queue.iter().filter(|(_, r)| *r < my_rev).count();
+                // A slot index this broker still holds a token for is not handed out again, even
+                // when etcd has already freed it (a lease lost while its job still winds down):
+                // the supervisor would refuse the duplicate slot.
+                let local: HashSet<u32> = self.held.lock().keys().map(|t| t.slot_id()).collect();
+                let free: Vec<u32> = (0..self.capacity)
+                    .filter(|i| !snap.slots.contains_key(i) && !local.contains(i))
+                    .collect();
+                if let Some(&first) = free.first() {
+                    self.hint.store(first, Ordering::Relaxed);
+                }
+                if let Some(&index) = free.get(ahead) {
+                    snap = self.claim(lease, index, &qkey, my_rev).await?;
+                    continue;
+                }
+                // 3. Wait for the pool to change (or a local release), renewing the lease meanwhile.
+                if watch.is_none() {
+                    let prefix = self.prefix.clone();
+                    let start = snap.revision + 1;
+                    let made = self
+                        .call(
+                            "watch the pool",
+                            Instant::now() + self.retry_for,
+                            |mut c| {
+                                let prefix = prefix.clone();
+                                async move {
+                                    c.watch(
+                                        prefix,
+                                        Some(
+                                            WatchOptions::new()
+                                                .with_prefix()
+                                                .with_start_revision(start),
+                                        ),
+                                    )
+                                    .await
+                                }
+                            },
+                        )
+                        .await
+                        .map_err(|f| f.into_etcd("watch the pool"))?;
+                    watch = Some(made);
+                }
+                let stream = watch.as_mut().expect("set above");
+                tokio::select! {
+                    msg = stream.message() => match msg {
+                        Ok(Some(resp)) if !resp.canceled() => {}
+                        // Cancelled (compacted past our revision), closed or broken: read the pool
+                        // afresh and watch again from there.
+                        _ => watch = None,
+                    },
+                    () = &mut released => {}
+                    () = sleep_until(renewed + renew_every) => {
+                        let sent_at = Instant::now();
+                        // Retried until the lease could lapse, not just once.
+                        let lapse_at = renewed + self.ttl - self.margin();
+                        self.renew_once(lease, lapse_at)
+                            .await
+                            .map_err(|f| f.into_etcd("renew while waiting"))?;
+                        renewed = sent_at;
+                    }
+                }
+                snap = self.fetch(Instant::now() + self.retry_for).await?;
+            }
         }
+        .await;
+        if let Err(e) = &result
+            && guard.known
+            && matches!(
+                e.kind,
+                EtcdErrorKind::ForeignKey
+                    | EtcdErrorKind::CorruptRecord
+                    | EtcdErrorKind::CapacityMismatch
+                    | EtcdErrorKind::InvalidResponse
+            )
+        {
+            // A pool found corrupt after this lease claimed a slot (the claim and the read are
+            // one transaction): give the slot back before answering, so the refusal grants
+            // nothing, not even for a moment after it.
+            let revoked = self
+                .call(
+                    "revoke after a refusal",
+                    Instant::now() + self.rpc_timeout * 2,
+                    |mut c| async move { c.lease_revoke(lease).await },
+                )
+                .await;
+            if matches!(revoked, Ok(_) | Err(Fail::NotFound)) {
+                guard.armed = false;
+                self.sent.lock().remove(&lease);
+            }
+        }
+        result
     }
 
     /// The uncontended fast path, for a lease just granted (so no key is under it yet): one
