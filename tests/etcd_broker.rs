@@ -452,3 +452,46 @@ async fn one_broker_shared_by_two_supervisors_never_gives_both_the_same_grant() 
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holders_leftover_queue_key_does_not_hold_back_the_next_waiter() {
+    let Some(bin) = etcd_binary("a_holders_leftover_queue_key") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let broker = EtcdBroker::connect(config(&etcd.endpoint(), "left", 2))
+        .await
+        .unwrap();
+    // Another client holds slot 0 and, after a retry whose cleanup failed, still has a queue
+    // key under the same lease (older than any new waiter's).
+    let mut c = client(&etcd).await;
+    let lease = 0x2a;
+    c.lease_grant(
+        30,
+        Some(etcd_client::LeaseGrantOptions::new().with_id(lease)),
+    )
+    .await
+    .unwrap();
+    let under = || Some(etcd_client::PutOptions::new().with_lease(lease));
+    c.put(
+        "leasehold/left/slot/000000",
+        format!("leasehold/v1 holder lease={lease:016x}"),
+        under(),
+    )
+    .await
+    .unwrap();
+    c.put(
+        format!("leasehold/left/queue/{lease:016x}"),
+        "leasehold/v1 waiter owner=0 request=1",
+        under(),
+    )
+    .await
+    .unwrap();
+    let token = tokio::time::timeout(Duration::from_secs(5), broker.acquire(request(1)))
+        .await
+        .expect("slot 1 is free and nobody really waits ahead")
+        .unwrap();
+    assert_eq!(token.slot_id(), 1);
+    broker.release(token).await.unwrap();
+    c.lease_revoke(lease).await.unwrap();
+}

@@ -362,6 +362,8 @@ struct Inner {
     orphans: Mutex<HashMap<i64, Arc<OrphanCtl>>>,
     /// Request lease id → epoch, bumped when a retry had to give up an earlier lease id.
     epochs: Mutex<HashMap<i64, u32>>,
+    /// Lease ids a revoke was sent for: never granted again (a late revoke could land).
+    retired: Mutex<HashSet<i64>>,
     orphans_expired: AtomicU64,
     events: Mutex<Vec<BrokerEvents>>,
 }
@@ -610,6 +612,7 @@ impl EtcdBroker {
             sent: Mutex::new(HashSet::new()),
             orphans: Mutex::new(HashMap::new()),
             epochs: Mutex::new(HashMap::new()),
+            retired: Mutex::new(HashSet::new()),
             orphans_expired: AtomicU64::new(0),
             events: Mutex::new(Vec::new()),
         });
@@ -690,13 +693,21 @@ struct OrphanGuard {
     origin: u64,
     /// The lease is known to have existed (a grant was answered, or a key was put under it).
     known: bool,
+    /// A revoke of the lease has been sent without an answer (it may still land).
+    revoke_sent: bool,
     armed: bool,
 }
 
 impl Drop for OrphanGuard {
     fn drop(&mut self) {
         if self.armed {
-            Inner::orphan(&self.inner, self.lease, self.origin, self.known);
+            Inner::orphan(
+                &self.inner,
+                self.lease,
+                self.origin,
+                self.known,
+                self.revoke_sent,
+            );
         }
     }
 }
@@ -717,6 +728,31 @@ enum OrphanPhase {
 struct OrphanCtl {
     phase: Mutex<OrphanPhase>,
     done: tokio::sync::watch::Sender<bool>,
+}
+
+/// Ends an orphan's record when its task ends, however it ends.
+struct SettleOnDrop {
+    inner: Arc<Inner>,
+    lease: i64,
+    ctl: Arc<OrphanCtl>,
+    /// A retry took the lease back: it is live again, so it stays in `sent`.
+    taken_back: bool,
+}
+
+impl Drop for SettleOnDrop {
+    fn drop(&mut self) {
+        {
+            let mut phase = self.ctl.phase.lock();
+            if *phase != OrphanPhase::Cancelled {
+                *phase = OrphanPhase::Done;
+            }
+        }
+        self.ctl.done.send_replace(true);
+        self.inner.forget_orphan(self.lease, &self.ctl);
+        if !self.taken_back {
+            self.inner.sent.lock().remove(&self.lease);
+        }
+    }
 }
 
 impl Inner {
@@ -912,6 +948,15 @@ impl Inner {
             } else {
                 (mix(base as u64 ^ mix(u64::from(epoch))) & (i64::MAX as u64)).max(1) as i64
             };
+            if self.retired.lock().contains(&lease) {
+                // A revoke was sent for this id (it may still land): move to the next epoch.
+                let mut epochs = self.epochs.lock();
+                let next = epochs.entry(base).or_insert(0);
+                if *next == epoch {
+                    *next += 1;
+                }
+                continue;
+            }
             let Some(ctl) = self.orphans.lock().get(&lease).cloned() else {
                 return Ok(lease);
             };
@@ -935,12 +980,8 @@ impl Inner {
                     ),
                 ));
             }
+            // Settled: the task retired the id once it sent a revoke (next turn moves on).
             self.forget_orphan(lease, &ctl);
-            let mut epochs = self.epochs.lock();
-            let next = epochs.entry(base).or_insert(0);
-            if *next == epoch {
-                *next += 1;
-            }
         }
     }
 
@@ -953,6 +994,7 @@ impl Inner {
             lease,
             origin: request.origin(),
             known: false,
+            revoke_sent: false,
             armed: true,
         };
         let result: Result<SlotToken, EtcdError> = async {
@@ -1045,6 +1087,15 @@ impl Inner {
                     if snap.queue_rev(lease).is_some() {
                         self.delete_own_queue_key(lease).await;
                     }
+                    if Instant::now() >= renewed + renew_every {
+                        // Slow steps (retries) took a good part of the TTL: renew before the
+                        // holder's keep-alive starts counting from `renewed`.
+                        let sent_at = Instant::now();
+                        self.renew_once(lease, renewed + self.ttl - self.margin())
+                            .await
+                            .map_err(|f| f.into_etcd("renew the new grant"))?;
+                        renewed = sent_at;
+                    }
                     self.held
                         .lock()
                         .insert(token, (lease, renewed, request.origin()));
@@ -1057,7 +1108,13 @@ impl Inner {
                     snap = self.enqueue(lease, request_id).await?;
                     continue;
                 };
-                let ahead = snap.queue.iter().filter(|(_, r)| *r < my_rev).count();
+                // A queue key whose lease already holds a slot is a leftover of a retry (its delete
+                // may have failed): not a waiter ahead.
+                let ahead = snap
+                    .queue
+                    .iter()
+                    .filter(|(l, r)| *r < my_rev && snap.slot_of(*l).is_none())
+                    .count();
                 // A slot index this broker still holds a token for is not handed out again, even
                 // when etcd has already freed it (a lease lost while its job still winds down):
                 // the supervisor would refuse the duplicate slot.
@@ -1145,6 +1202,8 @@ impl Inner {
             if matches!(revoked, Ok(_) | Err(Fail::NotFound)) {
                 guard.armed = false;
                 self.sent.lock().remove(&lease);
+            } else {
+                guard.revoke_sent = true;
             }
         }
         result
@@ -1285,8 +1344,18 @@ impl Inner {
         let txn = Txn::new()
             .when([Compare::lease(qkey.clone(), CompareOp::Equal, lease)])
             .and_then([TxnOp::delete(qkey, None)]);
-        let mut c = self.client.clone();
-        let _ = timeout(self.rpc_timeout, c.txn(txn)).await;
+        // Idempotent; a leftover that survives is skipped by other waiters and goes with the
+        // lease at release.
+        let _ = self
+            .call(
+                "drop a leftover queue key",
+                Instant::now() + self.rpc_timeout * 2,
+                |mut c| {
+                    let txn = txn.clone();
+                    async move { c.txn(txn).await }
+                },
+            )
+            .await;
     }
 
     /// One keep-alive round trip, retried until `deadline`: `Ok` when etcd renewed the lease
@@ -1378,6 +1447,7 @@ impl Inner {
             lease,
             origin,
             known: true,
+            revoke_sent: true,
             armed: true,
         };
         let revoked = self
@@ -1406,7 +1476,7 @@ impl Inner {
     /// Takes care of a lease nobody holds: revokes it in the background (retrying while etcd
     /// does not answer), and counts it as expired if etcd no longer knows it by the time it
     /// answers.
-    fn orphan(this: &Arc<Self>, lease: i64, origin: u64, known: bool) {
+    fn orphan(this: &Arc<Self>, lease: i64, origin: u64, known: bool, revoke_sent: bool) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             tracing::warn!(
                 lease = format_args!("{lease:016x}"),
@@ -1414,8 +1484,15 @@ impl Inner {
             );
             return;
         };
+        if revoke_sent {
+            this.retired.lock().insert(lease);
+        }
         let ctl = Arc::new(OrphanCtl {
-            phase: Mutex::new(OrphanPhase::Pending),
+            phase: Mutex::new(if revoke_sent {
+                OrphanPhase::Revoking
+            } else {
+                OrphanPhase::Pending
+            }),
             done: tokio::sync::watch::Sender::new(false),
         });
         if let Some(earlier) = this.orphans.lock().insert(lease, Arc::clone(&ctl)) {
@@ -1424,11 +1501,16 @@ impl Inner {
         }
         let me = Arc::clone(this);
         rt.spawn(async move {
-            me.settle_orphan(lease, origin, known, &ctl).await;
-            *ctl.phase.lock() = OrphanPhase::Done;
-            ctl.done.send_replace(true);
-            me.forget_orphan(lease, &ctl);
-            me.sent.lock().remove(&lease);
+            // Settles the record even if this task is dropped (runtime shutdown): a retry
+            // waiting on it must not wait for ever.
+            let settle = SettleOnDrop {
+                inner: Arc::clone(&me),
+                lease,
+                ctl: Arc::clone(&ctl),
+                taken_back: false,
+            };
+            let mut settle = settle;
+            settle.taken_back = !me.settle_orphan(lease, origin, known, &ctl).await;
         });
     }
 
@@ -1440,7 +1522,8 @@ impl Inner {
         }
     }
 
-    async fn settle_orphan(&self, lease: i64, origin: u64, known: bool, ctl: &OrphanCtl) {
+    /// Returns `false` when a retry took the lease back before any revoke was sent.
+    async fn settle_orphan(&self, lease: i64, origin: u64, known: bool, ctl: &OrphanCtl) -> bool {
         let mut backoff = Duration::from_millis(100);
         // etcd holds a lease at most its TTL past its last renewal, counted from a leader that
         // is up: past this bound with no answer at all, stop and leave it to the TTL.
@@ -1449,9 +1532,10 @@ impl Inner {
             {
                 let mut phase = ctl.phase.lock();
                 if *phase == OrphanPhase::Cancelled {
-                    return; // a retry of the same request took the lease back
+                    return false; // a retry of the same request took the lease back
                 }
                 *phase = OrphanPhase::Revoking;
+                self.retired.lock().insert(lease);
             }
             let mut c = self.client.clone();
             match timeout(self.rpc_timeout, c.lease_revoke(lease)).await {
@@ -1460,7 +1544,7 @@ impl Inner {
                         lease = format_args!("{lease:016x}"),
                         "orphaned etcd lease revoked"
                     );
-                    return;
+                    return true;
                 }
                 Ok(Err(err)) => match classify(err) {
                     Fail::NotFound if known => {
@@ -1474,18 +1558,18 @@ impl Inner {
                                 events.orphan_expired(lease as u64);
                             }
                         }
-                        return;
+                        return true;
                     }
                     Fail::NotFound => {
                         tracing::info!(
                             lease = format_args!("{lease:016x}"),
                             "orphaned etcd lease was never granted, or already expired"
                         );
-                        return;
+                        return true;
                     }
                     Fail::Fatal(e) => {
                         tracing::error!(lease = format_args!("{lease:016x}"), error = %e, "orphaned etcd lease cannot be revoked; left to its ttl");
-                        return;
+                        return true;
                     }
                     _ => {}
                 },
@@ -1496,7 +1580,7 @@ impl Inner {
                     lease = format_args!("{lease:016x}"),
                     "etcd unreachable for too long: orphaned lease left to its ttl, not counted"
                 );
-                return;
+                return true;
             }
             sleep(backoff).await;
             backoff = (backoff * 2).min(self.ttl);

@@ -145,15 +145,16 @@ pub trait SlotBroker: Send + Sync + 'static {
     /// Keeps the lease behind `token` alive, and reports its loss.
     ///
     /// Called once per granted token when [`renews`](Self::renews) is `true`, right after the
-    /// grant. The supervisor polls the future (on a task of its own) for as long as the lease's
-    /// worker lives, and drops it when the worker has exited or the lease's release begins:
-    /// renewal stops there, and the release (or, failing that, the TTL) ends the lease.
+    /// grant. The supervisor polls the future (on a task of its own) while the lease is held —
+    /// through the worker's run and its physical cleanup — and drops it when the lease's
+    /// release begins: renewal stops there, and the release (or, failing that, the TTL) ends
+    /// the lease.
     ///
     /// The future resolves **only** when the lease is lost, or may lapse before it can be
     /// renewed again; its output says why. The supervisor then cancels the lease's job at once,
     /// and the job's result carries `LEASE_LOST` (the protected resource should also refuse the
-    /// lost lease's fencing token, see [`FencingGuard`](crate::FencingGuard)). The default never
-    /// resolves.
+    /// lost lease's fencing token, see [`FencingGuard`](crate::FencingGuard)); a loss after the
+    /// worker has ended is only logged. The default never resolves.
     fn keep_alive(&self, token: SlotToken) -> impl Future<Output = BrokerError> + Send {
         let _ = token;
         std::future::pending()

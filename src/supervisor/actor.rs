@@ -70,6 +70,9 @@ enum LostTarget {
     Job(Arc<JobShared>),
     /// The explicit lease's `lost()` signal.
     Lease(CancellationToken),
+    /// The job's worker has ended: only logged (the slot may be taken elsewhere before this
+    /// process's release; fencing covers that).
+    Logged,
 }
 
 struct Waiter {
@@ -616,7 +619,7 @@ impl SupState {
         );
     }
 
-    /// Renewal ends: the lease's release begins, or its worker has physically ended.
+    /// Renewal ends: the lease's release begins (or the actor stops).
     fn stop_renewal(&mut self, key: LeaseKey) {
         if let Some(renewal) = self.renewals.remove(&key) {
             renewal.task.abort();
@@ -638,6 +641,7 @@ impl SupState {
                 shared.cancel.cancel();
             }
             LostTarget::Lease(signal) => signal.cancel(),
+            LostTarget::Logged => {}
         }
     }
 
@@ -683,10 +687,11 @@ impl SupState {
             .get(&key)
             .map(|j| j.shared.take_unproven())
             .unwrap_or_default();
-        // The worker and its tracked tasks (keepers included) have ended, either way. Renewal
-        // stops here, unless processes may still run (then the slot stays held, quarantined).
-        if unproven.is_empty() {
-            self.stop_renewal(key);
+        // The worker and its tracked tasks (keepers included) have ended, either way. The lease
+        // is still renewed until its release begins (the slot is not free before that, here or
+        // at the broker), but a loss from now on can no longer concern the job's result.
+        if let Some(renewal) = self.renewals.get_mut(&key) {
+            renewal.target = LostTarget::Logged;
         }
         let both_proofs = self.table.note_worker_end(key, true);
         #[cfg(feature = "gpu")]
