@@ -948,16 +948,16 @@ impl Inner {
             } else {
                 (mix(base as u64 ^ mix(u64::from(epoch))) & (i64::MAX as u64)).max(1) as i64
             };
-            if self.retired.lock().contains(&lease) {
-                // A revoke was sent for this id (it may still land): move to the next epoch.
-                let mut epochs = self.epochs.lock();
-                let next = epochs.entry(base).or_insert(0);
-                if *next == epoch {
-                    *next += 1;
-                }
-                continue;
-            }
             let Some(ctl) = self.orphans.lock().get(&lease).cloned() else {
+                if self.retired.lock().contains(&lease) {
+                    // A revoke was sent for this id (it may still land): move to the next epoch.
+                    let mut epochs = self.epochs.lock();
+                    let next = epochs.entry(base).or_insert(0);
+                    if *next == epoch {
+                        *next += 1;
+                    }
+                    continue;
+                }
                 return Ok(lease);
             };
             let mut done = ctl.done.subscribe();
@@ -1583,7 +1583,7 @@ impl Inner {
                 return true;
             }
             sleep(backoff).await;
-            backoff = (backoff * 2).min(self.ttl);
+            backoff = (backoff * 2).min(Duration::from_millis(500));
         }
     }
 }
