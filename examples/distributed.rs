@@ -223,10 +223,10 @@ async fn single(args: &Args, endpoint: &str, name: &str) -> ExitCode {
         args.slots,
         false,
     ));
-    if let Some(path) = &args.report {
-        if let Err(e) = write_report(path, &outcome) {
-            failures.push(format!("cannot write the report {}: {e}", path.display()));
-        }
+    if let Some(path) = &args.report
+        && let Err(e) = write_report(path, &outcome)
+    {
+        failures.push(format!("cannot write the report {}: {e}", path.display()));
     }
     if failures.is_empty() {
         if args.report.is_none() {

@@ -201,14 +201,14 @@ async fn body(
         }
         Ok::<_, io::Error>(back.len())
     });
-    if i % 3 == 0 {
+    if i.is_multiple_of(3) {
         let (occ, dir) = (Arc::clone(&occupant), ctx.temp_dir().to_path_buf());
         let side = ctx.spawn(async move {
             let _occ = occ;
             std::fs::write(dir.join("side.txt"), format!("job {i}"))
         });
         // Every other one is never awaited: the slot must wait for it all the same.
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             side.await.map_err(io::Error::other)??;
         }
     }
