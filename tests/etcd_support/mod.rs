@@ -279,25 +279,7 @@ impl Etcd {
         let log_err = log.try_clone().expect("clone etcd log file");
         let client = format!("http://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = Command::new(&self.bin)
-            .arg("--name")
-            .arg("t")
-            .arg("--data-dir")
-            .arg(self.data_dir())
-            .arg("--listen-client-urls")
-            .arg(&client)
-            .arg("--advertise-client-urls")
-            .arg(&client)
-            .arg("--listen-peer-urls")
-            .arg(&peer)
-            .arg("--initial-advertise-peer-urls")
-            .arg(&peer)
-            .arg("--initial-cluster")
-            .arg(format!("t={peer}"))
-            .arg("--logger")
-            .arg("zap")
-            .arg("--log-outputs")
-            .arg("stderr")
+        let child = etcd_command(&self.bin, &self.data_dir(), &client, &peer)
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)
@@ -973,25 +955,7 @@ impl EtcdWith {
         let log_err = log.try_clone().expect("clone etcd log file");
         let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.etcd.peer_port);
-        let child = Command::new(&self.etcd.bin)
-            .arg("--name")
-            .arg("t")
-            .arg("--data-dir")
-            .arg(self.etcd.data_dir())
-            .arg("--listen-client-urls")
-            .arg(&client)
-            .arg("--advertise-client-urls")
-            .arg(&client)
-            .arg("--listen-peer-urls")
-            .arg(&peer)
-            .arg("--initial-advertise-peer-urls")
-            .arg(&peer)
-            .arg("--initial-cluster")
-            .arg(format!("t={peer}"))
-            .arg("--logger")
-            .arg("zap")
-            .arg("--log-outputs")
-            .arg("stderr")
+        let child = etcd_command(&self.etcd.bin, &self.etcd.data_dir(), &client, &peer)
             .args(&self.extra_args)
             .stdin(Stdio::null())
             .stdout(log)
@@ -1048,6 +1012,31 @@ impl EtcdWith {
             backoff = (backoff * 2).min(Duration::from_millis(200));
         }
     }
+}
+
+/// A one-member etcd on `client` (its URL: scheme, loopback, port) and `peer`, logging to
+/// stderr.
+fn etcd_command(bin: &Path, data_dir: &Path, client: &str, peer: &str) -> Command {
+    let mut cmd = Command::new(bin);
+    cmd.arg("--name")
+        .arg("t")
+        .arg("--data-dir")
+        .arg(data_dir)
+        .arg("--listen-client-urls")
+        .arg(client)
+        .arg("--advertise-client-urls")
+        .arg(client)
+        .arg("--listen-peer-urls")
+        .arg(peer)
+        .arg("--initial-advertise-peer-urls")
+        .arg(peer)
+        .arg("--initial-cluster")
+        .arg(format!("t={peer}"))
+        .arg("--logger")
+        .arg("zap")
+        .arg("--log-outputs")
+        .arg("stderr");
+    cmd
 }
 
 /// The broker settings every etcd test uses: a short TTL (2 s, close to etcd's minimum) so
