@@ -24,20 +24,7 @@ async fn client(etcd: &Etcd) -> Client {
     Client::connect([etcd.endpoint()], None).await.unwrap()
 }
 
-/// Slot keys held right now, read straight from etcd: (key, lease).
-async fn slot_keys(c: &mut Client, pool: &str) -> Vec<(String, i64)> {
-    let resp = c
-        .get(
-            format!("leasehold/{pool}/slot/"),
-            Some(GetOptions::new().with_prefix()),
-        )
-        .await
-        .unwrap();
-    resp.kvs()
-        .iter()
-        .map(|kv| (kv.key_str().unwrap().to_owned(), kv.lease()))
-        .collect()
-}
+use etcd_support::slot_keys;
 
 /// Waits until etcd itself lists `lease` (asked directly, not through the proxy).
 async fn wait_for_lease(c: &mut Client, lease: i64) {

@@ -17,7 +17,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, GetOptions};
+use etcd_client::Client;
 use etcd_support::{Etcd, OccupancyRecord, Proxy, etcd_binary};
 use leasehold::{
     AcquireRequest, EtcdBroker, FencingGuard, JobError, JobSpec, SlotBroker, Supervisor, codes,
@@ -28,19 +28,9 @@ const CHILD_ENV: &str = "LEASEHOLD_ETCD_CHILD";
 
 use etcd_support::test_config as config;
 
-async fn slot_keys(endpoint: &str, pool: &str) -> Vec<String> {
+async fn slot_keys(endpoint: &str, pool: &str) -> Vec<(String, i64)> {
     let mut c = Client::connect([endpoint], None).await.unwrap();
-    let resp = c
-        .get(
-            format!("leasehold/{pool}/slot/"),
-            Some(GetOptions::new().with_prefix()),
-        )
-        .await
-        .unwrap();
-    resp.kvs()
-        .iter()
-        .map(|kv| kv.key_str().unwrap().to_owned())
-        .collect()
+    etcd_support::slot_keys(&mut c, pool).await
 }
 
 /// Waits (bounded) until no slot key is left in the pool: orphans expire within the TTL.

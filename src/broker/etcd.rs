@@ -340,7 +340,6 @@ pub struct EtcdBroker {
 struct Inner {
     client: Client,
     capacity: u32,
-    ttl_secs: i64,
     ttl: Duration,
     rpc_timeout: Duration,
     retry_for: Duration,
@@ -599,7 +598,6 @@ impl EtcdBroker {
         let inner = Arc::new(Inner {
             client,
             capacity: config.capacity,
-            ttl_secs: config.ttl.as_secs() as i64,
             ttl: config.ttl,
             rpc_timeout: config.rpc_timeout,
             retry_for: config.retry_for,
@@ -1006,7 +1004,7 @@ impl Inner {
                 // 1. The lease. A retry (of this call or of an earlier one with the same request
                 //    id) hears "already exists": it is this broker's own grant.
                 let attempts = AtomicU32::new(0);
-                let ttl = self.ttl_secs;
+                let ttl = self.ttl.as_secs() as i64;
                 // The TTL runs from when etcd applies the grant: at or after this instant.
                 let asked_at = Instant::now();
                 let granted = self

@@ -1048,3 +1048,19 @@ pub fn test_config(endpoint: &str, pool: &str, capacity: u32) -> leasehold::Etcd
         .rpc_timeout(std::time::Duration::from_millis(500))
         .retry_for(std::time::Duration::from_secs(3))
 }
+
+/// Slot keys held right now in `pool` (default prefix), read straight from etcd: (key, lease).
+#[cfg(feature = "etcd")]
+pub async fn slot_keys(c: &mut etcd_client::Client, pool: &str) -> Vec<(String, i64)> {
+    let resp = c
+        .get(
+            format!("leasehold/{pool}/slot/"),
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    resp.kvs()
+        .iter()
+        .map(|kv| (kv.key_str().unwrap().to_owned(), kv.lease()))
+        .collect()
+}
