@@ -178,7 +178,12 @@ impl CleanupError {
         }
     }
 
-    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
+    /// The I/O error behind it (an unremovable temp dir).
+    pub(crate) fn with_io(mut self, io: io::Error) -> Self {
+        self.source = Some(CleanupSource::Io(Arc::new(io)));
+        self
+    }
+
     pub(crate) fn with_kind(kind: CleanupErrorKind, token: SlotToken, detail: String) -> Self {
         Self {
             kind,

@@ -1,22 +1,29 @@
 //! The explicit lease, for code that cannot put its work in a closure.
 
 use std::fmt;
+use std::pin::pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 
-use ractor::ActorRef;
-use tokio::sync::oneshot;
-use tokio_util::sync::CancellationToken;
+use tokio::sync::{Notify, oneshot};
 
 use crate::broker::SlotToken;
 use crate::error::{CleanupError, LeaseReleased};
 use crate::supervisor::Supervisor;
+use crate::supervisor::core::LeaseKey;
+use crate::supervisor::inbox::Inbox;
 use crate::supervisor::messages::SupMsg;
-use crate::supervisor::state::LeaseKey;
 
 /// One slot, held until [`release`](Self::release) or drop.
 ///
 /// Prefer [`Supervisor::run`], which also tracks the work done under the slot. A `Lease` only
 /// guarantees the bookkeeping: exactly one broker release, awaited by `release`, refused use
 /// after release has begun, and a release even when the lease is dropped.
+///
+/// The lease can also end under its holder: a shutdown releases it on the holder's behalf,
+/// and a broker whose leases lapse may lose it. From then on [`slot_id`](Self::slot_id) and
+/// the other accessors refuse (the slot may already be someone else's) and
+/// [`lost`](Self::lost) resolves.
 ///
 /// Dropping an unreleased lease never blocks: it sends a release message and the supervisor
 /// releases the slot; a failure then goes to the error sink, the `render_slot.release.failed.count`
@@ -42,12 +49,12 @@ use crate::supervisor::state::LeaseKey;
 pub struct Lease {
     key: LeaseKey,
     token: SlotToken,
-    actor: ActorRef<SupMsg>,
+    inbox: Arc<Inbox>,
     state: State,
     /// Keeps the supervisor from shutting down (last handle dropped) while this lease lives.
     keepalive: Option<Supervisor>,
-    /// Cancelled when the broker reports the lease lost (only for brokers that renew).
-    lost: Option<CancellationToken>,
+    /// What the supervisor says of the lease while it is held.
+    cell: Arc<LeaseCell>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,56 +67,90 @@ enum State {
     Defused,
 }
 
+/// Shared by a [`Lease`] and the supervisor: whether the lease still holds its slot.
+#[derive(Debug)]
+pub(crate) struct LeaseCell {
+    ended: AtomicU8,
+    notify: Notify,
+}
+
+const HELD: u8 = 0;
+/// Released on the holder's behalf (shutdown).
+const REVOKED: u8 = 1;
+/// The broker could not keep it alive.
+const LOST: u8 = 2;
+
+impl LeaseCell {
+    pub(crate) fn new() -> Self {
+        Self {
+            ended: AtomicU8::new(HELD),
+            notify: Notify::new(),
+        }
+    }
+
+    /// The lease no longer holds its slot: released by shutdown, or lost at the broker.
+    pub(crate) fn revoke(&self, lost: bool) {
+        // Release: the holder that sees the new state also sees everything before it.
+        let _ = self.ended.compare_exchange(
+            HELD,
+            if lost { LOST } else { REVOKED },
+            Ordering::Release,
+            Ordering::Relaxed,
+        );
+        self.notify.notify_waiters();
+    }
+
+    fn get(&self) -> u8 {
+        self.ended.load(Ordering::Acquire)
+    }
+}
+
 impl Lease {
     pub(crate) fn new(
         key: LeaseKey,
         token: SlotToken,
-        actor: ActorRef<SupMsg>,
-        lost: Option<CancellationToken>,
+        inbox: Arc<Inbox>,
+        cell: Arc<LeaseCell>,
     ) -> Self {
         Self {
             key,
             token,
-            actor,
+            inbox,
             state: State::Held,
             keepalive: None,
-            lost,
+            cell,
         }
     }
 
-    /// Whether the broker has reported this lease lost: it could not be kept alive (a
-    /// distributed broker's TTL may lapse, or has), so the slot may already belong to someone
-    /// else and writes under [`lease_id`](Self::lease_id) may be fenced off. Always `false` for
-    /// brokers whose leases do not lapse (the `LocalBroker`). The lease must still be released.
+    /// Whether the lease has ended under its holder: the broker reported it lost (it could not
+    /// be kept alive: a distributed broker's TTL may lapse, or has), or a shutdown released it
+    /// on the holder's behalf. The slot may then already belong to someone else, and writes
+    /// under [`lease_id`](Self::lease_id) may be fenced off. A lost lease must still be
+    /// released (a no-op after a shutdown released it).
     pub fn is_lost(&self) -> bool {
-        self.lost
-            .as_ref()
-            .is_some_and(CancellationToken::is_cancelled)
+        self.cell.get() != HELD
     }
 
-    /// Resolves when the broker reports this lease lost (see [`is_lost`](Self::is_lost));
-    /// never, for brokers whose leases do not lapse. Select on it next to the work done under
-    /// the lease.
+    /// Resolves when the lease ends under its holder (see [`is_lost`](Self::is_lost)). Select
+    /// on it next to the work done under the lease.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: it only waits.
     pub async fn lost(&self) {
-        match &self.lost {
-            Some(signal) => signal.cancelled().await,
-            None => std::future::pending().await,
+        loop {
+            let mut notified = pin!(self.cell.notify.notified());
+            // Registered before the check: a revoke between the two still wakes this.
+            notified.as_mut().enable();
+            if self.is_lost() {
+                return;
+            }
+            notified.await;
         }
     }
 
-    pub(crate) fn keep_alive(&mut self, sup: Supervisor) {
+    pub(crate) fn keep_supervisor(&mut self, sup: Supervisor) {
         self.keepalive = Some(sup);
-    }
-
-    /// A completed shutdown released every lease still held (on the holder's behalf).
-    fn released_by_shutdown(&self) -> bool {
-        self.keepalive
-            .as_ref()
-            .is_some_and(Supervisor::has_shut_down)
     }
 
     pub(crate) fn defuse(mut self) {
@@ -120,7 +161,8 @@ impl Lease {
     ///
     /// # Errors
     ///
-    /// [`LeaseReleased`] once release has begun: the slot may already belong to someone else.
+    /// [`LeaseReleased`] once release has begun, or once the lease ended under its holder
+    /// (lost, or released by shutdown): the slot may already belong to someone else.
     pub fn slot_id(&self) -> Result<u32, LeaseReleased> {
         self.token().map(|t| t.slot_id())
     }
@@ -129,7 +171,7 @@ impl Lease {
     ///
     /// # Errors
     ///
-    /// [`LeaseReleased`] once release has begun.
+    /// [`LeaseReleased`] once release has begun, or once the lease ended under its holder.
     pub fn lease_id(&self) -> Result<u64, LeaseReleased> {
         self.token().map(|t| t.lease_id())
     }
@@ -138,21 +180,22 @@ impl Lease {
     ///
     /// # Errors
     ///
-    /// [`LeaseReleased`] once release has begun.
+    /// [`LeaseReleased`] once release has begun, or once the lease ended under its holder.
     pub fn token(&self) -> Result<SlotToken, LeaseReleased> {
         match self.state {
-            State::Held => Ok(self.token),
+            State::Held if !self.is_lost() => Ok(self.token),
             _ => Err(LeaseReleased::new()),
         }
     }
 
-    /// Whether release has begun.
+    /// Whether release has begun (by this holder, or by a shutdown on its behalf).
     pub fn is_released(&self) -> bool {
-        self.state != State::Held
+        self.state != State::Held || self.cell.get() == REVOKED
     }
 
     /// Gives the slot back and waits for the broker's answer, bounded by the supervisor's
     /// cleanup timeout. A second call is a no-op returning `Ok(())`: the broker is called once.
+    /// So is a call after a shutdown released the lease on the holder's behalf.
     ///
     /// # Errors
     ///
@@ -175,31 +218,37 @@ impl Lease {
             key: self.key,
             reply: Some(tx),
         };
-        let result = if self.actor.send_message(msg).is_err() {
-            if self.released_by_shutdown() {
+        let result = if self.inbox.send(msg).is_err() {
+            if self.cell.get() == REVOKED {
                 Ok(())
             } else {
                 Err(CleanupError::stopped(Some(self.token)))
             }
         } else {
-            rx.await
-                .unwrap_or_else(|_| Err(CleanupError::stopped(Some(self.token))))
+            match rx.await {
+                Ok(result) => result,
+                // The supervisor finished a shutdown that had released this lease.
+                Err(_) if self.cell.get() == REVOKED => Ok(()),
+                Err(_) => Err(CleanupError::stopped(Some(self.token))),
+            }
         };
         self.state = State::Released;
+        // Released: it no longer keeps the supervisor from shutting down.
+        self.keepalive = None;
         result
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if self.state != State::Held {
+        if self.state != State::Held || self.cell.get() == REVOKED {
             return;
         }
         let msg = SupMsg::Release {
             key: self.key,
             reply: None,
         };
-        if self.actor.send_message(msg).is_err() && !self.released_by_shutdown() {
+        if self.inbox.send(msg).is_err() {
             // The supervisor died (its runtime is gone); nothing is left to release to.
             tracing::error!(token = %self.token, "lease dropped after its supervisor died");
         }
@@ -211,6 +260,7 @@ impl fmt::Debug for Lease {
         f.debug_struct("Lease")
             .field("token", &self.token)
             .field("state", &self.state)
+            .field("lost", &self.is_lost())
             .finish()
     }
 }

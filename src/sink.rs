@@ -31,3 +31,24 @@ impl fmt::Display for OrphanedFailure {
 /// The user's error sink: called on the supervisor's task, so it must be quick and must not
 /// block (hand the failure to a channel if it needs I/O).
 pub(crate) type ErrorSink = Arc<dyn Fn(&OrphanedFailure) + Send + Sync>;
+
+/// Reports a cleanup failure that has no caller left: a `tracing` error event, then the user's
+/// error sink (a panicking sink is caught: it must not take the supervisor down). The
+/// `render_slot.release.failed.count` metric is counted where the release ended.
+pub(crate) fn report_orphaned(sink: Option<&ErrorSink>, job_id: Option<String>, error: CleanupError) {
+    let Some(token) = error.token() else {
+        tracing::error!(job_id = job_id.as_deref(), code = error.code(), %error, "cleanup failed with no caller left");
+        return;
+    };
+    tracing::error!(job_id = job_id.as_deref(), %token, code = error.code(), %error, "cleanup failed with no caller left");
+    if let Some(sink) = sink {
+        let failure = OrphanedFailure {
+            job_id,
+            token,
+            error,
+        };
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink(&failure))).is_err() {
+            tracing::error!("the error sink panicked");
+        }
+    }
+}

@@ -1,6 +1,6 @@
 //! The embedded default: an in-process pool of slots.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
 
 use parking_lot::Mutex;
@@ -36,7 +36,9 @@ pub struct LocalBroker {
 
 struct LocalState {
     free: VecDeque<u32>,
-    held: HashMap<u32, u64>,
+    /// Per slot, the lease id holding it (0: free; lease ids start at 1).
+    holder: Vec<u64>,
+    held: usize,
     next_lease_id: u64,
 }
 
@@ -47,7 +49,8 @@ impl LocalBroker {
             capacity: slots,
             state: Mutex::new(LocalState {
                 free: (0..slots).collect(),
-                held: HashMap::with_capacity(slots as usize),
+                holder: vec![0; slots as usize],
+                held: 0,
                 next_lease_id: 1,
             }),
         }
@@ -55,7 +58,45 @@ impl LocalBroker {
 
     /// How many slots are held right now.
     pub fn held(&self) -> usize {
-        self.state.lock().held.len()
+        self.state.lock().held
+    }
+
+    pub(crate) fn slots(&self) -> u32 {
+        self.capacity
+    }
+
+    /// Takes a free slot, at once: what `acquire` does, without a future (the supervisor's
+    /// fast path for its own in-process broker).
+    pub(crate) fn take(&self) -> Result<SlotToken, BrokerError> {
+        let mut state = self.state.lock();
+        let Some(slot) = state.free.pop_front() else {
+            return Err(BrokerError::unavailable(format!(
+                "all {} slots are held",
+                self.capacity
+            )));
+        };
+        let lease_id = state.next_lease_id;
+        state.next_lease_id += 1;
+        state.holder[slot as usize] = lease_id;
+        state.held += 1;
+        Ok(SlotToken::new(slot, lease_id))
+    }
+
+    /// Gives a slot back, at once: what `release` does, without a future.
+    pub(crate) fn give(&self, token: SlotToken) -> Result<(), BrokerError> {
+        let mut state = self.state.lock();
+        let slot = token.slot_id() as usize;
+        match state.holder.get(slot) {
+            Some(&lease) if lease == token.lease_id() && lease != 0 => {
+                state.holder[slot] = 0;
+                state.held -= 1;
+                state.free.push_back(token.slot_id());
+                Ok(())
+            }
+            _ => Err(BrokerError::invalid_response(format!(
+                "{token} is not held by this broker"
+            ))),
+        }
     }
 }
 
@@ -70,31 +111,11 @@ impl fmt::Debug for LocalBroker {
 
 impl SlotBroker for LocalBroker {
     async fn acquire(&self, _request: AcquireRequest) -> Result<SlotToken, BrokerError> {
-        let mut state = self.state.lock();
-        let Some(slot) = state.free.pop_front() else {
-            return Err(BrokerError::unavailable(format!(
-                "all {} slots are held",
-                self.capacity
-            )));
-        };
-        let lease_id = state.next_lease_id;
-        state.next_lease_id += 1;
-        state.held.insert(slot, lease_id);
-        Ok(SlotToken::new(slot, lease_id))
+        self.take()
     }
 
     async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
-        let mut state = self.state.lock();
-        match state.held.get(&token.slot_id()) {
-            Some(&lease) if lease == token.lease_id() => {
-                state.held.remove(&token.slot_id());
-                state.free.push_back(token.slot_id());
-                Ok(())
-            }
-            _ => Err(BrokerError::invalid_response(format!(
-                "{token} is not held by this broker"
-            ))),
-        }
+        self.give(token)
     }
 
     fn capacity(&self) -> Option<u32> {

@@ -66,6 +66,15 @@ impl AcquireRequest {
         }
     }
 
+    /// The supervisor's request: the job id is shared, not copied.
+    pub(crate) fn for_job(request_id: u64, job_id: Option<Arc<str>>) -> Self {
+        Self {
+            request_id,
+            origin: 0,
+            job_id,
+        }
+    }
+
     /// Sets the requester's identity (see [`origin`](Self::origin)).
     pub fn with_origin(mut self, origin: u64) -> Self {
         self.origin = origin;

@@ -259,6 +259,11 @@ impl JobGpu {
     pub fn submissions(&self) -> u64 {
         self.inner.submissions.load(Ordering::Relaxed)
     }
+
+    /// Which creation of the device this is (1 at start, one more per re-creation).
+    pub(crate) fn generation(&self) -> u64 {
+        self.inner.generation
+    }
 }
 
 /// The state of one device.

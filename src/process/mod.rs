@@ -28,6 +28,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use rustix::process::{Pid, Signal};
 use tokio::process::{Child, ChildStderr, ChildStdin, ChildStdout};
+use futures_util::future::BoxFuture;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -287,9 +288,57 @@ impl JobProcess {
     }
 }
 
+/// What a keeper ends with: `None` once the group is proven gone, otherwise what is known of
+/// it, to be checked again.
+pub(crate) type Keeper = BoxFuture<'static, Option<Box<dyn Evidence>>>;
+
+/// Where a job's child processes come from: the operating system, or (in the simulation test)
+/// a scripted fake. A host starts the child and returns its keeper, which the job runs as a
+/// tracked task; the keeper ends only once the child's whole group is proven gone, or with the
+/// evidence that it could not be.
+pub(crate) trait ProcessHost: Send + Sync + 'static {
+    fn spawn(
+        &self,
+        spec: ProcessSpec,
+        root: &Path,
+        job_cancel: &CancellationToken,
+        policy: ProcessPolicy,
+    ) -> Result<(JobProcess, Keeper), ProcessError>;
+}
+
+/// Real child processes, each the leader of its own process group.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OsProcesses;
+
+impl ProcessHost for OsProcesses {
+    fn spawn(
+        &self,
+        spec: ProcessSpec,
+        root: &Path,
+        job_cancel: &CancellationToken,
+        policy: ProcessPolicy,
+    ) -> Result<(JobProcess, Keeper), ProcessError> {
+        let (process, keeper) = spawn(spec, root, job_cancel, policy)?;
+        let keeper = Box::pin(async move {
+            keeper
+                .await
+                .map(|unproven| Box::new(unproven) as Box<dyn Evidence>)
+        });
+        Ok((process, keeper))
+    }
+}
+
+/// What is known of a process group that could not be proven gone: enough to check again.
+pub(crate) trait Evidence: Send + fmt::Debug + 'static {
+    /// Why it is not proven gone.
+    fn reason(&self) -> &str;
+    /// Checks again; `None` once everything is proven gone (what it held is then forgotten).
+    fn recheck(&mut self) -> Option<String>;
+}
+
 /// Spawns `spec` for a job whose temp dir is `root`; the returned keeper future must be run as
 /// a tracked task of the job.
-pub(crate) fn spawn(
+fn spawn(
     spec: ProcessSpec,
     root: &Path,
     job_cancel: &CancellationToken,
@@ -336,17 +385,35 @@ fn ensure_subreaper(wanted: bool) {
 }
 
 /// What is known of a process group that could not be proven gone: enough to check again.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct Unproven {
     pub(crate) reason: String,
     pgid: i32,
     escapees: Vec<Escapee>,
     subreaper: bool,
+    /// The leader, when even it could not be reaped within the bound (stuck in uninterruptible
+    /// sleep after `SIGKILL`, say): reaped by a later check.
+    leader: Option<Child>,
 }
 
-impl Unproven {
-    /// Checks again; `None` once everything is proven gone.
-    pub(crate) fn recheck(&mut self) -> Option<String> {
+impl Evidence for Unproven {
+    fn reason(&self) -> &str {
+        &self.reason
+    }
+
+    fn recheck(&mut self) -> Option<String> {
+        if let Some(leader) = &mut self.leader {
+            match leader.try_wait() {
+                Ok(Some(_)) => self.leader = None,
+                Ok(None) => {
+                    return Some(format!(
+                        "the leader of process group {} has not exited after SIGKILL",
+                        self.pgid
+                    ));
+                }
+                Err(e) => return Some(format!("could not wait for process {}: {e}", self.pgid)),
+            }
+        }
         match unproven_part(self.pgid, &self.escapees, self.subreaper) {
             Some((reason, orphan)) => {
                 // An orphan seen now is attributed to this job: re-checked (and reaped) with it.
@@ -359,7 +426,9 @@ impl Unproven {
             }
         }
     }
+}
 
+impl Unproven {
     fn forget(&self) {
         LIVE_GROUPS.lock().remove(&self.pgid);
         forget_escapees(&self.escapees);
@@ -404,10 +473,24 @@ async fn keep(
     }
     if stop.is_cancelled() && !emptied {
         escapees = snapshot_escapees(pgid);
-        terminate(&mut child, &mut status, pgid, &escapees, policy.grace).await;
-        if status_tx.borrow().is_none() {
+        terminate(&mut child, &mut status, pgid, &escapees, policy).await;
+        if status.is_some() && status_tx.borrow().is_none() {
             let _ = status_tx.send(status.clone());
         }
+    }
+    if status.is_none() {
+        // The leader outlived SIGKILL by the whole proof bound (uninterruptible sleep): nothing
+        // more can be proven now. The child goes with the evidence, to be reaped by a re-check.
+        return Some(Unproven {
+            reason: format!(
+                "the leader of process group {pgid} had not exited {:?} after SIGKILL",
+                policy.proof_bound
+            ),
+            pgid,
+            escapees,
+            subreaper: policy.subreaper,
+            leader: Some(child),
+        });
     }
     // 3. Prove it: the group is empty, and every descendant that left it is gone.
     match prove(pgid, &mut escapees, policy).await {
@@ -421,18 +504,23 @@ async fn keep(
             pgid,
             escapees,
             subreaper: policy.subreaper,
+            leader: None,
         }),
     }
 }
 
-/// `SIGTERM` to the group and the escapees, then `SIGKILL` after `grace` for whatever is left.
+/// `SIGTERM` to the group and the escapees, then `SIGKILL` after the grace for whatever is
+/// left. The wait for the leader after `SIGKILL` is bounded by the proof bound: a process in
+/// uninterruptible sleep does not die on `SIGKILL` until its system call returns, which may be
+/// never; `status` then stays `None`.
 async fn terminate(
     child: &mut Child,
     status: &mut Status,
     pgid: i32,
     escapees: &[Escapee],
-    grace: Duration,
+    policy: ProcessPolicy,
 ) {
+    let grace = policy.grace;
     signal_all(pgid, escapees, Signal::TERM);
     let deadline = tokio::time::Instant::now() + grace;
     let mut backoff = Backoff::new();
@@ -458,8 +546,10 @@ async fn terminate(
         }
     }
     signal_all(pgid, escapees, Signal::KILL);
-    if status.is_none() {
-        *status = Some(child.wait().await.map_err(Arc::new));
+    if status.is_none()
+        && let Ok(st) = tokio::time::timeout(policy.proof_bound, child.wait()).await
+    {
+        *status = Some(st.map_err(Arc::new));
     }
 }
 

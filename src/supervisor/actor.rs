@@ -1,49 +1,86 @@
-//! The supervisor actor: a thin, effectful shell around the pure [`LeaseTable`].
+//! The supervisor actor: the effectful shell around the pure [`Core`].
 //!
-//! Only this actor mutates the slot table. It never awaits a broker or the file system inside
-//! its mailbox: broker futures get one inline poll (the in-process broker answers there) and
-//! otherwise run in a task that reports back by message; temp dirs are removed on the blocking
-//! pool. The one await in a handler is the worker actor's spawn, which returns as soon as the
-//! worker's `pre_start` (a move of its arguments) is done.
+//! It turns each message into an [`Input`], applies it, and performs the [`Effect`]s the core
+//! returns, in order. It keeps only what the core cannot hold (reply channels, bodies, task
+//! handles, the process evidence to re-check) and decides nothing. It never awaits a broker,
+//! the file system or a GPU inside its mailbox: a broker future gets one inline poll (the
+//! in-process broker is called directly) and otherwise runs in a task that reports back by
+//! message; temp dirs are made by the worker and removed by the job's driver; GPU fences run in
+//! the driver and the devices are closed on a thread of their own. The one await in a handler is
+//! a worker actor's spawn, which returns once its `pre_start` (a move of its arguments) is done.
 
-use std::collections::HashMap;
-use std::io;
-use std::panic::AssertUnwindSafe;
+use std::mem;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, MessagingErr, SupervisionEvent};
+use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
+use rustc_hash::FxHashMap;
 use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
+use tokio::task::{AbortHandle, JoinHandle};
 use tokio_util::task::TaskTracker;
 use tracing::Span;
 
-use super::messages::{CancelReason, PendingJob, ReleaseReply, RunOutcome, SupMsg, WaiterKind};
-use super::state::{
-    Edge, LeaseKey, LeaseKind, LeaseTable, Phase, ReleaseOutcome, WaiterId, shrink_map,
+use super::core::{
+    Core, Effect, Holder, Input, LeaseKey, Proof, Proofs, RequestId, WaiterId, Want,
 };
+use super::hosts::Hosts;
+use super::inbox::{Inbox, Ring};
+use super::messages::{PendingJob, ReleaseReply, RunOutcome, SupMsg, WaiterKind};
 use super::stats::{Published, SharedStats, metric_names};
-use super::{QuarantinedSlot, ReclaimReport, ShutdownReport};
-use crate::broker::{AcquireRequest, BrokerError, BrokerEvent, DynBroker, SlotToken, poll_once};
-use crate::error::{AcquireError, CleanupError, CleanupErrorKind};
-use crate::lease::Lease;
-use crate::process::{ProcessPolicy, Unproven};
-use crate::sink::{ErrorSink, OrphanedFailure};
-use crate::worker::{JobShared, WorkerActor, WorkerArgs, WorkerContext};
+use super::{QuarantinedSlot, ReclaimReport, Reporter, ShutdownReport};
+use crate::broker::{
+    AcquireRequest, BrokerError, BrokerEvent, DynBroker, LocalBroker, SlotToken, poll_once,
+};
+use crate::error::{AcquireError, CleanupError};
+use crate::lease::{Lease, LeaseCell};
+use crate::process::{Evidence, ProcessPolicy};
+use crate::sink::ErrorSink;
+use crate::worker::{JobShared, WorkerActor, WorkerArgs};
 
 /// Settings fixed at start.
 pub(crate) struct Config {
     pub(crate) cleanup_timeout: Duration,
     pub(crate) cancel_grace: Duration,
     pub(crate) drain_timeout: Option<Duration>,
-    pub(crate) work_root: PathBuf,
+    pub(crate) shutdown_timeout: Duration,
+    pub(crate) work_root: Arc<PathBuf>,
     pub(crate) error_sink: Option<ErrorSink>,
     pub(crate) process_policy: ProcessPolicy,
-    #[cfg(feature = "gpu")]
-    pub(crate) gpu: Option<Arc<crate::gpu::GpuPool>>,
+    pub(crate) hosts: Hosts,
+}
+
+/// Where tokens come from. The in-process broker is called directly (no boxed future, no
+/// poll); any other broker through its object-safe face.
+#[derive(Clone)]
+pub(crate) enum BrokerPort {
+    Local(Arc<LocalBroker>),
+    Dyn(Arc<dyn DynBroker>),
+}
+
+impl BrokerPort {
+    pub(crate) fn capacity(&self) -> Option<u32> {
+        match self {
+            Self::Local(b) => Some(b.slots()),
+            Self::Dyn(b) => b.capacity(),
+        }
+    }
+
+    fn renews(&self) -> bool {
+        match self {
+            Self::Local(_) => false,
+            Self::Dyn(b) => b.renews(),
+        }
+    }
+
+    pub(crate) fn as_dyn(&self) -> Arc<dyn DynBroker> {
+        match self {
+            Self::Local(b) => Arc::clone(b) as Arc<dyn DynBroker>,
+            Self::Dyn(b) => Arc::clone(b),
+        }
+    }
 }
 
 pub(crate) struct SupervisorActor;
@@ -51,28 +88,13 @@ pub(crate) struct SupervisorActor;
 pub(crate) struct SupArgs {
     /// The table's capacity: the broker's, capped by the GPU pool's sub-slots.
     pub(crate) capacity: Option<u32>,
-    pub(crate) broker: Arc<dyn DynBroker>,
+    pub(crate) broker: BrokerPort,
     pub(crate) config: Arc<Config>,
     pub(crate) stats: Arc<SharedStats>,
+    pub(crate) inbox: Arc<Inbox>,
     pub(crate) owned_root: Option<tempfile::TempDir>,
     /// Random per supervisor (see `AcquireRequest::origin`).
     pub(crate) origin: u64,
-}
-
-/// A lease's keep-alive task, and whom its loss concerns.
-struct Renewal {
-    task: tokio::task::AbortHandle,
-    target: LostTarget,
-}
-
-enum LostTarget {
-    /// The job is cancelled and reports `LEASE_LOST`.
-    Job(Arc<JobShared>),
-    /// The explicit lease's `lost()` signal.
-    Lease(CancellationToken),
-    /// The job's worker has ended: only logged (the slot may be taken elsewhere before this
-    /// process's release; fencing covers that).
-    Logged,
 }
 
 struct Waiter {
@@ -81,411 +103,486 @@ struct Waiter {
     since: Instant,
 }
 
-/// Why a slot is quarantined, and what would prove it clean.
-enum Quarantine {
-    /// Tracked tasks outlived the drain bound; released on its own once they end.
-    Draining { reason: String },
-    /// The temp dir could not be removed; removal is retried on reclaim.
-    Scratch { reason: String },
-    /// Processes could not be proven gone; re-checked on reclaim.
-    Processes {
-        reason: String,
-        evidence: Vec<Unproven>,
-    },
-    /// The lease's GPU device was lost; released once it is replaced (or given up).
-    #[cfg(feature = "gpu")]
-    GpuLost { reason: String, device: usize },
-}
-
-impl Quarantine {
-    fn reason(&self) -> &str {
-        match self {
-            Self::Draining { reason }
-            | Self::Scratch { reason }
-            | Self::Processes { reason, .. } => reason,
-            #[cfg(feature = "gpu")]
-            Self::GpuLost { reason, .. } => reason,
-        }
-    }
-}
-
-struct RunningJob {
+/// What the shell keeps for a running job.
+struct JobRt {
     job_id: Arc<str>,
     shared: Arc<JobShared>,
     /// Taken when the caller has been answered (at the end, or early on quarantine).
     reply: Option<oneshot::Sender<RunOutcome>>,
-    temp_dir: PathBuf,
+    /// Tells the job's driver it may remove the temp dir.
+    go: Option<oneshot::Sender<()>>,
     #[cfg(feature = "gpu")]
     placement: Option<crate::gpu::Placement>,
 }
 
-pub(crate) struct SupState {
-    table: LeaseTable,
-    broker: Arc<dyn DynBroker>,
-    config: Arc<Config>,
-    stats: Arc<SharedStats>,
-    /// What was last stored into `stats`.
-    published: Published,
-    waiters: HashMap<WaiterId, Waiter>,
-    jobs: HashMap<LeaseKey, RunningJob>,
-    workers: HashMap<ActorId, LeaseKey>,
-    release_replies: HashMap<LeaseKey, Vec<ReleaseReply>>,
-    quarantine: HashMap<LeaseKey, Quarantine>,
-    shutdown_replies: Vec<oneshot::Sender<ShutdownReport>>,
-    report: ShutdownReport,
-    next_request: u64,
-    /// Set at the shutdown deadline: broker acquires still in flight are no longer waited for.
-    abandon_pending: bool,
-    /// The GPU devices are being closed (at shutdown), or have been.
-    #[cfg(feature = "gpu")]
-    gpu_closing: bool,
-    #[cfg(feature = "gpu")]
-    gpu_closed: bool,
-    owned_root: Option<tempfile::TempDir>,
-    /// Keep-alive tasks of leases held from a broker that [`renews`](crate::SlotBroker::renews),
-    /// aborted when the lease's release begins.
-    renewals: HashMap<LeaseKey, Renewal>,
-    /// Random per supervisor: with the request id, a key unique among every supervisor that
-    /// shares a broker.
-    origin: u64,
+/// Replies waiting for an explicit lease's release (usually one).
+enum Replies {
+    One(ReleaseReply),
+    Many(Vec<ReleaseReply>),
 }
 
+pub(crate) struct Shell {
+    core: Core,
+    inbox: Arc<Inbox>,
+    myself: ActorRef<Ring>,
+    broker: BrokerPort,
+    config: Arc<Config>,
+    stats: Arc<SharedStats>,
+    published: Published,
+    waiters: FxHashMap<WaiterId, Waiter>,
+    jobs: FxHashMap<LeaseKey, JobRt>,
+    workers: FxHashMap<ActorId, LeaseKey>,
+    explicit: FxHashMap<LeaseKey, Arc<LeaseCell>>,
+    release_replies: FxHashMap<LeaseKey, Replies>,
+    renewals: FxHashMap<LeaseKey, AbortHandle>,
+    acquires: FxHashMap<RequestId, AbortHandle>,
+    evidence: FxHashMap<(LeaseKey, u64), Box<dyn Evidence>>,
+    shutdown_replies: Vec<oneshot::Sender<ShutdownReport>>,
+    reclaim_reply: Option<oneshot::Sender<ReclaimReport>>,
+    owned_root: Option<tempfile::TempDir>,
+    origin: u64,
+    /// The batch being handled (kept for its capacity).
+    batch: Vec<SupMsg>,
+}
+
+/// At most this many drains of the inbox per doorbell; then the actor rings itself, so that
+/// supervision events (worker ends) get their turn under a sustained load.
+const DRAINS_PER_RING: usize = 4;
+
 impl Actor for SupervisorActor {
-    type Msg = SupMsg;
-    type State = SupState;
+    type Msg = Ring;
+    type State = Shell;
     type Arguments = SupArgs;
 
     async fn pre_start(
         &self,
-        myself: ActorRef<SupMsg>,
+        myself: ActorRef<Ring>,
         args: SupArgs,
-    ) -> Result<SupState, ActorProcessingErr> {
+    ) -> Result<Shell, ActorProcessingErr> {
         #[cfg(feature = "gpu")]
-        if let Some(pool) = &args.config.gpu {
-            let me = myself.clone();
-            pool.set_replaced_hook(Box::new(move |device| {
-                let _ = me.send_message(SupMsg::GpuReplaced { device });
+        if let Some(gpu) = &args.config.hosts.gpu {
+            let inbox = Arc::clone(&args.inbox);
+            gpu.on_replaced(Box::new(move |device, generation| {
+                let _ = inbox.send(SupMsg::DeviceReplaced { device, generation });
             }));
         }
+        #[cfg(feature = "gpu")]
+        let gpu = args.config.hosts.gpu.is_some();
         #[cfg(not(feature = "gpu"))]
-        let _ = myself;
-        Ok(SupState {
-            table: LeaseTable::new(args.capacity),
+        let gpu = false;
+        Ok(Shell {
+            core: Core::new(args.capacity, args.broker.renews(), gpu),
+            inbox: args.inbox,
+            myself,
             broker: args.broker,
             config: args.config,
             stats: args.stats,
             published: Published::default(),
-            waiters: HashMap::new(),
-            jobs: HashMap::new(),
-            workers: HashMap::new(),
-            release_replies: HashMap::new(),
-            quarantine: HashMap::new(),
+            waiters: FxHashMap::default(),
+            jobs: FxHashMap::default(),
+            workers: FxHashMap::default(),
+            explicit: FxHashMap::default(),
+            release_replies: FxHashMap::default(),
+            renewals: FxHashMap::default(),
+            acquires: FxHashMap::default(),
+            evidence: FxHashMap::default(),
             shutdown_replies: Vec::new(),
-            report: ShutdownReport::default(),
-            next_request: 1,
-            abandon_pending: false,
-            #[cfg(feature = "gpu")]
-            gpu_closing: false,
-            #[cfg(feature = "gpu")]
-            gpu_closed: false,
+            reclaim_reply: None,
             owned_root: args.owned_root,
-            renewals: HashMap::new(),
             origin: args.origin,
+            batch: Vec::new(),
         })
     }
 
     async fn handle(
         &self,
-        myself: ActorRef<SupMsg>,
-        msg: SupMsg,
-        state: &mut SupState,
+        _myself: ActorRef<Ring>,
+        _ring: Ring,
+        state: &mut Shell,
     ) -> Result<(), ActorProcessingErr> {
-        state.on_message(&myself, msg).await;
-        state.settle(&myself).await;
+        for _ in 0..DRAINS_PER_RING {
+            let mut batch = mem::take(&mut state.batch);
+            if !state.inbox.drain_into(&mut batch) {
+                state.batch = batch;
+                return Ok(());
+            }
+            for msg in batch.drain(..) {
+                state.on_message(msg).await;
+            }
+            state.batch = batch;
+            state.settle().await;
+        }
+        // Mail may have arrived during the last drain; the doorbell is still marked rung.
+        if !state.inbox.ring_again() {
+            state.inbox.close();
+        }
         Ok(())
     }
 
     async fn handle_supervisor_evt(
         &self,
-        myself: ActorRef<SupMsg>,
+        _myself: ActorRef<Ring>,
         evt: SupervisionEvent,
-        state: &mut SupState,
+        state: &mut Shell,
     ) -> Result<(), ActorProcessingErr> {
         let id = match evt {
             SupervisionEvent::ActorTerminated(cell, last_state, _) => {
                 // On a normal stop ractor moves the worker's state into this event. It is dropped
-                // here, before the event counts as one of the two proofs of physical exit.
+                // here, before the event counts as a proof of the worker's physical end.
                 drop(last_state);
                 cell.get_id()
             }
             SupervisionEvent::ActorFailed(cell, err) => {
                 // Not expected (the worker catches its body's panics), and not proof of anything
                 // on its own: ractor may deliver this before the worker's state is dropped, which
-                // is why the join handle is awaited too.
+                // is why the join handle is a proof of its own.
                 tracing::error!(error = %err, "worker actor failed");
                 cell.get_id()
             }
             _ => return Ok(()),
         };
-        if let Some(key) = state.workers.remove(&id)
-            && state.table.note_worker_end(key, false)
-        {
-            state.proofs_complete(&myself, key);
+        if let Some(key) = state.workers.remove(&id) {
+            state
+                .apply(Input::ProvenOne {
+                    key,
+                    proof: Proof::EventHandled,
+                })
+                .await;
+            state.settle().await;
         }
-        state.settle(&myself).await;
         Ok(())
     }
 
     async fn post_stop(
         &self,
-        _myself: ActorRef<SupMsg>,
-        state: &mut SupState,
+        _myself: ActorRef<Ring>,
+        state: &mut Shell,
     ) -> Result<(), ActorProcessingErr> {
-        // Waiters still queued (the actor is stopping for another reason than shutdown) hear
-        // SUPERVISOR_STOPPED when their reply senders drop with the state.
-        for (_, renewal) in state.renewals.drain() {
-            renewal.task.abort();
-        }
-        if let Some(root) = state.owned_root.take()
-            && state.table.quarantined() > 0
-        {
-            // Quarantined temp dirs are evidence: keep them.
-            let kept = root.keep();
-            tracing::warn!(root = %kept.display(), "work root kept: it holds quarantined temp dirs");
-        }
+        state.stop_everything();
         Ok(())
     }
 }
 
-impl SupState {
-    async fn on_message(&mut self, myself: &ActorRef<SupMsg>, msg: SupMsg) {
-        match msg {
-            SupMsg::Acquire { waiter, kind } => {
-                if self.table.enqueue(waiter) {
-                    let since = Instant::now();
-                    self.waiters.insert(waiter, Waiter { kind, since });
-                } else {
-                    reply_not_started(kind, AcquireError::Stopped);
-                }
+impl Drop for Shell {
+    fn drop(&mut self) {
+        // Also reached when the runtime is dropped under a running supervisor (no `post_stop`):
+        // everything queued or held is dropped with its reply senders, so no caller hangs.
+        self.stop_everything();
+    }
+}
+
+impl Shell {
+    /// Applies one input and performs every effect it leads to.
+    async fn apply(&mut self, input: Input) {
+        self.core.apply(input);
+        self.perform_all().await;
+    }
+
+    async fn perform_all(&mut self) {
+        while let Some(effect) = self.core.pop_effect() {
+            self.perform(effect).await;
+        }
+    }
+
+    /// After each batch: the broker acquires the queue needs, stats and gauges, memory a flood
+    /// left behind, the end of a shutdown.
+    async fn settle(&mut self) {
+        // Performing effects can free a slot (a job that could not start releases its token):
+        // settle again until the core asks for nothing more.
+        loop {
+            self.core.settle();
+            if !self.core.has_effects() {
+                break;
             }
-            SupMsg::Cancel { waiter, reason } => self.cancel_waiter(waiter, reason),
-            SupMsg::BrokerAcquired { result } => self.on_acquired(myself, result).await,
-            SupMsg::WorkerExited { key } => self.on_worker_exited(myself, key),
-            SupMsg::DrainTimedOut { key, after } => self.on_unconfirmed(
-                key,
-                format!(
-                    "tasks spawned through the worker context were still running {after:?} after the worker ended; the slot stays quarantined until they end"
-                ),
-            ),
-            SupMsg::ScratchRemoved { key, result } => self.on_scratch_removed(myself, key, result),
-            SupMsg::Release { key, reply } => self.on_release_request(myself, key, reply),
-            SupMsg::BrokerReleased {
+            self.perform_all().await;
+        }
+        self.publish();
+        SharedStats::publish_gauges(&self.core);
+        self.core.shrink_idle();
+        shrink(&mut self.waiters);
+        shrink(&mut self.jobs);
+        shrink(&mut self.workers);
+        shrink(&mut self.explicit);
+        shrink(&mut self.release_replies);
+        shrink(&mut self.acquires);
+        self.inbox.shrink();
+    }
+
+    fn publish(&mut self) {
+        self.stats.publish(&self.core, &mut self.published);
+    }
+
+    async fn on_message(&mut self, msg: SupMsg) {
+        let input = match msg {
+            SupMsg::Acquire { waiter, kind } => {
+                let want = match kind {
+                    WaiterKind::Lease { .. } => Want::Lease,
+                    WaiterKind::Job(_) => Want::Job,
+                };
+                let since = Instant::now();
+                self.waiters.insert(waiter, Waiter { kind, since });
+                Input::Enqueue { waiter, want }
+            }
+            SupMsg::Withdraw { waiter, why } => Input::Withdraw { waiter, why },
+            SupMsg::Release { key, reply } => {
+                if let Some(reply) = reply {
+                    match self.release_replies.remove(&key) {
+                        None => self.release_replies.insert(key, Replies::One(reply)),
+                        Some(Replies::One(first)) => self
+                            .release_replies
+                            .insert(key, Replies::Many(vec![first, reply])),
+                        Some(Replies::Many(mut all)) => {
+                            all.push(reply);
+                            self.release_replies.insert(key, Replies::Many(all))
+                        }
+                    };
+                }
+                Input::ReleaseRequested { key }
+            }
+            SupMsg::Shutdown { reply } => {
+                self.shutdown_replies.extend(reply);
+                Input::Shutdown
+            }
+            SupMsg::Quarantined { reply } => {
+                let _ = reply.send(self.list_quarantine());
+                return;
+            }
+            SupMsg::Reclaim { reply } => {
+                self.reclaim_reply = Some(reply);
+                // The core asks for each re-check (performed inline: non-blocking system
+                // calls), then concludes.
+                self.apply(Input::ReclaimBegin).await;
+                Input::ReclaimEnd
+            }
+            SupMsg::Acquired { request, result } => {
+                self.acquires.remove(&request);
+                Input::Acquired { request, result }
+            }
+            SupMsg::Released {
                 key,
                 result,
                 started,
-            } => self.finish_release(key, result, started),
-            SupMsg::Shutdown { reply } => self.begin_shutdown(myself, reply),
-            SupMsg::ShutdownDeadline => self.abandon_pending = true,
-            SupMsg::Quarantined { reply } => {
-                let _ = reply.send(self.list_quarantine());
+            } => {
+                record_release(started, &result);
+                Input::Released { key, result }
             }
-            SupMsg::Reclaim { reply } => self.reclaim(myself, reply),
-            #[cfg(feature = "gpu")]
-            SupMsg::GpuReplaced { device } => self.on_gpu_replaced(myself, device),
-            #[cfg(feature = "gpu")]
-            SupMsg::GpuClosed => self.gpu_closed = true,
-            SupMsg::Unconfirmed { key, detail } => self.on_unconfirmed(key, detail),
-            SupMsg::LeaseLost { key, reason } => self.on_lease_lost(key, reason),
+            SupMsg::LeaseLost { key, reason } => Input::LeaseLost { key, reason },
             SupMsg::Broker(BrokerEvent::OrphanExpired { lease_id }) => {
                 tracing::warn!(lease_id, "an orphaned lease expired at the broker");
-                self.table.note_orphan_expired();
+                Input::OrphanExpired
+            }
+            SupMsg::Proven { key, proofs } => Input::Proven { key, proofs },
+            SupMsg::Late { key, proof, detail } => Input::Late { key, proof, detail },
+            SupMsg::ProcessStarted { key, process } => Input::ProcessStarted { key, process },
+            SupMsg::ProcessEnded {
+                key,
+                process,
+                unproven,
+            } => match unproven {
+                None => Input::ProvenOne {
+                    key,
+                    proof: Proof::Process(process),
+                },
+                Some(evidence) => {
+                    let detail = evidence.reason().to_owned();
+                    self.evidence.insert((key, process), evidence);
+                    Input::Unproven {
+                        key,
+                        proof: Proof::Process(process),
+                        detail,
+                    }
+                }
+            },
+            SupMsg::ScratchRemoved { key, result } => match result {
+                Ok(()) => Input::ProvenOne {
+                    key,
+                    proof: Proof::Scratch,
+                },
+                Err(error) => {
+                    let path = self
+                        .jobs
+                        .get(&key)
+                        .and_then(|j| j.shared.temp_dir().map(|p| p.display().to_string()))
+                        .unwrap_or_default();
+                    tracing::error!(%path, %error, "a job's temp dir could not be removed");
+                    Input::ScratchFailed {
+                        key,
+                        detail: format!("temp dir {path} could not be removed"),
+                        error,
+                    }
+                }
+            },
+            SupMsg::DeviceLost {
+                key,
+                device,
+                generation,
+                reason,
+            } => Input::DeviceLost {
+                key,
+                device,
+                generation,
+                reason,
+            },
+            SupMsg::DeviceReplaced { device, generation } => {
+                Input::DeviceReplaced { device, generation }
+            }
+            SupMsg::ShutdownGraceOver => Input::ShutdownGraceOver,
+            SupMsg::ShutdownDeadline => Input::ShutdownDeadline,
+            SupMsg::GpuClosed { timed_out } => {
+                if timed_out {
+                    tracing::error!(
+                        "the gpu devices did not close within the cleanup timeout; shutdown goes on without them"
+                    );
+                }
+                Input::GpuClosed
+            }
+        };
+        self.apply(input).await;
+    }
+
+    async fn perform(&mut self, effect: Effect) {
+        match effect {
+            Effect::Acquire {
+                request,
+                for_waiter,
+            } => self.broker_acquire(request, for_waiter),
+            Effect::AbortAcquires => {
+                for (_, task) in self.acquires.drain() {
+                    task.abort();
+                }
+            }
+            Effect::Deliver { waiter, key, token } => self.deliver(waiter, key, token).await,
+            Effect::Refuse { waiter, error } => self.refuse(waiter, error),
+            Effect::StartRenewal { key, token } => self.start_renewal(key, token),
+            Effect::StopRenewal { key } => {
+                if let Some(task) = self.renewals.remove(&key) {
+                    task.abort();
+                }
+            }
+            Effect::Cancel { key, holder, lost } => self.cancel(key, holder, lost),
+            Effect::LostAfterExit { key, reason } => {
+                tracing::warn!(key, %reason, "lease lost after its worker ended; the slot is still held here until its release");
+            }
+            Effect::RecreateDevice { device } => self.recreate_device(device),
+            Effect::AbortTasks { key } => {
+                if let Some(job) = self.jobs.get(&key) {
+                    let n = job.shared.abort_tasks();
+                    if n > 0 {
+                        tracing::warn!(job_id = %job.job_id, tasks = n, "shutdown aborted tracked tasks still running after the cancel grace");
+                    }
+                }
+            }
+            Effect::RemoveScratch { key } => self.remove_scratch(key),
+            Effect::Release { key, token } => self.broker_release(key, token),
+            Effect::Answer { key, result } => self.answer(key, result),
+            Effect::Sink { key, error } => {
+                let job_id = self.jobs.get(&key).map(|j| j.job_id.to_string());
+                self.sink(job_id, error);
+            }
+            Effect::Forget { key } => self.forget(key),
+            Effect::Recheck { key, proof } => self.recheck(key, proof),
+            Effect::Reclaimed { reclaimed, still } => {
+                let report = ReclaimReport {
+                    reclaimed,
+                    still_quarantined: still.into_iter().filter_map(|k| self.describe(k)).collect(),
+                };
+                if let Some(reply) = self.reclaim_reply.take() {
+                    let _ = reply.send(report);
+                }
+            }
+            Effect::ArmShutdownTimers => self.arm_shutdown_timers(),
+            Effect::CloseGpu => self.close_gpu(),
+            Effect::Stopped => self.stopped(),
+            Effect::OrphanCounted => {
                 metrics::counter!(metric_names::ORPHAN_EXPIRED_COUNT).increment(1);
-                self.stats.publish(&self.table, &mut self.published);
+            }
+            Effect::TokenRefused(detail) => {
+                tracing::error!(%detail, "refusing a token from the broker");
+            }
+            Effect::Illegal(detail) => {
+                // A bug, never a reason to stop: the other slots keep serving.
+                tracing::error!(%detail, "the supervisor's core refused an input");
             }
         }
     }
 
-    /// After every message: start the broker acquires the queue needs, publish stats (what
-    /// changed), give back the capacity a flood left, and finish a shutdown that has nothing
-    /// left to wait for.
-    async fn settle(&mut self, myself: &ActorRef<SupMsg>) {
-        self.pump(myself).await;
-        self.stats.publish(&self.table, &mut self.published);
-        SharedStats::publish_gauges(&self.table);
-        self.shrink_idle();
-        self.maybe_finish_shutdown(myself);
-    }
-
-    /// Returns the memory of maps that have emptied out (after a flood drains): amortised O(1),
-    /// since a map is only rebuilt once it has lost three quarters of its capacity.
-    fn shrink_idle(&mut self) {
-        shrink_map(&mut self.waiters, SHRINK_FLOOR);
-        shrink_map(&mut self.jobs, SHRINK_FLOOR);
-        shrink_map(&mut self.workers, SHRINK_FLOOR);
-        shrink_map(&mut self.release_replies, SHRINK_FLOOR);
-        shrink_map(&mut self.quarantine, SHRINK_FLOOR);
-        self.table.shrink_idle();
-    }
-
-    fn cancel_waiter(&mut self, waiter: WaiterId, reason: CancelReason) {
-        if self.table.cancel_waiter(waiter)
-            && let Some(w) = self.waiters.remove(&waiter)
-        {
-            self.refuse(w.kind, reason.into_error());
-        }
-    }
-
-    /// Answers a waiter that gets no slot, after publishing the figures it may read next.
-    fn refuse(&mut self, kind: WaiterKind, err: AcquireError) {
-        self.stats.publish(&self.table, &mut self.published);
-        reply_not_started(kind, err);
-    }
-
-    fn pop_live_waiter(&mut self) -> Option<Waiter> {
-        let id = self.table.pop_waiter()?;
-        self.waiters.remove(&id)
-    }
-
-    /// Issues the broker acquires the queue needs. A broker that answers on the first poll is
-    /// handled inline, which may free room for more: hence the loop.
-    async fn pump(&mut self, myself: &ActorRef<SupMsg>) {
-        loop {
-            let n = self.table.requests_to_issue();
-            if n == 0 {
-                return;
-            }
-            let mut ready = Vec::new();
-            for _ in 0..n {
-                let request_id = self.next_request;
-                self.next_request += 1;
-                let job_id = self
-                    .table
-                    .head()
-                    .and_then(|w| match &self.waiters.get(&w)?.kind {
-                        WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
-                        WaiterKind::Lease { .. } => None,
-                    });
-                let request =
-                    AcquireRequest::new(request_id, job_id.as_deref()).with_origin(self.origin);
-                let mut fut = Arc::clone(&self.broker).acquire_boxed(request);
+    fn broker_acquire(&mut self, request: RequestId, for_waiter: Option<WaiterId>) {
+        let job_id = for_waiter
+            .and_then(|w| self.waiters.get(&w))
+            .and_then(|w| match &w.kind {
+                WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
+                WaiterKind::Lease { .. } => None,
+            });
+        let result = match &self.broker {
+            // Answers at once (the core asks only while a slot is free).
+            BrokerPort::Local(local) => local.take(),
+            BrokerPort::Dyn(broker) => {
+                let req =
+                    AcquireRequest::for_job(request, job_id).with_origin(self.origin);
+                let mut fut = Arc::clone(broker).acquire_boxed(req);
                 match poll_once(&mut fut) {
-                    Poll::Ready(result) => ready.push(result),
+                    Poll::Ready(result) => result,
                     Poll::Pending => {
-                        let me = myself.clone();
-                        let broker = Arc::clone(&self.broker);
+                        let inbox = Arc::clone(&self.inbox);
+                        let broker = Arc::clone(broker);
                         let timeout = self.config.cleanup_timeout;
-                        tokio::spawn(async move {
+                        let task = tokio::spawn(async move {
                             let result = fut.await;
-                            let msg = SupMsg::BrokerAcquired { result };
-                            if let Err(MessagingErr::SendErr(SupMsg::BrokerAcquired {
-                                result: Ok(token),
-                            })) = me.send_message(msg)
+                            if let Err(SupMsg::Acquired {
+                                result: Ok(token), ..
+                            }) = inbox.send(SupMsg::Acquired { request, result })
                             {
-                                // The supervisor stopped while this acquire was in flight: nobody
-                                // can hold the token, so it goes straight back, exactly once.
+                                // The supervisor stopped while this acquire was in flight:
+                                // nobody can hold the token, so it goes straight back, once.
                                 release_orphan(broker, token, timeout).await;
                             }
                         });
+                        self.acquires.insert(request, task.abort_handle());
+                        return;
                     }
                 }
-            }
-            if ready.is_empty() {
-                return;
-            }
-            for result in ready {
-                self.on_acquired(myself, result).await;
-            }
-        }
-    }
-
-    async fn on_acquired(
-        &mut self,
-        myself: &ActorRef<SupMsg>,
-        result: Result<SlotToken, BrokerError>,
-    ) {
-        let token = match result {
-            Ok(token) => token,
-            Err(err) => {
-                self.table.request_failed();
-                // Tokens are fungible and so are failures: the longest waiter hears it. A waiter
-                // that has already left (or whose job is cancelled) absorbs it instead: it has
-                // its answer, and every other waiter is still covered by its own request.
-                if let Some(w) = self.pop_live_waiter() {
-                    let span = w.kind.span().clone();
-                    let _e = span.enter();
-                    tracing::warn!(error = %err, "slot acquire failed");
-                    let err = match &w.kind {
-                        WaiterKind::Job(job) if job.shared.cancel.is_cancelled() => {
-                            AcquireError::Cancelled
-                        }
-                        _ => AcquireError::Failed(err),
-                    };
-                    self.refuse(w.kind, err);
-                }
-                return;
             }
         };
-        if let Err(refused) = self.table.token_arrived(token) {
-            // Not released: releasing a duplicate could free the live holder's slot.
-            tracing::error!(%refused, "refusing a token from the broker");
-            if let Some(w) = self.pop_live_waiter() {
-                let err = BrokerError::invalid_response(refused.to_string());
-                self.refuse(w.kind, AcquireError::Failed(err));
+        self.core.apply(Input::Acquired { request, result });
+    }
+
+    async fn deliver(&mut self, waiter: WaiterId, key: LeaseKey, token: SlotToken) {
+        let Some(Waiter { kind, since }) = self.waiters.remove(&waiter) else {
+            tracing::error!(waiter, "a grant for a waiter the shell does not know");
+            return self.core.apply(Input::Undelivered { key });
+        };
+        match kind {
+            WaiterKind::Lease { reply, span } => {
+                if reply.is_closed() {
+                    return self.core.apply(Input::Undelivered { key });
+                }
+                record_grant(&span, since, token);
+                let cell = Arc::new(LeaseCell::new());
+                self.explicit.insert(key, Arc::clone(&cell));
+                self.publish();
+                let lease = Lease::new(key, token, Arc::clone(&self.inbox), cell);
+                if let Err(Ok(lease)) = reply.send(Ok(lease)) {
+                    // The caller left between the check and the send: nobody saw it.
+                    lease.defuse();
+                    self.explicit.remove(&key);
+                    self.core.apply(Input::Undelivered { key });
+                }
             }
-            return;
-        }
-        loop {
-            let Some(waiter) = self.pop_live_waiter() else {
-                // Nobody waits any more: the token goes straight back, exactly once.
-                let key = self.table.grant(token, LeaseKind::Surplus);
-                self.apply(key, Edge::ReleaseRequested);
-                self.start_release(myself, key, token);
-                return;
-            };
-            match waiter.kind {
-                WaiterKind::Lease { reply, span } => {
-                    if reply.is_closed() {
-                        continue;
-                    }
-                    let key = self.table.grant(token, LeaseKind::Explicit);
-                    record_grant(&span, waiter.since, token);
-                    let lost = self.broker.renews().then(CancellationToken::new);
-                    if let Some(signal) = &lost {
-                        let target = LostTarget::Lease(signal.clone());
-                        self.start_renewal(myself, key, token, target);
-                    }
-                    self.stats.publish(&self.table, &mut self.published);
-                    let lease = Lease::new(key, token, myself.clone(), lost);
-                    if let Err(Ok(lease)) = reply.send(Ok(lease)) {
-                        // The caller left between the check and the send: release it here.
-                        lease.defuse();
-                        self.apply(key, Edge::ReleaseRequested);
-                        self.start_release(myself, key, token);
-                    }
-                    return;
+            WaiterKind::Job(job) => {
+                // A grant racing with the caller's cancellation goes to the next waiter.
+                if job.shared.cancel.is_cancelled() || job.reply.is_closed() {
+                    let _ = job
+                        .reply
+                        .send(RunOutcome::NotStarted(AcquireError::Cancelled));
+                    return self.core.apply(Input::Undelivered { key });
                 }
-                WaiterKind::Job(job) => {
-                    // A grant racing with the caller's cancellation goes to the next waiter.
-                    if job.shared.cancel.is_cancelled() || job.reply.is_closed() {
-                        self.refuse(WaiterKind::Job(job), AcquireError::Cancelled);
-                        continue;
-                    }
-                    let key = self.table.grant(token, LeaseKind::Job);
-                    record_grant(&job.span, waiter.since, token);
-                    self.start_job(myself, key, token, *job).await;
-                    return;
-                }
+                record_grant(&job.span, since, token);
+                self.start_job(key, token, *job).await;
             }
         }
     }
 
-    async fn start_job(
-        &mut self,
-        myself: &ActorRef<SupMsg>,
-        key: LeaseKey,
-        token: SlotToken,
-        job: PendingJob,
-    ) {
+    async fn start_job(&mut self, key: LeaseKey, token: SlotToken, job: PendingJob) {
         let PendingJob {
             job_id,
             shared,
@@ -495,694 +592,427 @@ impl SupState {
         } = job;
         span.record("slot_id", token.slot_id());
         span.record("lease_id", token.lease_id());
-        if self.broker.renews() {
-            self.start_renewal(myself, key, token, LostTarget::Job(Arc::clone(&shared)));
-        }
-        let made = tempfile::Builder::new()
-            .prefix(&format!("{job_id}-"))
-            .tempdir_in(&self.config.work_root);
-        let temp_dir = match made {
-            Ok(dir) => dir.keep(),
-            Err(err) => {
-                let _e = span.enter();
-                tracing::error!(error = %err, "could not create the job's temp dir");
-                let _ = reply.send(RunOutcome::NotStarted(AcquireError::Scratch(Arc::new(err))));
-                self.apply(key, Edge::ReleaseRequested);
-                self.start_release(myself, key, token);
-                return;
-            }
-        };
         #[cfg(feature = "gpu")]
-        let placement = match &self.config.gpu {
-            Some(pool) => match pool.place() {
-                Some(p) => Some((Arc::clone(pool), p)),
+        let placement = match &self.config.hosts.gpu {
+            Some(gpu) => match gpu.place() {
+                Some(p) => Some(p),
                 None => {
-                    let _ = std::fs::remove_dir_all(&temp_dir);
                     let err = crate::gpu::GpuError::CreateFailed("no usable gpu slot".into());
                     let _ = reply.send(RunOutcome::NotStarted(AcquireError::Gpu(err)));
-                    self.apply(key, Edge::ReleaseRequested);
-                    self.start_release(myself, key, token);
-                    return;
+                    return self.core.apply(Input::NotStarted { key });
                 }
             },
             None => None,
         };
         let tracker = TaskTracker::new();
-        let ctx = WorkerContext::new(
-            token,
-            Arc::clone(&job_id),
-            temp_dir.clone(),
-            Arc::clone(&shared),
-            tracker.clone(),
-            span,
-            self.config.process_policy,
-        );
+        let reporter = Reporter {
+            inbox: Arc::clone(&self.inbox),
+            key,
+        };
         let args = WorkerArgs {
             body,
-            ctx,
+            token,
+            job_id: Arc::clone(&job_id),
+            work_root: Arc::clone(&self.config.work_root),
             shared: Arc::clone(&shared),
+            tracker: tracker.clone(),
+            span,
+            policy: self.config.process_policy,
             grace: self.config.cancel_grace,
+            hosts: self.config.hosts.clone(),
+            reporter: reporter.clone(),
             #[cfg(feature = "gpu")]
-            gpu: placement.clone(),
+            gpu: placement,
         };
-        match Actor::spawn_linked(None, WorkerActor, args, myself.get_cell()).await {
+        match Actor::spawn_linked(None, WorkerActor, args, self.myself.get_cell()).await {
             Ok((worker, join)) => {
                 self.workers.insert(worker.get_id(), key);
-                #[cfg(feature = "gpu")]
-                let gpu_placement = placement.as_ref().map(|(_, p)| *p);
-                #[cfg(feature = "gpu")]
-                let gpu = placement.map(|(pool, _)| (pool, Arc::clone(&shared)));
+                let (go_tx, go_rx) = oneshot::channel();
                 self.jobs.insert(
                     key,
-                    RunningJob {
+                    JobRt {
                         job_id,
-                        shared,
+                        shared: Arc::clone(&shared),
                         reply: Some(reply),
-                        temp_dir,
+                        go: Some(go_tx),
                         #[cfg(feature = "gpu")]
-                        placement: gpu_placement,
+                        placement,
                     },
                 );
                 let driver = Driver {
                     join,
                     tracker,
-                    sup: myself.clone(),
-                    key,
+                    shared,
+                    reporter,
                     drain_timeout: self.config.drain_timeout,
+                    cleanup_timeout: self.config.cleanup_timeout,
+                    hosts: self.config.hosts.clone(),
+                    go: go_rx,
                     #[cfg(feature = "gpu")]
-                    gpu,
+                    placement,
                 };
                 tokio::spawn(driver.run());
+                #[cfg(feature = "gpu")]
+                let device = placement.map(|p| p.device);
+                #[cfg(not(feature = "gpu"))]
+                let device = None;
+                self.core.apply(Input::Started { key, device });
             }
             Err(err) => {
                 // The worker's pre_start only moves its arguments, so the body never ran.
                 tracing::error!(error = %err, "could not spawn the worker actor");
                 #[cfg(feature = "gpu")]
-                if let Some((pool, p)) = &placement {
-                    pool.free(*p);
+                if let (Some(gpu), Some(p)) = (&self.config.hosts.gpu, placement) {
+                    gpu.free(p);
                 }
-                let _ = std::fs::remove_dir_all(&temp_dir);
                 let err = BrokerError::new(format!("worker spawn failed: {err}"));
                 let _ = reply.send(RunOutcome::NotStarted(AcquireError::Failed(err)));
-                self.apply(key, Edge::ReleaseRequested);
-                self.start_release(myself, key, token);
+                self.core.apply(Input::NotStarted { key });
             }
         }
     }
 
-    /// Keeps the lease alive while it is held, when the broker needs that. A loss cancels the
-    /// lease's job at once and marks its result `LEASE_LOST`; renewal stops when the release
-    /// begins (so a quarantined slot, whose work may still run, keeps its lease).
-    fn start_renewal(
-        &mut self,
-        myself: &ActorRef<SupMsg>,
-        key: LeaseKey,
-        token: SlotToken,
-        target: LostTarget,
-    ) {
-        let lost = Arc::clone(&self.broker).keep_alive_boxed(token);
-        let me = myself.clone();
+    fn refuse(&mut self, waiter: WaiterId, error: AcquireError) {
+        let Some(Waiter { kind, .. }) = self.waiters.remove(&waiter) else {
+            return;
+        };
+        self.publish();
+        match kind {
+            WaiterKind::Lease { reply, span } => {
+                if let AcquireError::Failed(err) = &error {
+                    let _e = span.enter();
+                    tracing::warn!(error = %err, "slot acquire failed");
+                }
+                let _ = reply.send(Err(error));
+            }
+            WaiterKind::Job(job) => {
+                let error = match error {
+                    // A failure that races the job's cancellation: the job was cancelled.
+                    AcquireError::Failed(_) if job.shared.cancel.is_cancelled() => {
+                        AcquireError::Cancelled
+                    }
+                    other => other,
+                };
+                if let AcquireError::Failed(err) = &error {
+                    let _e = job.span.enter();
+                    tracing::warn!(error = %err, "slot acquire failed");
+                }
+                let _ = job.reply.send(RunOutcome::NotStarted(error));
+            }
+        }
+    }
+
+    /// Keeps the lease alive while it is held, when the broker needs that.
+    fn start_renewal(&mut self, key: LeaseKey, token: SlotToken) {
+        let lost = self.broker.as_dyn().keep_alive_boxed(token);
+        let inbox = Arc::clone(&self.inbox);
         let task = tokio::spawn(async move {
             let err = lost.await;
-            // Judged by the actor: renewal may have been stopped since.
-            let _ = me.send_message(SupMsg::LeaseLost {
+            // Judged by the core: renewal may have been stopped since.
+            let _ = inbox.send(SupMsg::LeaseLost {
                 key,
                 reason: err.to_string(),
             });
         });
-        self.renewals.insert(
-            key,
-            Renewal {
-                task: task.abort_handle(),
-                target,
+        self.renewals.insert(key, task.abort_handle());
+    }
+
+    fn cancel(&mut self, key: LeaseKey, holder: Holder, lost: Option<String>) {
+        match holder {
+            Holder::Job => {
+                if let Some(job) = self.jobs.get(&key) {
+                    if let Some(reason) = lost {
+                        tracing::error!(job_id = %job.job_id, %reason, "lease lost: it could not be kept alive");
+                        job.shared.mark_lease_lost(reason);
+                    }
+                    job.shared.cancel.cancel();
+                }
+            }
+            Holder::Explicit => {
+                if let Some(cell) = self.explicit.get(&key) {
+                    if let Some(reason) = &lost {
+                        tracing::error!(key, %reason, "lease lost: it could not be kept alive");
+                    }
+                    cell.revoke(lost.is_some());
+                }
+            }
+            Holder::Surplus => {}
+        }
+    }
+
+    #[cfg_attr(not(feature = "gpu"), allow(unused_variables))]
+    fn recreate_device(&mut self, device: usize) {
+        #[cfg(feature = "gpu")]
+        if let Some(gpu) = &self.config.hosts.gpu {
+            if gpu.settled(device) {
+                // Replaced (or given up) before the loss reached the core.
+                let generation = gpu.generation(device);
+                self.core.apply(Input::DeviceReplaced { device, generation });
+            } else {
+                gpu.recreate(device);
+            }
+        }
+    }
+
+    fn remove_scratch(&mut self, key: LeaseKey) {
+        let Some(job) = self.jobs.get_mut(&key) else {
+            return;
+        };
+        let Some(path) = job.shared.temp_dir().map(PathBuf::from) else {
+            // The worker made no temp dir (it could not): nothing to remove.
+            return self.core.apply(Input::ProvenOne {
+                key,
+                proof: Proof::Scratch,
+            });
+        };
+        // The job's driver removes it; a retry (reclaim) runs in a task of its own.
+        if let Some(go) = job.go.take()
+            && go.send(()).is_ok()
+        {
+            return;
+        }
+        let removal = remove_scratch(
+            Arc::clone(&self.config.hosts.scratch),
+            path,
+            self.config.cleanup_timeout,
+            Reporter {
+                inbox: Arc::clone(&self.inbox),
+                key,
             },
         );
+        tokio::spawn(removal);
     }
 
-    /// Renewal ends: the lease's release begins (or the actor stops).
-    fn stop_renewal(&mut self, key: LeaseKey) {
-        if let Some(renewal) = self.renewals.remove(&key) {
-            renewal.task.abort();
-        }
-    }
-
-    /// The broker could not keep a lease alive. Acted on only while its renewal still runs:
-    /// a loss reported after the worker ended (or the release began) changes nothing.
-    fn on_lease_lost(&mut self, key: LeaseKey, reason: String) {
-        let Some(renewal) = self.renewals.remove(&key) else {
-            return;
-        };
-        let token = self.table.get(key).map(|r| r.token);
-        let job_id = self.jobs.get(&key).map(|j| j.job_id.to_string());
-        tracing::error!(?token, job_id, %reason, "lease lost: it could not be kept alive");
-        match renewal.target {
-            LostTarget::Job(shared) => {
-                shared.mark_lease_lost(reason);
-                shared.cancel.cancel();
+    /// Releases `token` under the cleanup timeout, which is the supervisor's own: no caller's
+    /// cancellation reaches it.
+    fn broker_release(&mut self, key: LeaseKey, token: SlotToken) {
+        let started = Instant::now();
+        let result = match &self.broker {
+            BrokerPort::Local(local) => local.give(token),
+            BrokerPort::Dyn(broker) => {
+                let mut fut = Arc::clone(broker).release_boxed(token);
+                match poll_once(&mut fut) {
+                    Poll::Ready(result) => result,
+                    Poll::Pending => {
+                        let timeout = self.config.cleanup_timeout;
+                        let inbox = Arc::clone(&self.inbox);
+                        tokio::spawn(async move {
+                            let result = match tokio::time::timeout(timeout, fut).await {
+                                Ok(Ok(())) => Ok(()),
+                                Ok(Err(e)) => Err(CleanupError::broker(token, e)),
+                                Err(_) => Err(CleanupError::timeout(token, timeout)),
+                            };
+                            let _ = inbox.send(SupMsg::Released {
+                                key,
+                                result,
+                                started,
+                            });
+                        });
+                        return;
+                    }
+                }
             }
-            LostTarget::Lease(signal) => signal.cancel(),
-            LostTarget::Logged => {}
+        };
+        let result = result.map_err(|e| CleanupError::broker(token, e));
+        record_release(started, &result);
+        self.core.apply(Input::Released { key, result });
+    }
+
+    fn answer(&mut self, key: LeaseKey, result: Result<(), CleanupError>) {
+        self.publish();
+        if let Some(job) = self.jobs.get_mut(&key) {
+            let job_id = Arc::clone(&job.job_id);
+            let undelivered = match job.reply.take() {
+                Some(reply) => match reply.send(RunOutcome::Finished { cleanup: result }) {
+                    Err(RunOutcome::Finished { cleanup: Err(err) }) => Some(err),
+                    _ => None,
+                },
+                None => result.err(),
+            };
+            if let Some(err) = undelivered {
+                self.sink(Some(job_id.to_string()), err);
+            }
+            return;
+        }
+        let heard = match self.release_replies.remove(&key) {
+            None => false,
+            Some(Replies::One(reply)) => reply.send(result.clone()).is_ok(),
+            Some(Replies::Many(all)) => {
+                // Every reply is sent to (no short circuit): each caller hears the answer.
+                let mut heard = false;
+                for reply in all {
+                    heard |= reply.send(result.clone()).is_ok();
+                }
+                heard
+            }
+        };
+        if !heard && let Err(err) = result {
+            self.sink(None, err);
         }
     }
 
-    /// Both proofs of the worker's end are in: remove its temp dir off the mailbox.
-    fn remove_scratch(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey) {
-        let Some(job) = self.jobs.get(&key) else {
+    fn forget(&mut self, key: LeaseKey) {
+        if let Some(job) = self.jobs.remove(&key) {
+            #[cfg(feature = "gpu")]
+            if let (Some(gpu), Some(p)) = (&self.config.hosts.gpu, job.placement) {
+                // Every proof is in (the fence among them): the sub-slot may serve again.
+                gpu.free(p);
+            }
+            drop(job);
+        }
+        self.explicit.remove(&key);
+        if let Some(task) = self.renewals.remove(&key) {
+            task.abort();
+        }
+        self.evidence.retain(|(k, _), _| *k != key);
+    }
+
+    fn recheck(&mut self, key: LeaseKey, proof: Proof) {
+        let Proof::Process(process) = proof else {
             return;
         };
-        let path = job.temp_dir.clone();
-        let me = myself.clone();
-        tokio::task::spawn_blocking(move || {
-            let result = match std::fs::remove_dir_all(&path) {
-                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-                other => other,
-            };
-            let _ = me.send_message(SupMsg::ScratchRemoved { key, result });
+        let Some(evidence) = self.evidence.get_mut(&(key, process)) else {
+            return;
+        };
+        match evidence.recheck() {
+            None => {
+                self.evidence.remove(&(key, process));
+                self.core.apply(Input::ProvenOne { key, proof });
+            }
+            Some(detail) => self.core.apply(Input::Unproven { key, proof, detail }),
+        }
+    }
+
+    fn arm_shutdown_timers(&mut self) {
+        let inbox = Arc::clone(&self.inbox);
+        let (grace, bound) = (self.config.cancel_grace, self.config.shutdown_timeout);
+        tokio::spawn(async move {
+            let start = tokio::time::Instant::now();
+            if grace < bound {
+                tokio::time::sleep(grace).await;
+                if inbox.send(SupMsg::ShutdownGraceOver).is_err() {
+                    return;
+                }
+            }
+            tokio::time::sleep_until(start + bound).await;
+            let _ = inbox.send(SupMsg::ShutdownDeadline);
         });
     }
 
-    /// Both proofs of the worker's end are in: remove the temp dir, unless the slot is held in
-    /// quarantine for something only `reclaim_quarantined` can re-check.
-    fn proofs_complete(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey) {
-        match self.quarantine.get(&key) {
-            Some(Quarantine::Processes { .. } | Quarantine::Scratch { .. }) => return,
-            // Released here only if the device was already replaced (or given up) before this
-            // last proof came in; otherwise `on_gpu_replaced` releases it.
-            #[cfg(feature = "gpu")]
-            Some(Quarantine::GpuLost { device, .. }) => {
-                let settled = self.config.gpu.as_ref().is_some_and(|g| g.settled(*device));
-                if !settled {
-                    return;
-                }
-                self.quarantine.remove(&key);
-            }
-            _ => {}
-        }
-        self.remove_scratch(myself, key);
-    }
-
-    fn on_worker_exited(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey) {
-        let unproven = self
-            .jobs
-            .get(&key)
-            .map(|j| j.shared.take_unproven())
-            .unwrap_or_default();
-        // The worker and its tracked tasks (keepers included) have ended, either way. The lease
-        // is still renewed until its release begins (the slot is not free before that, here or
-        // at the broker), but a loss from now on can no longer concern the job's result.
-        if let Some(renewal) = self.renewals.get_mut(&key) {
-            renewal.target = LostTarget::Logged;
-        }
-        let both_proofs = self.table.note_worker_end(key, true);
+    fn close_gpu(&mut self) {
         #[cfg(feature = "gpu")]
-        if let Some((device, reason)) = self.jobs.get(&key).and_then(|j| j.shared.take_gpu_lost()) {
-            self.quarantine_gpu_lost(key, device, reason);
-            if both_proofs {
-                // The device may already have been replaced by another lease's checkout.
-                self.proofs_complete(myself, key);
-            }
+        if let Some(gpu) = &self.config.hosts.gpu {
+            let (closing, inbox) = (gpu.close(), Arc::clone(&self.inbox));
+            let bound = self.config.cleanup_timeout;
+            tokio::spawn(async move {
+                let timed_out = tokio::time::timeout(bound, closing).await.is_err();
+                let _ = inbox.send(SupMsg::GpuClosed { timed_out });
+            });
             return;
         }
-        if unproven.is_empty() {
-            if both_proofs {
-                self.proofs_complete(myself, key);
-            }
-            return;
-        }
-        // Processes may still run in the temp dir: keep both, never declare the slot clean.
-        let Some((token, _)) = self.enter_quarantine(key) else {
-            return;
+        self.core.apply(Input::GpuClosed);
+    }
+
+    fn stopped(&mut self) {
+        let tally = self.core.stop_tally();
+        let unproven = self.list_quarantine();
+        self.publish();
+        let report = ShutdownReport {
+            refused_waiters: tally.refused_waiters,
+            cancelled_jobs: tally.cancelled_jobs,
+            released_leases: tally.released_leases,
+            quarantined: self.core.quarantined(),
+            unproven,
+            stats: self.stats.snapshot(),
         };
-        let reason = unproven
-            .iter()
-            .map(|u| u.reason.as_str())
-            .collect::<Vec<_>>()
-            .join("; ");
-        self.quarantine.insert(
-            key,
-            Quarantine::Processes {
-                reason: reason.clone(),
-                evidence: unproven,
-            },
-        );
-        self.answer_job_early(key, CleanupError::unconfirmed(token, reason, None));
+        for reply in self.shutdown_replies.drain(..) {
+            let _ = reply.send(report.clone());
+        }
+        self.stats.mark_shut_down();
+        self.inbox.close();
+        self.myself.stop(None);
     }
 
-    fn on_scratch_removed(
-        &mut self,
-        myself: &ActorRef<SupMsg>,
-        key: LeaseKey,
-        result: io::Result<()>,
-    ) {
-        let Some(record) = self.table.get(key) else {
-            return;
-        };
-        let (token, phase) = (record.token, record.phase);
-        match result {
-            Ok(()) => {
-                if phase == Phase::Quarantined {
-                    self.quarantine.remove(&key);
-                    tracing::info!(%token, "quarantined slot proven clean late; releasing it");
-                }
-                if self.apply(key, Edge::Drained) {
-                    self.start_release(myself, key, token);
-                }
-            }
-            Err(err) => {
-                let path = self
-                    .jobs
-                    .get(&key)
-                    .map(|j| j.temp_dir.display().to_string());
-                let detail = format!("temp dir {} could not be removed", path.unwrap_or_default());
-                if phase == Phase::Draining {
-                    self.apply(key, Edge::Unconfirmed);
-                }
-                self.quarantine.insert(
-                    key,
-                    Quarantine::Scratch {
-                        reason: detail.clone(),
-                    },
-                );
-                self.answer_job_early(key, CleanupError::unconfirmed(token, detail, Some(err)));
-            }
+    /// Drops everything the actor still holds: queued mail, waiters, renewals, broker acquires.
+    /// Idempotent.
+    fn stop_everything(&mut self) {
+        self.inbox.close();
+        for (_, task) in self.renewals.drain() {
+            task.abort();
+        }
+        for (_, task) in self.acquires.drain() {
+            task.abort();
+        }
+        // Waiters still queued hear SUPERVISOR_STOPPED when their reply senders drop.
+        self.waiters.clear();
+        if let Some(root) = self.owned_root.take()
+            && self.core.quarantined() > 0
+        {
+            // Quarantined temp dirs are evidence: keep them.
+            let kept = root.keep();
+            tracing::warn!(root = %kept.display(), "work root kept: it holds quarantined temp dirs");
         }
     }
 
-    /// Moves a lease whose physical end is not proven into quarantine (through `Draining` if
-    /// its body had not been seen to end). Returns its token, and whether it was newly
-    /// quarantined (`false`: it already was); `None` for a lease that is not live.
-    fn enter_quarantine(&mut self, key: LeaseKey) -> Option<(SlotToken, bool)> {
-        let record = self.table.get(key)?;
-        let token = record.token;
-        if record.phase == Phase::Granted {
-            self.apply(key, Edge::BodyEnded);
-        }
-        let newly = self.table.get(key).map(|r| r.phase) == Some(Phase::Draining);
-        if newly {
-            self.apply(key, Edge::Unconfirmed);
-        }
-        Some((token, newly))
-    }
-
-    /// The worker's physical end is late (tracked tasks past the drain bound, GPU work past the
-    /// fence bound): quarantine now, tell the caller; the slot is released when it does end.
-    fn on_unconfirmed(&mut self, key: LeaseKey, detail: String) {
-        if let Some((token, true)) = self.enter_quarantine(key) {
-            self.quarantine.insert(
-                key,
-                Quarantine::Draining {
-                    reason: detail.clone(),
-                },
-            );
-            self.answer_job_early(key, CleanupError::unconfirmed(token, detail, None));
-        }
-    }
-
-    /// Tells the job's caller (or, with no caller left, the sink) that cleanup is unconfirmed.
-    fn answer_job_early(&mut self, key: LeaseKey, err: CleanupError) {
-        self.stats.publish(&self.table, &mut self.published);
-        let job = self.jobs.get_mut(&key);
-        let job_id = job.as_ref().map(|j| j.job_id.to_string());
-        let reply = job.and_then(|j| j.reply.take());
-        let undelivered = match reply {
-            Some(reply) => match reply.send(RunOutcome::Finished { cleanup: Err(err) }) {
-                Ok(()) => None,
-                Err(RunOutcome::Finished { cleanup: Err(err) }) => Some(err),
-                Err(_) => None,
-            },
-            None => Some(err),
-        };
-        if let Some(err) = undelivered {
-            self.sink(job_id, err);
-        }
+    fn describe(&self, key: LeaseKey) -> Option<QuarantinedSlot> {
+        let lease = self.core.lease(key)?;
+        Some(QuarantinedSlot {
+            token: lease.token(),
+            job_id: self.jobs.get(&key).map(|j| j.job_id.to_string()),
+            reason: lease
+                .reasons()
+                .iter()
+                .map(|r| r.detail.as_str())
+                .collect::<Vec<_>>()
+                .join("; "),
+        })
     }
 
     fn list_quarantine(&self) -> Vec<QuarantinedSlot> {
-        let mut out: Vec<_> = self
-            .quarantine
-            .iter()
-            .filter_map(|(key, q)| {
-                let record = self.table.get(*key)?;
-                (record.phase == Phase::Quarantined).then(|| QuarantinedSlot {
-                    token: record.token,
-                    job_id: self.jobs.get(key).map(|j| j.job_id.to_string()),
-                    reason: q.reason().to_owned(),
-                })
-            })
+        let mut keys: Vec<LeaseKey> = self
+            .core
+            .leases()
+            .filter(|(_, l)| l.phase() == super::core::Phase::Quarantined)
+            .map(|(k, _)| k)
             .collect();
+        keys.sort_unstable();
+        let mut out: Vec<_> = keys.into_iter().filter_map(|k| self.describe(k)).collect();
         out.sort_by_key(|q| q.token.lease_id());
         out
     }
 
-    /// Checks every quarantined slot again; those now proven clean go through the rest of the
-    /// pipeline (temp dir removal, broker release).
-    fn reclaim(&mut self, myself: &ActorRef<SupMsg>, reply: oneshot::Sender<ReclaimReport>) {
-        let mut report = ReclaimReport::default();
-        let keys: Vec<LeaseKey> = self.quarantine.keys().copied().collect();
-        for key in keys {
-            let Some(record) = self.table.get(key) else {
-                self.quarantine.remove(&key);
-                continue;
-            };
-            let (token, exited) = (record.token, record.exited && record.event_seen);
-            let job_id = self.jobs.get(&key).map(|j| j.job_id.to_string());
-            let still = match self.quarantine.get_mut(&key).expect("listed") {
-                Quarantine::Draining { reason } => Some(reason.clone()),
-                Quarantine::Scratch { .. } => None,
-                Quarantine::Processes { evidence, .. } => {
-                    let reasons: Vec<_> =
-                        evidence.iter_mut().filter_map(Unproven::recheck).collect();
-                    (!reasons.is_empty()).then(|| reasons.join("; "))
-                }
-                // Released when the device is replaced (or given up for good).
-                #[cfg(feature = "gpu")]
-                Quarantine::GpuLost { reason, .. } => Some(reason.clone()),
-            };
-            match still {
-                Some(reason) => report.still_quarantined.push(QuarantinedSlot {
-                    token,
-                    job_id,
-                    reason,
-                }),
-                None if exited || matches!(self.quarantine[&key], Quarantine::Scratch { .. }) => {
-                    report.reclaimed.push(token);
-                    self.remove_scratch(myself, key);
-                }
-                None => report.still_quarantined.push(QuarantinedSlot {
-                    token,
-                    job_id,
-                    reason: "the worker has not been proven to have exited".into(),
-                }),
-            }
-        }
-        let _ = reply.send(report);
-    }
-
-    #[cfg(feature = "gpu")]
-    fn quarantine_gpu_lost(&mut self, key: LeaseKey, device: usize, reason: String) {
-        let Some((token, _)) = self.enter_quarantine(key) else {
-            return;
-        };
-        let detail = format!("gpu device {device} lost: {reason}");
-        self.quarantine.insert(
-            key,
-            Quarantine::GpuLost {
-                reason: detail.clone(),
-                device,
-            },
-        );
-        let err = CleanupError::with_kind(CleanupErrorKind::GpuDeviceLost, token, detail);
-        self.answer_job_early(key, err);
-        if let Some(pool) = &self.config.gpu {
-            // The slot is needed back: re-create the device now (one creator, with backoff).
-            pool.recreate_in_background(device);
-        }
-    }
-
-    /// A lost device was replaced (or given up for good): its quarantined slots, whose GPU work
-    /// died with the old device, continue through the pipeline.
-    #[cfg(feature = "gpu")]
-    fn on_gpu_replaced(&mut self, myself: &ActorRef<SupMsg>, device: usize) {
-        let keys: Vec<LeaseKey> = self
-            .quarantine
-            .iter()
-            .filter(|(_, q)| matches!(q, Quarantine::GpuLost { device: d, .. } if *d == device))
-            .map(|(k, _)| *k)
-            .collect();
-        for key in keys {
-            let proven = self
-                .table
-                .get(key)
-                .is_some_and(|r| r.exited && r.event_seen);
-            if proven {
-                self.quarantine.remove(&key);
-                self.remove_scratch(myself, key);
-            }
-        }
-    }
-
-    fn on_release_request(
-        &mut self,
-        myself: &ActorRef<SupMsg>,
-        key: LeaseKey,
-        reply: Option<ReleaseReply>,
-    ) {
-        let Some(record) = self.table.get(key) else {
-            // Already released (by an earlier call, or at shutdown): a no-op.
-            if let Some(reply) = reply {
-                let _ = reply.send(Ok(()));
-            }
-            return;
-        };
-        let (token, phase, kind) = (record.token, record.phase, record.kind);
-        match (phase, kind) {
-            (Phase::Granted, LeaseKind::Explicit) => {
-                self.apply(key, Edge::ReleaseRequested);
-                self.release_replies.entry(key).or_default().extend(reply);
-                self.start_release(myself, key, token);
-            }
-            (Phase::Releasing, LeaseKind::Explicit) => {
-                self.release_replies.entry(key).or_default().extend(reply);
-            }
-            _ => {
-                if let Some(reply) = reply {
-                    let _ = reply.send(Ok(()));
-                }
-            }
-        }
-    }
-
-    /// Starts the broker release of `token` under the cleanup timeout. The timeout is the
-    /// supervisor's own: no caller's cancellation reaches this task.
-    fn start_release(&mut self, myself: &ActorRef<SupMsg>, key: LeaseKey, token: SlotToken) {
-        self.stop_renewal(key);
-        let started = Instant::now();
-        let mut fut = Arc::clone(&self.broker).release_boxed(token);
-        match poll_once(&mut fut) {
-            Poll::Ready(result) => {
-                let result = result.map_err(|e| CleanupError::broker(token, e));
-                self.finish_release(key, result, started);
-            }
-            Poll::Pending => {
-                let timeout = self.config.cleanup_timeout;
-                let me = myself.clone();
-                tokio::spawn(async move {
-                    let result = match tokio::time::timeout(timeout, fut).await {
-                        Ok(Ok(())) => Ok(()),
-                        Ok(Err(e)) => Err(CleanupError::broker(token, e)),
-                        Err(_) => Err(CleanupError::timeout(token, timeout)),
-                    };
-                    let _ = me.send_message(SupMsg::BrokerReleased {
-                        key,
-                        result,
-                        started,
-                    });
-                });
-            }
-        }
-    }
-
-    fn finish_release(
-        &mut self,
-        key: LeaseKey,
-        result: Result<(), CleanupError>,
-        started: Instant,
-    ) {
-        let Some(record) = self.table.get(key) else {
-            return;
-        };
-        let kind = record.kind;
-        let outcome = match &result {
-            Ok(()) => ReleaseOutcome::Ok,
-            Err(e) if e.kind() == CleanupErrorKind::Timeout => ReleaseOutcome::TimedOut,
-            Err(_) => ReleaseOutcome::Failed,
-        };
-        if !self.apply(key, Edge::Released(outcome)) {
-            return;
-        }
-        metrics::histogram!(metric_names::RELEASE_DURATION_MS)
-            .record(started.elapsed().as_secs_f64() * 1e3);
-        metrics::counter!(metric_names::RELEASE_COUNT).increment(1);
-        if result.is_err() {
-            metrics::counter!(metric_names::RELEASE_FAILED_COUNT).increment(1);
-        }
-        self.stats.publish(&self.table, &mut self.published);
-        match kind {
-            LeaseKind::Job => {
-                let job = self.jobs.remove(&key);
-                #[cfg(feature = "gpu")]
-                if let (Some(pool), Some(p)) =
-                    (&self.config.gpu, job.as_ref().and_then(|j| j.placement))
-                {
-                    // The fence has passed: the sub-slot and its scratch may serve the next lease.
-                    pool.free(p);
-                }
-                let job_id = job.as_ref().map(|j| j.job_id.to_string());
-                let undelivered = match job.and_then(|mut j| j.reply.take()) {
-                    Some(reply) => match reply.send(RunOutcome::Finished { cleanup: result }) {
-                        Err(RunOutcome::Finished { cleanup: Err(err) }) => Some(err),
-                        _ => None,
-                    },
-                    None => result.err(),
-                };
-                if let Some(err) = undelivered {
-                    self.sink(job_id, err);
-                }
-            }
-            LeaseKind::Explicit => {
-                let replies = self.release_replies.remove(&key).unwrap_or_default();
-                let mut heard = false;
-                for reply in replies {
-                    heard |= reply.send(result.clone()).is_ok();
-                }
-                if !heard && let Err(err) = result {
-                    self.sink(None, err);
-                }
-            }
-            LeaseKind::Surplus => {
-                if let Err(err) = result {
-                    self.sink(None, err);
-                }
-            }
-        }
-    }
-
-    fn begin_shutdown(
-        &mut self,
-        myself: &ActorRef<SupMsg>,
-        reply: Option<oneshot::Sender<ShutdownReport>>,
-    ) {
-        if !self.table.is_stopping() {
-            for waiter in self.table.begin_stop() {
-                if let Some(w) = self.waiters.remove(&waiter) {
-                    self.report.refused_waiters += 1;
-                    self.refuse(w.kind, AcquireError::Stopped);
-                }
-            }
-            if self.table.pending() > 0 {
-                // A broker acquire that never answers must not hold the shutdown forever.
-                let me = myself.clone();
-                let deadline = self.config.cleanup_timeout;
-                tokio::spawn(async move {
-                    tokio::time::sleep(deadline).await;
-                    let _ = me.send_message(SupMsg::ShutdownDeadline);
-                });
-            }
-            let held: Vec<_> = self
-                .table
-                .keys()
-                .map(|(k, r)| (k, r.token, r.phase, r.kind))
-                .collect();
-            for (key, token, phase, kind) in held {
-                match (phase, kind) {
-                    (Phase::Granted, LeaseKind::Job) => {
-                        if let Some(job) = self.jobs.get(&key) {
-                            job.shared.cancel.cancel();
-                            self.report.cancelled_jobs += 1;
-                        }
-                    }
-                    (Phase::Granted, LeaseKind::Explicit) => {
-                        // The holder's later release() or drop is then a no-op.
-                        self.report.released_leases += 1;
-                        self.apply(key, Edge::ReleaseRequested);
-                        self.start_release(myself, key, token);
-                    }
-                    _ => {}
-                }
-            }
-        }
-        self.shutdown_replies.extend(reply);
-    }
-
-    fn maybe_finish_shutdown(&mut self, myself: &ActorRef<SupMsg>) {
-        // Quarantined slots cannot be waited for (they may never be proven clean); they are
-        // reported instead.
-        let waiting_on_broker = self.table.pending() > 0 && !self.abandon_pending;
-        if !self.table.is_stopping() || waiting_on_broker || self.table.active() > 0 {
-            return;
-        }
-        #[cfg(feature = "gpu")]
-        if let Some(pool) = &self.config.gpu
-            && !self.gpu_closed
-        {
-            // Every lease has been released (so every fence has passed), but a quarantined one's
-            // work may still run: wait for it and destroy the devices on the blocking pool, then
-            // come back here.
-            if !self.gpu_closing {
-                self.gpu_closing = true;
-                let (pool, me) = (Arc::clone(pool), myself.clone());
-                tokio::task::spawn_blocking(move || {
-                    pool.close();
-                    let _ = me.send_message(SupMsg::GpuClosed);
-                });
-            }
-            return;
-        }
-        self.report.quarantined = self.table.quarantined();
-        self.report.stats = self.stats.snapshot();
-        for reply in self.shutdown_replies.drain(..) {
-            let _ = reply.send(self.report.clone());
-        }
-        self.stats.mark_shut_down();
-        myself.stop(None);
-    }
-
-    /// Applies an edge; an illegal one is a bug, logged, and changes nothing.
-    fn apply(&mut self, key: LeaseKey, edge: Edge) -> bool {
-        match self.table.apply(key, edge) {
-            Ok(_) => true,
-            Err(illegal) => {
-                tracing::error!(%illegal, key, "lease state machine refused an edge");
-                debug_assert!(false, "{illegal}");
-                false
-            }
-        }
-    }
-
-    /// A cleanup failure with no caller left: error sink, metric (counted by the caller of this),
-    /// and a tracing error event.
+    /// A cleanup failure with no caller left: the error sink and a tracing error event.
     fn sink(&self, job_id: Option<String>, error: CleanupError) {
-        let Some(token) = error.token() else { return };
-        tracing::error!(job_id = job_id.as_deref(), %token, code = error.code(), %error, "cleanup failed with no caller left");
-        if let Some(sink) = &self.config.error_sink {
-            let failure = OrphanedFailure {
-                job_id,
-                token,
-                error,
-            };
-            // A panicking sink must not take the supervisor (and every slot) down with it.
-            if std::panic::catch_unwind(AssertUnwindSafe(|| sink(&failure))).is_err() {
-                tracing::error!("the error sink panicked");
-            }
-        }
+        crate::sink::report_orphaned(self.config.error_sink.as_ref(), job_id, error);
     }
 }
 
-/// Map capacity kept however empty a map gets.
-const SHRINK_FLOOR: usize = 64;
-
-fn reply_not_started(kind: WaiterKind, err: AcquireError) {
-    match kind {
-        WaiterKind::Lease { reply, .. } => {
-            let _ = reply.send(Err(err));
-        }
-        WaiterKind::Job(job) => {
-            let _ = job.reply.send(RunOutcome::NotStarted(err));
-        }
-    }
+fn shrink<K: Eq + std::hash::Hash, V>(map: &mut FxHashMap<K, V>) {
+    super::core::shrink_map(map);
 }
 
 fn record_grant(span: &Span, since: Instant, token: SlotToken) {
     let waited_ms = since.elapsed().as_secs_f64() * 1e3;
     metrics::counter!(metric_names::ACQUIRE_COUNT).increment(1);
     metrics::histogram!(metric_names::ACQUIRE_DURATION_MS).record(waited_ms);
-    let _e = span.enter();
-    tracing::debug!(
-        slot_id = token.slot_id(),
-        lease_id = token.lease_id(),
-        waited_ms,
-        "slot granted"
-    );
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        let _e = span.enter();
+        tracing::debug!(
+            slot_id = token.slot_id(),
+            lease_id = token.lease_id(),
+            waited_ms,
+            "slot granted"
+        );
+    }
+}
+
+fn record_release(started: Instant, result: &Result<(), CleanupError>) {
+    metrics::histogram!(metric_names::RELEASE_DURATION_MS)
+        .record(started.elapsed().as_secs_f64() * 1e3);
+    metrics::counter!(metric_names::RELEASE_COUNT).increment(1);
+    if result.is_err() {
+        metrics::counter!(metric_names::RELEASE_FAILED_COUNT).increment(1);
+    }
 }
 
 /// Releases a token that arrived after the supervisor stopped, under the cleanup timeout.
@@ -1200,55 +1030,155 @@ async fn release_orphan(broker: Arc<dyn DynBroker>, token: SlotToken, timeout: D
     }
 }
 
-/// Awaits the worker's physical end, outside the supervisor's mailbox: its actor task (the join
-/// handle resolves only once the actor is fully gone, state dropped), then every task and
-/// blocking closure spawned through its context, then (with a GPU) every submission made on its
-/// device's queue before that point.
+/// Process keys are unique in the process (any supervisor).
+static NEXT_PROCESS: AtomicU64 = AtomicU64::new(1);
+
+impl Reporter {
+    fn send(&self, msg: SupMsg) {
+        // A supervisor that is gone no longer waits for this.
+        let _ = self.inbox.send(msg);
+    }
+
+    /// A job started a process group: its slot now waits for it too.
+    pub(crate) fn process_started(&self) -> u64 {
+        let process = NEXT_PROCESS.fetch_add(1, Ordering::Relaxed);
+        self.send(SupMsg::ProcessStarted {
+            key: self.key,
+            process,
+        });
+        process
+    }
+
+    /// A process group's keeper ended.
+    pub(crate) fn process_ended(&self, process: u64, unproven: Option<Box<dyn Evidence>>) {
+        self.send(SupMsg::ProcessEnded {
+            key: self.key,
+            process,
+            unproven,
+        });
+    }
+}
+
+/// Removes a temp dir (off the mailbox) and reports; past `bound` the slot is quarantined
+/// until the removal ends.
+async fn remove_scratch(
+    host: Arc<dyn super::hosts::ScratchHost>,
+    path: PathBuf,
+    bound: Duration,
+    reporter: Reporter,
+) {
+    let mut removal = host.remove(path);
+    let result = match tokio::time::timeout(bound, &mut removal).await {
+        Ok(result) => result,
+        Err(_) => {
+            reporter.send(SupMsg::Late {
+                key: reporter.key,
+                proof: Proof::Scratch,
+                detail: format!("the temp dir was not removed within {bound:?}"),
+            });
+            removal.await
+        }
+    };
+    reporter.send(SupMsg::ScratchRemoved {
+        key: reporter.key,
+        result,
+    });
+}
+
+/// Awaits a job's physical end, outside the supervisor's mailbox, and reports each proof: the
+/// worker's actor task (its join handle resolves only once the actor is fully gone, state
+/// dropped), then every task and blocking closure spawned through its context (process keepers
+/// included), then (with a GPU) every submission made under the lease. Then, when the
+/// supervisor says every proof is in, it removes the temp dir.
 struct Driver {
     join: JoinHandle<()>,
     tracker: TaskTracker,
-    sup: ActorRef<SupMsg>,
-    key: LeaseKey,
+    shared: Arc<JobShared>,
+    reporter: Reporter,
     drain_timeout: Option<Duration>,
+    cleanup_timeout: Duration,
+    hosts: Hosts,
+    go: oneshot::Receiver<()>,
     #[cfg(feature = "gpu")]
-    gpu: Option<(Arc<crate::gpu::GpuPool>, Arc<JobShared>)>,
+    placement: Option<crate::gpu::Placement>,
 }
 
 impl Driver {
     async fn run(self) {
+        let key = self.reporter.key;
         let _ = self.join.await;
-        let (tracker, sup, key) = (self.tracker, self.sup, self.key);
+        let tracker = self.tracker;
         tracker.close();
-        match self.drain_timeout {
-            Some(after) => {
-                if tokio::time::timeout(after, tracker.wait()).await.is_err() {
-                    let _ = sup.send_message(SupMsg::DrainTimedOut { key, after });
-                    tracker.wait().await;
-                }
+        let mut proofs = Proofs::JOINED;
+        if !tracker.is_empty() {
+            // Tell the supervisor the body has ended; the tasks are waited for.
+            self.reporter.send(SupMsg::Proven { key, proofs });
+            proofs = Proofs::default();
+            if let Some(after) = self.drain_timeout
+                && tokio::time::timeout(after, tracker.wait()).await.is_err()
+            {
+                self.reporter.send(SupMsg::Late {
+                    key,
+                    proof: Proof::TasksJoined,
+                    detail: format!(
+                        "tasks spawned through the worker context were still running {after:?} after the worker ended"
+                    ),
+                });
             }
-            None => tracker.wait().await,
+            tracker.wait().await;
         }
+        self.shared.close();
+        proofs = proofs.with(Proofs::TASKS);
         #[cfg(feature = "gpu")]
-        if let Some((pool, shared)) = &self.gpu
-            && let Some(gpu) = shared.gpu()
-        {
-            use crate::gpu::FenceFailure;
-            match pool.fence(&gpu).await {
-                Ok(()) => {}
-                Err(FenceFailure::Timeout {
-                    after,
-                    still_waiting,
-                }) => {
-                    let detail = format!(
-                        "gpu work submitted under the lease had not completed {after:?} after the worker ended; the slot stays quarantined until it does"
-                    );
-                    let _ = sup.send_message(SupMsg::Unconfirmed { key, detail });
-                    // The wait goes on: the slot is released as soon as the work completes.
-                    let _ = still_waiting.await;
+        if let (Some(gpu), Some(placement)) = (&self.hosts.gpu, self.placement) {
+            use super::hosts::Fence;
+            let job = self.shared.take_gpu();
+            let mut fence = gpu.fence(placement, job).await;
+            if let Fence::Late { detail, rest } = fence {
+                self.reporter.send(SupMsg::Proven { key, proofs });
+                proofs = Proofs::default();
+                self.reporter.send(SupMsg::Late {
+                    key,
+                    proof: Proof::GpuFence,
+                    detail,
+                });
+                fence = rest.await;
+            }
+            match fence {
+                Fence::Done | Fence::Late { .. } => proofs = proofs.with(Proofs::GPU),
+                Fence::Lost {
+                    device,
+                    generation,
+                    reason,
+                } => {
+                    if !proofs.is_empty() {
+                        self.reporter.send(SupMsg::Proven { key, proofs });
+                        proofs = Proofs::default();
+                    }
+                    self.reporter.send(SupMsg::DeviceLost {
+                        key,
+                        device,
+                        generation,
+                        reason,
+                    });
                 }
-                Err(FenceFailure::Lost { device, reason }) => shared.mark_gpu_lost(device, reason),
             }
         }
-        let _ = sup.send_message(SupMsg::WorkerExited { key });
+        if !proofs.is_empty() {
+            self.reporter.send(SupMsg::Proven { key, proofs });
+        }
+        // The temp dir, once the supervisor says every proof is in (never, for a slot
+        // quarantined until shutdown: the sender is then dropped).
+        if self.go.await.is_ok()
+            && let Some(path) = self.shared.temp_dir().map(PathBuf::from)
+        {
+            remove_scratch(
+                Arc::clone(&self.hosts.scratch),
+                path,
+                self.cleanup_timeout,
+                self.reporter,
+            )
+            .await;
+        }
     }
 }

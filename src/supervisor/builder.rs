@@ -8,7 +8,9 @@ use std::time::Duration;
 use ractor::Actor;
 
 use super::Supervisor;
-use super::actor::{Config, SupArgs, SupervisorActor};
+use super::actor::{BrokerPort, Config, SupArgs, SupervisorActor};
+use super::hosts::Hosts;
+use super::inbox::Inbox;
 use super::messages::SupMsg;
 use super::stats::SharedStats;
 use crate::broker::{BrokerEvents, DynBroker, LocalBroker, SlotBroker};
@@ -24,6 +26,8 @@ pub const DEFAULT_CANCEL_GRACE: Duration = Duration::from_secs(5);
 pub const DEFAULT_PROCESS_GRACE: Duration = Duration::from_secs(5);
 /// Default bound for proving a job's process group empty.
 pub const DEFAULT_PROCESS_PROOF_BOUND: Duration = Duration::from_secs(2);
+/// Default bound for a shutdown's wait for the jobs it cancelled.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 
 enum Source {
     None,
@@ -44,8 +48,12 @@ pub struct SupervisorBuilder {
     process_grace: Duration,
     process_proof_bound: Duration,
     child_subreaper: bool,
+    shutdown_timeout: Duration,
     #[cfg(feature = "gpu")]
     gpu: Option<crate::gpu::GpuOptions>,
+    /// Fakes in place of the file system, processes and GPU (the simulation test).
+    #[cfg(test)]
+    hosts: Option<Hosts>,
 }
 
 impl SupervisorBuilder {
@@ -61,8 +69,11 @@ impl SupervisorBuilder {
             process_grace: DEFAULT_PROCESS_GRACE,
             process_proof_bound: DEFAULT_PROCESS_PROOF_BOUND,
             child_subreaper: true,
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             #[cfg(feature = "gpu")]
             gpu: None,
+            #[cfg(test)]
+            hosts: None,
         }
     }
 
@@ -146,6 +157,26 @@ impl SupervisorBuilder {
         self
     }
 
+    /// How long `shutdown` waits for what it cancelled (default 30 s): running bodies, tracked
+    /// tasks (aborted once the cancel grace has passed), process groups (stopped with `SIGTERM`,
+    /// then `SIGKILL` after the process grace), GPU work and temp dir removals. Whatever is not
+    /// proven done by then is quarantined and listed in
+    /// [`ShutdownReport::unproven`](crate::ShutdownReport::unproven); shutdown then returns,
+    /// leaving behind only what cannot be stopped (a blocking closure still running, a
+    /// process in uninterruptible sleep), reported, never waited for without end. Broker
+    /// releases and the GPU devices' close add at most the cleanup timeout each.
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.shutdown_timeout = timeout;
+        self
+    }
+
+    /// Scripted hosts in place of the real ones (the simulation test).
+    #[cfg(test)]
+    pub(crate) fn hosts(mut self, hosts: Hosts) -> Self {
+        self.hosts = Some(hosts);
+        self
+    }
+
     /// Owns GPU devices (feature `gpu`): they are opened at start, shared with jobs through
     /// [`WorkerContext::gpu`](crate::WorkerContext::gpu), and a slot returns only after the GPU
     /// work submitted under it has completed. Without `.slots(n)` or `.broker(b)`, the pool's
@@ -169,6 +200,10 @@ impl SupervisorBuilder {
     /// Not cancel safe: dropping the future after the actor has spawned leaves a supervisor with
     /// no handle, which stops at once (nothing can have been acquired through it).
     pub async fn start(self) -> Result<Supervisor, StartError> {
+        #[cfg(test)]
+        let mut hosts = self.hosts.unwrap_or_else(Hosts::os);
+        #[cfg(not(test))]
+        let mut hosts = Hosts::os();
         #[cfg(feature = "gpu")]
         let gpu = match self.gpu {
             Some(opts) => Some(Arc::new(
@@ -179,22 +214,31 @@ impl SupervisorBuilder {
             None => None,
         };
         #[cfg(feature = "gpu")]
-        let gpu_capacity = gpu.as_ref().map(|g| g.capacity());
+        if let Some(pool) = &gpu {
+            hosts.gpu = Some(Arc::new(super::hosts::PoolHost(Arc::clone(pool))));
+        }
+        #[cfg(feature = "gpu")]
+        let gpu_capacity = hosts.gpu.as_ref().map(|g| g.capacity());
         #[cfg(not(feature = "gpu"))]
         let gpu_capacity: Option<u32> = None;
         let source = match (self.source, gpu_capacity) {
             (Source::None, Some(n)) => Source::Slots(n),
             (source, _) => source,
         };
-        let broker: Arc<dyn DynBroker> = match source {
+        let broker = match source {
             Source::None => return Err(StartError::NoBroker),
             Source::Slots(0) => return Err(StartError::ZeroCapacity),
-            Source::Slots(n) => Arc::new(LocalBroker::new(n)),
+            Source::Slots(n) => BrokerPort::Local(Arc::new(LocalBroker::new(n))),
             Source::Broker(b) if b.capacity() == Some(0) => return Err(StartError::ZeroCapacity),
-            Source::Broker(b) => b,
+            Source::Broker(b) => BrokerPort::Dyn(b),
         };
-        if self.cleanup_timeout.is_zero() {
-            return Err(StartError::ZeroDuration("cleanup_timeout"));
+        for (name, d) in [
+            ("cleanup_timeout", self.cleanup_timeout),
+            ("shutdown_timeout", self.shutdown_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(StartError::ZeroDuration(name));
+            }
         }
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(StartError::Spawn("no tokio runtime".into()));
@@ -216,57 +260,59 @@ impl SupervisorBuilder {
             cleanup_timeout: self.cleanup_timeout,
             cancel_grace: self.cancel_grace,
             drain_timeout: self.drain_timeout,
-            work_root: work_root.clone(),
-            error_sink: self.error_sink,
-            #[cfg(feature = "gpu")]
-            gpu: gpu.clone(),
+            shutdown_timeout: self.shutdown_timeout,
+            work_root: Arc::new(work_root.clone()),
+            error_sink: self.error_sink.clone(),
+            hosts,
             process_policy: ProcessPolicy {
                 grace: self.process_grace,
                 proof_bound: self.process_proof_bound,
                 subreaper: self.child_subreaper,
             },
         });
-        #[cfg(feature = "gpu")]
-        let gpu_handle = gpu;
         let stats = Arc::new(SharedStats::default());
         let capacity = match (broker.capacity(), gpu_capacity) {
             (Some(b), Some(g)) => Some(b.min(g)),
             (b, g) => b.or(g),
         };
-        let attach_to = Arc::clone(&broker);
+        let attach_to = broker.as_dyn();
         let origin = {
             use std::hash::{BuildHasher, Hasher};
             let mut h = std::hash::RandomState::new().build_hasher();
             h.write_u32(std::process::id());
             h.finish().max(1)
         };
+        let inbox = Arc::new(Inbox::new());
         let args = SupArgs {
             origin,
             capacity,
             broker,
             config,
             stats: Arc::clone(&stats),
+            inbox: Arc::clone(&inbox),
             owned_root,
         };
         let (actor, join) = Actor::spawn(None, SupervisorActor, args)
             .await
             .map_err(|e| StartError::Spawn(e.to_string()))?;
+        inbox.bind(actor);
         // Before `start` returns, so before any acquire.
-        let events_to = actor.clone();
+        let events_to = Arc::clone(&inbox);
         attach_to.attach(
             BrokerEvents::new(move |event| {
-                let _ = events_to.send_message(SupMsg::Broker(event));
+                let _ = events_to.send(SupMsg::Broker(event));
             })
             .with_origin(origin),
         );
         Ok(Supervisor::from_parts(
-            actor,
+            inbox,
             join,
             stats,
             self.acquire_timeout,
             work_root,
+            self.error_sink,
             #[cfg(feature = "gpu")]
-            gpu_handle,
+            gpu,
         ))
     }
 }
@@ -304,6 +350,7 @@ impl fmt::Debug for SupervisorBuilder {
             .field("process_grace", &self.process_grace)
             .field("process_proof_bound", &self.process_proof_bound)
             .field("child_subreaper", &self.child_subreaper)
+            .field("shutdown_timeout", &self.shutdown_timeout)
             .finish()
     }
 }

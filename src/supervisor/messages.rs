@@ -1,72 +1,37 @@
-//! Messages to the supervisor actor. Every message that starts work carries the caller's span.
+//! Messages to the supervisor actor (through its [`Inbox`](super::inbox::Inbox)). Every
+//! message that starts work carries the caller's span.
 
 use std::io;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tokio::sync::oneshot;
 use tracing::Span;
 
-use super::state::{LeaseKey, WaiterId};
+use super::core::{LeaseKey, Proof, Proofs, RequestId, WaiterId, Withdrawal};
 use crate::broker::{BrokerError, BrokerEvent, SlotToken};
 use crate::error::{AcquireError, CleanupError};
 use crate::lease::Lease;
+use crate::process::Evidence;
 use crate::supervisor::{QuarantinedSlot, ReclaimReport, ShutdownReport};
 use crate::worker::{BoxedBody, JobShared};
 
 pub(crate) enum SupMsg {
-    /// Join the FIFO queue. The caller's span travels in `kind` (one per waiter, not two).
+    // --- from handles ---
+    /// Join the FIFO queue.
     Acquire { waiter: WaiterId, kind: WaiterKind },
     /// The caller stopped waiting. Ignored once the waiter has been served.
-    Cancel {
-        waiter: WaiterId,
-        reason: CancelReason,
-    },
-    /// A broker acquire that did not finish on its first poll has ended.
-    BrokerAcquired {
-        result: Result<SlotToken, BrokerError>,
-    },
-    /// The worker's task has ended and every tracked task has returned.
-    WorkerExited { key: LeaseKey },
-    /// Tracked tasks outlived the drain bound: quarantine, tell the caller.
-    DrainTimedOut { key: LeaseKey, after: Duration },
-    /// The temp dir removal ended.
-    ScratchRemoved {
-        key: LeaseKey,
-        result: io::Result<()>,
-    },
+    Withdraw { waiter: WaiterId, why: Withdrawal },
     /// An explicit lease is given back (`reply` is `None` when it was dropped).
     Release {
         key: LeaseKey,
         reply: Option<ReleaseReply>,
     },
-    /// A broker release that did not finish on its first poll has ended (or timed out).
-    BrokerReleased {
-        key: LeaseKey,
-        result: Result<(), CleanupError>,
-        /// When the release was started (for the release duration histogram).
-        started: Instant,
-    },
-    /// Stop: refuse new work, cancel jobs, wait, release everything (`None`: last handle dropped).
+    /// Stop: refuse new work, cancel jobs, wait (bounded), release everything (`None`: the last
+    /// handle was dropped).
     Shutdown {
         reply: Option<oneshot::Sender<ShutdownReport>>,
     },
-    /// The cleanup timeout has passed since shutdown began: stop waiting for broker acquires
-    /// still in flight (their tasks release whatever they still get).
-    ShutdownDeadline,
-    /// A lost GPU device was replaced (or given up for good).
-    #[cfg(feature = "gpu")]
-    GpuReplaced { device: usize },
-    /// The GPU devices have been closed (at shutdown).
-    #[cfg(feature = "gpu")]
-    GpuClosed,
-    /// The worker's physical end is late (GPU work past the fence bound): quarantine now.
-    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
-    Unconfirmed { key: LeaseKey, detail: String },
-    /// A lease's keep-alive resolved: the broker could not keep it alive.
-    LeaseLost { key: LeaseKey, reason: String },
-    /// Something the broker reported on its own (see `SlotBroker::attach`).
-    Broker(BrokerEvent),
     /// List the quarantined slots.
     Quarantined {
         reply: oneshot::Sender<Vec<QuarantinedSlot>>,
@@ -75,6 +40,64 @@ pub(crate) enum SupMsg {
     Reclaim {
         reply: oneshot::Sender<ReclaimReport>,
     },
+
+    // --- from broker tasks ---
+    /// A broker acquire that did not finish on its first poll has ended.
+    Acquired {
+        request: RequestId,
+        result: Result<SlotToken, BrokerError>,
+    },
+    /// A broker release that did not finish on its first poll has ended (or timed out).
+    Released {
+        key: LeaseKey,
+        result: Result<(), CleanupError>,
+        started: Instant,
+    },
+    /// A lease's keep-alive resolved: the broker could not keep it alive.
+    LeaseLost { key: LeaseKey, reason: String },
+    /// Something the broker reported on its own (see `SlotBroker::attach`).
+    Broker(BrokerEvent),
+
+    // --- from the job machinery (worker, driver, keepers, temp dir removal, GPU) ---
+    /// Proofs of the worker's physical end.
+    Proven { key: LeaseKey, proofs: Proofs },
+    /// A proof missed its bound; still expected on its own.
+    Late {
+        key: LeaseKey,
+        proof: Proof,
+        detail: String,
+    },
+    /// A job started a process group.
+    ProcessStarted { key: LeaseKey, process: u64 },
+    /// A process group's keeper ended: proven empty (`None`), or not (what it knows).
+    ProcessEnded {
+        key: LeaseKey,
+        process: u64,
+        unproven: Option<Box<dyn Evidence>>,
+    },
+    /// The temp dir removal ended.
+    ScratchRemoved {
+        key: LeaseKey,
+        result: io::Result<()>,
+    },
+    /// The lease's GPU device was lost (its fence saw it) on that generation of the device.
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
+    DeviceLost {
+        key: LeaseKey,
+        device: usize,
+        generation: u64,
+        reason: String,
+    },
+    /// A lost GPU device was replaced (or given up for good); `generation` is the new one.
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
+    DeviceReplaced { device: usize, generation: u64 },
+
+    // --- timers ---
+    ShutdownGraceOver,
+    ShutdownDeadline,
+    /// The GPU devices were closed at shutdown, or their close ran past its bound.
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
+    GpuClosed { timed_out: bool },
 }
 
 pub(crate) type ReleaseReply = oneshot::Sender<Result<(), CleanupError>>;
@@ -87,37 +110,12 @@ pub(crate) enum WaiterKind {
     Job(Box<PendingJob>),
 }
 
-impl WaiterKind {
-    /// The caller's span (a job's own span for a job).
-    pub(crate) fn span(&self) -> &Span {
-        match self {
-            Self::Lease { span, .. } => span,
-            Self::Job(job) => &job.span,
-        }
-    }
-}
-
 pub(crate) struct PendingJob {
     pub(crate) job_id: Arc<str>,
     pub(crate) shared: Arc<JobShared>,
     pub(crate) body: BoxedBody,
     pub(crate) reply: oneshot::Sender<RunOutcome>,
     pub(crate) span: Span,
-}
-
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum CancelReason {
-    Cancelled,
-    TimedOut(Duration),
-}
-
-impl CancelReason {
-    pub(crate) fn into_error(self) -> AcquireError {
-        match self {
-            Self::Cancelled => AcquireError::Cancelled,
-            Self::TimedOut(after) => AcquireError::TimedOut { after },
-        }
-    }
 }
 
 /// What `run` hears back.

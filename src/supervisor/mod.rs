@@ -3,8 +3,10 @@
 
 mod actor;
 mod builder;
+pub(crate) mod core;
+pub(crate) mod hosts;
+pub(crate) mod inbox;
 pub(crate) mod messages;
-pub(crate) mod state;
 mod stats;
 
 use std::fmt;
@@ -17,7 +19,6 @@ use std::task::Poll;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use ractor::ActorRef;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -25,12 +26,13 @@ use tracing::Span;
 
 pub use builder::{
     DEFAULT_CANCEL_GRACE, DEFAULT_CLEANUP_TIMEOUT, DEFAULT_PROCESS_GRACE,
-    DEFAULT_PROCESS_PROOF_BOUND, SupervisorBuilder,
+    DEFAULT_PROCESS_PROOF_BOUND, DEFAULT_SHUTDOWN_TIMEOUT, SupervisorBuilder,
 };
 pub use stats::{Stats, metric_names};
 
-use messages::{CancelReason, PendingJob, RunOutcome, SupMsg, WaiterKind};
-use state::WaiterId;
+use self::core::{LeaseKey, WaiterId, Withdrawal};
+use inbox::Inbox;
+use messages::{PendingJob, RunOutcome, SupMsg, WaiterKind};
 use stats::SharedStats;
 
 use crate::broker::SlotToken;
@@ -69,7 +71,7 @@ pub struct Supervisor {
 }
 
 struct Inner {
-    actor: ActorRef<SupMsg>,
+    inbox: Arc<Inbox>,
     join: Mutex<Option<JoinHandle<()>>>,
     stats: Arc<SharedStats>,
     acquire_timeout: Option<Duration>,
@@ -77,6 +79,8 @@ struct Inner {
     work_root: PathBuf,
     /// The runtime the supervisor was started on, for `submit` from non-async code.
     runtime: tokio::runtime::Handle,
+    /// Where `submit` reports a cleanup failure whose handle is gone.
+    error_sink: Option<crate::sink::ErrorSink>,
     #[cfg(feature = "gpu")]
     gpu: Option<Arc<crate::gpu::GpuPool>>,
 }
@@ -84,8 +88,16 @@ struct Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         // Last handle gone: shut down, so that the actor does not outlive every way to reach it.
-        let _ = self.actor.send_message(SupMsg::Shutdown { reply: None });
+        let _ = self.inbox.send(SupMsg::Shutdown { reply: None });
     }
+}
+
+/// How a job's machinery (its context, its process keepers, its driver) reports to the
+/// supervisor about one lease.
+#[derive(Clone)]
+pub(crate) struct Reporter {
+    pub(crate) inbox: Arc<Inbox>,
+    pub(crate) key: LeaseKey,
 }
 
 /// What [`Supervisor::shutdown`] did.
@@ -100,6 +112,10 @@ pub struct ShutdownReport {
     pub released_leases: usize,
     /// Slots left in quarantine (their temp dirs are kept).
     pub quarantined: usize,
+    /// The quarantined slots, each with what could not be proven (a task that ignored
+    /// cancellation past the shutdown bound, a process group that would not die, GPU work
+    /// that never completed, a temp dir that could not be removed).
+    pub unproven: Vec<QuarantinedSlot>,
     /// The counters at the end.
     pub stats: Stats,
 }
@@ -133,22 +149,24 @@ impl Supervisor {
     }
 
     fn from_parts(
-        actor: ActorRef<SupMsg>,
+        inbox: Arc<Inbox>,
         join: JoinHandle<()>,
         stats: Arc<SharedStats>,
         acquire_timeout: Option<Duration>,
         work_root: PathBuf,
+        error_sink: Option<crate::sink::ErrorSink>,
         #[cfg(feature = "gpu")] gpu: Option<Arc<crate::gpu::GpuPool>>,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
-                actor,
+                inbox,
                 join: Mutex::new(Some(join)),
                 stats,
                 acquire_timeout,
                 next_waiter: AtomicU64::new(1),
                 work_root,
                 runtime: tokio::runtime::Handle::current(),
+                error_sink,
                 #[cfg(feature = "gpu")]
                 gpu,
             }),
@@ -163,11 +181,6 @@ impl Supervisor {
     /// The directory under which job temp dirs are made.
     pub fn work_root(&self) -> &Path {
         &self.inner.work_root
-    }
-
-    /// Whether a shutdown has completed (every lease then was released or quarantined).
-    pub(crate) fn has_shut_down(&self) -> bool {
-        self.inner.stats.is_shut_down()
     }
 
     fn next_waiter(&self) -> WaiterId {
@@ -196,12 +209,12 @@ impl Supervisor {
                 span: Span::current(),
             },
         };
-        if self.inner.actor.send_message(msg).is_err() {
+        if self.inner.inbox.send(msg).is_err() {
             return Err(AcquireError::Stopped);
         }
-        let mut guard = WaitGuard::new(&self.inner.actor, waiter, None);
+        let mut guard = WaitGuard::new(&self.inner.inbox, waiter, None);
         let reply = await_reply(
-            &self.inner.actor,
+            &self.inner.inbox,
             waiter,
             rx,
             None,
@@ -211,7 +224,7 @@ impl Supervisor {
         guard.disarm();
         match reply {
             Ok(Ok(mut lease)) => {
-                lease.keep_alive(self.clone());
+                lease.keep_supervisor(self.clone());
                 Ok(lease)
             }
             Ok(Err(err)) => Err(err),
@@ -278,12 +291,12 @@ impl Supervisor {
             waiter,
             kind: WaiterKind::Job(Box::new(pending)),
         };
-        if self.inner.actor.send_message(msg).is_err() {
+        if self.inner.inbox.send(msg).is_err() {
             return Err(JobError::Acquire(AcquireError::Stopped));
         }
-        let mut guard = WaitGuard::new(&self.inner.actor, waiter, Some(cancel.clone()));
+        let mut guard = WaitGuard::new(&self.inner.inbox, waiter, Some(cancel.clone()));
         let outcome = await_reply(
-            &self.inner.actor,
+            &self.inner.inbox,
             waiter,
             rx,
             Some(&cancel),
@@ -298,11 +311,16 @@ impl Supervisor {
             Err(_) if !shared.started() => return Err(JobError::Acquire(AcquireError::Stopped)),
             Err(_) => Err(CleanupError::stopped(None)),
         };
+        // The worker could not prepare the job (its temp dir, its GPU): no body ran, and the
+        // slot went back through the pipeline.
+        let unprepared = shared
+            .take_scratch_failed()
+            .map(|err| AcquireError::Scratch(Arc::new(err)));
         #[cfg(feature = "gpu")]
-        if let Some(err) = shared.take_gpu_unavailable() {
-            // No body ran; the slot went back through the pipeline.
+        let unprepared = unprepared.or_else(|| shared.take_gpu_unavailable().map(AcquireError::Gpu));
+        if let Some(err) = unprepared {
             return Err(match cleanup {
-                Ok(()) => JobError::Acquire(AcquireError::Gpu(err)),
+                Ok(()) => JobError::Acquire(err),
                 Err(cleanup) => JobError::Cleanup(cleanup),
             });
         }
@@ -387,8 +405,8 @@ impl Supervisor {
     ) -> Result<R, ShutdownError> {
         let (tx, rx) = oneshot::channel();
         self.inner
-            .actor
-            .send_message(msg(tx))
+            .inbox
+            .send(msg(tx))
             .map_err(|_| ShutdownError::new())?;
         rx.await.map_err(|_| ShutdownError::new())
     }
@@ -432,8 +450,16 @@ impl Supervisor {
         let sup = self.clone();
         // If the runtime is gone the task is dropped unrun, the sender with it, and the handle
         // answers SUPERVISOR_STOPPED.
+        let sink = self.inner.error_sink.clone();
         drop(self.inner.runtime.spawn(async move {
-            let _ = tx.send(sup.run(job, body).await);
+            let job_id = job.id().to_owned();
+            if let Err(Err(err)) = tx.send(sup.run(job, body).await)
+                && let Some(cleanup) = err.cleanup_error()
+            {
+                // The handle was dropped or detached: nobody will read this result, and its
+                // cleanup failure must still reach someone (invariant 7).
+                crate::sink::report_orphaned(sink.as_ref(), Some(job_id), cleanup.clone());
+            }
         }));
         JobHandle::new(job_id, cancel, rx)
     }
@@ -455,8 +481,8 @@ impl Supervisor {
         let (tx, rx) = oneshot::channel();
         let sent = self
             .inner
-            .actor
-            .send_message(SupMsg::Shutdown { reply: Some(tx) })
+            .inbox
+            .send(SupMsg::Shutdown { reply: Some(tx) })
             .is_ok();
         let report = if sent { rx.await.ok() } else { None };
         // Wait for the actor's task itself, so that its state (and an owned work root) is gone
@@ -487,20 +513,16 @@ impl fmt::Debug for Supervisor {
 
 /// Withdraws a waiter (and cancels its job) when the waiting future is dropped.
 struct WaitGuard<'a> {
-    actor: &'a ActorRef<SupMsg>,
+    inbox: &'a Inbox,
     waiter: WaiterId,
     cancel: Option<CancellationToken>,
     armed: bool,
 }
 
 impl<'a> WaitGuard<'a> {
-    fn new(
-        actor: &'a ActorRef<SupMsg>,
-        waiter: WaiterId,
-        cancel: Option<CancellationToken>,
-    ) -> Self {
+    fn new(inbox: &'a Inbox, waiter: WaiterId, cancel: Option<CancellationToken>) -> Self {
         Self {
-            actor,
+            inbox,
             waiter,
             cancel,
             armed: true,
@@ -520,9 +542,9 @@ impl Drop for WaitGuard<'_> {
         if let Some(cancel) = &self.cancel {
             cancel.cancel();
         }
-        let _ = self.actor.send_message(SupMsg::Cancel {
+        let _ = self.inbox.send(SupMsg::Withdraw {
             waiter: self.waiter,
-            reason: CancelReason::Cancelled,
+            why: Withdrawal::Cancelled,
         });
     }
 }
@@ -531,7 +553,7 @@ impl Drop for WaitGuard<'_> {
 /// wait: they ask the supervisor to withdraw the waiter and keep listening, so a grant that won
 /// the race is never lost (for a job, the answer is then the job's own result).
 async fn await_reply<T>(
-    actor: &ActorRef<SupMsg>,
+    inbox: &Inbox,
     waiter: WaiterId,
     mut rx: oneshot::Receiver<T>,
     cancel: Option<&CancellationToken>,
@@ -545,8 +567,8 @@ async fn await_reply<T>(
     let mut timer = timeout.map(|t| Box::pin(tokio::time::sleep(t)));
     let mut cancelled = pin!(cancel.map(CancellationToken::cancelled));
     loop {
-        // Biased as before: the reply first, then the cancellation, then the timer. A source
-        // that fired is dropped and the wait goes on.
+        // Biased: the reply first, then the cancellation, then the timer. A source that fired
+        // is dropped and the wait goes on.
         let next = poll_fn(|cx| {
             if let Poll::Ready(reply) = Pin::new(&mut rx).poll(cx) {
                 return Poll::Ready(Err(reply));
@@ -555,22 +577,22 @@ async fn await_reply<T>(
                 && fut.poll(cx).is_ready()
             {
                 cancelled.set(None);
-                return Poll::Ready(Ok(CancelReason::Cancelled));
+                return Poll::Ready(Ok(Withdrawal::Cancelled));
             }
             if let Some(sleep) = timer.as_mut()
                 && sleep.as_mut().poll(cx).is_ready()
             {
                 timer = None;
-                return Poll::Ready(Ok(CancelReason::TimedOut(timeout.unwrap_or_default())));
+                return Poll::Ready(Ok(Withdrawal::TimedOut(timeout.unwrap_or_default())));
             }
             Poll::Pending
         })
         .await;
         match next {
             Err(reply) => return reply,
-            // If the actor is gone, `rx` resolves with an error on the next turn.
-            Ok(reason) => {
-                let _ = actor.send_message(SupMsg::Cancel { waiter, reason });
+            // If the supervisor is gone, `rx` resolves with an error on the next turn.
+            Ok(why) => {
+                let _ = inbox.send(SupMsg::Withdraw { waiter, why });
             }
         }
     }

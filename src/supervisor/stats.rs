@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use super::state::{Counters, LeaseTable};
+use super::core::{Core, Counters};
 
 /// Metric names, emitted through the [`metrics`] facade (install any exporter).
 pub mod metric_names {
@@ -71,7 +71,7 @@ struct Figures {
 }
 
 impl Figures {
-    fn of(table: &LeaseTable) -> Self {
+    fn of(table: &Core) -> Self {
         Self {
             active: table.active(),
             waiting: table.waiting(),
@@ -94,7 +94,7 @@ impl SharedStats {
     /// written when they equal what was last stored (the atomics still hold exactly that: the
     /// actor is their only writer).
     // Relaxed: each field is a standalone figure; the reply's channel orders it for the caller.
-    pub(crate) fn publish(&self, table: &LeaseTable, last: &mut Published) {
+    pub(crate) fn publish(&self, table: &Core, last: &mut Published) {
         let now = Figures::of(table);
         if last.stored == Some(now) {
             return;
@@ -111,10 +111,10 @@ impl SharedStats {
         last.stored = Some(now);
     }
 
-    /// Sets the gauges of DESIGN.md section 5 (once per handled message). Every time, even
+    /// Sets the gauges of DESIGN.md section 5 (once per batch of messages). Every time, even
     /// unchanged: a recorder may drain gauges when it reads them (metrics-util's
     /// `DebuggingRecorder` does), and must then see them again.
-    pub(crate) fn publish_gauges(table: &LeaseTable) {
+    pub(crate) fn publish_gauges(table: &Core) {
         metrics::gauge!(metric_names::ACTIVE_COUNT).set(table.active() as f64);
         metrics::gauge!(metric_names::WAITING_COUNT).set(table.waiting() as f64);
         metrics::gauge!(metric_names::QUARANTINED_COUNT).set(table.quarantined() as f64);

@@ -1,32 +1,48 @@
-//! The worker actor: runs the body in its own task, under the job's span, with the
-//! cancel-then-grace rule.
+//! The worker actor: makes the job's temp dir, checks out its GPU, then runs the body in its
+//! own task, under the job's span, with the cancel-then-grace rule.
 
 use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use tracing::Instrument;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, Span};
 
 use super::{JobShared, WorkerContext};
+use crate::broker::SlotToken;
+use crate::process::ProcessPolicy;
+use crate::supervisor::Reporter;
+use crate::supervisor::hosts::Hosts;
 
 /// The type-erased body: called once, inside the worker, with its context.
 pub(crate) type BoxedBody = Box<dyn FnOnce(WorkerContext) -> BoxFuture<'static, ()> + Send>;
 
 pub(crate) struct WorkerActor;
 
+/// Everything a worker needs; moved into its task and dropped there, before it stops, so
+/// nothing of the job travels inside its supervision event.
 pub(crate) struct WorkerArgs {
     pub(crate) body: BoxedBody,
-    pub(crate) ctx: WorkerContext,
+    pub(crate) token: SlotToken,
+    pub(crate) job_id: Arc<str>,
+    pub(crate) work_root: Arc<PathBuf>,
     pub(crate) shared: Arc<JobShared>,
+    pub(crate) tracker: TaskTracker,
+    pub(crate) span: Span,
+    pub(crate) policy: ProcessPolicy,
     pub(crate) grace: Duration,
+    pub(crate) hosts: Hosts,
+    pub(crate) reporter: Reporter,
     /// Where the lease's GPU work runs (checked out before the body).
     #[cfg(feature = "gpu")]
-    pub(crate) gpu: Option<(Arc<crate::gpu::GpuPool>, crate::gpu::Placement)>,
+    pub(crate) gpu: Option<crate::gpu::Placement>,
 }
 
+/// Empty once the body has run: the worker's state carries nothing of the job.
 pub(crate) struct WorkerState {
     args: Option<WorkerArgs>,
 }
@@ -50,8 +66,8 @@ impl Actor for WorkerActor {
         state: &mut WorkerState,
     ) -> Result<(), ActorProcessingErr> {
         if let Some(args) = state.args.take() {
-            let span = args.ctx.span().clone();
-            run_body(args).instrument(span).await;
+            let span = args.span.clone();
+            run_job(args).instrument(span).await;
         }
         // The body (and everything it owned) has been dropped inside this task, before the
         // stop: nothing of the job travels inside the supervision event.
@@ -60,25 +76,56 @@ impl Actor for WorkerActor {
     }
 }
 
-/// Runs the body until it ends, or until `grace` after the job was cancelled, whichever is
-/// first; a panic is recorded, never propagated (the worker always ends normally).
-async fn run_body(args: WorkerArgs) {
+/// Prepares the job (temp dir, GPU) and runs its body; every failure is recorded in
+/// `JobShared`, never propagated (the worker always ends normally).
+async fn run_job(args: WorkerArgs) {
     let WorkerArgs {
         body,
-        ctx,
+        token,
+        job_id,
+        work_root,
         shared,
+        tracker,
+        span,
+        policy,
         grace,
+        hosts,
+        reporter,
         #[cfg(feature = "gpu")]
         gpu,
     } = args;
+    // The temp dir is made here, in the worker's task: a slow or hung file system holds this
+    // job, never the supervisor's mailbox.
+    let temp_dir = match hosts.scratch.create(&work_root, &job_id) {
+        Ok(dir) => dir,
+        Err(err) => {
+            tracing::error!(error = %err, "could not create the job's temp dir; the body does not run");
+            shared.set_scratch_failed(err);
+            return;
+        }
+    };
+    shared.set_temp_dir(temp_dir.clone());
+    let ctx = WorkerContext::new(
+        token,
+        job_id,
+        temp_dir,
+        Arc::clone(&shared),
+        tracker,
+        span,
+        policy,
+        hosts.processes.clone(),
+        reporter,
+    );
     #[cfg(feature = "gpu")]
-    if let Some((pool, placement)) = gpu {
+    if let (Some(placement), Some(host)) = (gpu, &hosts.gpu) {
         // May re-create a lost device (one creator, with backoff): in the worker, never in the
         // supervisor's mailbox.
-        match pool.checkout(placement).await {
+        match host.checkout(placement).await {
             Ok(job_gpu) => {
-                ctx.set_gpu(job_gpu.clone());
-                shared.set_gpu(job_gpu);
+                if let Some(job_gpu) = job_gpu {
+                    ctx.set_gpu(job_gpu.clone());
+                    shared.set_gpu(job_gpu);
+                }
             }
             Err(err) => {
                 tracing::error!(error = %err, "the slot's gpu device is unavailable; the body does not run");
@@ -88,6 +135,12 @@ async fn run_body(args: WorkerArgs) {
         }
     }
     shared.mark_started();
+    run_body(body, ctx, &shared, grace).await;
+}
+
+/// Runs the body until it ends, or until `grace` after the job was cancelled, whichever is
+/// first; a panic is recorded, never propagated.
+async fn run_body(body: BoxedBody, ctx: WorkerContext, shared: &JobShared, grace: Duration) {
     // Calling the closure runs user code: it happens here, in the worker, never in the
     // supervisor's mailbox.
     let call = std::panic::catch_unwind(AssertUnwindSafe(move || body(ctx)));

@@ -14,7 +14,8 @@ use tracing::{Instrument, Span};
 
 use super::{JobShared, PathRefused};
 use crate::broker::SlotToken;
-use crate::process::{JobProcess, ProcessError, ProcessPolicy, ProcessSpec};
+use crate::process::{JobProcess, ProcessError, ProcessHost, ProcessPolicy, ProcessSpec};
+use crate::supervisor::Reporter;
 
 /// The job body's view of its lease. Cheap to clone; clones may be moved into sibling tasks.
 ///
@@ -36,11 +37,14 @@ struct Inner {
     tracker: TaskTracker,
     span: Span,
     process_policy: ProcessPolicy,
+    processes: Arc<dyn ProcessHost>,
+    reporter: Reporter,
     #[cfg(feature = "gpu")]
     gpu: std::sync::OnceLock<crate::gpu::JobGpu>,
 }
 
 impl WorkerContext {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         token: SlotToken,
         job_id: Arc<str>,
@@ -49,6 +53,8 @@ impl WorkerContext {
         tracker: TaskTracker,
         span: Span,
         process_policy: ProcessPolicy,
+        processes: Arc<dyn ProcessHost>,
+        reporter: Reporter,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -59,6 +65,8 @@ impl WorkerContext {
                 tracker,
                 span,
                 process_policy,
+                processes,
+                reporter,
                 #[cfg(feature = "gpu")]
                 gpu: std::sync::OnceLock::new(),
             }),
@@ -122,27 +130,38 @@ impl WorkerContext {
     ///
     /// # Errors
     ///
-    /// [`ProcessError`]: `JOB_PATH_REFUSED` (nothing ran) or `PROCESS_SPAWN_FAILED`.
+    /// [`ProcessError`]: `JOB_PATH_REFUSED` (nothing ran) or `PROCESS_SPAWN_FAILED` (also when
+    /// the job's lease has already ended: a context kept past its job starts nothing).
     ///
     /// # Panics
     ///
     /// When called outside a tokio runtime.
     pub fn spawn_process(&self, spec: ProcessSpec) -> Result<JobProcess, ProcessError> {
-        let (process, keeper) = crate::process::spawn(
+        let inner = &*self.inner;
+        if inner.shared.is_closed() {
+            return Err(ProcessError::Spawn(std::io::Error::other(
+                "the job's lease has ended: nothing more may start under it",
+            )));
+        }
+        let (process, keeper) = inner.processes.spawn(
             spec,
-            &self.inner.temp_dir,
-            &self.inner.shared.cancel,
-            self.inner.process_policy,
+            &inner.temp_dir,
+            &inner.shared.cancel,
+            inner.process_policy,
         )?;
-        let shared = Arc::clone(&self.inner.shared);
-        self.inner.tracker.spawn(
+        // Reported before the keeper runs, and the keeper is a tracked task: the supervisor
+        // hears of the group before it hears that the job's tasks have all ended.
+        let id = inner.reporter.process_started();
+        let reporter = inner.reporter.clone();
+        inner.tracker.spawn(
             async move {
-                if let Some(unproven) = keeper.await {
-                    tracing::error!(reason = %unproven.reason, "a job's processes could not be proven gone");
-                    shared.mark_unproven(unproven);
+                let unproven = keeper.await;
+                if let Some(evidence) = &unproven {
+                    tracing::error!(reason = %evidence.reason(), "a job's processes could not be proven gone");
                 }
+                reporter.process_ended(id, unproven);
             }
-            .instrument(self.inner.span.clone()),
+            .instrument(inner.span.clone()),
         );
         Ok(process)
     }
@@ -183,7 +202,7 @@ impl WorkerContext {
     }
 
     /// Spawns a tracked sibling task in the job's span. The slot waits for it, even after
-    /// cancellation. A panic in it is recorded for the job's result (`LEASE_BODY_PANICKED` unless
+    /// cancellation; only a shutdown aborts it, once the cancel grace has passed. A panic in it is recorded for the job's result (`LEASE_BODY_PANICKED` unless
     /// something of higher priority happened) and still reaches the returned handle.
     ///
     /// # Panics
@@ -196,7 +215,7 @@ impl WorkerContext {
     {
         let shared = Arc::clone(&self.inner.shared);
         let fut = fut.instrument(self.inner.span.clone());
-        self.inner.tracker.spawn(async move {
+        let handle = self.inner.tracker.spawn(async move {
             match AssertUnwindSafe(fut).catch_unwind().await {
                 Ok(v) => v,
                 Err(payload) => {
@@ -204,7 +223,11 @@ impl WorkerContext {
                     std::panic::resume_unwind(payload)
                 }
             }
-        })
+        });
+        // Shutdown aborts tracked tasks that outlive the cancel grace (blocking closures cannot
+        // be aborted: they are waited for, within the shutdown bound).
+        self.inner.shared.track_abort(handle.abort_handle());
+        handle
     }
 
     /// Runs a blocking closure on tokio's blocking pool, tracked like [`spawn`](Self::spawn):

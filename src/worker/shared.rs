@@ -1,12 +1,14 @@
 //! What a job's body, its sibling tasks and its caller share.
 
 use std::any::Any;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use parking_lot::Mutex;
+use tokio::task::AbortHandle;
 use tokio_util::sync::CancellationToken;
-
-use crate::process::Unproven;
 
 /// Per-job record written by the worker and its tracked tasks, read by `run` only after the
 /// whole release pipeline has finished (so after every writer has ended).
@@ -18,8 +20,15 @@ pub(crate) struct JobShared {
     /// Allocated on the first write: most jobs never write any, and a queued job holds this
     /// record for as long as it waits.
     records: Mutex<Option<Box<Records>>>,
-    started: AtomicBool,
+    /// `QUEUED`, `STARTED` (the body was called) or `CLOSED` (every tracked task has ended).
+    stage: AtomicU8,
+    /// Made by the worker before the body runs; removed by the supervisor after its end.
+    temp_dir: OnceLock<PathBuf>,
 }
+
+const QUEUED: u8 = 0;
+const STARTED: u8 = 1;
+const CLOSED: u8 = 2;
 
 /// What a job's body and tasks may record (see the accessors of [`JobShared`]).
 #[derive(Debug, Default)]
@@ -28,14 +37,13 @@ struct Records {
     delivery_unknown: Option<String>,
     /// The broker could not keep the lease alive (why).
     lease_lost: Option<String>,
-    /// Process groups the job's keepers could not prove gone.
-    unproven: Vec<Unproven>,
+    /// The temp dir could not be made; the body did not run.
+    scratch_failed: Option<io::Error>,
+    /// Tracked async tasks, aborted at shutdown once the cancel grace has passed.
+    tasks: Vec<AbortHandle>,
     /// The job's GPU, once checked out (read by the driver for the release fence).
     #[cfg(feature = "gpu")]
     gpu: Option<crate::gpu::JobGpu>,
-    /// The job's GPU device was lost (device index, reason).
-    #[cfg(feature = "gpu")]
-    gpu_lost: Option<(usize, String)>,
     /// The job's GPU device could not be made usable; the body did not run.
     #[cfg(feature = "gpu")]
     gpu_unavailable: Option<crate::gpu::GpuError>,
@@ -46,7 +54,8 @@ impl JobShared {
         Self {
             cancel,
             records: Mutex::new(None),
-            started: AtomicBool::new(false),
+            stage: AtomicU8::new(QUEUED),
+            temp_dir: OnceLock::new(),
         }
     }
 
@@ -93,13 +102,42 @@ impl JobShared {
         self.read(|r| r.lease_lost.take())
     }
 
-    pub(crate) fn mark_unproven(&self, evidence: Unproven) {
-        self.write(|r| r.unproven.push(evidence));
+    pub(crate) fn set_scratch_failed(&self, err: io::Error) {
+        self.write(|r| r.scratch_failed = Some(err));
     }
 
-    /// Read by the supervisor once the worker and every tracked task (keepers included) ended.
-    pub(crate) fn take_unproven(&self) -> Vec<Unproven> {
-        self.read(|r| std::mem::take(&mut r.unproven))
+    pub(crate) fn take_scratch_failed(&self) -> Option<io::Error> {
+        self.read(|r| r.scratch_failed.take())
+    }
+
+    pub(crate) fn set_temp_dir(&self, dir: PathBuf) {
+        let _ = self.temp_dir.set(dir);
+    }
+
+    /// The job's temp dir, once the worker has made it.
+    pub(crate) fn temp_dir(&self) -> Option<&Path> {
+        self.temp_dir.get().map(PathBuf::as_path)
+    }
+
+    /// Records a tracked task, to abort at shutdown. Handles of finished tasks are dropped now
+    /// and then, so a job that spawns many short tasks keeps few.
+    pub(crate) fn track_abort(&self, handle: AbortHandle) {
+        self.write(|r| {
+            if r.tasks.len() >= 32 && r.tasks.len().is_power_of_two() {
+                r.tasks.retain(|t| !t.is_finished());
+            }
+            r.tasks.push(handle);
+        });
+    }
+
+    /// Aborts every tracked async task still running (shutdown, after the cancel grace).
+    pub(crate) fn abort_tasks(&self) -> usize {
+        let tasks = self.read(|r| std::mem::take(&mut r.tasks));
+        let running = tasks.iter().filter(|t| !t.is_finished()).count();
+        for task in tasks {
+            task.abort();
+        }
+        running
     }
 
     #[cfg(feature = "gpu")]
@@ -107,19 +145,11 @@ impl JobShared {
         self.write(|r| r.gpu = Some(gpu));
     }
 
+    /// Taken by the job's driver for the fence, which drops it there: wgpu handles are never
+    /// dropped in the supervisor's mailbox.
     #[cfg(feature = "gpu")]
-    pub(crate) fn gpu(&self) -> Option<crate::gpu::JobGpu> {
-        self.read(|r| r.gpu.clone())
-    }
-
-    #[cfg(feature = "gpu")]
-    pub(crate) fn mark_gpu_lost(&self, device: usize, reason: String) {
-        self.write(|r| r.gpu_lost = Some((device, reason)));
-    }
-
-    #[cfg(feature = "gpu")]
-    pub(crate) fn take_gpu_lost(&self) -> Option<(usize, String)> {
-        self.read(|r| r.gpu_lost.take())
+    pub(crate) fn take_gpu(&self) -> Option<crate::gpu::JobGpu> {
+        self.read(|r| r.gpu.take())
     }
 
     #[cfg(feature = "gpu")]
@@ -140,13 +170,23 @@ impl JobShared {
         self.read(|r| r.delivery_unknown.take())
     }
 
-    // Relaxed is enough: the flag is read after the worker has been joined (a happens-before
-    // edge through the supervisor's messages), or, when the supervisor died, only as a hint.
+    // Relaxed is enough for the stage: `started` is read after the worker has been joined (a
+    // happens-before edge through the supervisor's messages), or, when the supervisor died,
+    // only as a hint; `closed` is a best-effort refusal for a context kept past its job.
     pub(crate) fn mark_started(&self) {
-        self.started.store(true, Ordering::Relaxed);
+        self.stage.store(STARTED, Ordering::Relaxed);
     }
 
     pub(crate) fn started(&self) -> bool {
-        self.started.load(Ordering::Relaxed)
+        self.stage.load(Ordering::Relaxed) != QUEUED
+    }
+
+    /// Every tracked task has ended: nothing more may start under the lease.
+    pub(crate) fn close(&self) {
+        self.stage.store(CLOSED, Ordering::Relaxed);
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.stage.load(Ordering::Relaxed) == CLOSED
     }
 }

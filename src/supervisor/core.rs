@@ -1,0 +1,1398 @@
+//! The pure core of the supervisor: every decision of the release pipeline, as data.
+//!
+//! No tokio, no ractor, no I/O, no clock. The actor shell turns each message it receives into
+//! an [`Input`], applies it here, and performs the [`Effect`]s this returns, in order; it
+//! decides nothing itself. The model-based tests drive this type directly, and the simulation
+//! test drives the real actor around it.
+//!
+//! # A lease's life
+//!
+//! Each lease carries what is still owed before its slot may be reused (DESIGN.md section 2):
+//!
+//! - the worker's physical end: its task joined ([`Proof::WorkerJoined`]), its supervision
+//!   event handled ([`Proof::EventHandled`]), every tracked task and blocking closure joined
+//!   ([`Proof::TasksJoined`]), every process group it started proven empty
+//!   ([`Proof::Process`]), every GPU submission it made completed ([`Proof::GpuFence`]);
+//! - then its temp dir removed ([`Proof::Scratch`]), which is started only once every proof
+//!   above is in;
+//! - then the broker release, started only once nothing else is owed.
+//!
+//! A proof that is not in within its bound does not hold the caller: the lease is
+//! *quarantined* with a [`Reason`] attached to that proof, the caller hears
+//! `LEASE_CLEANUP_UNCONFIRMED` (or `LEASE_GPU_DEVICE_LOST`) at once, and the slot stays held,
+//! counted and reported. A reason goes away only with the proof it waits for: a late proof on
+//! its own ([`Why::Late`]), a device loss when the device is replaced ([`Why::Lost`]), an
+//! unproven process group or an unremovable temp dir only through a re-check
+//! ([`Why::Unproven`], see [`Input::ReclaimBegin`]).
+//!
+//! Nothing here panics on an input that does not fit the state (a proof for a lease that is
+//! gone, a second release): such an input changes nothing and is reported as
+//! [`Effect::Illegal`] or ignored, in every build.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::io;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::broker::{BrokerError, SlotToken};
+use crate::error::{AcquireError, CleanupError, CleanupErrorKind};
+
+/// Supervisor-internal key of one lease (not the broker's lease id).
+pub(crate) type LeaseKey = u64;
+/// Supervisor-internal id of one waiting acquire.
+pub(crate) type WaiterId = u64;
+/// Supervisor-internal id of one broker acquire.
+pub(crate) type RequestId = u64;
+/// Supervisor-internal id of one process group a job started.
+pub(crate) type ProcessKey = u64;
+
+/// Who holds a lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Holder {
+    /// A `run` job: a worker actor, tracked tasks, maybe processes and GPU work, a temp dir.
+    Job,
+    /// An explicit `Lease` held by user code.
+    Explicit,
+    /// A token that arrived when nobody was waiting any more: released at once.
+    Surplus,
+}
+
+/// What a waiter asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Want {
+    /// An explicit lease.
+    Lease,
+    /// A slot for a job.
+    Job,
+}
+
+/// One proof the release of a lease waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Proof {
+    /// The worker's actor task ended (its join handle resolved).
+    WorkerJoined,
+    /// The worker's supervision event was handled (any state it carried dropped).
+    EventHandled,
+    /// Every task and blocking closure spawned through the job's context returned.
+    TasksJoined,
+    /// One process group the job started was proven empty.
+    Process(ProcessKey),
+    /// Every GPU submission made under the lease completed.
+    GpuFence,
+    /// The job's temp dir was removed.
+    Scratch,
+}
+
+impl Proof {
+    fn bit(self) -> u8 {
+        match self {
+            Self::WorkerJoined => Owed::JOINED,
+            Self::EventHandled => Owed::EVENT,
+            Self::TasksJoined => Owed::TASKS,
+            Self::GpuFence => Owed::GPU,
+            Self::Scratch => Owed::SCRATCH,
+            Self::Process(_) => 0,
+        }
+    }
+
+    /// What the proof is about, for reasons and the lease table.
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            Self::WorkerJoined => "the worker's task",
+            Self::EventHandled => "the worker's supervision event",
+            Self::TasksJoined => "tasks spawned through the worker context",
+            Self::Process(_) => "a process group",
+            Self::GpuFence => "gpu work",
+            Self::Scratch => "the temp dir",
+        }
+    }
+}
+
+/// Several proofs at once (the driver reports what it saw together in one message).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Proofs(u8);
+
+impl Proofs {
+    pub(crate) const JOINED: Self = Self(Owed::JOINED);
+    pub(crate) const TASKS: Self = Self(Owed::TASKS);
+    pub(crate) const GPU: Self = Self(Owed::GPU);
+
+    pub(crate) fn with(self, other: Self) -> Self {
+        Self(self.0 | other.0)
+    }
+
+    pub(crate) fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+}
+
+/// Bits of the proofs a lease still owes (processes are counted apart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Owed(u8);
+
+impl Owed {
+    const JOINED: u8 = 1;
+    const EVENT: u8 = 2;
+    const TASKS: u8 = 4;
+    const GPU: u8 = 8;
+    const SCRATCH: u8 = 16;
+    /// Everything that makes up the worker's physical end (DESIGN.md section 2, steps 2 and 3).
+    const PHYSICAL: u8 = Self::JOINED | Self::EVENT | Self::TASKS | Self::GPU;
+
+    fn has(self, bit: u8) -> bool {
+        self.0 & bit != 0
+    }
+}
+
+/// Why a proof is missing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Why {
+    /// Past its bound; still expected on its own (tasks past the drain bound, gpu work past
+    /// the fence bound, anything at the shutdown deadline).
+    Late,
+    /// Could not be proven; only a re-check proves it ([`Input::ReclaimBegin`]).
+    Unproven,
+    /// The lease's GPU device was lost (on that generation of the device): its work died with
+    /// it, proven once the device is replaced (or given up).
+    Lost { device: usize, generation: u64 },
+}
+
+/// Why a lease is quarantined: one missing proof.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Reason {
+    pub(crate) proof: Proof,
+    pub(crate) why: Why,
+    pub(crate) detail: String,
+}
+
+/// Where a lease is, as users see it (derived from what it owes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Held by a running body or an explicit lease.
+    Running,
+    /// The body ended; proofs of its physical end (or the temp dir's removal) are still owed.
+    Draining,
+    /// A proof was not in within its bound: held, not reusable, reported.
+    Quarantined,
+    /// Physically done; the broker release is in flight.
+    Releasing,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Release {
+    NotStarted,
+    InFlight,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scratch {
+    /// Not removable yet (or no temp dir: explicit leases, jobs that never started).
+    Waiting,
+    Removing,
+    Failed,
+}
+
+/// One lease: what it holds, what it still owes, why it is quarantined.
+#[derive(Debug, Clone)]
+pub(crate) struct Lease {
+    token: SlotToken,
+    holder: Holder,
+    owed: Owed,
+    /// Process groups not yet proven empty.
+    processes: Vec<ProcessKey>,
+    device: Option<usize>,
+    reasons: Vec<Reason>,
+    scratch: Scratch,
+    release: Release,
+    renewing: bool,
+    /// The caller has its answer (the final one, or an early one on quarantine).
+    answered: bool,
+    cancelled: bool,
+    /// Counted in `quarantined`.
+    counted: bool,
+}
+
+impl Lease {
+    pub(crate) fn token(&self) -> SlotToken {
+        self.token
+    }
+
+
+    pub(crate) fn reasons(&self) -> &[Reason] {
+        &self.reasons
+    }
+
+
+    pub(crate) fn phase(&self) -> Phase {
+        if self.release == Release::InFlight {
+            Phase::Releasing
+        } else if !self.reasons.is_empty() {
+            Phase::Quarantined
+        } else if self.holder == Holder::Job && self.body_ended() {
+            Phase::Draining
+        } else {
+            Phase::Running
+        }
+    }
+
+    /// Either proof of the worker's end means its body has ended.
+    fn body_ended(&self) -> bool {
+        !self.owed.has(Owed::JOINED) || !self.owed.has(Owed::EVENT)
+    }
+
+    /// What the lease still waits for, in pipeline order.
+    pub(crate) fn waiting_for(&self) -> Vec<Proof> {
+        let mut out = Vec::new();
+        for proof in [
+            Proof::WorkerJoined,
+            Proof::EventHandled,
+            Proof::TasksJoined,
+            Proof::GpuFence,
+        ] {
+            if self.owed.has(proof.bit()) {
+                out.push(proof);
+            }
+        }
+        out.extend(self.processes.iter().map(|p| Proof::Process(*p)));
+        if self.owed.has(Owed::SCRATCH) {
+            out.push(Proof::Scratch);
+        }
+        out
+    }
+
+    fn physically_done(&self) -> bool {
+        self.owed.0 & Owed::PHYSICAL == 0 && self.processes.is_empty()
+    }
+
+    fn owes(&self, proof: Proof) -> bool {
+        match proof {
+            Proof::Process(p) => self.processes.contains(&p),
+            other => self.owed.has(other.bit()),
+        }
+    }
+
+    fn is_quarantined(&self) -> bool {
+        !self.reasons.is_empty() && self.release == Release::NotStarted
+    }
+
+    /// The early answer a quarantine gives the caller.
+    fn unconfirmed(&self) -> CleanupError {
+        let detail = self
+            .reasons
+            .iter()
+            .map(|r| r.detail.as_str())
+            .collect::<Vec<_>>()
+            .join("; ");
+        match self.reasons.iter().find(|r| matches!(r.why, Why::Lost { .. })) {
+            Some(_) => CleanupError::with_kind(CleanupErrorKind::GpuDeviceLost, self.token, detail),
+            None => CleanupError::unconfirmed(self.token, detail, None),
+        }
+    }
+}
+
+/// How a waiter left the queue without a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Withdrawal {
+    Cancelled,
+    TimedOut(std::time::Duration),
+}
+
+impl Withdrawal {
+    pub(crate) fn into_error(self) -> AcquireError {
+        match self {
+            Self::Cancelled => AcquireError::Cancelled,
+            Self::TimedOut(after) => AcquireError::TimedOut { after },
+        }
+    }
+}
+
+/// Everything that can happen to the supervisor, as the core sees it.
+#[derive(Debug)]
+pub(crate) enum Input {
+    /// A caller joins the FIFO queue.
+    Enqueue { waiter: WaiterId, want: Want },
+    /// A caller stops waiting (cancelled, timed out). Ignored once it has been served.
+    Withdraw {
+        waiter: WaiterId,
+        why: Withdrawal,
+    },
+    /// A broker acquire ended.
+    Acquired {
+        request: RequestId,
+        result: Result<SlotToken, BrokerError>,
+    },
+    /// The lease granted by [`Effect::Deliver`] found nobody: its caller left before it could be
+    /// handed over. Nobody used it: it goes to the next waiter.
+    Undelivered { key: LeaseKey },
+    /// The job granted by [`Effect::Deliver`] could not start (no worker, no GPU sub-slot); its
+    /// caller has been answered and no body ran.
+    NotStarted { key: LeaseKey },
+    /// The job's worker is running; `device` is its GPU placement.
+    Started {
+        key: LeaseKey,
+        device: Option<usize>,
+    },
+    /// Proofs arrived.
+    Proven { key: LeaseKey, proofs: Proofs },
+    /// One proof arrived (events, processes, the temp dir, re-checks).
+    ProvenOne { key: LeaseKey, proof: Proof },
+    /// A job started a process group; its slot now also waits for it.
+    ProcessStarted { key: LeaseKey, process: ProcessKey },
+    /// A proof missed its bound; it is still expected on its own.
+    Late {
+        key: LeaseKey,
+        proof: Proof,
+        detail: String,
+    },
+    /// A proof could not be made; only a re-check can make it.
+    Unproven {
+        key: LeaseKey,
+        proof: Proof,
+        detail: String,
+    },
+    /// The temp dir could not be removed (`detail` names it; `error` says why).
+    ScratchFailed {
+        key: LeaseKey,
+        detail: String,
+        error: io::Error,
+    },
+    /// The lease's GPU device was lost (seen by its fence) on that generation of the device.
+    DeviceLost {
+        key: LeaseKey,
+        device: usize,
+        generation: u64,
+        reason: String,
+    },
+    /// A lost device was replaced (or given up for good); `generation` is the device's now.
+    /// Work on every earlier generation is gone.
+    DeviceReplaced { device: usize, generation: u64 },
+    /// An explicit lease is given back (`release`, or its drop).
+    ReleaseRequested { key: LeaseKey },
+    /// A broker release ended (any outcome ends the lease).
+    Released {
+        key: LeaseKey,
+        result: Result<(), CleanupError>,
+    },
+    /// The broker could not keep a lease alive.
+    LeaseLost { key: LeaseKey, reason: String },
+    /// A distributed broker saw an orphaned lease expire.
+    OrphanExpired,
+    /// `reclaim_quarantined` begins: [`Effect::Recheck`] for every unproven proof follows.
+    ReclaimBegin,
+    /// `reclaim_quarantined` ends: every re-check has been reported.
+    ReclaimEnd,
+    /// `shutdown` (or the last handle dropped).
+    Shutdown,
+    /// The cancel grace has passed since shutdown began: tracked tasks still running are
+    /// aborted.
+    ShutdownGraceOver,
+    /// The shutdown bound has passed: whatever is still owed is quarantined.
+    ShutdownDeadline,
+    /// The GPU devices were closed at shutdown (or their close ran past its bound).
+    GpuClosed,
+}
+
+/// What the shell must do, in order.
+#[derive(Debug)]
+pub(crate) enum Effect {
+    /// Start a broker acquire (poll it once; otherwise run it in a task that reports
+    /// [`Input::Acquired`]).
+    Acquire {
+        request: RequestId,
+        for_waiter: Option<WaiterId>,
+    },
+    /// Drop every broker acquire still in flight (shutdown).
+    AbortAcquires,
+    /// Hand `token` to `waiter`: an explicit lease, or start the job.
+    Deliver {
+        waiter: WaiterId,
+        key: LeaseKey,
+        token: SlotToken,
+    },
+    /// Answer a waiter that gets no slot.
+    Refuse {
+        waiter: WaiterId,
+        error: AcquireError,
+    },
+    StartRenewal {
+        key: LeaseKey,
+        token: SlotToken,
+    },
+    StopRenewal {
+        key: LeaseKey,
+    },
+    /// Cancel a job (its body, tasks and process groups see it), or revoke an explicit lease
+    /// (its `slot_id()` refuses, its `lost()` resolves). `lost` says the broker lost the lease.
+    Cancel {
+        key: LeaseKey,
+        holder: Holder,
+        lost: Option<String>,
+    },
+    /// A loss reported after the worker ended: logged only (the slot is still held here).
+    LostAfterExit {
+        key: LeaseKey,
+        reason: String,
+    },
+    /// Replace a lost GPU device (or report [`Input::DeviceReplaced`] at once if it already
+    /// was).
+    RecreateDevice {
+        device: usize,
+    },
+    /// Abort the job's tracked async tasks (shutdown, after the cancel grace).
+    AbortTasks {
+        key: LeaseKey,
+    },
+    /// Remove the job's temp dir, off the mailbox; report [`Input::ProvenOne`] with
+    /// [`Proof::Scratch`] or [`Input::ScratchFailed`].
+    RemoveScratch {
+        key: LeaseKey,
+    },
+    /// Release the token to the broker under the cleanup timeout; report [`Input::Released`].
+    Release {
+        key: LeaseKey,
+        token: SlotToken,
+    },
+    /// The caller's answer: the job's `run`, or every `release` waiting on the explicit lease.
+    /// A failure nobody hears goes to the error sink.
+    Answer {
+        key: LeaseKey,
+        result: Result<(), CleanupError>,
+    },
+    /// A failure with no caller left (answered early, or a surplus token): the error sink.
+    Sink {
+        key: LeaseKey,
+        error: CleanupError,
+    },
+    /// The lease is over: the shell forgets what it keeps for it and frees its GPU sub-slot.
+    Forget { key: LeaseKey },
+    /// Re-check an unproven proof; report [`Input::ProvenOne`] or nothing.
+    Recheck {
+        key: LeaseKey,
+        proof: Proof,
+    },
+    /// The reclaim's answer.
+    Reclaimed {
+        reclaimed: Vec<SlotToken>,
+        still: Vec<LeaseKey>,
+    },
+    /// Start the shutdown timers ([`Input::ShutdownGraceOver`], [`Input::ShutdownDeadline`]).
+    ArmShutdownTimers,
+    /// Close the GPU devices under a bound; report [`Input::GpuClosed`].
+    CloseGpu,
+    /// Shutdown is complete: answer every shutdown caller and stop.
+    Stopped,
+    /// The orphan-expiry counter moved (metric).
+    OrphanCounted,
+    /// The broker handed out a token that would break invariant 2 (its slot or lease id is
+    /// live): refused, not released, logged.
+    TokenRefused(String),
+    /// An input that does not fit the state: a bug somewhere, logged; nothing changed.
+    Illegal(String),
+}
+
+/// Monotonic counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Counters {
+    pub(crate) acquired_total: u64,
+    pub(crate) released_total: u64,
+    pub(crate) release_failed_total: u64,
+    pub(crate) orphan_expired_total: u64,
+}
+
+/// What shutdown did (the shell adds what it alone knows).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct StopTally {
+    pub(crate) refused_waiters: usize,
+    pub(crate) cancelled_jobs: usize,
+    pub(crate) released_leases: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    Serving,
+    Stopping { gpu: GpuClose },
+    Stopped,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GpuClose {
+    NotNeeded,
+    Pending,
+    Closing,
+    Closed,
+}
+
+/// FIFO of waiters with O(1) withdrawal (lazy deletion).
+#[derive(Debug, Default)]
+struct WaitQueue {
+    order: VecDeque<(WaiterId, Want)>,
+    live: FxHashSet<WaiterId>,
+}
+
+impl WaitQueue {
+    fn push(&mut self, waiter: WaiterId, want: Want) {
+        if self.live.insert(waiter) {
+            self.order.push_back((waiter, want));
+        }
+    }
+
+    fn remove(&mut self, waiter: WaiterId) -> bool {
+        let removed = self.live.remove(&waiter);
+        // Withdrawn ids stay in `order` until popped; compact when they dominate, so that a
+        // long-lived head with many withdrawn waiters behind it cannot grow the queue without
+        // bound (amortised O(1) per withdrawal).
+        if self.order.len() > 2 * self.live.len() + 16 {
+            let live = &self.live;
+            self.order.retain(|(w, _)| live.contains(w));
+        }
+        removed
+    }
+
+    fn pop(&mut self) -> Option<(WaiterId, Want)> {
+        while let Some((w, want)) = self.order.pop_front() {
+            if self.live.remove(&w) {
+                return Some((w, want));
+            }
+        }
+        None
+    }
+
+    /// The longest-waiting live waiter, without removing it.
+    fn head(&mut self) -> Option<WaiterId> {
+        while let Some(&(w, _)) = self.order.front() {
+            if self.live.contains(&w) {
+                return Some(w);
+            }
+            self.order.pop_front();
+        }
+        None
+    }
+
+    fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    fn shrink(&mut self) {
+        shrink_deque(&mut self.order);
+        shrink_set(&mut self.live);
+    }
+}
+
+/// The core: the slot table, the waiter queue, the proofs each lease owes, shutdown.
+#[derive(Debug)]
+pub(crate) struct Core {
+    capacity: Option<usize>,
+    /// The broker renews leases (start a renewal per grant).
+    renews: bool,
+    /// The supervisor owns GPU devices (close them at shutdown).
+    gpu: bool,
+    leases: FxHashMap<LeaseKey, Lease>,
+    /// Slot id → the newest lease on it; lease id → its lease (to refuse duplicates).
+    by_slot: FxHashMap<u32, LeaseKey>,
+    by_lease_id: FxHashMap<u64, LeaseKey>,
+    queue: WaitQueue,
+    /// Broker acquires in flight.
+    acquiring: FxHashSet<RequestId>,
+    next_request: RequestId,
+    next_key: LeaseKey,
+    quarantined: usize,
+    stop: Stop,
+    stop_tally: StopTally,
+    counters: Counters,
+    /// A reclaim in progress: leases re-checked so far.
+    reclaiming: Option<Vec<LeaseKey>>,
+    effects: VecDeque<Effect>,
+}
+
+impl Core {
+    pub(crate) fn new(capacity: Option<u32>, renews: bool, gpu: bool) -> Self {
+        Self {
+            capacity: capacity.map(|c| c as usize),
+            renews,
+            gpu,
+            leases: FxHashMap::default(),
+            by_slot: FxHashMap::default(),
+            by_lease_id: FxHashMap::default(),
+            queue: WaitQueue::default(),
+            acquiring: FxHashSet::default(),
+            next_request: 1,
+            next_key: 1,
+            quarantined: 0,
+            stop: Stop::Serving,
+            stop_tally: StopTally::default(),
+            counters: Counters::default(),
+            reclaiming: None,
+            effects: VecDeque::new(),
+        }
+    }
+
+    /// The next effect to perform. Performing it may apply more inputs, whose effects queue
+    /// behind the ones already here.
+    pub(crate) fn pop_effect(&mut self) -> Option<Effect> {
+        self.effects.pop_front()
+    }
+
+    pub(crate) fn has_effects(&self) -> bool {
+        !self.effects.is_empty()
+    }
+
+    fn emit(&mut self, effect: Effect) {
+        self.effects.push_back(effect);
+    }
+
+    fn illegal(&mut self, what: fmt::Arguments<'_>) {
+        self.emit(Effect::Illegal(what.to_string()));
+    }
+
+    /// Applies one input.
+    pub(crate) fn apply(&mut self, input: Input) {
+        match input {
+            Input::Enqueue { waiter, want } => self.enqueue(waiter, want),
+            Input::Withdraw { waiter, why } => {
+                if self.queue.remove(waiter) {
+                    self.emit(Effect::Refuse {
+                        waiter,
+                        error: why.into_error(),
+                    });
+                }
+            }
+            Input::Acquired { request, result } => self.acquired(request, result),
+            Input::Undelivered { key } => self.undelivered(key),
+            Input::NotStarted { key } => self.not_started(key),
+            Input::Started { key, device } => self.started(key, device),
+            Input::Proven { key, proofs } => self.proven(key, proofs.0, None),
+            Input::ProvenOne { key, proof } => match proof {
+                Proof::Process(p) => self.proven(key, 0, Some(p)),
+                other => self.proven(key, other.bit(), None),
+            },
+            Input::ProcessStarted { key, process } => match self.leases.get_mut(&key) {
+                Some(lease) if lease.holder == Holder::Job && lease.owed.has(Owed::TASKS) => {
+                    lease.processes.push(process)
+                }
+                _ => self.illegal(format_args!("process {process} started for lease {key}")),
+            },
+            Input::Late { key, proof, detail } => self.missing(key, proof, Why::Late, detail, None),
+            Input::Unproven { key, proof, detail } => {
+                self.missing(key, proof, Why::Unproven, detail, None)
+            }
+            Input::ScratchFailed { key, detail, error } => self.scratch_failed(key, detail, error),
+            Input::DeviceLost {
+                key,
+                device,
+                generation,
+                reason,
+            } => {
+                self.missing(
+                    key,
+                    Proof::GpuFence,
+                    Why::Lost { device, generation },
+                    format!("gpu device {device} lost: {reason}"),
+                    None,
+                );
+                // The slot is needed back: replace the device (or learn it already was).
+                self.emit(Effect::RecreateDevice { device });
+            }
+            Input::DeviceReplaced { device, generation } => {
+                self.device_replaced(device, generation)
+            }
+            Input::ReleaseRequested { key } => self.release_requested(key),
+            Input::Released { key, result } => self.released(key, result),
+            Input::LeaseLost { key, reason } => self.lease_lost(key, reason),
+            Input::OrphanExpired => {
+                self.counters.orphan_expired_total += 1;
+                self.emit(Effect::OrphanCounted);
+            }
+            Input::ReclaimBegin => self.reclaim_begin(),
+            Input::ReclaimEnd => self.reclaim_end(),
+            Input::Shutdown => self.shutdown(),
+            Input::ShutdownGraceOver => self.shutdown_grace_over(),
+            Input::ShutdownDeadline => self.shutdown_deadline(),
+            Input::GpuClosed => {
+                if let Stop::Stopping { gpu } = &mut self.stop {
+                    *gpu = GpuClose::Closed;
+                }
+            }
+        }
+    }
+
+    /// After a batch of inputs: start the broker acquires the queue needs, and finish a
+    /// shutdown that has nothing left to wait for.
+    pub(crate) fn settle(&mut self) {
+        if self.stop == Stop::Serving {
+            let uncovered = self.queue.len().saturating_sub(self.acquiring.len());
+            let room = match self.capacity {
+                Some(cap) => cap.saturating_sub(self.leases.len() + self.acquiring.len()),
+                None => usize::MAX,
+            };
+            let n = uncovered.min(room);
+            // The head's id travels with each request, as a hint (tokens are fungible).
+            let for_waiter = if n > 0 { self.queue.head() } else { None };
+            for _ in 0..n {
+                let request = self.next_request;
+                self.next_request += 1;
+                self.acquiring.insert(request);
+                self.emit(Effect::Acquire {
+                    request,
+                    for_waiter,
+                });
+            }
+        }
+        self.maybe_stopped();
+    }
+
+    fn enqueue(&mut self, waiter: WaiterId, want: Want) {
+        if self.stop == Stop::Serving {
+            self.queue.push(waiter, want);
+        } else {
+            self.emit(Effect::Refuse {
+                waiter,
+                error: AcquireError::Stopped,
+            });
+        }
+    }
+
+    fn acquired(&mut self, request: RequestId, result: Result<SlotToken, BrokerError>) {
+        let expected = self.acquiring.remove(&request);
+        let token = match result {
+            Ok(token) => token,
+            Err(err) => {
+                // Tokens are fungible and so are failures: the longest waiter hears it.
+                if expected && let Some((waiter, _)) = self.queue.pop() {
+                    self.emit(Effect::Refuse {
+                        waiter,
+                        error: AcquireError::Failed(err),
+                    });
+                }
+                return;
+            }
+        };
+        if let Err(refused) = self.check_token(token) {
+            // Not released: releasing a duplicate could free the live holder's slot.
+            self.emit(Effect::TokenRefused(refused.clone()));
+            if expected && let Some((waiter, _)) = self.queue.pop() {
+                let err = BrokerError::invalid_response(refused);
+                self.emit(Effect::Refuse {
+                    waiter,
+                    error: AcquireError::Failed(err),
+                });
+            }
+            return;
+        }
+        if !expected && self.stop != Stop::Serving {
+            // An acquire aborted at shutdown answered anyway: it goes straight back.
+            let key = self.grant(token, Holder::Surplus);
+            self.start_release(key);
+            return;
+        }
+        self.hand_to_next(token);
+    }
+
+    /// Grants `token` to the longest live waiter, or releases it when nobody waits.
+    fn hand_to_next(&mut self, token: SlotToken) {
+        match self.queue.pop() {
+            Some((waiter, want)) => {
+                let holder = match want {
+                    Want::Lease => Holder::Explicit,
+                    Want::Job => Holder::Job,
+                };
+                let key = self.grant(token, holder);
+                self.emit(Effect::Deliver { waiter, key, token });
+            }
+            None => {
+                let key = self.grant(token, Holder::Surplus);
+                self.start_release(key);
+            }
+        }
+    }
+
+    /// Checks a broker's token against every live lease. A lease whose broker release is in
+    /// flight does not conflict: the broker may apply the release and grant the slot again
+    /// before the release's answer arrives here (a remote broker, or one shared by several
+    /// supervisors); refusing such a token would leak it, since a refused token is never
+    /// released.
+    fn check_token(&self, token: SlotToken) -> Result<(), String> {
+        let live = |key: Option<&LeaseKey>| {
+            key.and_then(|k| self.leases.get(k))
+                .filter(|l| l.release == Release::NotStarted)
+                .map(|l| l.token)
+        };
+        if let Some(holder) = live(self.by_slot.get(&token.slot_id())) {
+            return Err(format!(
+                "broker granted {token} but that slot is held by live {holder}"
+            ));
+        }
+        if let Some(holder) = live(self.by_lease_id.get(&token.lease_id())) {
+            return Err(format!(
+                "broker granted {token} but that lease id is live as {holder}"
+            ));
+        }
+        Ok(())
+    }
+
+    fn grant(&mut self, token: SlotToken, holder: Holder) -> LeaseKey {
+        let key = self.next_key;
+        self.next_key += 1;
+        // A job owes its worker's physical end from the start; what it does not start (GPU
+        // work, processes) is added or cleared as it is learnt.
+        let owed = match holder {
+            Holder::Job => Owed(Owed::JOINED | Owed::EVENT | Owed::TASKS | Owed::SCRATCH),
+            Holder::Explicit | Holder::Surplus => Owed(0),
+        };
+        self.leases.insert(
+            key,
+            Lease {
+                token,
+                holder,
+                owed,
+                processes: Vec::new(),
+                device: None,
+                reasons: Vec::new(),
+                scratch: Scratch::Waiting,
+                release: Release::NotStarted,
+                renewing: false,
+                answered: false,
+                cancelled: false,
+                counted: false,
+            },
+        );
+        self.by_slot.insert(token.slot_id(), key);
+        self.by_lease_id.insert(token.lease_id(), key);
+        self.counters.acquired_total += 1;
+        if self.renews && holder != Holder::Surplus {
+            self.leases.get_mut(&key).expect("just inserted").renewing = true;
+            self.emit(Effect::StartRenewal { key, token });
+        }
+        key
+    }
+
+    fn undelivered(&mut self, key: LeaseKey) {
+        let Some(lease) = self.leases.get(&key) else {
+            return self.illegal(format_args!("undelivered lease {key} is not live"));
+        };
+        if lease.holder == Holder::Surplus || lease.release != Release::NotStarted {
+            return self.illegal(format_args!("undelivered lease {key} was not being delivered"));
+        }
+        // Nobody ever saw it: forget the grant (it is not counted twice) and pass the token on.
+        let token = lease.token;
+        self.remove(key);
+        self.counters.acquired_total -= 1;
+        self.emit(Effect::StopRenewal { key });
+        self.emit(Effect::Forget { key });
+        if self.stop == Stop::Serving {
+            self.hand_to_next(token);
+        } else {
+            let key = self.grant(token, Holder::Surplus);
+            self.start_release(key);
+        }
+    }
+
+    fn not_started(&mut self, key: LeaseKey) {
+        let Some(lease) = self.leases.get_mut(&key) else {
+            return self.illegal(format_args!("lease {key} that did not start is not live"));
+        };
+        // No worker ran: nothing physical is owed; the caller already heard why.
+        lease.owed = Owed(0);
+        lease.answered = true;
+        self.advance(key);
+    }
+
+    fn started(&mut self, key: LeaseKey, device: Option<usize>) {
+        let Some(lease) = self.leases.get_mut(&key) else {
+            return self.illegal(format_args!("started lease {key} is not live"));
+        };
+        if device.is_some() {
+            lease.owed.0 |= Owed::GPU;
+            lease.device = device;
+        }
+        if self.stop != Stop::Serving && !lease.cancelled {
+            // Granted just as shutdown began: cancel it with the rest.
+            lease.cancelled = true;
+            self.stop_tally.cancelled_jobs += 1;
+            self.emit(Effect::Cancel {
+                key,
+                holder: Holder::Job,
+                lost: None,
+            });
+        }
+    }
+
+    fn proven(&mut self, key: LeaseKey, bits: u8, process: Option<ProcessKey>) {
+        let Some(lease) = self.leases.get_mut(&key) else {
+            return self.illegal(format_args!("proof for lease {key}, which is not live"));
+        };
+        let owed_process = process.is_none_or(|p| lease.processes.contains(&p));
+        // The temp dir is proven removed only by the removal the core asked for.
+        let scratch_ok = bits & Owed::SCRATCH == 0 || lease.scratch == Scratch::Removing;
+        if lease.owed.0 & bits != bits || !owed_process || !scratch_ok {
+            return self.illegal(format_args!(
+                "proof {bits:#x}/{process:?} for lease {key}, which does not owe it"
+            ));
+        }
+        lease.owed.0 &= !bits;
+        if bits & Owed::SCRATCH != 0 {
+            lease.scratch = Scratch::Waiting;
+        }
+        if let Some(p) = process {
+            lease.processes.retain(|q| *q != p);
+        }
+        lease.reasons.retain(|r| lease_owes(&lease.owed, &lease.processes, r.proof));
+        self.advance(key);
+    }
+
+    /// A proof is missing past its bound, or cannot be made: quarantine, and tell the caller.
+    fn missing(
+        &mut self,
+        key: LeaseKey,
+        proof: Proof,
+        why: Why,
+        detail: String,
+        error: Option<io::Error>,
+    ) {
+        let Some(lease) = self.leases.get_mut(&key) else {
+            return self.illegal(format_args!("{proof:?} missing for lease {key}, which is not live"));
+        };
+        if !lease.owes(proof) || lease.release != Release::NotStarted {
+            return self.illegal(format_args!(
+                "{proof:?} missing for lease {key}, which does not owe it"
+            ));
+        }
+        // One reason per proof: the newest says most (a loss after a late fence, say).
+        lease.reasons.retain(|r| r.proof != proof);
+        lease.reasons.push(Reason { proof, why, detail });
+        self.refresh(key);
+        self.answer_early(key, error);
+    }
+
+    fn scratch_failed(&mut self, key: LeaseKey, detail: String, error: io::Error) {
+        match self.leases.get_mut(&key) {
+            Some(lease) if lease.scratch == Scratch::Removing => {
+                lease.scratch = Scratch::Failed;
+                self.missing(key, Proof::Scratch, Why::Unproven, detail, Some(error));
+            }
+            _ => self.illegal(format_args!("temp dir removal failed for lease {key}, which was not removing it")),
+        }
+    }
+
+    /// The first quarantine of a job answers its caller at once: the slot is held, but the
+    /// caller does not wait for what may never be proven.
+    fn answer_early(&mut self, key: LeaseKey, io: Option<io::Error>) {
+        let lease = self.leases.get_mut(&key).expect("checked by the caller");
+        if lease.answered || lease.holder != Holder::Job {
+            return;
+        }
+        lease.answered = true;
+        let mut err = lease.unconfirmed();
+        if let Some(io) = io {
+            err = err.with_io(io);
+        }
+        self.emit(Effect::Answer {
+            key,
+            result: Err(err),
+        });
+    }
+
+    fn device_replaced(&mut self, device: usize, now: u64) {
+        let keys: Vec<LeaseKey> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| {
+                l.reasons.iter().any(|r| {
+                    matches!(r.why, Why::Lost { device: d, generation } if d == device && generation <= now)
+                })
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        for key in sorted(keys) {
+            // The old device is gone, and its work with it.
+            self.proven(key, Owed::GPU, None);
+        }
+    }
+
+    fn release_requested(&mut self, key: LeaseKey) {
+        let Some(lease) = self.leases.get(&key) else {
+            // Already released (by an earlier call, or at shutdown): a no-op.
+            return self.emit(Effect::Answer { key, result: Ok(()) });
+        };
+        match (lease.holder, lease.release) {
+            (Holder::Explicit, Release::NotStarted) => self.start_release(key),
+            // In flight: the caller joins the answer still to come.
+            (Holder::Explicit, Release::InFlight) => {}
+            _ => self.illegal(format_args!("release requested for job lease {key}")),
+        }
+    }
+
+    fn lease_lost(&mut self, key: LeaseKey, reason: String) {
+        let Some(lease) = self.leases.get_mut(&key) else {
+            return;
+        };
+        if !lease.renewing {
+            // Renewal had stopped: the release has begun, nothing to act on.
+            return;
+        }
+        lease.renewing = false;
+        let holder = lease.holder;
+        match holder {
+            // The job's work may still run (its body, tasks, processes or gpu work): it is
+            // cancelled and its result says the lease was lost.
+            Holder::Job if lease.owed.0 & (Owed::JOINED | Owed::TASKS | Owed::GPU) != 0
+                || !lease.processes.is_empty() =>
+            {
+                lease.cancelled = true;
+                self.emit(Effect::Cancel {
+                    key,
+                    holder,
+                    lost: Some(reason),
+                });
+            }
+            Holder::Explicit => self.emit(Effect::Cancel {
+                key,
+                holder,
+                lost: Some(reason),
+            }),
+            _ => self.emit(Effect::LostAfterExit { key, reason }),
+        }
+    }
+
+    /// Moves a lease on as far as its proofs allow: temp dir removal once the worker is
+    /// physically done, the broker release once nothing else is owed.
+    fn advance(&mut self, key: LeaseKey) {
+        let lease = self.leases.get_mut(&key).expect("checked by the caller");
+        if lease.release != Release::NotStarted {
+            return self.refresh(key);
+        }
+        if lease.physically_done() && lease.owed.has(Owed::SCRATCH) && lease.scratch == Scratch::Waiting
+        {
+            lease.scratch = Scratch::Removing;
+            self.emit(Effect::RemoveScratch { key });
+            return self.refresh(key);
+        }
+        if lease.owed.0 == 0 && lease.processes.is_empty() && lease.holder == Holder::Job {
+            return self.start_release(key);
+        }
+        self.refresh(key);
+    }
+
+    fn start_release(&mut self, key: LeaseKey) {
+        let lease = self.leases.get_mut(&key).expect("checked by the caller");
+        lease.release = Release::InFlight;
+        lease.reasons.clear();
+        let (token, renewing) = (lease.token, lease.renewing);
+        lease.renewing = false;
+        if renewing {
+            self.emit(Effect::StopRenewal { key });
+        }
+        self.refresh(key);
+        self.emit(Effect::Release { key, token });
+    }
+
+    fn released(&mut self, key: LeaseKey, result: Result<(), CleanupError>) {
+        match self.leases.get(&key) {
+            Some(l) if l.release == Release::InFlight => {}
+            _ => return self.illegal(format_args!("release of lease {key}, which was not releasing")),
+        }
+        let lease = self.remove(key);
+        match &result {
+            Ok(()) => self.counters.released_total += 1,
+            Err(_) => self.counters.release_failed_total += 1,
+        }
+        let heard = match lease.holder {
+            Holder::Job => !lease.answered,
+            Holder::Explicit => true,
+            Holder::Surplus => false,
+        };
+        if heard {
+            self.emit(Effect::Answer { key, result });
+        } else if let Err(error) = result {
+            self.emit(Effect::Sink { key, error });
+        }
+        self.emit(Effect::Forget { key });
+    }
+
+    fn remove(&mut self, key: LeaseKey) -> Lease {
+        let lease = self.leases.remove(&key).expect("checked by the caller");
+        if lease.counted {
+            self.quarantined -= 1;
+        }
+        // A newer lease may already hold the slot (see `check_token`).
+        if self.by_slot.get(&lease.token.slot_id()) == Some(&key) {
+            self.by_slot.remove(&lease.token.slot_id());
+        }
+        if self.by_lease_id.get(&lease.token.lease_id()) == Some(&key) {
+            self.by_lease_id.remove(&lease.token.lease_id());
+        }
+        lease
+    }
+
+    /// Keeps the quarantine count in step with one lease.
+    fn refresh(&mut self, key: LeaseKey) {
+        let lease = self.leases.get_mut(&key).expect("checked by the caller");
+        let now = lease.is_quarantined();
+        if now != lease.counted {
+            lease.counted = now;
+            if now {
+                self.quarantined += 1;
+            } else {
+                self.quarantined -= 1;
+            }
+        }
+    }
+
+    fn reclaim_begin(&mut self) {
+        let mut checked = Vec::new();
+        for key in sorted(self.leases.keys().copied().collect()) {
+            let lease = &self.leases[&key];
+            if !lease.is_quarantined() {
+                continue;
+            }
+            checked.push(key);
+            let unproven: Vec<Proof> = lease
+                .reasons
+                .iter()
+                .filter(|r| r.why == Why::Unproven)
+                .map(|r| r.proof)
+                .collect();
+            for proof in unproven {
+                if proof == Proof::Scratch {
+                    // Retried below, once the other proofs are known.
+                    continue;
+                }
+                self.emit(Effect::Recheck { key, proof });
+            }
+        }
+        self.reclaiming = Some(checked);
+    }
+
+    fn reclaim_end(&mut self) {
+        let Some(checked) = self.reclaiming.take() else {
+            return self.illegal(format_args!("reclaim ended without beginning"));
+        };
+        let mut reclaimed = Vec::new();
+        let mut still = Vec::new();
+        for key in checked {
+            let Some(lease) = self.leases.get_mut(&key) else {
+                continue;
+            };
+            if lease.scratch == Scratch::Failed && lease.physically_done() {
+                // Retry the removal: the slot is clean but for its temp dir.
+                lease.scratch = Scratch::Waiting;
+                lease.reasons.retain(|r| r.proof != Proof::Scratch);
+                self.advance(key);
+            }
+            let lease = &self.leases[&key];
+            if lease.reasons.is_empty() {
+                reclaimed.push(lease.token);
+            } else {
+                still.push(key);
+            }
+        }
+        self.emit(Effect::Reclaimed { reclaimed, still });
+    }
+
+    fn shutdown(&mut self) {
+        if self.stop != Stop::Serving {
+            return;
+        }
+        self.stop = Stop::Stopping {
+            gpu: if self.gpu {
+                GpuClose::Pending
+            } else {
+                GpuClose::NotNeeded
+            },
+        };
+        while let Some((waiter, _)) = self.queue.pop() {
+            self.stop_tally.refused_waiters += 1;
+            self.emit(Effect::Refuse {
+                waiter,
+                error: AcquireError::Stopped,
+            });
+        }
+        if !self.acquiring.is_empty() {
+            // Their futures are dropped: a broker must not keep a queue place or a slot for a
+            // dropped acquire. One that answered already is released when its answer arrives.
+            self.acquiring.clear();
+            self.emit(Effect::AbortAcquires);
+        }
+        for key in sorted(self.leases.keys().copied().collect()) {
+            let lease = self.leases.get_mut(&key).expect("listed");
+            match (lease.holder, lease.release) {
+                (Holder::Job, _) if !lease.cancelled => {
+                    lease.cancelled = true;
+                    self.stop_tally.cancelled_jobs += 1;
+                    self.emit(Effect::Cancel {
+                        key,
+                        holder: Holder::Job,
+                        lost: None,
+                    });
+                }
+                (Holder::Explicit, Release::NotStarted) => {
+                    self.stop_tally.released_leases += 1;
+                    self.emit(Effect::Cancel {
+                        key,
+                        holder: Holder::Explicit,
+                        lost: None,
+                    });
+                    self.start_release(key);
+                }
+                _ => {}
+            }
+        }
+        self.emit(Effect::ArmShutdownTimers);
+    }
+
+    fn shutdown_grace_over(&mut self) {
+        if !matches!(self.stop, Stop::Stopping { .. }) {
+            return;
+        }
+        let keys: Vec<LeaseKey> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.holder == Holder::Job && l.owed.has(Owed::TASKS))
+            .map(|(k, _)| *k)
+            .collect();
+        for key in sorted(keys) {
+            self.emit(Effect::AbortTasks { key });
+        }
+    }
+
+    fn shutdown_deadline(&mut self) {
+        if !matches!(self.stop, Stop::Stopping { .. }) {
+            return;
+        }
+        for key in sorted(self.leases.keys().copied().collect()) {
+            let lease = &self.leases[&key];
+            if lease.release != Release::NotStarted {
+                // Bounded by the cleanup timeout on its own.
+                continue;
+            }
+            for proof in lease.waiting_for() {
+                let lease = &self.leases[&key];
+                if lease.reasons.iter().any(|r| r.proof == proof) {
+                    continue;
+                }
+                let detail = format!(
+                    "{} not proven done when the shutdown bound passed",
+                    proof.describe()
+                );
+                self.missing(key, proof, Why::Late, detail, None);
+            }
+        }
+    }
+
+    /// Shutdown finishes once every lease is released or quarantined, no broker acquire is in
+    /// flight, and the GPU devices are closed.
+    fn maybe_stopped(&mut self) {
+        let Stop::Stopping { gpu } = self.stop else {
+            return;
+        };
+        let busy = self.leases.values().any(|l| !l.is_quarantined());
+        if busy || !self.acquiring.is_empty() || self.reclaiming.is_some() {
+            return;
+        }
+        match gpu {
+            GpuClose::Pending => {
+                self.stop = Stop::Stopping {
+                    gpu: GpuClose::Closing,
+                };
+                self.emit(Effect::CloseGpu);
+            }
+            GpuClose::Closing => {}
+            GpuClose::NotNeeded | GpuClose::Closed => {
+                self.stop = Stop::Stopped;
+                self.emit(Effect::Stopped);
+            }
+        }
+    }
+
+    /// Gives back the memory a flood left behind (amortised O(1)).
+    pub(crate) fn shrink_idle(&mut self) {
+        self.queue.shrink();
+        shrink_map(&mut self.leases);
+        shrink_map(&mut self.by_slot);
+        shrink_map(&mut self.by_lease_id);
+        shrink_set(&mut self.acquiring);
+    }
+
+    // --- queries (no decisions) ---
+
+    pub(crate) fn lease(&self, key: LeaseKey) -> Option<&Lease> {
+        self.leases.get(&key)
+    }
+
+    /// Every lease, by key order.
+    pub(crate) fn leases(&self) -> impl Iterator<Item = (LeaseKey, &Lease)> {
+        self.leases.iter().map(|(k, l)| (*k, l))
+    }
+
+    /// Leases held and not quarantined (running, draining or releasing).
+    pub(crate) fn active(&self) -> usize {
+        self.leases.len() - self.quarantined
+    }
+
+    pub(crate) fn quarantined(&self) -> usize {
+        self.quarantined
+    }
+
+    pub(crate) fn waiting(&self) -> usize {
+        self.queue.len()
+    }
+
+
+    pub(crate) fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    pub(crate) fn stop_tally(&self) -> StopTally {
+        self.stop_tally
+    }
+
+
+
+}
+
+fn lease_owes(owed: &Owed, processes: &[ProcessKey], proof: Proof) -> bool {
+    match proof {
+        Proof::Process(p) => processes.contains(&p),
+        other => owed.has(other.bit()),
+    }
+}
+
+/// Keys in order, so that effects come out in the same order in every run (the simulation
+/// replays a seed exactly).
+fn sorted(mut keys: Vec<LeaseKey>) -> Vec<LeaseKey> {
+    keys.sort_unstable();
+    keys
+}
+
+/// Map capacity kept however empty a map gets.
+const SHRINK_FLOOR: usize = 64;
+
+/// Gives back most of a map's capacity once it is at most a quarter full.
+pub(crate) fn shrink_map<K: Eq + std::hash::Hash, V, S: std::hash::BuildHasher>(
+    map: &mut std::collections::HashMap<K, V, S>,
+) {
+    let cap = map.capacity();
+    if cap > SHRINK_FLOOR && map.len() <= cap / 4 {
+        map.shrink_to((map.len() * 2).max(SHRINK_FLOOR));
+    }
+}
+
+fn shrink_set<K: Eq + std::hash::Hash, S: std::hash::BuildHasher>(
+    set: &mut std::collections::HashSet<K, S>,
+) {
+    let cap = set.capacity();
+    if cap > SHRINK_FLOOR && set.len() <= cap / 4 {
+        set.shrink_to((set.len() * 2).max(SHRINK_FLOOR));
+    }
+}
+
+fn shrink_deque<T>(deque: &mut VecDeque<T>) {
+    let cap = deque.capacity();
+    if cap > SHRINK_FLOOR && deque.len() <= cap / 4 {
+        deque.shrink_to((deque.len() * 2).max(SHRINK_FLOOR));
+    }
+}
+
+#[cfg(test)]
+#[path = "core_tests.rs"]
+mod tests;

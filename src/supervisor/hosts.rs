@@ -1,0 +1,226 @@
+//! What the supervisor's pipeline acts on outside itself: temp dirs, child processes, GPU
+//! devices. Each is a small trait with one real implementation; the simulation test swaps in
+//! scripted fakes (a file system that fails or hangs, processes that ignore `SIGTERM` or
+//! escape their group, GPU work that is slow or lost) and drives the real supervisor with them.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
+
+use crate::process::{OsProcesses, ProcessHost};
+
+/// Where a supervisor's jobs get their temp dirs.
+pub(crate) trait ScratchHost: Send + Sync + 'static {
+    /// A new directory strictly inside `root`, whatever the job id. Runs in the worker's task,
+    /// never in the supervisor's mailbox.
+    fn create(&self, root: &Path, job_id: &str) -> io::Result<PathBuf>;
+
+    /// Removes the directory and everything in it; a directory already gone is removed.
+    /// Never blocks the caller's thread.
+    fn remove(&self, path: PathBuf) -> BoxFuture<'static, io::Result<()>>;
+}
+
+/// Temp dirs on the real file system.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FsScratch;
+
+impl ScratchHost for FsScratch {
+    fn create(&self, root: &Path, job_id: &str) -> io::Result<PathBuf> {
+        // A fresh name with a random suffix, created exclusively: a leftover of an earlier
+        // run (a quarantined dir kept as evidence) is never reused. The id may be `.` or `..`:
+        // it is only ever a prefix of a single path component, so it cannot escape the root.
+        let dir = tempfile::Builder::new()
+            .prefix(job_id)
+            .rand_bytes(6)
+            .tempdir_in(root)?;
+        Ok(dir.keep())
+    }
+
+    fn remove(&self, path: PathBuf) -> BoxFuture<'static, io::Result<()>> {
+        // On the blocking pool: a file system that hangs holds one of its threads, never the
+        // supervisor (nor, on a current-thread runtime, everything else).
+        let task = tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&path) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            other => other,
+        });
+        Box::pin(async move { task.await.unwrap_or_else(|e| Err(io::Error::other(e))) })
+    }
+}
+
+/// The hosts of one supervisor.
+#[derive(Clone)]
+pub(crate) struct Hosts {
+    pub(crate) scratch: Arc<dyn ScratchHost>,
+    pub(crate) processes: Arc<dyn ProcessHost>,
+    #[cfg(feature = "gpu")]
+    pub(crate) gpu: Option<Arc<dyn GpuHost>>,
+}
+
+impl Hosts {
+    /// The real file system, real processes, no GPU.
+    pub(crate) fn os() -> Self {
+        Self {
+            scratch: Arc::new(FsScratch),
+            processes: Arc::new(OsProcesses),
+            #[cfg(feature = "gpu")]
+            gpu: None,
+        }
+    }
+}
+
+#[cfg(feature = "gpu")]
+pub(crate) use gpu::{Fence, GpuHost, PoolHost};
+
+#[cfg(feature = "gpu")]
+mod gpu {
+    use std::sync::Arc;
+
+    use futures_util::future::BoxFuture;
+
+    use crate::gpu::{FenceFailure, GpuError, GpuPool, JobGpu, Placement};
+
+    /// How a lease's GPU fence ended.
+    pub(crate) enum Fence {
+        /// Every submission made under the lease completed.
+        Done,
+        /// Not within the fence bound; `rest` resolves when it does end.
+        Late {
+            detail: String,
+            rest: BoxFuture<'static, Fence>,
+        },
+        /// The device was lost (on that generation): the work is gone with it.
+        Lost {
+            device: usize,
+            generation: u64,
+            reason: String,
+        },
+    }
+
+    /// The supervisor's GPU devices, as its pipeline uses them.
+    pub(crate) trait GpuHost: Send + Sync + 'static {
+        /// How many GPU sub-slots there are.
+        fn capacity(&self) -> u32;
+        /// Marks a free sub-slot busy (bookkeeping only: safe in the mailbox).
+        fn place(&self) -> Option<Placement>;
+        /// The sub-slot may serve another lease (bookkeeping only).
+        fn free(&self, slot: Placement);
+        /// In the worker, before the body: the device for the job, re-creating a lost one.
+        fn checkout(&self, slot: Placement) -> BoxFuture<'static, Result<Option<JobGpu>, GpuError>>;
+        /// In the job's driver, after its tasks: every submission made under the lease.
+        fn fence(&self, slot: Placement, job: Option<JobGpu>) -> BoxFuture<'static, Fence>;
+        /// Whether a lost device has been replaced (or given up for good).
+        fn settled(&self, device: usize) -> bool;
+        /// Starts replacing a lost device; `replaced` is called (off the mailbox) once it is
+        /// replaced or given up, with the device's generation then.
+        fn recreate(&self, device: usize);
+        /// Installs the replacement hook (once, at start).
+        fn on_replaced(&self, hook: Box<dyn Fn(usize, u64) + Send + Sync>);
+        /// The device's generation now (1 at start, one more per re-creation).
+        fn generation(&self, device: usize) -> u64;
+        /// Waits for the devices' remaining work and destroys them, off the caller's thread;
+        /// resolves when done. May never resolve (a device whose work never ends): the
+        /// supervisor stops waiting at a bound.
+        fn close(&self) -> BoxFuture<'static, ()>;
+    }
+
+    /// The real devices.
+    pub(crate) struct PoolHost(pub(crate) Arc<GpuPool>);
+
+    impl GpuHost for PoolHost {
+        fn capacity(&self) -> u32 {
+            self.0.capacity()
+        }
+
+        fn place(&self) -> Option<Placement> {
+            self.0.place()
+        }
+
+        fn free(&self, slot: Placement) {
+            self.0.free(slot)
+        }
+
+        fn checkout(&self, slot: Placement) -> BoxFuture<'static, Result<Option<JobGpu>, GpuError>> {
+            let pool = Arc::clone(&self.0);
+            Box::pin(async move { pool.checkout(slot).await.map(Some) })
+        }
+
+        fn fence(&self, _slot: Placement, job: Option<JobGpu>) -> BoxFuture<'static, Fence> {
+            let pool = Arc::clone(&self.0);
+            Box::pin(async move {
+                let Some(job) = job else {
+                    return Fence::Done;
+                };
+                let outcome = pool.fence(&job).await;
+                let generation = job.generation();
+                // The job's handles are dropped here, in the driver, never in the mailbox.
+                drop(job);
+                match outcome {
+                    Ok(()) => Fence::Done,
+                    Err(FenceFailure::Timeout {
+                        after,
+                        still_waiting,
+                    }) => Fence::Late {
+                        detail: format!(
+                            "gpu work submitted under the lease had not completed {after:?} after the worker ended"
+                        ),
+                        rest: Box::pin(async move {
+                            still_waiting.await;
+                            Fence::Done
+                        }),
+                    },
+                    Err(FenceFailure::Lost { device, reason }) => Fence::Lost {
+                        device,
+                        generation,
+                        reason,
+                    },
+                }
+            })
+        }
+
+        fn settled(&self, device: usize) -> bool {
+            self.0.settled(device)
+        }
+
+        fn recreate(&self, device: usize) {
+            self.0.recreate_in_background(device)
+        }
+
+        fn on_replaced(&self, hook: Box<dyn Fn(usize, u64) + Send + Sync>) {
+            let pool = Arc::downgrade(&self.0);
+            self.0.set_replaced_hook(Box::new(move |device| {
+                let generation = pool
+                    .upgrade()
+                    .and_then(|p| p.generation(device))
+                    .unwrap_or(u64::MAX);
+                hook(device, generation)
+            }));
+        }
+
+        fn generation(&self, device: usize) -> u64 {
+            self.0.generation(device).unwrap_or(0)
+        }
+
+        fn close(&self) -> BoxFuture<'static, ()> {
+            let (pool, (done, closed)) = (Arc::clone(&self.0), tokio::sync::oneshot::channel());
+            // A thread of its own, not the blocking pool: a device whose work never ends must
+            // not hold the runtime's shutdown either.
+            let spawned = std::thread::Builder::new()
+                .name("leasehold-gpu-close".into())
+                .spawn(move || {
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pool.close()));
+                    if r.is_err() {
+                        tracing::error!("the gpu backend panicked while closing its devices");
+                    }
+                    let _ = done.send(());
+                });
+            if let Err(e) = spawned {
+                tracing::error!(error = %e, "could not start a thread to close the gpu devices");
+            }
+            Box::pin(async move {
+                let _ = closed.await;
+            })
+        }
+    }
+}
