@@ -40,8 +40,8 @@ pub use process::{JobProcess, ProcessError, ProcessSpec};
 pub use sink::OrphanedFailure;
 pub use supervisor::{
     DEFAULT_CANCEL_GRACE, DEFAULT_CLEANUP_TIMEOUT, DEFAULT_PROCESS_GRACE,
-    DEFAULT_PROCESS_PROOF_BOUND, DEFAULT_SHUTDOWN_TIMEOUT, QuarantinedSlot, ReclaimReport, ShutdownReport, Stats, Supervisor,
-    SupervisorBuilder, metric_names,
+    DEFAULT_PROCESS_PROOF_BOUND, DEFAULT_SHUTDOWN_TIMEOUT, QuarantinedSlot, ReclaimReport,
+    ShutdownReport, Stats, Supervisor, SupervisorBuilder, metric_names,
 };
 /// Re-exported (feature `gpu`) so that jobs use exactly the wgpu the supervisor was built with.
 #[cfg(feature = "gpu")]

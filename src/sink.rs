@@ -35,7 +35,11 @@ pub(crate) type ErrorSink = Arc<dyn Fn(&OrphanedFailure) + Send + Sync>;
 /// Reports a cleanup failure that has no caller left: a `tracing` error event, then the user's
 /// error sink (a panicking sink is caught: it must not take the supervisor down). The
 /// `render_slot.release.failed.count` metric is counted where the release ended.
-pub(crate) fn report_orphaned(sink: Option<&ErrorSink>, job_id: Option<String>, error: CleanupError) {
+pub(crate) fn report_orphaned(
+    sink: Option<&ErrorSink>,
+    job_id: Option<String>,
+    error: CleanupError,
+) {
     let Some(token) = error.token() else {
         tracing::error!(job_id = job_id.as_deref(), code = error.code(), %error, "cleanup failed with no caller left");
         return;

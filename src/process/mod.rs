@@ -25,10 +25,10 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
 use parking_lot::Mutex;
 use rustix::process::{Pid, Signal};
 use tokio::process::{Child, ChildStderr, ChildStdin, ChildStdout};
-use futures_util::future::BoxFuture;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -163,6 +163,12 @@ impl ProcessSpec {
         self
     }
 
+    /// The program (the simulation test scripts its fakes by it).
+    #[cfg(test)]
+    pub(crate) fn program(&self) -> &OsStr {
+        &self.program
+    }
+
     /// Builds the command with every path confined to `root`; nothing is spawned.
     fn command(self, root: &Path) -> Result<tokio::process::Command, ProcessError> {
         let confine = |p: &Path| crate::worker::confine(root, p).map_err(ProcessError::Path);
@@ -285,6 +291,29 @@ impl JobProcess {
     /// the process grace. Returns at once; [`wait`](Self::wait) tells when the leader is gone.
     pub fn kill(&self) {
         self.stop.cancel();
+    }
+
+    /// A handle for a scripted process (the simulation test): its keeper reports the exit
+    /// through the returned sender, and `stop` is what its `kill` and the job's cancellation
+    /// reach.
+    #[cfg(test)]
+    pub(crate) fn scripted(
+        pid: u32,
+        stop: CancellationToken,
+    ) -> (
+        Self,
+        watch::Sender<Option<Result<ExitStatus, Arc<io::Error>>>>,
+    ) {
+        let (tx, rx) = watch::channel(None);
+        let process = Self {
+            pid,
+            status: rx,
+            stop,
+            stdin: None,
+            stdout: None,
+            stderr: None,
+        };
+        (process, tx)
     }
 }
 

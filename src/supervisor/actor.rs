@@ -109,8 +109,6 @@ struct JobRt {
     shared: Arc<JobShared>,
     /// Taken when the caller has been answered (at the end, or early on quarantine).
     reply: Option<oneshot::Sender<RunOutcome>>,
-    /// Tells the job's driver it may remove the temp dir.
-    go: Option<oneshot::Sender<()>>,
     #[cfg(feature = "gpu")]
     placement: Option<crate::gpu::Placement>,
 }
@@ -500,6 +498,8 @@ impl Shell {
                 tracing::error!(%detail, "refusing a token from the broker");
             }
             Effect::Illegal(detail) => {
+                #[cfg(test)]
+                ILLEGAL_INPUTS.fetch_add(1, Ordering::Relaxed);
                 // A bug, never a reason to stop: the other slots keep serving.
                 tracing::error!(%detail, "the supervisor's core refused an input");
             }
@@ -517,8 +517,7 @@ impl Shell {
             // Answers at once (the core asks only while a slot is free).
             BrokerPort::Local(local) => local.take(),
             BrokerPort::Dyn(broker) => {
-                let req =
-                    AcquireRequest::for_job(request, job_id).with_origin(self.origin);
+                let req = AcquireRequest::for_job(request, job_id).with_origin(self.origin);
                 let mut fut = Arc::clone(broker).acquire_boxed(req);
                 match poll_once(&mut fut) {
                     Poll::Ready(result) => result,
@@ -627,14 +626,12 @@ impl Shell {
         match Actor::spawn_linked(None, WorkerActor, args, self.myself.get_cell()).await {
             Ok((worker, join)) => {
                 self.workers.insert(worker.get_id(), key);
-                let (go_tx, go_rx) = oneshot::channel();
                 self.jobs.insert(
                     key,
                     JobRt {
                         job_id,
                         shared: Arc::clone(&shared),
                         reply: Some(reply),
-                        go: Some(go_tx),
                         #[cfg(feature = "gpu")]
                         placement,
                     },
@@ -645,9 +642,8 @@ impl Shell {
                     shared,
                     reporter,
                     drain_timeout: self.config.drain_timeout,
-                    cleanup_timeout: self.config.cleanup_timeout,
-                    hosts: self.config.hosts.clone(),
-                    go: go_rx,
+                    #[cfg(feature = "gpu")]
+                    gpu: self.config.hosts.gpu.clone(),
                     #[cfg(feature = "gpu")]
                     placement,
                 };
@@ -747,7 +743,8 @@ impl Shell {
             if gpu.settled(device) {
                 // Replaced (or given up) before the loss reached the core.
                 let generation = gpu.generation(device);
-                self.core.apply(Input::DeviceReplaced { device, generation });
+                self.core
+                    .apply(Input::DeviceReplaced { device, generation });
             } else {
                 gpu.recreate(device);
             }
@@ -755,7 +752,7 @@ impl Shell {
     }
 
     fn remove_scratch(&mut self, key: LeaseKey) {
-        let Some(job) = self.jobs.get_mut(&key) else {
+        let Some(job) = self.jobs.get(&key) else {
             return;
         };
         let Some(path) = job.shared.temp_dir().map(PathBuf::from) else {
@@ -765,12 +762,7 @@ impl Shell {
                 proof: Proof::Scratch,
             });
         };
-        // The job's driver removes it; a retry (reclaim) runs in a task of its own.
-        if let Some(go) = job.go.take()
-            && go.send(()).is_ok()
-        {
-            return;
-        }
+        // Started exactly when the core says, in a task of its own: never in the mailbox.
         let removal = remove_scratch(
             Arc::clone(&self.config.hosts.scratch),
             path,
@@ -1030,6 +1022,10 @@ async fn release_orphan(broker: Arc<dyn DynBroker>, token: SlotToken, timeout: D
     }
 }
 
+/// Inputs the core refused, ever (the simulation test demands none).
+#[cfg(test)]
+pub(crate) static ILLEGAL_INPUTS: AtomicU64 = AtomicU64::new(0);
+
 /// Process keys are unique in the process (any supervisor).
 static NEXT_PROCESS: AtomicU64 = AtomicU64::new(1);
 
@@ -1085,20 +1081,19 @@ async fn remove_scratch(
     });
 }
 
-/// Awaits a job's physical end, outside the supervisor's mailbox, and reports each proof: the
-/// worker's actor task (its join handle resolves only once the actor is fully gone, state
-/// dropped), then every task and blocking closure spawned through its context (process keepers
-/// included), then (with a GPU) every submission made under the lease. Then, when the
-/// supervisor says every proof is in, it removes the temp dir.
+/// Awaits a job's physical end, outside the supervisor's mailbox, and reports each proof as
+/// it comes: the worker's actor task (its join handle resolves only once the actor is fully
+/// gone, state dropped), every task and blocking closure spawned through its context (process
+/// keepers included), and (with a GPU) every submission made under the lease. It decides
+/// nothing: what follows from the proofs is the core's.
 struct Driver {
     join: JoinHandle<()>,
     tracker: TaskTracker,
     shared: Arc<JobShared>,
     reporter: Reporter,
     drain_timeout: Option<Duration>,
-    cleanup_timeout: Duration,
-    hosts: Hosts,
-    go: oneshot::Receiver<()>,
+    #[cfg(feature = "gpu")]
+    gpu: Option<Arc<dyn super::hosts::GpuHost>>,
     #[cfg(feature = "gpu")]
     placement: Option<crate::gpu::Placement>,
 }
@@ -1130,7 +1125,7 @@ impl Driver {
         self.shared.close();
         proofs = proofs.with(Proofs::TASKS);
         #[cfg(feature = "gpu")]
-        if let (Some(gpu), Some(placement)) = (&self.hosts.gpu, self.placement) {
+        if let (Some(gpu), Some(placement)) = (&self.gpu, self.placement) {
             use super::hosts::Fence;
             let job = self.shared.take_gpu();
             let mut fence = gpu.fence(placement, job).await;
@@ -1166,19 +1161,6 @@ impl Driver {
         }
         if !proofs.is_empty() {
             self.reporter.send(SupMsg::Proven { key, proofs });
-        }
-        // The temp dir, once the supervisor says every proof is in (never, for a slot
-        // quarantined until shutdown: the sender is then dropped).
-        if self.go.await.is_ok()
-            && let Some(path) = self.shared.temp_dir().map(PathBuf::from)
-        {
-            remove_scratch(
-                Arc::clone(&self.hosts.scratch),
-                path,
-                self.cleanup_timeout,
-                self.reporter,
-            )
-            .await;
         }
     }
 }

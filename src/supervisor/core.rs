@@ -194,7 +194,7 @@ enum Scratch {
 }
 
 /// One lease: what it holds, what it still owes, why it is quarantined.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct Lease {
     token: SlotToken,
     holder: Holder,
@@ -208,6 +208,8 @@ pub(crate) struct Lease {
     renewing: bool,
     /// The caller has its answer (the final one, or an early one on quarantine).
     answered: bool,
+    /// Why the temp dir could not be removed, kept for the early answer.
+    io: Option<io::Error>,
     cancelled: bool,
     /// Counted in `quarantined`.
     counted: bool,
@@ -218,11 +220,9 @@ impl Lease {
         self.token
     }
 
-
     pub(crate) fn reasons(&self) -> &[Reason] {
         &self.reasons
     }
-
 
     pub(crate) fn phase(&self) -> Phase {
         if self.release == Release::InFlight {
@@ -284,7 +284,11 @@ impl Lease {
             .map(|r| r.detail.as_str())
             .collect::<Vec<_>>()
             .join("; ");
-        match self.reasons.iter().find(|r| matches!(r.why, Why::Lost { .. })) {
+        match self
+            .reasons
+            .iter()
+            .find(|r| matches!(r.why, Why::Lost { .. }))
+        {
             Some(_) => CleanupError::with_kind(CleanupErrorKind::GpuDeviceLost, self.token, detail),
             None => CleanupError::unconfirmed(self.token, detail, None),
         }
@@ -313,10 +317,7 @@ pub(crate) enum Input {
     /// A caller joins the FIFO queue.
     Enqueue { waiter: WaiterId, want: Want },
     /// A caller stops waiting (cancelled, timed out). Ignored once it has been served.
-    Withdraw {
-        waiter: WaiterId,
-        why: Withdrawal,
-    },
+    Withdraw { waiter: WaiterId, why: Withdrawal },
     /// A broker acquire ended.
     Acquired {
         request: RequestId,
@@ -465,7 +466,9 @@ pub(crate) enum Effect {
         error: CleanupError,
     },
     /// The lease is over: the shell forgets what it keeps for it and frees its GPU sub-slot.
-    Forget { key: LeaseKey },
+    Forget {
+        key: LeaseKey,
+    },
     /// Re-check an unproven proof; report [`Input::ProvenOne`] or nothing.
     Recheck {
         key: LeaseKey,
@@ -852,6 +855,7 @@ impl Core {
                 release: Release::NotStarted,
                 renewing: false,
                 answered: false,
+                io: None,
                 cancelled: false,
                 counted: false,
             },
@@ -871,7 +875,9 @@ impl Core {
             return self.illegal(format_args!("undelivered lease {key} is not live"));
         };
         if lease.holder == Holder::Surplus || lease.release != Release::NotStarted {
-            return self.illegal(format_args!("undelivered lease {key} was not being delivered"));
+            return self.illegal(format_args!(
+                "undelivered lease {key} was not being delivered"
+            ));
         }
         // Nobody ever saw it: forget the grant (it is not counted twice) and pass the token on.
         let token = lease.token;
@@ -936,7 +942,13 @@ impl Core {
         if let Some(p) = process {
             lease.processes.retain(|q| *q != p);
         }
-        lease.reasons.retain(|r| lease_owes(&lease.owed, &lease.processes, r.proof));
+        lease
+            .reasons
+            .retain(|r| lease_owes(&lease.owed, &lease.processes, r.proof));
+        if bits & Owed::JOINED != 0 {
+            // The body's result exists now: a quarantine found earlier is answered.
+            self.answer_early(key, None);
+        }
         self.advance(key);
     }
 
@@ -950,7 +962,9 @@ impl Core {
         error: Option<io::Error>,
     ) {
         let Some(lease) = self.leases.get_mut(&key) else {
-            return self.illegal(format_args!("{proof:?} missing for lease {key}, which is not live"));
+            return self.illegal(format_args!(
+                "{proof:?} missing for lease {key}, which is not live"
+            ));
         };
         if !lease.owes(proof) || lease.release != Release::NotStarted {
             return self.illegal(format_args!(
@@ -970,20 +984,30 @@ impl Core {
                 lease.scratch = Scratch::Failed;
                 self.missing(key, Proof::Scratch, Why::Unproven, detail, Some(error));
             }
-            _ => self.illegal(format_args!("temp dir removal failed for lease {key}, which was not removing it")),
+            _ => self.illegal(format_args!(
+                "temp dir removal failed for lease {key}, which was not removing it"
+            )),
         }
     }
 
-    /// The first quarantine of a job answers its caller at once: the slot is held, but the
-    /// caller does not wait for what may never be proven.
+    /// A quarantined job answers its caller at once, without waiting for what may never be
+    /// proven, but not before its worker has joined: the answer carries the body's own result,
+    /// which exists only once the body has ended.
     fn answer_early(&mut self, key: LeaseKey, io: Option<io::Error>) {
         let lease = self.leases.get_mut(&key).expect("checked by the caller");
-        if lease.answered || lease.holder != Holder::Job {
+        if io.is_some() {
+            lease.io = io;
+        }
+        if lease.answered
+            || lease.holder != Holder::Job
+            || lease.reasons.is_empty()
+            || lease.owed.has(Owed::JOINED)
+        {
             return;
         }
         lease.answered = true;
         let mut err = lease.unconfirmed();
-        if let Some(io) = io {
+        if let Some(io) = lease.io.take() {
             err = err.with_io(io);
         }
         self.emit(Effect::Answer {
@@ -1012,7 +1036,10 @@ impl Core {
     fn release_requested(&mut self, key: LeaseKey) {
         let Some(lease) = self.leases.get(&key) else {
             // Already released (by an earlier call, or at shutdown): a no-op.
-            return self.emit(Effect::Answer { key, result: Ok(()) });
+            return self.emit(Effect::Answer {
+                key,
+                result: Ok(()),
+            });
         };
         match (lease.holder, lease.release) {
             (Holder::Explicit, Release::NotStarted) => self.start_release(key),
@@ -1035,8 +1062,9 @@ impl Core {
         match holder {
             // The job's work may still run (its body, tasks, processes or gpu work): it is
             // cancelled and its result says the lease was lost.
-            Holder::Job if lease.owed.0 & (Owed::JOINED | Owed::TASKS | Owed::GPU) != 0
-                || !lease.processes.is_empty() =>
+            Holder::Job
+                if lease.owed.0 & (Owed::JOINED | Owed::TASKS | Owed::GPU) != 0
+                    || !lease.processes.is_empty() =>
             {
                 lease.cancelled = true;
                 self.emit(Effect::Cancel {
@@ -1061,7 +1089,9 @@ impl Core {
         if lease.release != Release::NotStarted {
             return self.refresh(key);
         }
-        if lease.physically_done() && lease.owed.has(Owed::SCRATCH) && lease.scratch == Scratch::Waiting
+        if lease.physically_done()
+            && lease.owed.has(Owed::SCRATCH)
+            && lease.scratch == Scratch::Waiting
         {
             lease.scratch = Scratch::Removing;
             self.emit(Effect::RemoveScratch { key });
@@ -1089,7 +1119,11 @@ impl Core {
     fn released(&mut self, key: LeaseKey, result: Result<(), CleanupError>) {
         match self.leases.get(&key) {
             Some(l) if l.release == Release::InFlight => {}
-            _ => return self.illegal(format_args!("release of lease {key}, which was not releasing")),
+            _ => {
+                return self.illegal(format_args!(
+                    "release of lease {key}, which was not releasing"
+                ));
+            }
         }
         let lease = self.remove(key);
         match &result {
@@ -1337,7 +1371,6 @@ impl Core {
         self.queue.len()
     }
 
-
     pub(crate) fn counters(&self) -> Counters {
         self.counters
     }
@@ -1345,9 +1378,6 @@ impl Core {
     pub(crate) fn stop_tally(&self) -> StopTally {
         self.stop_tally
     }
-
-
-
 }
 
 fn lease_owes(owed: &Owed, processes: &[ProcessKey], proof: Proof) -> bool {

@@ -123,14 +123,19 @@ fn a_gpu_loss_and_an_unproven_process_group_on_one_lease_both_hold_it() {
         proof: Proof::Process(3),
         detail: "group 3 still has members".into(),
     });
-    let early = drain(&mut core);
     assert!(
-        matches!(early.as_slice(), [Effect::Answer { result: Err(e), .. }] if e.code() == "LEASE_CLEANUP_UNCONFIRMED")
+        drain(&mut core).is_empty(),
+        "the caller is answered only once the body has ended"
     );
     core.apply(Input::Proven {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
     });
+    let early = drain(&mut core);
+    assert!(
+        matches!(early.as_slice(), [Effect::Answer { result: Err(e), .. }] if e.code() == "LEASE_CLEANUP_UNCONFIRMED"),
+        "{early:?}"
+    );
     core.apply(Input::ProvenOne {
         key,
         proof: Proof::EventHandled,
@@ -169,7 +174,10 @@ fn a_gpu_loss_and_an_unproven_process_group_on_one_lease_both_hold_it() {
     });
     core.apply(Input::ReclaimEnd);
     let effects = drain(&mut core);
-    assert!(matches!(effects[0], Effect::RemoveScratch { .. }), "{effects:?}");
+    assert!(
+        matches!(effects[0], Effect::RemoveScratch { .. }),
+        "{effects:?}"
+    );
     assert!(matches!(&effects[1], Effect::Reclaimed { reclaimed, .. } if reclaimed.len() == 1));
 }
 
@@ -193,12 +201,23 @@ fn a_loss_seen_on_an_older_generation_than_the_replacement_is_proven_by_it_but_n
         device: 0,
         generation: 2,
     });
-    assert!(core.lease(key).unwrap().waiting_for().contains(&Proof::GpuFence));
+    assert!(
+        core.lease(key)
+            .unwrap()
+            .waiting_for()
+            .contains(&Proof::GpuFence)
+    );
     core.apply(Input::DeviceReplaced {
         device: 0,
         generation: 4,
     });
-    assert!(!core.lease(key).unwrap().waiting_for().contains(&Proof::GpuFence));
+    assert!(
+        !core
+            .lease(key)
+            .unwrap()
+            .waiting_for()
+            .contains(&Proof::GpuFence)
+    );
 }
 
 #[test]
@@ -323,7 +342,11 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
         })
         .collect();
     assert_eq!(cancelled, keys.iter().copied().collect());
-    assert!(effects.iter().any(|e| matches!(e, Effect::ArmShutdownTimers)));
+    assert!(
+        effects
+            .iter()
+            .any(|e| matches!(e, Effect::ArmShutdownTimers))
+    );
     core.settle();
     assert!(drain(&mut core).is_empty(), "shutdown may not end yet");
     core.apply(Input::ShutdownGraceOver);
@@ -575,11 +598,18 @@ impl World {
                     // `acquiring`, so the world can deliver that answer late).
                 }
                 Effect::Deliver { waiter, key, token } => {
-                    assert!(self.waiting.contains(&waiter), "delivered to a waiter that left");
+                    assert!(
+                        self.waiting.contains(&waiter),
+                        "delivered to a waiter that left"
+                    );
                     // Invariant 2: no slot held by two live leases the core delivered.
                     for (k, other) in &self.known {
                         if *k != key && !other.released && other.release_effects == 0 {
-                            assert_ne!(other.token.map(|t| t.slot_id()), Some(token.slot_id()), "slot {token} delivered while held by lease {k}");
+                            assert_ne!(
+                                other.token.map(|t| t.slot_id()),
+                                Some(token.slot_id()),
+                                "slot {token} delivered while held by lease {k}"
+                            );
                         }
                     }
                     let want = self.waiter_want(waiter);
@@ -594,14 +624,31 @@ impl World {
                         // A job that could not start (no worker, no GPU): its caller hears why.
                         1 if want == Want::Job => {
                             self.end_waiter(waiter, "not started");
-                            self.known.insert(key, Known { token: Some(token), job: true, answers: 1, ..Default::default() });
+                            self.known.insert(
+                                key,
+                                Known {
+                                    token: Some(token),
+                                    job: true,
+                                    answers: 1,
+                                    ..Default::default()
+                                },
+                            );
                             self.input(Input::NotStarted { key });
                         }
                         _ => {
                             self.end_waiter(waiter, "granted");
                             let job = want == Want::Job;
                             let device = (job && self.core.gpu).then(|| self.roll(2) as usize);
-                            self.known.insert(key, Known { token: Some(token), job, started: job, device, ..Default::default() });
+                            self.known.insert(
+                                key,
+                                Known {
+                                    token: Some(token),
+                                    job,
+                                    started: job,
+                                    device,
+                                    ..Default::default()
+                                },
+                            );
                             if job {
                                 self.input(Input::Started { key, device });
                             }
@@ -610,25 +657,50 @@ impl World {
                 }
                 Effect::Refuse { waiter, .. } => self.end_waiter(waiter, "refused"),
                 Effect::StartRenewal { .. } | Effect::StopRenewal { .. } => {}
-                Effect::Cancel { .. } | Effect::LostAfterExit { .. } | Effect::AbortTasks { .. } => {}
+                Effect::Cancel { .. }
+                | Effect::LostAfterExit { .. }
+                | Effect::AbortTasks { .. } => {}
                 Effect::RecreateDevice { .. } => {}
                 Effect::RemoveScratch { key } => {
                     let k = &self.known[&key];
                     // Invariant 3: the temp dir goes only after every proof of the physical end.
-                    assert!(k.joined && k.tasks && k.event, "temp dir removed before the worker's end: {k:?}");
-                    assert!(k.processes_open.is_empty() && k.processes_unproven.is_empty(), "temp dir removed with processes unproven: {k:?}");
-                    assert!(k.device.is_none() || k.gpu_done || k.gpu_lost.is_some_and(|g| g < self.generation[k.device.unwrap()]), "temp dir removed before the gpu fence: {k:?}");
+                    assert!(
+                        k.joined && k.tasks && k.event,
+                        "temp dir removed before the worker's end: {k:?}"
+                    );
+                    assert!(
+                        k.processes_open.is_empty() && k.processes_unproven.is_empty(),
+                        "temp dir removed with processes unproven: {k:?}"
+                    );
+                    assert!(
+                        k.device.is_none()
+                            || k.gpu_done
+                            || k.gpu_lost
+                                .is_some_and(|g| g < self.generation[k.device.unwrap()]),
+                        "temp dir removed before the gpu fence: {k:?}"
+                    );
                     assert!(!self.scratch.contains(&key), "two removals at once");
                     self.scratch.push(key);
                 }
                 Effect::Release { key, token } => {
                     // A token nobody waited for any more (surplus) is released at once.
-                    let k = self.known.entry(key).or_insert_with(|| Known { token: Some(token), surplus: true, ..Default::default() });
+                    let k = self.known.entry(key).or_insert_with(|| Known {
+                        token: Some(token),
+                        surplus: true,
+                        ..Default::default()
+                    });
                     // Invariant 5: one release per token.
-                    assert!(self.released_tokens.insert((token.slot_id(), token.lease_id())), "{token} released twice");
+                    assert!(
+                        self.released_tokens
+                            .insert((token.slot_id(), token.lease_id())),
+                        "{token} released twice"
+                    );
                     k.release_effects += 1;
                     if k.job && k.started {
-                        assert!(k.scratch_proven, "a job's slot released before its temp dir: {k:?}");
+                        assert!(
+                            k.scratch_proven,
+                            "a job's slot released before its temp dir: {k:?}"
+                        );
                     }
                     self.releases.push((key, token));
                 }
@@ -643,7 +715,10 @@ impl World {
                     }
                 }
                 Effect::Sink { key, .. } => {
-                    self.known.get_mut(&key).expect("sink for an unknown lease").sinks += 1;
+                    self.known
+                        .get_mut(&key)
+                        .expect("sink for an unknown lease")
+                        .sinks += 1;
                 }
                 Effect::Forget { key } => {
                     if let Some(k) = self.known.get_mut(&key) {
@@ -651,9 +726,15 @@ impl World {
                     }
                 }
                 Effect::Recheck { key, proof } => {
-                    let Proof::Process(p) = proof else { panic!("recheck of {proof:?}") };
+                    let Proof::Process(p) = proof else {
+                        panic!("recheck of {proof:?}")
+                    };
                     if self.roll(2) == 0 {
-                        self.known.get_mut(&key).unwrap().processes_unproven.remove(&p);
+                        self.known
+                            .get_mut(&key)
+                            .unwrap()
+                            .processes_unproven
+                            .remove(&p);
                         self.input(Input::ProvenOne { key, proof });
                     }
                 }
@@ -665,7 +746,10 @@ impl World {
                     self.stopped = true;
                 }
                 Effect::OrphanCounted | Effect::TokenRefused(_) => {}
-                Effect::Illegal(what) => panic!("the core refused an input the world made legally: {what}\n{}", self.log.join("\n")),
+                Effect::Illegal(what) => panic!(
+                    "the core refused an input the world made legally: {what}\n{}",
+                    self.log.join("\n")
+                ),
             }
         }
     }
@@ -676,7 +760,10 @@ impl World {
 
     fn end_waiter(&mut self, waiter: WaiterId, how: &'static str) {
         self.waiting.retain(|w| *w != waiter);
-        assert!(self.ended.insert(waiter, how).is_none(), "waiter {waiter} ended twice");
+        assert!(
+            self.ended.insert(waiter, how).is_none(),
+            "waiter {waiter} ended twice"
+        );
     }
 }
 
@@ -726,8 +813,11 @@ impl World {
                 self.acquiring.retain(|r| *r != request);
                 let result = match kind {
                     1 => Err(BrokerError::new("refused")),
-                    2 => match self.held.iter().next() {
-                        // A broker bug: a slot it still holds for someone else.
+                    2 => match self.held.iter().find(|(_, lease)| {
+                        !self.releases.iter().any(|(_, t)| t.lease_id() == **lease)
+                    }) {
+                        // A broker bug: a slot it still holds for a live lease (one whose
+                        // release is in flight may be granted again: the core accepts that).
                         Some((&slot, _)) => {
                             let lease = self.next_lease;
                             self.next_lease += 1;
@@ -736,7 +826,8 @@ impl World {
                         None => Err(BrokerError::new("refused")),
                     },
                     _ => {
-                        let Some(slot) = (0..self.capacity).find(|s| !self.held.contains_key(s)) else {
+                        let Some(slot) = (0..self.capacity).find(|s| !self.held.contains_key(s))
+                        else {
                             // The core asked for more than the broker has: invariant 1.
                             panic!("an acquire with every slot held\n{}", self.log.join("\n"));
                         };
@@ -758,19 +849,31 @@ impl World {
                         let m = self.known.get_mut(&key).unwrap();
                         m.joined = true;
                         m.tasks = true;
-                        Input::Proven { key, proofs: Proofs::JOINED.with(Proofs::TASKS) }
+                        Input::Proven {
+                            key,
+                            proofs: Proofs::JOINED.with(Proofs::TASKS),
+                        }
                     }
                     1 if !k.joined => {
                         self.known.get_mut(&key).unwrap().joined = true;
-                        Input::Proven { key, proofs: Proofs::JOINED }
+                        Input::Proven {
+                            key,
+                            proofs: Proofs::JOINED,
+                        }
                     }
                     2 if k.joined && !k.tasks && k.processes_open.is_empty() => {
                         self.known.get_mut(&key).unwrap().tasks = true;
-                        Input::Proven { key, proofs: Proofs::TASKS }
+                        Input::Proven {
+                            key,
+                            proofs: Proofs::TASKS,
+                        }
                     }
                     3 if !k.event => {
                         self.known.get_mut(&key).unwrap().event = true;
-                        Input::ProvenOne { key, proof: Proof::EventHandled }
+                        Input::ProvenOne {
+                            key,
+                            proof: Proof::EventHandled,
+                        }
                     }
                     4 if !k.tasks => {
                         let p = self.next_process;
@@ -783,23 +886,48 @@ impl World {
                         let m = self.known.get_mut(&key).unwrap();
                         m.processes_open.remove(&p);
                         if kind == 5 {
-                            Input::ProvenOne { key, proof: Proof::Process(p) }
+                            Input::ProvenOne {
+                                key,
+                                proof: Proof::Process(p),
+                            }
                         } else {
                             m.processes_unproven.insert(p);
-                            Input::Unproven { key, proof: Proof::Process(p), detail: format!("group {p}") }
+                            Input::Unproven {
+                                key,
+                                proof: Proof::Process(p),
+                                detail: format!("group {p}"),
+                            }
                         }
                     }
-                    7 if k.joined && !k.tasks => Input::Late { key, proof: Proof::TasksJoined, detail: "late".into() },
+                    7 if k.joined && !k.tasks => Input::Late {
+                        key,
+                        proof: Proof::TasksJoined,
+                        detail: "late".into(),
+                    },
                     8 if k.tasks && k.device.is_some() && !k.gpu_done && k.gpu_lost.is_none() => {
                         self.known.get_mut(&key).unwrap().gpu_done = true;
-                        Input::Proven { key, proofs: Proofs::GPU }
+                        Input::Proven {
+                            key,
+                            proofs: Proofs::GPU,
+                        }
                     }
-                    9 if k.tasks && k.device.is_some() && !k.gpu_done && k.gpu_lost.is_none() => Input::Late { key, proof: Proof::GpuFence, detail: "slow".into() },
+                    9 if k.tasks && k.device.is_some() && !k.gpu_done && k.gpu_lost.is_none() => {
+                        Input::Late {
+                            key,
+                            proof: Proof::GpuFence,
+                            detail: "slow".into(),
+                        }
+                    }
                     10 if k.tasks && k.device.is_some() && !k.gpu_done && k.gpu_lost.is_none() => {
                         let device = k.device.unwrap();
                         let generation = self.generation[device];
                         self.known.get_mut(&key).unwrap().gpu_lost = Some(generation);
-                        Input::DeviceLost { key, device, generation, reason: "lost".into() }
+                        Input::DeviceLost {
+                            key,
+                            device,
+                            generation,
+                            reason: "lost".into(),
+                        }
                     }
                     _ => return,
                 };
@@ -812,16 +940,27 @@ impl World {
                 match kind {
                     2 => {
                         // Still running past its bound: reported late once.
-                        self.input(Input::Late { key, proof: Proof::Scratch, detail: "slow fs".into() });
+                        self.input(Input::Late {
+                            key,
+                            proof: Proof::Scratch,
+                            detail: "slow fs".into(),
+                        });
                     }
                     1 => {
                         self.scratch.retain(|k| *k != key);
-                        self.input(Input::ScratchFailed { key, detail: "temp dir".into(), error: io::Error::other("busy") });
+                        self.input(Input::ScratchFailed {
+                            key,
+                            detail: "temp dir".into(),
+                            error: io::Error::other("busy"),
+                        });
                     }
                     _ => {
                         self.scratch.retain(|k| *k != key);
                         self.known.get_mut(&key).unwrap().scratch_proven = true;
-                        self.input(Input::ProvenOne { key, proof: Proof::Scratch });
+                        self.input(Input::ProvenOne {
+                            key,
+                            proof: Proof::Scratch,
+                        });
                     }
                 }
             }
@@ -837,7 +976,10 @@ impl World {
                 }
                 let result = match kind {
                     1 => Err(CleanupError::broker(token, BrokerError::new("refused"))),
-                    2 => Err(CleanupError::timeout(token, std::time::Duration::from_secs(5))),
+                    2 => Err(CleanupError::timeout(
+                        token,
+                        std::time::Duration::from_secs(5),
+                    )),
                     _ => Ok(()),
                 };
                 if let Some(k) = self.known.get_mut(&key) {
@@ -852,9 +994,17 @@ impl World {
                 }
             }
             Op::LeaseLost(i) => {
-                let live: Vec<_> = self.known.iter().filter(|(_, k)| !k.released).map(|(k, _)| *k).collect();
+                let live: Vec<_> = self
+                    .known
+                    .iter()
+                    .filter(|(_, k)| !k.released)
+                    .map(|(k, _)| *k)
+                    .collect();
                 if let Some(key) = pick(&live, i) {
-                    self.input(Input::LeaseLost { key, reason: "ttl".into() });
+                    self.input(Input::LeaseLost {
+                        key,
+                        reason: "ttl".into(),
+                    });
                 }
             }
             Op::DeviceReplaced(device) => {
@@ -891,9 +1041,17 @@ impl World {
     fn check(&self) {
         // 1. Capacity: the broker never holds more than its slots, and the core counts no more.
         assert!(self.held.len() <= self.capacity as usize);
-        assert!(self.core.active() + self.core.quarantined() <= self.capacity as usize + self.releases.len());
+        assert!(
+            self.core.active() + self.core.quarantined()
+                <= self.capacity as usize + self.releases.len()
+        );
         // 6. Every waiter the core still holds is one the world sees waiting.
-        assert_eq!(self.core.waiting(), if self.stopping { 0 } else { self.waiting.len() }, "{}", self.log.join("\n"));
+        assert_eq!(
+            self.core.waiting(),
+            if self.stopping { 0 } else { self.waiting.len() },
+            "{}",
+            self.log.join("\n")
+        );
         // 7. A failed release of a lease nobody hears reaches the sink, exactly once.
         for (key, k) in &self.known {
             if k.released && k.failed_release {
@@ -906,7 +1064,10 @@ impl World {
                 } else {
                     k.answers >= 1
                 };
-                assert!(reported, "lease {key}: a failed release was not reported once: {k:?}");
+                assert!(
+                    reported,
+                    "lease {key}: a failed release was not reported once: {k:?}"
+                );
             }
         }
     }
@@ -921,10 +1082,24 @@ impl World {
             }
             if let Some(key) = self.jobs().into_iter().find(|key| {
                 let k = &self.known[key];
-                !(k.joined && k.tasks && k.event && k.processes_open.is_empty() && (k.device.is_none() || k.gpu_done || k.gpu_lost.is_some()))
+                !(k.joined
+                    && k.tasks
+                    && k.event
+                    && k.processes_open.is_empty()
+                    && (k.device.is_none() || k.gpu_done || k.gpu_lost.is_some()))
             }) {
                 let k = self.known[&key].clone();
-                let kind = if !k.processes_open.is_empty() { 5 } else if !k.joined { 0 } else if !k.tasks { 2 } else if !k.event { 3 } else { 8 };
+                let kind = if !k.processes_open.is_empty() {
+                    5
+                } else if !k.joined {
+                    0
+                } else if !k.tasks {
+                    2
+                } else if !k.event {
+                    3
+                } else {
+                    8
+                };
                 let jobs = self.jobs();
                 let i = jobs.iter().position(|j| *j == key).unwrap();
                 self.step(Op::Worker(i, kind));
@@ -938,7 +1113,11 @@ impl World {
                 self.step(Op::Release(0, 0));
                 continue;
             }
-            if let Some(i) = self.explicit().iter().position(|key| !self.known[key].release_requested) {
+            if let Some(i) = self
+                .explicit()
+                .iter()
+                .position(|key| !self.known[key].release_requested)
+            {
                 self.step(Op::ReleaseExplicit(i));
                 continue;
             }
@@ -964,7 +1143,11 @@ impl World {
             break;
         }
         // Invariant 4: conservation. What is left is quarantined for a reason the world knows.
-        let unproven_left = self.known.values().filter(|k| !k.released && k.release_effects == 0).count();
+        let unproven_left = self
+            .known
+            .values()
+            .filter(|k| !k.released && k.release_effects == 0)
+            .count();
         assert_eq!(self.core.active(), 0, "{}", self.log.join("\n"));
         assert_eq!(self.core.quarantined(), unproven_left);
         assert_eq!(self.held.len(), self.core.quarantined());
@@ -988,7 +1171,11 @@ impl World {
             while !self.releases.is_empty() {
                 self.step(Op::Release(0, 0));
             }
-            assert!(self.stopped, "shutdown did not end once its deadline passed\n{}", self.log.join("\n"));
+            assert!(
+                self.stopped,
+                "shutdown did not end once its deadline passed\n{}",
+                self.log.join("\n")
+            );
         }
     }
 }

@@ -107,7 +107,8 @@ mod gpu {
         /// The sub-slot may serve another lease (bookkeeping only).
         fn free(&self, slot: Placement);
         /// In the worker, before the body: the device for the job, re-creating a lost one.
-        fn checkout(&self, slot: Placement) -> BoxFuture<'static, Result<Option<JobGpu>, GpuError>>;
+        fn checkout(&self, slot: Placement)
+        -> BoxFuture<'static, Result<Option<JobGpu>, GpuError>>;
         /// In the job's driver, after its tasks: every submission made under the lease.
         fn fence(&self, slot: Placement, job: Option<JobGpu>) -> BoxFuture<'static, Fence>;
         /// Whether a lost device has been replaced (or given up for good).
@@ -141,7 +142,10 @@ mod gpu {
             self.0.free(slot)
         }
 
-        fn checkout(&self, slot: Placement) -> BoxFuture<'static, Result<Option<JobGpu>, GpuError>> {
+        fn checkout(
+            &self,
+            slot: Placement,
+        ) -> BoxFuture<'static, Result<Option<JobGpu>, GpuError>> {
             let pool = Arc::clone(&self.0);
             Box::pin(async move { pool.checkout(slot).await.map(Some) })
         }

@@ -88,7 +88,6 @@ impl Inbox {
         Ok(())
     }
 
-
     /// Takes everything queued (into `batch`, which must be empty). Returns `false` and clears
     /// the doorbell when there is nothing: the next sender rings again.
     pub(crate) fn drain_into(&self, batch: &mut Vec<SupMsg>) -> bool {

@@ -19,9 +19,15 @@ use crate::worker::{BoxedBody, JobShared};
 pub(crate) enum SupMsg {
     // --- from handles ---
     /// Join the FIFO queue.
-    Acquire { waiter: WaiterId, kind: WaiterKind },
+    Acquire {
+        waiter: WaiterId,
+        kind: WaiterKind,
+    },
     /// The caller stopped waiting. Ignored once the waiter has been served.
-    Withdraw { waiter: WaiterId, why: Withdrawal },
+    Withdraw {
+        waiter: WaiterId,
+        why: Withdrawal,
+    },
     /// An explicit lease is given back (`reply` is `None` when it was dropped).
     Release {
         key: LeaseKey,
@@ -54,13 +60,19 @@ pub(crate) enum SupMsg {
         started: Instant,
     },
     /// A lease's keep-alive resolved: the broker could not keep it alive.
-    LeaseLost { key: LeaseKey, reason: String },
+    LeaseLost {
+        key: LeaseKey,
+        reason: String,
+    },
     /// Something the broker reported on its own (see `SlotBroker::attach`).
     Broker(BrokerEvent),
 
     // --- from the job machinery (worker, driver, keepers, temp dir removal, GPU) ---
     /// Proofs of the worker's physical end.
-    Proven { key: LeaseKey, proofs: Proofs },
+    Proven {
+        key: LeaseKey,
+        proofs: Proofs,
+    },
     /// A proof missed its bound; still expected on its own.
     Late {
         key: LeaseKey,
@@ -68,7 +80,10 @@ pub(crate) enum SupMsg {
         detail: String,
     },
     /// A job started a process group.
-    ProcessStarted { key: LeaseKey, process: u64 },
+    ProcessStarted {
+        key: LeaseKey,
+        process: u64,
+    },
     /// A process group's keeper ended: proven empty (`None`), or not (what it knows).
     ProcessEnded {
         key: LeaseKey,
@@ -90,14 +105,19 @@ pub(crate) enum SupMsg {
     },
     /// A lost GPU device was replaced (or given up for good); `generation` is the new one.
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
-    DeviceReplaced { device: usize, generation: u64 },
+    DeviceReplaced {
+        device: usize,
+        generation: u64,
+    },
 
     // --- timers ---
     ShutdownGraceOver,
     ShutdownDeadline,
     /// The GPU devices were closed at shutdown, or their close ran past its bound.
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
-    GpuClosed { timed_out: bool },
+    GpuClosed {
+        timed_out: bool,
+    },
 }
 
 pub(crate) type ReleaseReply = oneshot::Sender<Result<(), CleanupError>>;

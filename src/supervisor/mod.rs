@@ -7,6 +7,8 @@ pub(crate) mod core;
 pub(crate) mod hosts;
 pub(crate) mod inbox;
 pub(crate) mod messages;
+#[cfg(test)]
+mod sim_tests;
 mod stats;
 
 use std::fmt;
@@ -317,7 +319,8 @@ impl Supervisor {
             .take_scratch_failed()
             .map(|err| AcquireError::Scratch(Arc::new(err)));
         #[cfg(feature = "gpu")]
-        let unprepared = unprepared.or_else(|| shared.take_gpu_unavailable().map(AcquireError::Gpu));
+        let unprepared =
+            unprepared.or_else(|| shared.take_gpu_unavailable().map(AcquireError::Gpu));
         if let Some(err) = unprepared {
             return Err(match cleanup {
                 Ok(()) => JobError::Acquire(err),
