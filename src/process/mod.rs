@@ -297,13 +297,7 @@ impl JobProcess {
     /// through the returned sender, and `stop` is what its `kill` and the job's cancellation
     /// reach.
     #[cfg(test)]
-    pub(crate) fn scripted(
-        pid: u32,
-        stop: CancellationToken,
-    ) -> (
-        Self,
-        watch::Sender<Option<Result<ExitStatus, Arc<io::Error>>>>,
-    ) {
+    pub(crate) fn scripted(pid: u32, stop: CancellationToken) -> (Self, watch::Sender<Status>) {
         let (tx, rx) = watch::channel(None);
         let process = Self {
             pid,

@@ -201,8 +201,10 @@ impl SupervisorBuilder {
     /// no handle, which stops at once (nothing can have been acquired through it).
     pub async fn start(self) -> Result<Supervisor, StartError> {
         #[cfg(test)]
+        #[cfg_attr(not(feature = "gpu"), allow(unused_mut))]
         let mut hosts = self.hosts.unwrap_or_else(Hosts::os);
         #[cfg(not(test))]
+        #[cfg_attr(not(feature = "gpu"), allow(unused_mut))]
         let mut hosts = Hosts::os();
         #[cfg(feature = "gpu")]
         let gpu = match self.gpu {

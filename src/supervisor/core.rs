@@ -116,6 +116,7 @@ pub(crate) struct Proofs(u8);
 impl Proofs {
     pub(crate) const JOINED: Self = Self(Owed::JOINED);
     pub(crate) const TASKS: Self = Self(Owed::TASKS);
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
     pub(crate) const GPU: Self = Self(Owed::GPU);
 
     pub(crate) fn with(self, other: Self) -> Self {

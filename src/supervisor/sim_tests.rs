@@ -97,6 +97,7 @@ struct Ledger {
     failed_releases: u64,
     jobs: BTreeMap<String, Physical>,
     /// GPU sub-slots with work not yet completed (device, sub).
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
     gpu_busy: BTreeMap<(usize, usize), bool>,
 }
 
@@ -740,14 +741,14 @@ async fn run_job(sup: Supervisor, s: JobScript, ledger: Shared, out: Arc<Mutex<O
         l2.lock().job(&s2.id).lease_id = Some(ctx.lease_id());
         if let Some((d, ignore)) = s2.tracked {
             let (l3, id, c) = (Arc::clone(&l2), s2.id.clone(), ctx.clone());
-            let _ = ctx.spawn(async move {
+            drop(ctx.spawn(async move {
                 let _task = Alive::new(&l3, &id, "task");
                 if ignore {
                     tokio::time::sleep(d).await;
                 } else {
                     tokio::select! { biased; () = c.cancelled() => {}, () = tokio::time::sleep(d) => {} }
                 }
-            });
+            }));
         }
         if let Some(p) = &s2.process {
             let spec = ProcessSpec::new(format!("{p}@{}", s2.id));
@@ -827,7 +828,7 @@ async fn hold_lease(sup: Supervisor, s: JobScript, ledger: Shared, out: Arc<Mute
             .lock()
             .note(format!("{}: explicit lease ended under its holder", s.id));
     }
-    if s.hold.as_millis() % 2 == 0 {
+    if s.hold.as_millis().is_multiple_of(2) {
         if let Err(e) = lease.release().await {
             out.lock().heard.push(e.code().to_owned());
         }
