@@ -32,7 +32,10 @@ pub use error::{
 };
 pub use fencing::{FencingGuard, StaleToken};
 #[cfg(feature = "gpu")]
-pub use gpu::{FencePolicy, GpuError, GpuOptions, JobGpu, SlotScratch};
+#[doc(hidden)]
+pub use gpu::BackendCall;
+#[cfg(feature = "gpu")]
+pub use gpu::{FencePolicy, GpuError, GpuOptions, JobGpu, ScratchPolicy, SlotScratch};
 pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN};
 pub use job_handle::JobHandle;
 pub use lease::Lease;
