@@ -354,14 +354,25 @@ async fn a_loss_seen_by_several_leases_re_creates_the_device_once() {
             "LEASE_GPU_DEVICE_LOST"
         );
     }
-    // A new job gets the re-created device.
-    let index = sup
-        .run(JobSpec::new("fresh").unwrap(), |ctx| async move {
-            Ok::<_, std::io::Error>(ctx.gpu().unwrap().device_index())
-        })
-        .await
-        .unwrap();
-    assert_eq!(index, 0);
+    // Both slots come back on the re-created device: two jobs hold them at once (a slot still
+    // quarantined would keep the second one waiting).
+    let both = Arc::new(Barrier::new(2));
+    let fresh = |i: u32| {
+        let (sup, both) = (sup.clone(), Arc::clone(&both));
+        async move {
+            sup.run(
+                JobSpec::new(format!("fresh-{i}")).unwrap(),
+                |ctx| async move {
+                    both.wait().await;
+                    Ok::<_, std::io::Error>(ctx.gpu().unwrap().device_index())
+                },
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let (a, b) = tokio::join!(fresh(0), fresh(1));
+    assert_eq!((a, b), (0, 0));
     assert_eq!(
         sup.gpu_device_generation(0),
         Some(2),

@@ -16,7 +16,7 @@ use std::time::Duration;
 use common::{TestBroker, ThreadGate};
 use gpu_support::{dispatch, read_back, start};
 use leasehold::{BackendCall, GpuError, GpuOptions, JobSpec, StartError, Supervisor};
-use tokio::sync::oneshot;
+use tokio::sync::{Barrier, oneshot};
 
 /// A hook that panics the first time `call` is made after `armed` is set.
 fn panic_once_at(
@@ -33,7 +33,13 @@ fn panic_once_at(
 
 /// A job that dispatches `fill` and reads it back: the device works.
 async fn fill_job(sup: &Supervisor, id: &str) -> Vec<u32> {
+    fill_job_holding(sup, id, Arc::new(Barrier::new(1))).await
+}
+
+/// [`fill_job`], which first waits at `barrier` while holding its slot.
+async fn fill_job_holding(sup: &Supervisor, id: &str, barrier: Arc<Barrier>) -> Vec<u32> {
     sup.run(JobSpec::new(id).unwrap(), |ctx| async move {
+        barrier.wait().await;
         let gpu = ctx.gpu().unwrap().clone();
         let words = ctx
             .spawn_blocking(move || {
@@ -72,8 +78,13 @@ async fn a_backend_panic_in_the_release_fence_is_a_device_loss_and_the_slots_ser
     assert!(err.body_error().is_none());
     let cleanup = err.cleanup_error().unwrap().to_string();
     assert!(cleanup.contains("panicked"), "{cleanup}");
-    // The device was re-created, and both sub-slots serve again, at once.
-    let (a, b) = tokio::join!(fill_job(&sup, "after-0"), fill_job(&sup, "after-1"));
+    // The device was re-created, and both sub-slots serve again, at once (a slot still
+    // quarantined would keep the second job waiting at the barrier's door).
+    let both = Arc::new(Barrier::new(2));
+    let (a, b) = tokio::join!(
+        fill_job_holding(&sup, "after-0", Arc::clone(&both)),
+        fill_job_holding(&sup, "after-1", Arc::clone(&both))
+    );
     assert_eq!((a, b), (vec![1, 3, 5, 7], vec![1, 3, 5, 7]));
     assert_eq!(sup.gpu_device_generation(0), Some(2));
     let report = sup.shutdown().await.unwrap();
