@@ -55,8 +55,8 @@ impl fmt::Debug for GpuDevice {
 
 /// How zeroing a sub-slot's scratch went (a backend panic is the `Err` around it).
 pub(super) enum Zeroing {
-    /// The clear of both buffers was submitted; this is its submission.
-    Submitted(wgpu::SubmissionIndex),
+    /// The clear of both buffers was submitted.
+    Submitted,
     /// wgpu refused the clear (a validation error, captured): the scratch may still hold the
     /// last lease's data.
     Refused(String),
@@ -207,7 +207,9 @@ impl GpuDevice {
     }
 
     /// Clears both scratch buffers of a sub-slot and submits the clear. A mapping the job left
-    /// on the readback buffer (done or still pending) is ended first.
+    /// on the readback buffer (done or still pending) makes wgpu refuse the submission; it is
+    /// ended then, and the clear tried once more (unmapping first every time would cost every
+    /// lease a validation error, since a buffer that is not mapped cannot be unmapped).
     pub(super) fn zero_scratch(
         &self,
         sub: usize,
@@ -215,25 +217,27 @@ impl GpuDevice {
         queue: &wgpu::Queue,
         scratch: &SlotScratch,
     ) -> Result<Zeroing, String> {
+        let clear = || {
+            scoped(device, || {
+                let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("leasehold scratch zeroing"),
+                });
+                encoder.clear_buffer(&scratch.storage, 0, None);
+                encoder.clear_buffer(&scratch.readback, 0, None);
+                queue.submit([encoder.finish()])
+            })
+        };
         self.guard
             .run(BackendCall::ZeroScratch, self.index, Some(sub), || {
-                // Unmapping a buffer that is not mapped is a validation error: this scope
-                // takes it, and nobody needs it.
-                let unmap = device.push_error_scope(wgpu::ErrorFilter::Validation);
-                scratch.readback.unmap();
-                drop(unmap.pop());
-                scoped(device, || {
-                    let mut encoder =
-                        device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                            label: Some("leasehold scratch zeroing"),
-                        });
-                    encoder.clear_buffer(&scratch.storage, 0, None);
-                    encoder.clear_buffer(&scratch.readback, 0, None);
-                    queue.submit([encoder.finish()])
+                clear().or_else(|_| {
+                    let unmap = device.push_error_scope(wgpu::ErrorFilter::Validation);
+                    scratch.readback.unmap();
+                    drop(unmap.pop());
+                    clear()
                 })
             })
             .map(|made| match made {
-                Ok(index) => Zeroing::Submitted(index),
+                Ok(_) => Zeroing::Submitted,
                 Err(e) => Zeroing::Refused(e),
             })
     }

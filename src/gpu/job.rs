@@ -1,7 +1,7 @@
 //! What a job borrows: `JobGpu` (its lease's device, queue and scratch) and `SlotScratch`.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
@@ -52,6 +52,9 @@ pub(super) struct JobGpuInner {
     pub(super) sub: usize,
     pub(super) generation: u64,
     submissions: AtomicU64,
+    /// Whether the job asked for its scratch (`JobGpu::scratch`): a lease that never did cannot
+    /// have written it, and its release skips the clear.
+    scratch_used: AtomicBool,
     /// The latest submission made through the context.
     pub(super) last: Mutex<Option<wgpu::SubmissionIndex>>,
     pub(super) owner: Arc<GpuDevice>,
@@ -80,6 +83,7 @@ impl JobGpuInner {
             sub,
             generation,
             submissions: AtomicU64::new(0),
+            scratch_used: AtomicBool::new(false),
             last: Mutex::new(None),
             owner,
         }
@@ -93,6 +97,12 @@ impl JobGpuInner {
 
     pub(super) fn device_index(&self) -> usize {
         self.owner.index
+    }
+
+    /// Read by the fence, after the worker and its tasks have ended: joining them orders every
+    /// `scratch()` call before this load, so `Relaxed` is enough.
+    pub(super) fn scratch_used(&self) -> bool {
+        self.scratch_used.load(Ordering::Relaxed)
     }
 }
 
@@ -127,8 +137,11 @@ impl JobGpu {
         self.inner.device_index()
     }
 
-    /// This slot's scratch buffers.
+    /// This slot's scratch buffers. With [`ScratchPolicy::Zeroed`](crate::ScratchPolicy) (the
+    /// default), a lease that calls this has both buffers cleared after its fence; one that
+    /// never does, has nothing of its own in them.
     pub fn scratch(&self) -> &SlotScratch {
+        self.inner.scratch_used.store(true, Ordering::Relaxed);
         &self.inner.handles().scratch
     }
 

@@ -439,29 +439,13 @@ fn fence_blocking(
     if let Some(reason) = dev.loss_of(generation) {
         return Err(reason);
     }
-    let zero = scratch == ScratchPolicy::Zeroed;
     let wait_for = match fence {
-        // One submission ordered after everything submitted on this queue before it, through
-        // the context or not (and flushing pending `write_buffer`s): the scratch clear when
-        // there is one, else an empty submission.
+        // An empty submission is ordered after everything submitted on this queue before it,
+        // through the context or not, and flushes pending `write_buffer`s.
         FencePolicy::Queue => {
-            let clear = if zero {
-                match dev.zero_scratch(sub, &h.device, &h.queue, &h.scratch)? {
-                    Zeroing::Submitted(i) => Some(i),
-                    Zeroing::Refused(why) => {
-                        dev.replace_scratch(generation, sub, &why);
-                        None
-                    }
-                }
-            } else {
-                None
-            };
-            match clear {
-                Some(i) => Some(i),
-                None => Some(guard.run(BackendCall::FenceSubmit, index, Some(sub), || {
-                    h.queue.submit(std::iter::empty())
-                })?),
-            }
+            Some(guard.run(BackendCall::FenceSubmit, index, Some(sub), || {
+                h.queue.submit(std::iter::empty())
+            })?)
         }
         FencePolicy::Recorded => inner.last.lock().clone(),
     };
@@ -477,13 +461,17 @@ fn fence_blocking(
             })?
             .map_err(|e| e.to_string())?;
     }
-    if zero && fence == FencePolicy::Recorded {
-        // After the lease's own work, not waited for: waiting would wait for other slots'
-        // work queued before the clear, which is what this policy avoids. The next lease's
-        // work is queued after the clear, so it runs on zeroed scratch all the same.
-        if let Zeroing::Refused(why) = dev.zero_scratch(sub, &h.device, &h.queue, &h.scratch)? {
-            dev.replace_scratch(generation, sub, &why);
-        }
+    // After the lease's work, and not waited for: the next lease's work on this sub-slot is
+    // queued after the clear, so it runs on zeroed scratch all the same (a mapping waits for
+    // the clear too), while the release need not wait for the memset itself, nor (with
+    // `FencePolicy::Recorded`) for other slots' work queued before it. A replaced device comes
+    // with new scratch, which wgpu zero-initialises; a lease that never asked for its scratch
+    // left nothing in it.
+    if scratch == ScratchPolicy::Zeroed
+        && inner.scratch_used()
+        && let Zeroing::Refused(why) = dev.zero_scratch(sub, &h.device, &h.queue, &h.scratch)?
+    {
+        dev.replace_scratch(generation, sub, &why);
     }
     Ok(())
 }
