@@ -63,7 +63,7 @@ impl Default for GpuOptions {
 /// (EGL) on Linux and other Unixes, Metal on Apple platforms, DX12, Vulkan and GL (WGL) on
 /// Windows. `Cargo.toml` enables exactly these wgpu backends per target.
 pub(super) fn platform_backends() -> wgpu::Backends {
-    if cfg!(any(target_os = "macos", target_os = "ios")) {
+    if cfg!(target_vendor = "apple") {
         wgpu::Backends::METAL
     } else if cfg!(windows) {
         wgpu::Backends::DX12 | wgpu::Backends::VULKAN | wgpu::Backends::GL
