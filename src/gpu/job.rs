@@ -51,6 +51,7 @@ pub(super) struct JobGpuInner {
     handles: Option<JobHandles>,
     pub(super) sub: usize,
     pub(super) generation: u64,
+    /// A count the job reads back; it publishes nothing else (`Relaxed`).
     submissions: AtomicU64,
     /// Whether the job asked for its scratch (`JobGpu::scratch`): a lease that never did cannot
     /// have written it, and its release skips the clear.

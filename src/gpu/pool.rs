@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::Unclosed;
 use super::contain::{BackendCall, Doomed, Guard};
 use super::device::{Current, GpuDevice, Zeroing};
 use super::error::GpuError;
@@ -29,20 +30,15 @@ pub(crate) enum FenceFailure {
 /// Called (off the mailbox) when a lost device has been replaced, or given up.
 pub(crate) type ReplacedHook = Box<dyn Fn(usize) + Send + Sync>;
 
-/// A device whose close could not be proven within its bound.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Unclosed {
-    pub(crate) device: usize,
-    pub(crate) reason: String,
-}
-
 /// Every device of a supervisor, and which sub-slots are in use.
 pub(crate) struct GpuPool {
     opts: GpuOptions,
     devices: Vec<Arc<GpuDevice>>,
     busy: Mutex<Vec<Vec<bool>>>,
     replaced: OnceLock<ReplacedHook>,
-    /// Set by `close_within`: nothing is re-created after it.
+    /// Set by `close_within`: nothing is re-created after it. `Relaxed` throughout: the flag
+    /// publishes no other memory, and a re-creation that misses it (one already past the check
+    /// when the close begins) installs a device that the pool's `Drop` lets go of.
     closed: AtomicBool,
     guard: Guard,
 }
@@ -188,7 +184,7 @@ impl GpuPool {
         if dev.usable() {
             return Ok(());
         }
-        if self.closed.load(Ordering::Acquire) {
+        if self.closed.load(Ordering::Relaxed) {
             return Err(GpuError::DeviceLost(format!(
                 "device {} is closed",
                 dev.index
@@ -326,7 +322,7 @@ impl GpuPool {
     /// never completes (a slot quarantined by the fence timeout) costs the caller `bound`, not
     /// forever: it is reported in the result and left to finish on that thread.
     pub(crate) fn close_within(&self, bound: Duration) -> Vec<Unclosed> {
-        self.closed.store(true, Ordering::Release);
+        self.closed.store(true, Ordering::Relaxed);
         let deadline = Instant::now() + bound;
         let (tx, rx) = std::sync::mpsc::channel();
         let mut unclosed = Vec::new();
