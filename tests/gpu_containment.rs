@@ -223,20 +223,18 @@ async fn a_backend_panic_while_opening_is_a_start_error() {
 }
 
 /// `shutdown` waits for each device's remaining work at most the fence timeout: a device whose
-/// close never ends (the hook blocks it, as GPU work that never completes would) is left to its
-/// own thread and `shutdown` returns.
+/// close never ends (the hook blocks it for good, as GPU work that never completes would) is left
+/// to its own thread and `shutdown` returns. The thread stays blocked until the test binary
+/// exits: letting it go on would have it destroy the device while the process exits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_does_not_wait_without_end_for_a_device_that_never_drains() {
-    let (entered, release) = (ThreadGate::default(), ThreadGate::default());
-    let still_blocked = Arc::new(AtomicBool::new(true));
+    let (entered, never) = (ThreadGate::default(), ThreadGate::default());
     let hook = {
-        let (entered, release, still_blocked) =
-            (entered.clone(), release.clone(), Arc::clone(&still_blocked));
+        let entered = entered.clone();
         move |call, _device, _sub| {
             if call == BackendCall::Close {
                 entered.open();
-                release.wait();
-                still_blocked.store(false, Ordering::SeqCst);
+                never.wait();
             }
         }
     };
@@ -249,11 +247,7 @@ async fn shutdown_does_not_wait_without_end_for_a_device_that_never_drains() {
     assert_eq!(fill_job(&sup, "work").await, [1, 3, 5, 7]);
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.quarantined, 0);
+    // The close did reach the device (and blocks there still), so `shutdown` returned without it.
     entered.wait();
-    assert!(
-        still_blocked.load(Ordering::SeqCst),
-        "shutdown waited for the close that never ends"
-    );
     assert!(sup.gpu_device(0).is_none());
-    release.open();
 }
