@@ -119,18 +119,17 @@ impl GpuDevice {
         self: &Arc<Self>,
         adapter: &wgpu::Adapter,
     ) -> Result<u64, GpuError> {
-        let desc = wgpu::DeviceDescriptor {
-            label: Some("leasehold"),
-            required_limits: adapter.limits(),
-            ..Default::default()
+        let request = async {
+            let desc = wgpu::DeviceDescriptor {
+                label: Some("leasehold"),
+                required_limits: adapter.limits(),
+                ..Default::default()
+            };
+            adapter.request_device(&desc).await
         };
         let (device, queue) = self
             .guard
-            .run_async(
-                BackendCall::RequestDevice,
-                self.index,
-                adapter.request_device(&desc),
-            )
+            .run_async(BackendCall::RequestDevice, self.index, request)
             .await
             .map_err(GpuError::CreateFailed)?
             .map_err(|e| GpuError::CreateFailed(e.to_string()))?;
