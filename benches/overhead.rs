@@ -15,13 +15,6 @@
 //!   asserts no leak: the supervisor's books balance, a second flood leaves nothing more behind
 //!   than the first, and the heap is back at its baseline once the supervisor has stopped
 //!   (`LEASEHOLD_BENCH_STRICT_RESIDUAL=1` also demands it of a live supervisor).
-//! - `gpu` (feature `gpu`): 32 small compute jobs on a supervisor's 2 GPU slots (one device,
-//!   `slots_per_device(2)`), each a dispatch writing its slot's scratch buffer and a wait for
-//!   its completion, against the same dispatches submitted by hand on one device and queue with
-//!   a 2-permit semaphore; two work sizes (`fill`: next to nothing, `spin`: a few ms on
-//!   lavapipe), and the leasehold side again with `FencePolicy::Recorded` for context. Without
-//!   an adapter it prints a loud skip line and measures nothing; with `LEASEHOLD_REQUIRE_GPU=1`
-//!   (CI) a missing adapter is a panic.
 //! - `etcd` (feature `etcd`): `EtcdBroker` acquire + release, driven directly and through a
 //!   supervisor (uncontended, 8 slots), against one bare etcd put, all on a single-member etcd
 //!   on loopback that the group starts (data dir on the scratch file system, see
@@ -1020,374 +1013,7 @@ fn flood(c: &mut Criterion) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 5. gpu
-// ---------------------------------------------------------------------------------------------
-
-/// The group needs the `gpu` feature (on by default); without it, `gpu` only says so.
-#[cfg(feature = "gpu")]
-mod gpu_group {
-    use super::*;
-    use leasehold::{FencePolicy, GpuError, GpuOptions, StartError, wgpu};
-
-    pub(crate) const GPU: &str = "gpu";
-    pub(crate) const GPU_LEASEHOLD: &str = "leasehold_run";
-    pub(crate) const GPU_LEASEHOLD_RECORDED: &str = "leasehold_run_recorded_fence";
-    pub(crate) const GPU_SAMPLES: usize = 20;
-    /// GPU slots: one device, two sub-slots (leasehold), two semaphore permits (direct).
-    pub(crate) const GPU_SLOTS: u32 = 2;
-    /// Jobs per iteration, all spawned at once.
-    pub(crate) const GPU_JOBS: usize = 32;
-    /// Bytes of each slot's scratch storage buffer (leasehold's default, and the direct side's).
-    pub(crate) const GPU_SCRATCH: u64 = 1 << 20;
-    /// Set to `1` (CI does) to make a missing GPU adapter a failure instead of a skip.
-    const REQUIRE_GPU_ENV: &str = "LEASEHOLD_REQUIRE_GPU";
-
-    pub(crate) const GPU_SHADER: &str = r#"
-@group(0) @binding(0) var<storage, read_write> data: array<u32>;
-
-// 256 invocations, one store each: the dispatch itself is next to nothing.
-@compute @workgroup_size(64)
-fn fill(@builtin(global_invocation_id) gid: vec3<u32>) {
-    data[gid.x] = gid.x * 2u + 1u;
-}
-
-// 4096 invocations, 2000 LCG steps each: about 3 ms of work on lavapipe with 2 cores.
-@compute @workgroup_size(64)
-fn spin(@builtin(global_invocation_id) gid: vec3<u32>) {
-    var x = gid.x;
-    for (var i = 0u; i < 2000u; i = i + 1u) {
-        x = x * 1664525u + 1013904223u;
-    }
-    data[gid.x] = x;
-}
-"#;
-
-    /// The GPU work of one job: `(entry point, workgroups)`.
-    pub(crate) const GPU_WORK: [(&str, u32); 2] = [("fill", 4), ("spin", 64)];
-
-    /// A compute pipeline built once for one device and reused by every job on it, on both sides.
-    struct Kernel {
-        device: wgpu::Device,
-        pipeline: wgpu::ComputePipeline,
-        groups: u32,
-    }
-
-    impl Kernel {
-        fn new(device: &wgpu::Device, entry: &str, groups: u32) -> Self {
-            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some("bench"),
-                source: wgpu::ShaderSource::Wgsl(GPU_SHADER.into()),
-            });
-            let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(entry),
-                layout: None,
-                module: &module,
-                entry_point: Some(entry),
-                compilation_options: Default::default(),
-                cache: None,
-            });
-            Self {
-                device: device.clone(),
-                pipeline,
-                groups,
-            }
-        }
-
-        /// One job's command buffer: a bind group for `buffer` (made per job on both sides, as a
-        /// job that gets whichever slot is free would) and one dispatch writing it.
-        fn encode(&self, buffer: &wgpu::Buffer) -> wgpu::CommandBuffer {
-            let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: None,
-                layout: &self.pipeline.get_bind_group_layout(0),
-                entries: &[wgpu::BindGroupEntry {
-                    binding: 0,
-                    resource: buffer.as_entire_binding(),
-                }],
-            });
-            let mut encoder = self.device.create_command_encoder(&Default::default());
-            {
-                let mut pass = encoder.begin_compute_pass(&Default::default());
-                pass.set_pipeline(&self.pipeline);
-                pass.set_bind_group(0, &bind, &[]);
-                pass.dispatch_workgroups(self.groups, 1, 1);
-            }
-            encoder.finish()
-        }
-    }
-
-    /// Blocks until the submission has completed (the job's own wait, on both sides).
-    fn wait_for(device: &wgpu::Device, index: wgpu::SubmissionIndex) {
-        device
-            .poll(wgpu::PollType::Wait {
-                submission_index: Some(index),
-                timeout: None,
-            })
-            .expect("the GPU work completes");
-    }
-
-    /// Starts the GPU supervisor, or says loudly why not (and panics when CI requires a GPU).
-    async fn start_gpu_supervisor(work_root: &Path, policy: FencePolicy) -> Option<Supervisor> {
-        let started = Supervisor::builder()
-            .work_root(work_root)
-            .gpu(
-                GpuOptions::new()
-                    .slots_per_device(GPU_SLOTS)
-                    .fence_policy(policy),
-            )
-            .start()
-            .await;
-        match started {
-            Ok(sup) => Some(sup),
-            Err(StartError::Gpu(GpuError::NoAdapter)) => {
-                if std::env::var(REQUIRE_GPU_ENV).as_deref() == Ok("1") {
-                    panic!(
-                        "{REQUIRE_GPU_ENV}=1 but no GPU adapter was found (install mesa-vulkan-drivers)"
-                    );
-                }
-                eprintln!(
-                    "\n*** SKIPPED gpu benchmarks: no GPU adapter (Vulkan or GL) on this machine; \
-                 install mesa-vulkan-drivers for lavapipe ***\n"
-                );
-                None
-            }
-            Err(e) => panic!("could not start a supervisor on a GPU: {e:?}"),
-        }
-    }
-
-    /// The direct side: its own device and queue on the same adapter the supervisor opened, one
-    /// scratch buffer per permit, and a semaphore with as many permits as leasehold has GPU slots.
-    struct Direct {
-        queue: wgpu::Queue,
-        sem: Semaphore,
-        buffers: Mutex<Vec<wgpu::Buffer>>,
-    }
-
-    async fn open_direct(info: &wgpu::AdapterInfo) -> (wgpu::Device, Direct) {
-        let backends = wgpu::Backends::VULKAN | wgpu::Backends::GL;
-        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-        desc.backends = backends;
-        let instance = wgpu::Instance::new(desc);
-        let adapter = instance
-            .enumerate_adapters(backends)
-            .await
-            .into_iter()
-            .find(|a| {
-                let i = a.get_info();
-                i.name == info.name
-                    && i.backend == info.backend
-                    && i.device == info.device
-                    && i.vendor == info.vendor
-            })
-            .expect("the supervisor's adapter, enumerated again");
-        // The same descriptor the supervisor requests its devices with.
-        let (device, queue) = adapter
-            .request_device(&wgpu::DeviceDescriptor {
-                label: Some("direct"),
-                required_limits: adapter.limits(),
-                ..Default::default()
-            })
-            .await
-            .expect("direct device");
-        let buffers = (0..GPU_SLOTS)
-            .map(|_| {
-                device.create_buffer(&wgpu::BufferDescriptor {
-                    label: Some("direct scratch"),
-                    size: GPU_SCRATCH,
-                    usage: wgpu::BufferUsages::STORAGE
-                        | wgpu::BufferUsages::COPY_SRC
-                        | wgpu::BufferUsages::COPY_DST,
-                    mapped_at_creation: false,
-                })
-            })
-            .collect();
-        let direct = Direct {
-            queue,
-            sem: Semaphore::new(GPU_SLOTS as usize),
-            buffers: Mutex::new(buffers),
-        };
-        (device, direct)
-    }
-
-    /// One job through leasehold: a slot, its temp dir and worker, the dispatch on the slot's
-    /// scratch and the wait for it on the blocking pool, then the release fence and the rest of
-    /// the teardown.
-    async fn gpu_leasehold_job(sup: Supervisor, kernel: Arc<Kernel>) {
-        sup.run(
-            JobSpec::new("g").expect("valid id"),
-            move |ctx| async move {
-                let gpu = ctx.gpu().expect("a GPU slot").clone();
-                // The pipeline was built for the supervisor's device 0, its only one.
-                assert!(gpu.device() == &kernel.device, "the job's device changed");
-                ctx.spawn_blocking(move || {
-                    let index = gpu.submit([kernel.encode(&gpu.scratch().storage)]);
-                    wait_for(gpu.device(), index);
-                })
-                .await
-                .expect("GPU closure");
-                Ok::<_, io::Error>(())
-            },
-        )
-        .await
-        .expect("GPU job succeeds");
-    }
-
-    /// The same job by hand: a permit, a free scratch buffer, the dispatch and the wait for it on
-    /// the blocking pool, the buffer and the permit given back.
-    async fn gpu_direct_job(direct: Arc<Direct>, kernel: Arc<Kernel>) {
-        let _permit = direct.sem.acquire().await.expect("semaphore open");
-        let buffer = direct
-            .buffers
-            .lock()
-            .expect("buffers lock")
-            .pop()
-            .expect("one buffer per permit");
-        let d = Arc::clone(&direct);
-        let buffer = tokio::task::spawn_blocking(move || {
-            let index = d.queue.submit([kernel.encode(&buffer)]);
-            wait_for(&kernel.device, index);
-            buffer
-        })
-        .await
-        .expect("GPU closure");
-        direct.buffers.lock().expect("buffers lock").push(buffer);
-    }
-
-    /// `GPU_JOBS` jobs spawned at once, all joined: the time of the whole batch.
-    async fn gpu_batch<F, Fut>(job: F) -> Duration
-    where
-        F: Fn() -> Fut,
-        Fut: Future<Output = ()> + Send + 'static,
-    {
-        let start = Instant::now();
-        let jobs: Vec<_> = (0..GPU_JOBS).map(|_| tokio::spawn(job())).collect();
-        for j in jobs {
-            j.await.expect("GPU job task");
-        }
-        start.elapsed()
-    }
-
-    /// Slot-gated GPU jobs against the same GPU work submitted by hand, on the first adapter
-    /// leasehold picks (lavapipe on the reference machine).
-    ///
-    /// Fairness: both sides run the same `Kernel` (a pipeline built once per device, before any
-    /// timing; leasehold's on `sup.gpu_device(0)`, the direct side's on its own device from the
-    /// same adapter with the same descriptor), make one bind group per job for the scratch buffer
-    /// they were given, submit one command buffer, and wait for that submission with a blocking
-    /// poll on tokio's blocking pool. Both limit concurrency to 2 and spawn every job with
-    /// `tokio::spawn`. What only leasehold pays is what it adds: the slot, the job's temp dir, the
-    /// worker actor and its messages, the device checkout, and the release fence (an empty
-    /// submission and a second blocking poll, which with `FencePolicy::Queue` also waits for the
-    /// other slot's work queued before it).
-    pub(crate) fn gpu(c: &mut Criterion) {
-        let rt = runtime();
-        let scratch = scratch_dir();
-        let Some(sup) = rt.block_on(start_gpu_supervisor(
-            &scratch.path().join("leasehold"),
-            FencePolicy::Queue,
-        )) else {
-            return;
-        };
-        // Context, not a target: the same jobs with `FencePolicy::Recorded`, whose fence waits
-        // only for the lease's own recorded submission, not for the other slot's work.
-        let sup_recorded = rt
-            .block_on(start_gpu_supervisor(
-                &scratch.path().join("recorded"),
-                FencePolicy::Recorded,
-            ))
-            .expect("a second supervisor on the adapter the first one found");
-        let info = rt
-            .block_on(
-                sup.run(JobSpec::new("probe").expect("valid id"), |ctx| async move {
-                    Ok::<_, io::Error>(ctx.gpu().expect("a GPU slot").adapter_info().clone())
-                }),
-            )
-            .expect("probe job");
-        println!(
-            "gpu benchmarks on {:?} ({:?}, {:?}, driver {:?} {:?})",
-            info.name, info.device_type, info.backend, info.driver, info.driver_info
-        );
-        let sides = [
-            (GPU_LEASEHOLD, &sup),
-            (GPU_LEASEHOLD_RECORDED, &sup_recorded),
-        ];
-        let (direct_device, direct) = rt.block_on(open_direct(&info));
-        let direct = Arc::new(direct);
-
-        let mut group = c.benchmark_group(GPU);
-        group
-            .sample_size(GPU_SAMPLES)
-            .warm_up_time(Duration::from_millis(500))
-            .measurement_time(Duration::from_secs(3))
-            .throughput(Throughput::Elements(GPU_JOBS as u64));
-
-        for (entry, groups) in GPU_WORK {
-            let direct_kernel = Arc::new(Kernel::new(&direct_device, entry, groups));
-            let p = format!("jobs={GPU_JOBS},slots={GPU_SLOTS},work={entry}");
-
-            for (name, sup) in sides {
-                let device = sup.gpu_device(0).expect("device 0 is usable");
-                let kernel = Arc::new(Kernel::new(&device, entry, groups));
-                let k = key(GPU, name, &p);
-                group.bench_function(BenchmarkId::new(name, &p), |b| {
-                    timed(b, &rt, &k, GPU_SAMPLES, |iters| {
-                        let (sup, kernel) = (sup.clone(), Arc::clone(&kernel));
-                        async move {
-                            let mut total = Duration::ZERO;
-                            for _ in 0..iters {
-                                total += gpu_batch(|| {
-                                    gpu_leasehold_job(sup.clone(), Arc::clone(&kernel))
-                                })
-                                .await;
-                            }
-                            total
-                        }
-                    });
-                });
-            }
-
-            let k = key(GPU, "direct", &p);
-            group.bench_function(BenchmarkId::new("direct", &p), |b| {
-                timed(b, &rt, &k, GPU_SAMPLES, |iters| {
-                    let (direct, kernel) = (Arc::clone(&direct), Arc::clone(&direct_kernel));
-                    async move {
-                        let mut total = Duration::ZERO;
-                        for _ in 0..iters {
-                            total += gpu_batch(|| {
-                                gpu_direct_job(Arc::clone(&direct), Arc::clone(&kernel))
-                            })
-                            .await;
-                        }
-                        total
-                    }
-                });
-            });
-        }
-        group.finish();
-
-        for sup in [sup, sup_recorded] {
-            let report = rt.block_on(sup.shutdown()).expect("shutdown");
-            assert_eq!(report.quarantined, 0, "a GPU slot was quarantined");
-        }
-        let _ = direct_device.poll(wgpu::PollType::wait_indefinitely());
-        direct_device.destroy();
-    }
-}
-
-#[cfg(feature = "gpu")]
-use gpu_group::{GPU, GPU_JOBS, GPU_LEASEHOLD, GPU_LEASEHOLD_RECORDED, GPU_SLOTS, GPU_WORK, gpu};
-
-#[cfg(not(feature = "gpu"))]
-fn gpu(_c: &mut Criterion) {
-    assert_ne!(
-        std::env::var("LEASEHOLD_REQUIRE_GPU").as_deref(),
-        Ok("1"),
-        "LEASEHOLD_REQUIRE_GPU=1 but the crate was built without the `gpu` feature"
-    );
-    eprintln!("\n*** SKIPPED gpu benchmarks: the `gpu` feature is off ***\n");
-}
-
-// ---------------------------------------------------------------------------------------------
-// 6. etcd
+// 5. etcd
 // ---------------------------------------------------------------------------------------------
 
 /// The group needs the `etcd` feature (off by default) and an `etcd` binary; without the
@@ -1713,7 +1339,7 @@ use etcd_group::{ETCD, ETCD_BARE_PUT, ETCD_BROKER, ETCD_SLOTS, ETCD_SUPERVISOR, 
 fn etcd(_c: &mut Criterion) {}
 
 // ---------------------------------------------------------------------------------------------
-// 7. summary
+// 6. summary
 // ---------------------------------------------------------------------------------------------
 
 fn fmt_ns(ns: f64) -> String {
@@ -1748,36 +1374,6 @@ fn ratio_row(label: &str, lh: &str, floor: &str, target: Option<f64>) {
     );
 }
 
-/// The GPU rows: throughput ≥ 0.95× the direct submission's is time ≤ 1/0.95 ≈ 1.053×.
-#[cfg(feature = "gpu")]
-fn gpu_rows() {
-    for (entry, _) in GPU_WORK {
-        let p = format!("jobs={GPU_JOBS},slots={GPU_SLOTS},work={entry}");
-        let (lh, direct) = (key(GPU, GPU_LEASEHOLD, &p), key(GPU, "direct", &p));
-        ratio_row(
-            &format!(
-                "GPU jobs on {GPU_SLOTS} slots / direct submission (per {GPU_JOBS} jobs, {entry})"
-            ),
-            &lh,
-            &direct,
-            Some(1.0 / 0.95),
-        );
-        if let (Some(a), Some(b)) = (median(&lh), median(&direct)) {
-            let verdict = if b / a >= 0.95 { "met" } else { "MISSED" };
-            println!(
-                "| ↳ throughput ratio (direct time / leasehold time), {entry} | | | {:.3}× | ≥ 0.95×: {verdict} |",
-                b / a
-            );
-        }
-        ratio_row(
-            &format!("  same, `FencePolicy::Recorded` (context), {entry}"),
-            &key(GPU, GPU_LEASEHOLD_RECORDED, &p),
-            &direct,
-            None,
-        );
-    }
-}
-
 /// The etcd rows: `EtcdBroker` acquire + release, alone and through a supervisor, over one bare
 /// etcd put on the same loopback server.
 #[cfg(feature = "etcd")]
@@ -1795,11 +1391,6 @@ fn etcd_rows() {
         &k(ETCD_BARE_PUT),
         Some(3.0),
     );
-}
-
-#[cfg(not(feature = "gpu"))]
-fn gpu_rows() {
-    println!("| GPU jobs / direct submission | not built (feature `gpu` off) | | - | - |");
 }
 
 fn summary(_c: &mut Criterion) {
@@ -1871,7 +1462,6 @@ fn summary(_c: &mut Criterion) {
         None,
     );
 
-    gpu_rows();
     #[cfg(feature = "etcd")]
     etcd_rows();
 
@@ -1968,6 +1558,6 @@ fn summary(_c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().without_plots().nresamples(20_000);
-    targets = lease_round_trip, job_lifecycle, contention, flood, gpu, etcd, summary
+    targets = lease_round_trip, job_lifecycle, contention, flood, etcd, summary
 }
 criterion_main!(benches);

@@ -32,7 +32,10 @@ pub use error::{
 };
 pub use fencing::{FencingGuard, StaleToken};
 #[cfg(feature = "gpu")]
-pub use gpu::{FencePolicy, GpuError, GpuOptions, JobGpu, SlotScratch};
+#[doc(hidden)]
+pub use gpu::BackendCall;
+#[cfg(feature = "gpu")]
+pub use gpu::{FencePolicy, GpuError, GpuOptions, JobGpu, ScratchPolicy, SlotScratch};
 pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN};
 pub use job_handle::JobHandle;
 pub use lease::Lease;
@@ -41,7 +44,7 @@ pub use sink::OrphanedFailure;
 pub use supervisor::{
     DEFAULT_CANCEL_GRACE, DEFAULT_CLEANUP_TIMEOUT, DEFAULT_PROCESS_GRACE,
     DEFAULT_PROCESS_PROOF_BOUND, DEFAULT_SHUTDOWN_TIMEOUT, QuarantinedSlot, ReclaimReport,
-    ShutdownReport, Stats, Supervisor, SupervisorBuilder, metric_names,
+    ShutdownReport, Stats, Supervisor, SupervisorBuilder, UnclosedDevice, metric_names,
 };
 /// Re-exported (feature `gpu`) so that jobs use exactly the wgpu the supervisor was built with.
 #[cfg(feature = "gpu")]

@@ -30,7 +30,7 @@ use super::hosts::Hosts;
 use super::inbox::{Inbox, Ring};
 use super::messages::{PendingJob, ReleaseReply, RunOutcome, SupMsg, WaiterKind};
 use super::stats::{Published, SharedStats, metric_names};
-use super::{QuarantinedSlot, ReclaimReport, Reporter, ShutdownReport};
+use super::{QuarantinedSlot, ReclaimReport, Reporter, ShutdownReport, UnclosedDevice};
 use crate::broker::{
     AcquireRequest, BrokerError, BrokerEvent, DynBroker, LocalBroker, SlotToken, poll_once,
 };
@@ -136,6 +136,8 @@ pub(crate) struct Shell {
     acquires: FxHashMap<RequestId, AbortHandle>,
     evidence: FxHashMap<(LeaseKey, u64), Box<dyn Evidence>>,
     shutdown_replies: Vec<oneshot::Sender<ShutdownReport>>,
+    /// GPU devices the shutdown could not prove idle.
+    unclosed: Vec<UnclosedDevice>,
     reclaim_reply: Option<oneshot::Sender<ReclaimReport>>,
     owned_root: Option<tempfile::TempDir>,
     origin: u64,
@@ -185,6 +187,7 @@ impl Actor for SupervisorActor {
             acquires: FxHashMap::default(),
             evidence: FxHashMap::default(),
             shutdown_replies: Vec::new(),
+            unclosed: Vec::new(),
             reclaim_reply: None,
             owned_root: args.owned_root,
             origin: args.origin,
@@ -426,11 +429,16 @@ impl Shell {
             }
             SupMsg::ShutdownGraceOver => Input::ShutdownGraceOver,
             SupMsg::ShutdownDeadline => Input::ShutdownDeadline,
-            SupMsg::GpuClosed { timed_out } => {
-                if timed_out {
-                    tracing::error!(
-                        "the gpu devices did not close within the cleanup timeout; shutdown goes on without them"
-                    );
+            SupMsg::GpuClosed { unclosed } => {
+                let unclosed = unclosed.unwrap_or_else(|| {
+                    vec![(
+                        usize::MAX,
+                        "the devices' close did not end within its bound".into(),
+                    )]
+                });
+                for (device, reason) in unclosed {
+                    tracing::error!(device, %reason, "gpu device not proven idle at shutdown");
+                    self.unclosed.push(UnclosedDevice::new(device, reason));
                 }
                 Input::GpuClosed
             }
@@ -894,11 +902,12 @@ impl Shell {
     fn close_gpu(&mut self) {
         #[cfg(feature = "gpu")]
         if let Some(gpu) = &self.config.hosts.gpu {
-            let (closing, inbox) = (gpu.close(), Arc::clone(&self.inbox));
             let bound = self.config.cleanup_timeout;
+            let (closing, inbox) = (gpu.close(bound), Arc::clone(&self.inbox));
             tokio::spawn(async move {
-                let timed_out = tokio::time::timeout(bound, closing).await.is_err();
-                let _ = inbox.send(SupMsg::GpuClosed { timed_out });
+                // The close bounds itself; this bound is for a close that would not.
+                let unclosed = tokio::time::timeout(bound + bound / 10, closing).await.ok();
+                let _ = inbox.send(SupMsg::GpuClosed { unclosed });
             });
             return;
         }
@@ -915,6 +924,7 @@ impl Shell {
             released_leases: tally.released_leases,
             quarantined: self.core.quarantined(),
             unproven,
+            unclosed_devices: mem::take(&mut self.unclosed),
             stats: self.stats.snapshot(),
         };
         for reply in self.shutdown_replies.drain(..) {

@@ -76,6 +76,7 @@ pub(crate) use gpu::{Fence, GpuHost, PoolHost};
 #[cfg(feature = "gpu")]
 mod gpu {
     use std::sync::Arc;
+    use std::time::Duration;
 
     use futures_util::future::BoxFuture;
 
@@ -120,10 +121,9 @@ mod gpu {
         fn on_replaced(&self, hook: Box<dyn Fn(usize, u64) + Send + Sync>);
         /// The device's generation now (1 at start, one more per re-creation).
         fn generation(&self, device: usize) -> u64;
-        /// Waits for the devices' remaining work and destroys them, off the caller's thread;
-        /// resolves when done. May never resolve (a device whose work never ends): the
-        /// supervisor stops waiting at a bound.
-        fn close(&self) -> BoxFuture<'static, ()>;
+        /// Waits at most `bound` for the devices' remaining work and destroys them, off the
+        /// caller's thread; resolves with the devices it could not prove idle (index, why).
+        fn close(&self, bound: Duration) -> BoxFuture<'static, Vec<(usize, String)>>;
     }
 
     /// The real devices.
@@ -206,24 +206,27 @@ mod gpu {
             self.0.generation(device).unwrap_or(0)
         }
 
-        fn close(&self) -> BoxFuture<'static, ()> {
+        fn close(&self, bound: Duration) -> BoxFuture<'static, Vec<(usize, String)>> {
             let (pool, (done, closed)) = (Arc::clone(&self.0), tokio::sync::oneshot::channel());
-            // A thread of its own, not the blocking pool: a device whose work never ends must
-            // not hold the runtime's shutdown either.
+            // A thread of its own, not the blocking pool: the close waits (up to its bound) on
+            // devices, and the runtime's own shutdown must never wait on that.
             let spawned = std::thread::Builder::new()
                 .name("leasehold-gpu-close".into())
                 .spawn(move || {
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pool.close()));
-                    if r.is_err() {
-                        tracing::error!("the gpu backend panicked while closing its devices");
-                    }
-                    let _ = done.send(());
+                    let unclosed = pool
+                        .close_within(bound)
+                        .into_iter()
+                        .map(|u| (u.device, u.reason))
+                        .collect::<Vec<_>>();
+                    let _ = done.send(unclosed);
                 });
             if let Err(e) = spawned {
                 tracing::error!(error = %e, "could not start a thread to close the gpu devices");
             }
             Box::pin(async move {
-                let _ = closed.await;
+                closed.await.unwrap_or_else(|_| {
+                    vec![(usize::MAX, "the close thread did not report".into())]
+                })
             })
         }
     }

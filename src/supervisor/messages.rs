@@ -113,10 +113,11 @@ pub(crate) enum SupMsg {
     // --- timers ---
     ShutdownGraceOver,
     ShutdownDeadline,
-    /// The GPU devices were closed at shutdown, or their close ran past its bound.
+    /// The GPU devices were closed at shutdown (`unclosed`: those not proven idle), or their
+    /// close ran past its bound (`None`).
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
     GpuClosed {
-        timed_out: bool,
+        unclosed: Option<Vec<(usize, String)>>,
     },
 }
 

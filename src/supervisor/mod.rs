@@ -118,8 +118,28 @@ pub struct ShutdownReport {
     /// cancellation past the shutdown bound, a process group that would not die, GPU work
     /// that never completed, a temp dir that could not be removed).
     pub unproven: Vec<QuarantinedSlot>,
+    /// GPU devices (feature `gpu`) whose remaining work could not be proven done when they
+    /// were closed: each was left to finish on a thread of its own.
+    pub unclosed_devices: Vec<UnclosedDevice>,
     /// The counters at the end.
     pub stats: Stats,
+}
+
+/// A GPU device a shutdown could not prove idle (see [`ShutdownReport::unclosed_devices`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct UnclosedDevice {
+    /// The device's index (`usize::MAX` when the close as a whole did not end in its bound).
+    pub device: usize,
+    /// Why.
+    pub reason: String,
+}
+
+impl UnclosedDevice {
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
+    pub(crate) fn new(device: usize, reason: String) -> Self {
+        Self { device, reason }
+    }
 }
 
 /// A quarantined slot: held, not reusable, with the reason it could not be declared clean.

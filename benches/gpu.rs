@@ -1,0 +1,662 @@
+//! GPU benchmarks: slot-gated GPU jobs next to a fair floor measured in the same run, so that
+//! the report is a ratio (see `BENCHMARKS.md`, "GPU slots").
+//!
+//! One batch is `JOBS` jobs, each a compute dispatch over a scratch buffer that is *fenced*:
+//! waited for before the job counts as done and its buffer may serve the next job. The batch runs
+//! at a concurrency of `SLOTS`:
+//!
+//! - `direct_fenced` (the floor): the jobs submitted straight on the supervisor's own device and
+//!   queue, by `SLOTS` streams (tokio tasks, each with a scratch buffer of its own) that run their
+//!   share of the batch one job after another. Per job, on tokio's blocking pool: a bind group,
+//!   one dispatch, a submission, and a blocking wait for that submission — the job's fence.
+//! - `leasehold_run`: `JOBS` `Supervisor::run` calls spawned at once on a supervisor with one
+//!   device and `SLOTS` sub-slots (`slots_per_device(SLOTS)`), defaults otherwise. The body makes
+//!   the same bind group and dispatch on its slot's scratch and submits it through the context
+//!   (`gpu.submit`); its fence is leasehold's release fence (with `FencePolicy::Queue` and the
+//!   default `ScratchPolicy::Zeroed`, the clear of the slot's scratch is the fence's submission,
+//!   and one blocking wait covers the dispatch and the clear). The job counts as done when `run`
+//!   returns, after the whole release pipeline.
+//! - `leasehold_run_scratch_reused`: the same with `ScratchPolicy::Reused`; its difference to
+//!   `leasehold_run` is what zeroing the scratch costs.
+//! - `leasehold_run_recorded_fence`: the same with `FencePolicy::Recorded` (context).
+//! - `leasehold_run_without_gpu_slot`: a supervisor without `.gpu(..)` (`.slots(SLOTS)`) whose
+//!   jobs do exactly the floor's job (on the floor's device, queue and buffer of their slot, the
+//!   wait in `ctx.spawn_blocking`): what leasehold's job lifecycle costs without its GPU slot, so
+//!   that the table can tell the lifecycle's share from the GPU slot's.
+//!
+//! Two work sizes: `fill` (next to no GPU work) and `spin` (about 3 ms per job on lavapipe with
+//! 2 cores). The last "benchmark", `summary`, prints the ratio table from the samples criterion
+//! took above. `cargo bench --bench gpu -- --test` (CI) runs every benchmark once and prints the
+//! table labelled as such. Without an adapter the suite prints a loud skip line and measures
+//! nothing, unless `LEASEHOLD_REQUIRE_GPU=1` (CI), which makes that a panic. `WGPU_BACKEND`
+//! picks the backend (`WGPU_BACKEND=gl` for GL).
+//!
+//! Every figure is taken on a worker thread of a 2-worker multi-thread runtime: each routine
+//! spawns its timed loop onto the runtime and returns the time the loop measured itself
+//! (`iter_custom`), as in `benches/overhead.rs`.
+
+#![cfg_attr(not(feature = "gpu"), allow(dead_code, unused_imports))]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::io;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use tokio::runtime::Runtime;
+
+const GROUP: &str = "gpu";
+const FLOOR: &str = "direct_fenced";
+const LEASEHOLD: &str = "leasehold_run";
+const LEASEHOLD_REUSED: &str = "leasehold_run_scratch_reused";
+const LEASEHOLD_RECORDED: &str = "leasehold_run_recorded_fence";
+const LEASEHOLD_NO_GPU: &str = "leasehold_run_without_gpu_slot";
+/// Slot-gated throughput ≥ 0.9× the floor's, i.e. time ≤ 1/0.9 of it.
+const TARGET_THROUGHPUT: f64 = 0.9;
+/// GPU slots (one device, that many sub-slots) and floor streams.
+const SLOTS: u32 = 2;
+/// Jobs per batch (one iteration).
+const JOBS: usize = 32;
+const SAMPLES: usize = 20;
+/// The GPU work of one job: `(entry point, workgroups)`.
+const WORK: [(&str, u32); 2] = [("fill", 4), ("spin", 64)];
+/// Bytes of each floor stream's scratch buffer (leasehold's default scratch size).
+const SCRATCH: u64 = 1 << 20;
+/// Set to `1` (CI does) to make a missing GPU adapter a failure instead of a skip.
+const REQUIRE_GPU_ENV: &str = "LEASEHOLD_REQUIRE_GPU";
+
+const SHADER: &str = r#"
+@group(0) @binding(0) var<storage, read_write> data: array<u32>;
+
+// 256 invocations, one store each: the dispatch itself is next to nothing.
+@compute @workgroup_size(64)
+fn fill(@builtin(global_invocation_id) gid: vec3<u32>) {
+    data[gid.x] = gid.x * 2u + 1u;
+}
+
+// 4096 invocations, 2000 LCG steps each: about 3 ms of work on lavapipe with 2 cores.
+@compute @workgroup_size(64)
+fn spin(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x;
+    for (var i = 0u; i < 2000u; i = i + 1u) {
+        x = x * 1664525u + 1013904223u;
+    }
+    data[gid.x] = x;
+}
+"#;
+
+// ---------------------------------------------------------------------------------------------
+// Samples, for the ratio table
+// ---------------------------------------------------------------------------------------------
+
+/// Per-iteration times (ns) of the last `SAMPLES` routine calls of each benchmark: in benchmark
+/// mode criterion calls the routine `sample_size` times after its warm-up, so these are exactly
+/// its samples, and their median is criterion's median.
+static SAMPLES_NS: Mutex<BTreeMap<String, Vec<f64>>> = Mutex::new(BTreeMap::new());
+
+/// Batch times (ns) of the paired rounds, per benchmark key, in round order.
+static PAIRED_NS: Mutex<BTreeMap<String, Vec<f64>>> = Mutex::new(BTreeMap::new());
+
+/// Rounds of the paired measurement (one in test mode).
+const PAIRED_ROUNDS: usize = 15;
+
+/// The adapter the figures were taken on, for the table's heading.
+static ADAPTER: Mutex<Option<String>> = Mutex::new(None);
+
+fn record(key: &str, iters: u64, elapsed: Duration) {
+    let mut samples = SAMPLES_NS.lock().expect("samples lock");
+    let series = samples.entry(key.to_owned()).or_default();
+    series.push(elapsed.as_nanos() as f64 / iters.max(1) as f64);
+    if series.len() > SAMPLES {
+        series.remove(0);
+    }
+}
+
+fn median(key: &str) -> Option<f64> {
+    let samples = SAMPLES_NS.lock().expect("samples lock");
+    median_of(samples.get(key)?.clone())
+}
+
+/// The median of the per-round ratios `floor / side` of the paired rounds.
+fn paired_ratio(side: &str, work: &str) -> Option<f64> {
+    let paired = PAIRED_NS.lock().expect("paired lock");
+    let (floor, side) = (
+        paired.get(&key(FLOOR, work))?,
+        paired.get(&key(side, work))?,
+    );
+    median_of(floor.iter().zip(side).map(|(f, s)| f / s).collect())
+}
+
+fn median_of(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    Some(if v.len() % 2 == 1 {
+        v[mid]
+    } else {
+        (v[mid - 1] + v[mid]) / 2.0
+    })
+}
+
+fn key(function: &str, work: &str) -> String {
+    format!("{GROUP}/{function}/jobs={JOBS},slots={SLOTS},work={work}")
+}
+
+fn test_mode() -> bool {
+    std::env::args().any(|a| a == "--test")
+}
+
+fn runtime() -> Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+/// Runs a timed loop on a runtime worker and records it.
+fn timed<F, Fut>(b: &mut criterion::Bencher<'_>, rt: &Runtime, key: &str, make: F)
+where
+    F: Fn(u64) -> Fut,
+    Fut: Future<Output = Duration> + Send + 'static,
+{
+    b.to_async(rt).iter_custom(|iters| {
+        let run = tokio::spawn(make(iters));
+        async move {
+            let elapsed = run.await.expect("timed loop panicked");
+            record(key, iters, elapsed);
+            elapsed
+        }
+    });
+}
+
+/// Job temp dirs on tmpfs when the machine has one (the figures are then the library's and not
+/// the disk's; `LEASEHOLD_BENCH_ROOT` picks another place), as in `benches/overhead.rs`.
+fn scratch_dir() -> tempfile::TempDir {
+    let make = |base: &Path| {
+        tempfile::Builder::new()
+            .prefix("leasehold-gpu-bench-")
+            .tempdir_in(base)
+            .ok()
+    };
+    std::env::var_os("LEASEHOLD_BENCH_ROOT")
+        .and_then(|base| make(Path::new(&base)))
+        .or_else(|| make(Path::new("/dev/shm")))
+        .or_else(|| make(&std::env::temp_dir()))
+        .expect("a writable scratch dir")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The jobs
+// ---------------------------------------------------------------------------------------------
+
+#[cfg(feature = "gpu")]
+mod jobs {
+    use super::*;
+    use leasehold::{
+        FencePolicy, GpuError, GpuOptions, JobSpec, ScratchPolicy, StartError, Supervisor, wgpu,
+    };
+
+    /// A compute pipeline built once per device, before any timing, and used by every job on it.
+    pub(crate) struct Kernel {
+        device: wgpu::Device,
+        pipeline: wgpu::ComputePipeline,
+        groups: u32,
+    }
+
+    impl Kernel {
+        pub(crate) fn new(device: &wgpu::Device, entry: &str, groups: u32) -> Self {
+            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some("bench"),
+                source: wgpu::ShaderSource::Wgsl(SHADER.into()),
+            });
+            let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: None,
+                module: &module,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+            Self {
+                device: device.clone(),
+                pipeline,
+                groups,
+            }
+        }
+
+        /// One job's command buffer: a bind group for `buffer` (made per job on every side, as
+        /// a job handed whichever slot is free would) and one dispatch.
+        fn encode(&self, buffer: &wgpu::Buffer) -> wgpu::CommandBuffer {
+            let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: None,
+                layout: &self.pipeline.get_bind_group_layout(0),
+                entries: &[wgpu::BindGroupEntry {
+                    binding: 0,
+                    resource: buffer.as_entire_binding(),
+                }],
+            });
+            let mut encoder = self.device.create_command_encoder(&Default::default());
+            {
+                let mut pass = encoder.begin_compute_pass(&Default::default());
+                pass.set_pipeline(&self.pipeline);
+                pass.set_bind_group(0, &bind, &[]);
+                pass.dispatch_workgroups(self.groups, 1, 1);
+            }
+            encoder.finish()
+        }
+
+        /// The floor's job: the command buffer, submitted, and a blocking wait for it.
+        fn run_fenced(&self, queue: &wgpu::Queue, buffer: &wgpu::Buffer) {
+            let index = queue.submit([self.encode(buffer)]);
+            self.device
+                .poll(wgpu::PollType::Wait {
+                    submission_index: Some(index),
+                    timeout: None,
+                })
+                .expect("the GPU work completes");
+        }
+    }
+
+    /// A supervisor on the first adapter, `SLOTS` sub-slots, or a loud skip (a panic when CI
+    /// requires a GPU).
+    pub(crate) async fn start(
+        work_root: &Path,
+        fence: FencePolicy,
+        scratch: ScratchPolicy,
+    ) -> Option<Supervisor> {
+        let started = Supervisor::builder()
+            .work_root(work_root)
+            .gpu(
+                GpuOptions::new()
+                    .slots_per_device(SLOTS)
+                    .fence_policy(fence)
+                    .scratch_policy(scratch),
+            )
+            .start()
+            .await;
+        match started {
+            Ok(sup) => Some(sup),
+            Err(StartError::Gpu(GpuError::NoAdapter)) => {
+                assert_ne!(
+                    std::env::var(REQUIRE_GPU_ENV).as_deref(),
+                    Ok("1"),
+                    "{REQUIRE_GPU_ENV}=1 but no GPU adapter was found"
+                );
+                eprintln!(
+                    "\n*** SKIPPED gpu benchmarks: no GPU adapter on this machine; install Mesa \
+                     (libegl1 libgl1-mesa-dri for GL, mesa-vulkan-drivers libvulkan1 for Vulkan) ***\n"
+                );
+                None
+            }
+            Err(e) => panic!("could not start a supervisor on a GPU: {e:?}"),
+        }
+    }
+
+    /// The floor's resources: the supervisor's device and queue, one scratch buffer per stream
+    /// (or slot).
+    #[derive(Clone)]
+    pub(crate) struct Direct {
+        queue: wgpu::Queue,
+        buffers: Arc<Vec<wgpu::Buffer>>,
+    }
+
+    /// One side of the comparison, ready to run batches.
+    #[derive(Clone)]
+    pub(crate) enum Side {
+        /// A supervisor with GPU slots; the body submits through its context, leasehold fences.
+        Leasehold(Supervisor),
+        /// A supervisor without GPU slots; the body does the floor's job on its slot's buffer.
+        WithoutGpuSlot(Supervisor, Direct),
+        /// The floor.
+        Direct(Direct),
+    }
+
+    impl Direct {
+        /// On the device and queue of `sup` (taken from a job; the supervisor is idle while the
+        /// floor runs, criterion runs one benchmark at a time).
+        pub(crate) async fn on(sup: &Supervisor) -> (Self, wgpu::Device, wgpu::AdapterInfo) {
+            let (device, queue, info) = sup
+                .run(JobSpec::new("probe").expect("valid id"), |ctx| async move {
+                    let gpu = ctx.gpu().expect("a GPU slot");
+                    Ok::<_, io::Error>((
+                        gpu.device().clone(),
+                        gpu.queue().clone(),
+                        gpu.adapter_info().clone(),
+                    ))
+                })
+                .await
+                .expect("probe job");
+            let buffers = (0..SLOTS)
+                .map(|_| {
+                    device.create_buffer(&wgpu::BufferDescriptor {
+                        label: Some("floor scratch"),
+                        size: SCRATCH,
+                        usage: wgpu::BufferUsages::STORAGE
+                            | wgpu::BufferUsages::COPY_SRC
+                            | wgpu::BufferUsages::COPY_DST,
+                        mapped_at_creation: false,
+                    })
+                })
+                .collect();
+            let direct = Self {
+                queue,
+                buffers: Arc::new(buffers),
+            };
+            (direct, device, info)
+        }
+    }
+
+    impl Side {
+        /// One batch: `JOBS` jobs at a concurrency of `SLOTS`, all joined.
+        pub(crate) async fn batch(&self, kernel: &Arc<Kernel>) -> Duration {
+            let start = Instant::now();
+            match self {
+                Self::Leasehold(sup) => {
+                    let jobs: Vec<_> = (0..JOBS)
+                        .map(|_| tokio::spawn(leasehold_job(sup.clone(), Arc::clone(kernel))))
+                        .collect();
+                    for job in jobs {
+                        job.await.expect("GPU job task");
+                    }
+                }
+                Self::WithoutGpuSlot(sup, direct) => {
+                    let jobs: Vec<_> = (0..JOBS)
+                        .map(|_| {
+                            let (sup, direct, kernel) =
+                                (sup.clone(), direct.clone(), Arc::clone(kernel));
+                            tokio::spawn(lifecycle_only_job(sup, direct, kernel))
+                        })
+                        .collect();
+                    for job in jobs {
+                        job.await.expect("job task");
+                    }
+                }
+                Self::Direct(direct) => {
+                    let streams: Vec<_> = (0..SLOTS as usize)
+                        .map(|s| {
+                            let (direct, kernel) = (direct.clone(), Arc::clone(kernel));
+                            tokio::spawn(async move {
+                                for _ in 0..JOBS / SLOTS as usize {
+                                    let (direct, kernel) = (direct.clone(), Arc::clone(&kernel));
+                                    tokio::task::spawn_blocking(move || {
+                                        kernel.run_fenced(&direct.queue, &direct.buffers[s]);
+                                    })
+                                    .await
+                                    .expect("GPU closure");
+                                }
+                            })
+                        })
+                        .collect();
+                    for stream in streams {
+                        stream.await.expect("floor stream");
+                    }
+                }
+            }
+            start.elapsed()
+        }
+    }
+
+    /// One job through leasehold: a slot, its temp dir and worker, the dispatch on the slot's
+    /// scratch submitted through the context, then the release fence (which is this job's
+    /// fence) and the teardown.
+    async fn leasehold_job(sup: Supervisor, kernel: Arc<Kernel>) {
+        sup.run(
+            JobSpec::new("g").expect("valid id"),
+            move |ctx| async move {
+                let gpu = ctx.gpu().expect("a GPU slot");
+                assert!(gpu.device() == &kernel.device, "the job's device changed");
+                gpu.submit([kernel.encode(&gpu.scratch().storage)]);
+                Ok::<_, io::Error>(())
+            },
+        )
+        .await
+        .expect("GPU job succeeds");
+    }
+
+    /// The floor's job inside a job of a supervisor that owns no GPU: the lifecycle's cost.
+    async fn lifecycle_only_job(sup: Supervisor, direct: Direct, kernel: Arc<Kernel>) {
+        sup.run(
+            JobSpec::new("g").expect("valid id"),
+            move |ctx| async move {
+                let slot = ctx.slot_id() as usize;
+                ctx.spawn_blocking(move || {
+                    kernel.run_fenced(&direct.queue, &direct.buffers[slot]);
+                })
+                .await
+                .expect("GPU closure");
+                Ok::<_, io::Error>(())
+            },
+        )
+        .await
+        .expect("job succeeds");
+    }
+
+    pub(crate) fn gpu(c: &mut Criterion) {
+        let rt = runtime();
+        let root = scratch_dir();
+        let mut sups = Vec::new();
+        for (name, fence, scratch) in [
+            (LEASEHOLD, FencePolicy::Queue, ScratchPolicy::Zeroed),
+            (LEASEHOLD_REUSED, FencePolicy::Queue, ScratchPolicy::Reused),
+            (
+                LEASEHOLD_RECORDED,
+                FencePolicy::Recorded,
+                ScratchPolicy::Zeroed,
+            ),
+        ] {
+            let Some(sup) = rt.block_on(start(&root.path().join(name), fence, scratch)) else {
+                return;
+            };
+            sups.push((name, sup));
+        }
+        let plain = rt
+            .block_on(
+                Supervisor::builder()
+                    .slots(SLOTS)
+                    .work_root(root.path().join(LEASEHOLD_NO_GPU))
+                    .start(),
+            )
+            .expect("a supervisor without GPU slots");
+        let (direct, direct_device, info) = rt.block_on(Direct::on(&sups[0].1));
+        let adapter = format!(
+            "{:?} ({:?}, {:?}, driver {:?} {:?})",
+            info.name, info.device_type, info.backend, info.driver, info.driver_info
+        );
+        println!("gpu benchmarks on {adapter}");
+        *ADAPTER.lock().expect("adapter lock") = Some(adapter);
+        let mut sides: Vec<(&str, Side, wgpu::Device)> = vec![
+            (FLOOR, Side::Direct(direct.clone()), direct_device.clone()),
+            (
+                LEASEHOLD_NO_GPU,
+                Side::WithoutGpuSlot(plain.clone(), direct),
+                direct_device,
+            ),
+        ];
+        for (name, sup) in &sups {
+            let device = sup.gpu_device(0).expect("device 0 is usable");
+            sides.push((*name, Side::Leasehold(sup.clone()), device));
+        }
+
+        let mut group = c.benchmark_group(GROUP);
+        group
+            .sample_size(SAMPLES)
+            .warm_up_time(Duration::from_millis(500))
+            .measurement_time(Duration::from_secs(3))
+            .throughput(Throughput::Elements(JOBS as u64));
+        for (entry, groups) in WORK {
+            let p = format!("jobs={JOBS},slots={SLOTS},work={entry}");
+            for (name, side, device) in &sides {
+                let kernel = Arc::new(Kernel::new(device, entry, groups));
+                let k = key(name, entry);
+                group.bench_function(BenchmarkId::new(*name, &p), |b| {
+                    timed(b, &rt, &k, |iters| {
+                        let (side, kernel) = (side.clone(), Arc::clone(&kernel));
+                        async move {
+                            let mut total = Duration::ZERO;
+                            for _ in 0..iters {
+                                total += side.batch(&kernel).await;
+                            }
+                            total
+                        }
+                    });
+                });
+            }
+        }
+        group.finish();
+
+        // Paired rounds, outside criterion's timing: each round runs one batch of every side,
+        // in an order that rotates from round to round, so that the load of a shared machine
+        // drifts alike for all of them; the summary takes each round's ratio to the floor and
+        // prints their median next to the ratio of criterion's medians.
+        let rounds = if test_mode() { 1 } else { PAIRED_ROUNDS };
+        for (entry, groups) in WORK {
+            let kernels: Vec<Arc<Kernel>> = sides
+                .iter()
+                .map(|(_, _, device)| Arc::new(Kernel::new(device, entry, groups)))
+                .collect();
+            for round in 0..rounds {
+                for i in 0..sides.len() {
+                    let j = (i + round) % sides.len();
+                    let (side, kernel) = (sides[j].1.clone(), Arc::clone(&kernels[j]));
+                    let took = rt
+                        .block_on(rt.spawn(async move { side.batch(&kernel).await }))
+                        .expect("paired batch");
+                    PAIRED_NS
+                        .lock()
+                        .expect("paired lock")
+                        .entry(key(sides[j].0, entry))
+                        .or_default()
+                        .push(took.as_nanos() as f64);
+                }
+            }
+        }
+        // The floor's handles go before the devices do.
+        drop(sides);
+        rt.block_on(plain.shutdown()).expect("shutdown");
+        for (name, sup) in sups {
+            let report = rt.block_on(sup.shutdown()).expect("shutdown");
+            assert_eq!(report.quarantined, 0, "{name}: a GPU slot was quarantined");
+        }
+    }
+}
+
+#[cfg(feature = "gpu")]
+use jobs::gpu;
+
+#[cfg(not(feature = "gpu"))]
+fn gpu(_c: &mut Criterion) {
+    assert_ne!(
+        std::env::var(REQUIRE_GPU_ENV).as_deref(),
+        Ok("1"),
+        "{REQUIRE_GPU_ENV}=1 but the crate was built without the `gpu` feature"
+    );
+    eprintln!("\n*** SKIPPED gpu benchmarks: the `gpu` feature is off ***\n");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Summary
+// ---------------------------------------------------------------------------------------------
+
+fn fmt_ns(ns: f64) -> String {
+    if ns >= 1e6 {
+        format!("{:.2} ms", ns / 1e6)
+    } else {
+        format!("{:.1} µs", ns / 1e3)
+    }
+}
+
+fn summary(_c: &mut Criterion) {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let Some(adapter) = ADAPTER.lock().expect("adapter lock").clone() else {
+        return;
+    };
+    println!();
+    println!("## leasehold GPU slots: ratio table");
+    println!();
+    println!("Adapter: {adapter}.");
+    if test_mode() {
+        println!("(criterion test mode: every figure below is ONE iteration, not a measurement)");
+    } else {
+        println!("Medians of the criterion samples taken above (time per batch of {JOBS} jobs).");
+    }
+    println!();
+    println!(
+        "| work | {FLOOR} (floor) | leasehold_run | throughput ratio, criterion medians | throughput ratio, paired rounds | target |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let verdict = |r: f64| {
+        if r >= TARGET_THROUGHPUT {
+            "met"
+        } else {
+            "MISSED"
+        }
+    };
+    for (entry, _) in WORK {
+        let (Some(floor), Some(lh)) = (median(&key(FLOOR, entry)), median(&key(LEASEHOLD, entry)))
+        else {
+            println!("| {entry} | not run | not run | - | - | - |");
+            continue;
+        };
+        let ratio = floor / lh;
+        let paired = paired_ratio(LEASEHOLD, entry).unwrap_or(f64::NAN);
+        println!(
+            "| {entry} | {} | {} | {ratio:.3}× ({}) | {paired:.3}× ({}) | ≥ {TARGET_THROUGHPUT}× |",
+            fmt_ns(floor),
+            fmt_ns(lh),
+            verdict(ratio),
+            verdict(paired),
+        );
+    }
+    println!();
+    println!(
+        "| work | context | time per batch | per job vs `leasehold_run` | throughput / floor, criterion | paired |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (entry, _) in WORK {
+        let (Some(floor), Some(lh)) = (median(&key(FLOOR, entry)), median(&key(LEASEHOLD, entry)))
+        else {
+            continue;
+        };
+        for (name, what) in [
+            (LEASEHOLD_REUSED, "`ScratchPolicy::Reused` (no zeroing)"),
+            (LEASEHOLD_RECORDED, "`FencePolicy::Recorded`"),
+            (
+                LEASEHOLD_NO_GPU,
+                "no GPU slot: the floor's job in a plain `run`",
+            ),
+        ] {
+            if let Some(t) = median(&key(name, entry)) {
+                let per_job = (lh - t) / JOBS as f64;
+                println!(
+                    "| {entry} | {what} | {} | {}{} | {:.3}× | {:.3}× |",
+                    fmt_ns(t),
+                    if per_job >= 0.0 { "+" } else { "−" },
+                    fmt_ns(per_job.abs()),
+                    floor / t,
+                    paired_ratio(name, entry).unwrap_or(f64::NAN),
+                );
+            }
+        }
+    }
+    println!();
+    println!(
+        "Zeroing the scratch (2 × {} KiB per lease) costs `leasehold_run` − `{LEASEHOLD_REUSED}` \
+         per job (the \"per job\" column of the first context row: positive = zeroing costs that).",
+        SCRATCH / 1024
+    );
+    println!();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().without_plots().nresamples(20_000);
+    targets = gpu, summary
+}
+criterion_main!(benches);

@@ -1,0 +1,159 @@
+//! Containment (DESIGN.md invariant 9): every wgpu call of the pool that can panic runs inside
+//! a [`Guard`], and a panic comes back as a message the caller turns into a device loss. wgpu
+//! handles the pool lets go of travel as [`Doomed`], whose drop is guarded too and, when they
+//! may be the last handles of a device generation, happens on the blocking pool.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Weak};
+
+use futures_util::FutureExt;
+
+use super::device::GpuDevice;
+
+/// Where the pool calls into the GPU backend. For leasehold's fault-injection tests only (see
+/// `GpuOptions::backend_hook`); not part of the API.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BackendCall {
+    /// Creating a wgpu instance and enumerating its adapters (at start, at re-creation).
+    Enumerate,
+    /// Requesting a device from an adapter (at start, at re-creation).
+    RequestDevice,
+    /// Creating a sub-slot's scratch buffers.
+    CreateScratch,
+    /// A submission through `JobGpu::submit` or `JobGpu::try_submit`.
+    Submit,
+    /// The fence's non-blocking poll.
+    FencePoll,
+    /// The fence's own empty submission (when no scratch clear stands for it).
+    FenceSubmit,
+    /// The fence's blocking wait.
+    FenceWait,
+    /// Zeroing a sub-slot's scratch: a clear of both buffers, submitted.
+    ZeroScratch,
+    /// Dropping wgpu handles that may be the last ones of a device generation.
+    Drop,
+    /// Waiting for a device's remaining work and destroying it at shutdown.
+    Close,
+}
+
+/// A test's fault-injection hook: `(call, device index, sub-slot)`.
+pub(crate) type BackendHook = Arc<dyn Fn(BackendCall, usize, Option<usize>) + Send + Sync>;
+
+/// Runs backend calls under `catch_unwind`, with the test hook (if any) just before each.
+#[derive(Clone, Default)]
+pub(super) struct Guard {
+    hook: Option<BackendHook>,
+}
+
+impl Guard {
+    pub(super) fn new(hook: Option<BackendHook>) -> Self {
+        Self { hook }
+    }
+
+    /// Runs one backend call. A panic in it (the backend's own, or one from a callback the call
+    /// ran: map and work-done callbacks run inside polls and submissions) comes back as its
+    /// message; the caller marks the device lost, so the state the panic may have left behind
+    /// is never used by the pool again (which is what makes `AssertUnwindSafe` sound here).
+    pub(super) fn run<T>(
+        &self,
+        call: BackendCall,
+        device: usize,
+        sub: Option<usize>,
+        f: impl FnOnce() -> T,
+    ) -> Result<T, String> {
+        std::panic::catch_unwind(AssertUnwindSafe(|| {
+            if let Some(hook) = &self.hook {
+                hook(call, device, sub);
+            }
+            f()
+        }))
+        .map_err(|payload| describe(call, &*payload))
+    }
+
+    /// [`run`](Self::run) for an async backend call (enumeration, device requests).
+    pub(super) async fn run_async<F: Future>(
+        &self,
+        call: BackendCall,
+        device: usize,
+        fut: F,
+    ) -> Result<F::Output, String> {
+        let hook = self.hook.clone();
+        AssertUnwindSafe(async move {
+            if let Some(hook) = hook {
+                hook(call, device, None);
+            }
+            fut.await
+        })
+        .catch_unwind()
+        .await
+        .map_err(|payload| describe(call, &*payload))
+    }
+}
+
+fn describe(call: BackendCall, payload: &(dyn std::any::Any + Send)) -> String {
+    let message = if let Some(s) = payload.downcast_ref::<&'static str>() {
+        s
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.as_str()
+    } else {
+        "non-string panic payload"
+    };
+    format!("the gpu backend panicked ({call:?}): {message}")
+}
+
+/// wgpu handles on their way out. Dropping a `Doomed` drops them inside the guard; a panic is
+/// reported as a loss of the generation they belong to (nothing, if it has been replaced).
+pub(super) struct Doomed<T> {
+    value: Option<T>,
+    owner: Weak<GpuDevice>,
+    generation: u64,
+}
+
+impl<T> Doomed<T> {
+    pub(super) fn new(value: T, owner: &Arc<GpuDevice>, generation: u64) -> Self {
+        Self {
+            value: Some(value),
+            owner: Arc::downgrade(owner),
+            generation,
+        }
+    }
+
+    /// The handles, until they are dropped.
+    pub(super) fn get(&self) -> Option<&T> {
+        self.value.as_ref()
+    }
+}
+
+impl<T: Send + 'static> Doomed<T> {
+    /// Drops the handles on tokio's blocking pool when a runtime is at hand, else right here.
+    /// The last handles of a device generation may wait for the GPU (and on GL for the
+    /// adapter's context lock, which a blocking poll on another thread holds): that must never
+    /// happen on an async worker, least of all in the supervisor's mailbox. If the runtime is
+    /// shutting down, tokio drops the closure unrun, and the `Doomed` inside it is dropped,
+    /// guarded, on this thread.
+    pub(super) fn drop_off_thread(self) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn_blocking(move || drop(self))),
+            Err(_) => drop(self),
+        }
+    }
+}
+
+impl<T> Drop for Doomed<T> {
+    fn drop(&mut self) {
+        let Some(value) = self.value.take() else {
+            return;
+        };
+        let owner = self.owner.upgrade();
+        let guard = owner.as_ref().map(|o| o.guard.clone()).unwrap_or_default();
+        let index = owner.as_ref().map_or(0, |o| o.index);
+        if let Err(message) = guard.run(BackendCall::Drop, index, None, move || drop(value))
+            && let Some(owner) = owner
+        {
+            owner.mark_lost(self.generation, message);
+        }
+    }
+}

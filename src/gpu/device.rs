@@ -1,0 +1,337 @@
+//! One device of the pool: its current generation (device, queue, per sub-slot scratch), its
+//! loss state, and everything that creates, zeroes or lets go of its wgpu objects.
+
+use std::fmt;
+use std::sync::Arc;
+
+use futures_util::FutureExt;
+use parking_lot::Mutex;
+
+use super::contain::{BackendCall, Doomed, Guard};
+use super::error::GpuError;
+use super::job::{JobHandles, SlotScratch};
+
+/// What the pool holds of a device's current generation.
+pub(super) struct Current {
+    pub(super) device: wgpu::Device,
+    pub(super) queue: wgpu::Queue,
+    /// One per sub-slot, created with the generation (a new device comes with new, zeroed
+    /// scratch).
+    pub(super) scratch: Vec<SlotScratch>,
+}
+
+/// The state of one device.
+pub(super) struct DevState {
+    /// `None` before the first install and after `close`.
+    pub(super) current: Option<Current>,
+    /// 1 at start, one more per re-creation.
+    pub(super) generation: u64,
+    /// Why the current generation is lost (the device-lost callback, or a backend panic).
+    pub(super) lost: Option<String>,
+    /// No more re-creation attempts will be made.
+    pub(super) dead: bool,
+}
+
+pub(crate) struct GpuDevice {
+    pub(super) index: usize,
+    pub(super) info: wgpu::AdapterInfo,
+    pub(super) state: Mutex<DevState>,
+    /// One creator at a time; the others wait and then see the new device.
+    pub(super) create_lock: tokio::sync::Mutex<()>,
+    pub(super) guard: Guard,
+    slots: usize,
+    scratch_size: u64,
+}
+
+impl fmt::Debug for GpuDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuDevice")
+            .field("index", &self.index)
+            .field("adapter", &self.info.name)
+            .field("backend", &self.info.backend)
+            .finish()
+    }
+}
+
+/// How zeroing a sub-slot's scratch went (a backend panic is the `Err` around it).
+pub(super) enum Zeroing {
+    /// The clear of both buffers was submitted.
+    Submitted,
+    /// wgpu refused the clear (a validation error, captured): the scratch may still hold the
+    /// last lease's data.
+    Refused(String),
+}
+
+impl GpuDevice {
+    pub(super) fn new(
+        index: usize,
+        info: wgpu::AdapterInfo,
+        guard: Guard,
+        slots: usize,
+        scratch_size: u64,
+    ) -> Self {
+        Self {
+            index,
+            info,
+            state: Mutex::new(DevState {
+                current: None,
+                generation: 0,
+                lost: None,
+                dead: false,
+            }),
+            create_lock: tokio::sync::Mutex::new(()),
+            guard,
+            slots,
+            scratch_size,
+        }
+    }
+
+    /// Usable: installed, not closed, not lost.
+    pub(super) fn usable(&self) -> bool {
+        let s = self.state.lock();
+        s.current.is_some() && s.lost.is_none()
+    }
+
+    /// Why `generation` can no longer be used, if it cannot: it was lost, or replaced.
+    pub(super) fn loss_of(&self, generation: u64) -> Option<String> {
+        let s = self.state.lock();
+        if s.generation != generation {
+            Some(s.lost.clone().unwrap_or_else(|| "replaced".into()))
+        } else {
+            s.lost.clone()
+        }
+    }
+
+    /// Marks `generation` lost (if it is still the current one and not lost already): fences
+    /// on it fail with `LEASE_GPU_DEVICE_LOST` and the next checkout re-creates the device.
+    pub(super) fn mark_lost(&self, generation: u64, reason: String) {
+        let mut s = self.state.lock();
+        if s.generation == generation && s.lost.is_none() {
+            tracing::error!(index = self.index, generation, %reason, "gpu device lost");
+            s.lost = Some(reason);
+        }
+    }
+
+    /// Requests a device from `adapter` and makes it the current generation, with its loss
+    /// callback and new scratch. Every backend call is guarded: a panic is an error here, the
+    /// old generation is left as it was.
+    pub(super) async fn open_on(
+        self: &Arc<Self>,
+        adapter: &wgpu::Adapter,
+    ) -> Result<u64, GpuError> {
+        let request = async {
+            let desc = wgpu::DeviceDescriptor {
+                label: Some("leasehold"),
+                required_limits: adapter.limits(),
+                ..Default::default()
+            };
+            adapter.request_device(&desc).await
+        };
+        let (device, queue) = self
+            .guard
+            .run_async(BackendCall::RequestDevice, self.index, request)
+            .await
+            .map_err(GpuError::CreateFailed)?
+            .map_err(|e| GpuError::CreateFailed(e.to_string()))?;
+        // One installer at a time (`open`, or the holder of `create_lock`): `next` stays right.
+        let next = self.state.lock().generation + 1;
+        let made = self
+            .guard
+            .run(BackendCall::CreateScratch, self.index, None, || {
+                let weak = Arc::downgrade(self);
+                device.set_device_lost_callback(move |reason, message| {
+                    if let Some(dev) = weak.upgrade() {
+                        dev.mark_lost(next, format!("{reason:?}: {message}"));
+                    }
+                });
+                (0..self.slots)
+                    .map(|sub| make_scratch(&device, self.scratch_size, self.index, sub))
+                    .collect::<Result<Vec<_>, _>>()
+            });
+        let scratch = match made {
+            Ok(Ok(scratch)) => scratch,
+            Ok(Err(e)) | Err(e) => {
+                Doomed::new((device, queue), self, next).drop_off_thread();
+                return Err(GpuError::CreateFailed(e));
+            }
+        };
+        let old = {
+            let mut s = self.state.lock();
+            s.generation = next;
+            s.lost = None;
+            s.current.replace(Current {
+                device,
+                queue,
+                scratch,
+            })
+        };
+        if let Some(old) = old {
+            Doomed::new(old, self, next - 1).drop_off_thread();
+        }
+        Ok(next)
+    }
+
+    /// Lets go of a job's handles. While they belong to the current generation, the pool holds
+    /// the same device and scratch, so dropping them only lowers reference counts: that
+    /// happens here, guarded, under the state lock (no one can take the pool's handles
+    /// meanwhile). Otherwise they may be the last handles of an old generation: off the thread.
+    pub(super) fn release_job_handles(
+        self: &Arc<Self>,
+        generation: u64,
+        sub: usize,
+        handles: JobHandles,
+    ) {
+        let state = self.state.lock();
+        let held = state.generation == generation
+            && state.current.as_ref().is_some_and(|c| {
+                c.device == handles.device
+                    && c.scratch
+                        .get(sub)
+                        .is_some_and(|s| s.same_buffers(&handles.scratch))
+            });
+        if held {
+            let dropped = self
+                .guard
+                .run(BackendCall::Drop, self.index, Some(sub), move || {
+                    drop(handles)
+                });
+            drop(state);
+            if let Err(message) = dropped {
+                self.mark_lost(generation, message);
+            }
+        } else {
+            drop(state);
+            Doomed::new(handles, self, generation).drop_off_thread();
+        }
+    }
+
+    /// Clears both scratch buffers of a sub-slot and submits the clear. A mapping the job left
+    /// on the readback buffer (done or still pending) makes wgpu refuse the submission; it is
+    /// ended then, and the clear tried once more (unmapping first every time would cost every
+    /// lease a validation error, since a buffer that is not mapped cannot be unmapped).
+    pub(super) fn zero_scratch(
+        &self,
+        sub: usize,
+        device: &wgpu::Device,
+        queue: &wgpu::Queue,
+        scratch: &SlotScratch,
+    ) -> Result<Zeroing, String> {
+        let clear = || {
+            scoped(device, || {
+                let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("leasehold scratch zeroing"),
+                });
+                encoder.clear_buffer(&scratch.storage, 0, None);
+                encoder.clear_buffer(&scratch.readback, 0, None);
+                queue.submit([encoder.finish()])
+            })
+        };
+        self.guard
+            .run(BackendCall::ZeroScratch, self.index, Some(sub), || {
+                clear().or_else(|_| {
+                    let unmap = device.push_error_scope(wgpu::ErrorFilter::Validation);
+                    scratch.readback.unmap();
+                    drop(unmap.pop());
+                    clear()
+                })
+            })
+            .map(|made| match made {
+                Ok(_) => Zeroing::Submitted,
+                Err(e) => Zeroing::Refused(e),
+            })
+    }
+
+    /// Gives a sub-slot of `generation` new scratch buffers (wgpu zero-initialises new
+    /// buffers): for a scratch wgpu refused to clear. If that fails too, the generation is
+    /// marked lost rather than hand the old contents to the next lease.
+    pub(super) fn replace_scratch(self: &Arc<Self>, generation: u64, sub: usize, why: &str) {
+        let device = {
+            let s = self.state.lock();
+            match &s.current {
+                Some(c) if s.generation == generation => c.device.clone(),
+                _ => return,
+            }
+        };
+        tracing::warn!(
+            index = self.index,
+            sub,
+            reason = why,
+            "gpu scratch could not be zeroed; replacing it"
+        );
+        let made = self
+            .guard
+            .run(BackendCall::CreateScratch, self.index, Some(sub), || {
+                make_scratch(&device, self.scratch_size, self.index, sub)
+            });
+        match made {
+            Ok(Ok(fresh)) => {
+                let old = {
+                    let mut s = self.state.lock();
+                    let same = s.generation == generation;
+                    match &mut s.current {
+                        Some(c) if same => Some(std::mem::replace(&mut c.scratch[sub], fresh)),
+                        _ => None,
+                    }
+                };
+                if let Some(old) = old {
+                    Doomed::new(old, self, generation).drop_off_thread();
+                }
+            }
+            Ok(Err(e)) | Err(e) => self.mark_lost(
+                generation,
+                format!(
+                    "scratch of sub-slot {sub} could neither be zeroed ({why}) nor replaced ({e})"
+                ),
+            ),
+        }
+        Doomed::new(device, self, generation).drop_off_thread();
+    }
+}
+
+/// Runs `f` inside wgpu error scopes for every error filter: a wgpu error in it becomes an
+/// `Err` instead of reaching the device's uncaptured-error handler (which panics by default).
+pub(super) fn scoped<T>(device: &wgpu::Device, f: impl FnOnce() -> T) -> Result<T, String> {
+    let internal = device.push_error_scope(wgpu::ErrorFilter::Internal);
+    let memory = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+    let validation = device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let value = f();
+    // Native wgpu resolves these futures at once; one that does not counts as an error.
+    let mut first = None;
+    for scope in [validation, memory, internal] {
+        let error = match scope.pop().now_or_never() {
+            Some(None) => None,
+            Some(Some(e)) => Some(e.to_string()),
+            None => Some("a wgpu error scope did not resolve".to_owned()),
+        };
+        first = first.or(error);
+    }
+    match first {
+        None => Ok(value),
+        Some(e) => Err(e),
+    }
+}
+
+fn make_scratch(
+    device: &wgpu::Device,
+    bytes: u64,
+    index: usize,
+    sub: usize,
+) -> Result<SlotScratch, String> {
+    let label = format!("leasehold scratch d{index}s{sub}");
+    scoped(device, || SlotScratch {
+        storage: device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(&label),
+            size: bytes,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        }),
+        readback: device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(&label),
+            size: bytes,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        }),
+    })
+}

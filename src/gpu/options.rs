@@ -1,0 +1,207 @@
+//! `GpuOptions` and the policies it carries.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::contain::BackendHook;
+
+type AdapterFilter = Arc<dyn Fn(&wgpu::AdapterInfo) -> bool + Send + Sync>;
+
+/// Which GPUs a supervisor owns and how it shares them.
+#[derive(Clone)]
+pub struct GpuOptions {
+    pub(super) backends: wgpu::Backends,
+    pub(super) allow_software: bool,
+    pub(super) slots_per_device: u32,
+    pub(super) max_devices: usize,
+    adapter_filter: Option<AdapterFilter>,
+    pub(super) fence_timeout: Duration,
+    pub(super) scratch_bytes: u64,
+    pub(super) recreate_attempts: u32,
+    pub(super) recreate_backoff: Duration,
+    pub(super) fence_policy: FencePolicy,
+    pub(super) scratch_policy: ScratchPolicy,
+    pub(super) backend_hook: Option<BackendHook>,
+}
+
+/// What a lease's release waits for on the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum FencePolicy {
+    /// Everything submitted on the device's queue before the fence (default): covers work a
+    /// job submitted directly on the queue, at the price of also waiting for other slots' work
+    /// queued before it when a device has several slots.
+    #[default]
+    Queue,
+    /// Only the submissions made through [`JobGpu::submit`](crate::JobGpu::submit): for jobs
+    /// that never submit on the queue directly. A job that submitted nothing through it is not
+    /// waited for at all.
+    Recorded,
+}
+
+/// What happens to a slot's scratch buffers between two leases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ScratchPolicy {
+    /// Both scratch buffers are cleared to zero after the lease's fence, before the sub-slot
+    /// can serve another lease (default): no lease ever reads what the previous holder left.
+    #[default]
+    Zeroed,
+    /// The scratch is handed on as the previous lease left it. Only for jobs that overwrite
+    /// every byte of scratch they read; saves one clear of both buffers per lease.
+    Reused,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The backends this build can open, in the order a platform prefers them: Vulkan and GL
+/// (EGL) on Linux and other Unixes, Metal on Apple platforms, DX12, Vulkan and GL (WGL) on
+/// Windows. `Cargo.toml` enables exactly these wgpu backends per target.
+pub(super) fn platform_backends() -> wgpu::Backends {
+    if cfg!(target_vendor = "apple") {
+        wgpu::Backends::METAL
+    } else if cfg!(windows) {
+        wgpu::Backends::DX12 | wgpu::Backends::VULKAN | wgpu::Backends::GL
+    } else {
+        wgpu::Backends::VULKAN | wgpu::Backends::GL
+    }
+}
+
+impl GpuOptions {
+    /// The platform's backends (Vulkan and GL on Linux, Metal on macOS, DX12, Vulkan and GL on
+    /// Windows) unless `WGPU_BACKEND` names others (`WGPU_BACKEND=gl` forces GL, as wgpu's own
+    /// tools do); software adapters accepted, one device, one slot per device, a 10 s fence
+    /// bound, 1 MiB of scratch per buffer, zeroed between leases, five re-creation attempts
+    /// from 50 ms apart.
+    pub fn new() -> Self {
+        Self {
+            backends: wgpu::Backends::from_env().unwrap_or_else(platform_backends),
+            allow_software: true,
+            slots_per_device: 1,
+            max_devices: 1,
+            adapter_filter: None,
+            fence_timeout: Duration::from_secs(10),
+            scratch_bytes: 1 << 20,
+            recreate_attempts: 5,
+            recreate_backoff: Duration::from_millis(50),
+            fence_policy: FencePolicy::Queue,
+            scratch_policy: ScratchPolicy::Zeroed,
+            backend_hook: None,
+        }
+    }
+
+    /// Which wgpu backends to look at (overrides `WGPU_BACKEND`). A backend this build does
+    /// not include (see README, "Backends") finds no adapter.
+    pub fn backends(mut self, backends: wgpu::Backends) -> Self {
+        self.backends = backends;
+        self
+    }
+
+    /// Whether a software adapter (lavapipe, llvmpipe: device type `Cpu`) is acceptable.
+    pub fn allow_software(mut self, allow: bool) -> Self {
+        self.allow_software = allow;
+        self
+    }
+
+    /// How many leases may use one device at once (default 1).
+    pub fn slots_per_device(mut self, n: u32) -> Self {
+        self.slots_per_device = n;
+        self
+    }
+
+    /// How many devices to open at most (default 1): the first acceptable adapters, hardware
+    /// before software.
+    pub fn max_devices(mut self, n: usize) -> Self {
+        self.max_devices = n;
+        self
+    }
+
+    /// Only adapters for which `filter` returns `true`.
+    pub fn adapter_filter(
+        mut self,
+        filter: impl Fn(&wgpu::AdapterInfo) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.adapter_filter = Some(Arc::new(filter));
+        self
+    }
+
+    /// How long the release waits for a lease's GPU work before quarantining the slot; also
+    /// the bound of the wait for each device's remaining work at shutdown.
+    pub fn fence_timeout(mut self, timeout: Duration) -> Self {
+        self.fence_timeout = timeout;
+        self
+    }
+
+    /// What a lease's release waits for on the GPU (default [`FencePolicy::Queue`]).
+    pub fn fence_policy(mut self, policy: FencePolicy) -> Self {
+        self.fence_policy = policy;
+        self
+    }
+
+    /// Whether a slot's scratch is zeroed between leases (default [`ScratchPolicy::Zeroed`]).
+    pub fn scratch_policy(mut self, policy: ScratchPolicy) -> Self {
+        self.scratch_policy = policy;
+        self
+    }
+
+    /// Size of each slot's scratch storage buffer (and of its readback buffer), rounded up to a
+    /// multiple of 4 bytes (wgpu's copy and clear alignment).
+    pub fn scratch_bytes(mut self, bytes: u64) -> Self {
+        self.scratch_bytes = bytes;
+        self
+    }
+
+    /// Re-creation of a lost device: attempts, and the first delay between them (doubling).
+    pub fn recreate_policy(mut self, attempts: u32, first_backoff: Duration) -> Self {
+        self.recreate_attempts = attempts.max(1);
+        self.recreate_backoff = first_backoff;
+        self
+    }
+
+    /// Fault injection for leasehold's own tests, not part of the API: `hook` runs inside the
+    /// guard of every backend call the pool makes, just before the call; a hook that panics
+    /// stands for a backend that panics there.
+    #[doc(hidden)]
+    pub fn backend_hook(
+        mut self,
+        hook: impl Fn(super::BackendCall, usize, Option<usize>) + Send + Sync + 'static,
+    ) -> Self {
+        self.backend_hook = Some(Arc::new(hook));
+        self
+    }
+
+    pub(super) fn accepts(&self, info: &wgpu::AdapterInfo) -> bool {
+        (self.allow_software || info.device_type != wgpu::DeviceType::Cpu)
+            && self.adapter_filter.as_ref().is_none_or(|f| f(info))
+    }
+
+    /// The scratch size actually allocated: at least 4 bytes, a multiple of 4.
+    pub(super) fn scratch_size(&self) -> u64 {
+        self.scratch_bytes
+            .max(wgpu::COPY_BUFFER_ALIGNMENT)
+            .next_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT)
+    }
+}
+
+impl fmt::Debug for GpuOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuOptions")
+            .field("backends", &self.backends)
+            .field("allow_software", &self.allow_software)
+            .field("slots_per_device", &self.slots_per_device)
+            .field("max_devices", &self.max_devices)
+            .field("adapter_filter", &self.adapter_filter.is_some())
+            .field("fence_timeout", &self.fence_timeout)
+            .field("fence_policy", &self.fence_policy)
+            .field("scratch_bytes", &self.scratch_bytes)
+            .field("scratch_policy", &self.scratch_policy)
+            .field("recreate_attempts", &self.recreate_attempts)
+            .field("recreate_backoff", &self.recreate_backoff)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,522 @@
+//! `GpuPool`: every device of a supervisor, which sub-slots are in use, the fence, re-creation
+//! and close.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::Unclosed;
+use super::contain::{BackendCall, Doomed, Guard};
+use super::device::{Current, GpuDevice, Zeroing};
+use super::error::GpuError;
+use super::job::{JobGpu, JobGpuInner, JobHandles};
+use super::options::{FencePolicy, GpuOptions, ScratchPolicy};
+
+/// How a lease's GPU fence ended badly.
+pub(crate) enum FenceFailure {
+    /// The work did not complete within the bound: the slot is quarantined until the wait,
+    /// which goes on, ends.
+    Timeout {
+        after: Duration,
+        still_waiting: futures_util::future::BoxFuture<'static, ()>,
+    },
+    /// The device was lost (or its backend panicked): the slot is quarantined until the device
+    /// is replaced.
+    Lost { device: usize, reason: String },
+}
+
+/// Called (off the mailbox) when a lost device has been replaced, or given up.
+pub(crate) type ReplacedHook = Box<dyn Fn(usize) + Send + Sync>;
+
+/// Every device of a supervisor, and which sub-slots are in use.
+pub(crate) struct GpuPool {
+    opts: GpuOptions,
+    devices: Vec<Arc<GpuDevice>>,
+    busy: Mutex<Vec<Vec<bool>>>,
+    replaced: OnceLock<ReplacedHook>,
+    /// Set by `close_within`: nothing is re-created after it. `Relaxed` throughout: the flag
+    /// publishes no other memory, and a re-creation that misses it (one already past the check
+    /// when the close begins) installs a device that the pool's `Drop` lets go of.
+    closed: AtomicBool,
+    guard: Guard,
+}
+
+impl std::fmt::Debug for GpuPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuPool")
+            .field("devices", &self.devices)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where a lease runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Placement {
+    pub(crate) device: usize,
+    pub(crate) sub: usize,
+}
+
+/// A new wgpu instance on `backends`, and its adapters. Each call makes its own instance: on
+/// GL, that is what gives a device an EGL context of its own (see `recreate`).
+async fn enumerate(
+    guard: &Guard,
+    backends: wgpu::Backends,
+    device: usize,
+) -> Result<Vec<wgpu::Adapter>, GpuError> {
+    guard
+        .run_async(BackendCall::Enumerate, device, async move {
+            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+            desc.backends = backends;
+            // The adapters (and the devices requested from them) keep what they need of the
+            // instance alive; the handle itself can go.
+            wgpu::Instance::new(desc).enumerate_adapters(backends).await
+        })
+        .await
+        .map_err(GpuError::CreateFailed)
+}
+
+impl GpuPool {
+    /// Opens up to `max_devices` acceptable adapters, hardware first.
+    pub(crate) async fn open(opts: GpuOptions) -> Result<Self, GpuError> {
+        let guard = Guard::new(opts.backend_hook.clone());
+        let mut adapters: Vec<_> = enumerate(&guard, opts.backends, 0)
+            .await?
+            .into_iter()
+            .filter(|a| opts.accepts(&a.get_info()))
+            .collect();
+        adapters.sort_by_key(|a| {
+            let info = a.get_info();
+            (
+                info.device_type == wgpu::DeviceType::Cpu,
+                info.backend == wgpu::Backend::Gl,
+            )
+        });
+        adapters.truncate(opts.max_devices.max(1));
+        if adapters.is_empty() {
+            return Err(GpuError::NoAdapter);
+        }
+        let slots = opts.slots_per_device as usize;
+        let mut devices = Vec::new();
+        for (index, adapter) in adapters.into_iter().enumerate() {
+            let info = adapter.get_info();
+            let dev = Arc::new(GpuDevice::new(
+                index,
+                info,
+                guard.clone(),
+                slots,
+                opts.scratch_size(),
+            ));
+            dev.open_on(&adapter).await?;
+            tracing::info!(index, adapter = %dev.info.name, backend = ?dev.info.backend, "gpu device ready");
+            devices.push(dev);
+        }
+        let busy = vec![vec![false; slots]; devices.len()];
+        Ok(Self {
+            opts,
+            devices,
+            busy: Mutex::new(busy),
+            replaced: OnceLock::new(),
+            closed: AtomicBool::new(false),
+            guard,
+        })
+    }
+
+    pub(crate) fn set_replaced_hook(&self, hook: ReplacedHook) {
+        let _ = self.replaced.set(hook);
+    }
+
+    /// GPU sub-slots in all.
+    pub(crate) fn capacity(&self) -> u32 {
+        self.devices.len() as u32 * self.opts.slots_per_device
+    }
+
+    /// Places a lease on the least-loaded device that is not dead and has a free sub-slot.
+    pub(crate) fn place(&self) -> Option<Placement> {
+        let mut busy = self.busy.lock();
+        let dead: Vec<bool> = self.devices.iter().map(|d| d.state.lock().dead).collect();
+        let placement = least_loaded(&busy, &dead)?;
+        busy[placement.device][placement.sub] = true;
+        Some(placement)
+    }
+
+    /// The sub-slot may serve another lease (called after its fence, at the release).
+    pub(crate) fn free(&self, placement: Placement) {
+        self.busy.lock()[placement.device][placement.sub] = false;
+    }
+
+    /// The device and scratch for a placed lease, re-creating a lost device first.
+    pub(crate) async fn checkout(&self, placement: Placement) -> Result<JobGpu, GpuError> {
+        let dev = &self.devices[placement.device];
+        self.ensure_ready(dev).await?;
+        let (handles, generation) = {
+            let s = dev.state.lock();
+            let current = s
+                .current
+                .as_ref()
+                .filter(|_| s.lost.is_none())
+                .ok_or_else(|| GpuError::DeviceLost("device gone".into()))?;
+            let handles = JobHandles {
+                device: current.device.clone(),
+                queue: current.queue.clone(),
+                scratch: current.scratch[placement.sub].clone(),
+            };
+            (handles, s.generation)
+        };
+        Ok(JobGpu {
+            inner: Arc::new(JobGpuInner::new(
+                Arc::clone(dev),
+                placement.sub,
+                generation,
+                handles,
+            )),
+        })
+    }
+
+    /// Makes sure the device is usable: if it was lost, one caller re-creates it (with backoff)
+    /// while the others wait for that caller.
+    async fn ensure_ready(&self, dev: &Arc<GpuDevice>) -> Result<(), GpuError> {
+        if dev.usable() {
+            return Ok(());
+        }
+        let _creator = dev.create_lock.lock().await;
+        if dev.usable() {
+            return Ok(());
+        }
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(GpuError::DeviceLost(format!(
+                "device {} is closed",
+                dev.index
+            )));
+        }
+        if dev.state.lock().dead {
+            return Err(GpuError::CreateFailed(format!(
+                "device {} could not be re-created",
+                dev.index
+            )));
+        }
+        let mut backoff = self.opts.recreate_backoff;
+        let mut last = String::new();
+        for attempt in 1..=self.opts.recreate_attempts {
+            match self.recreate(dev).await {
+                Ok(generation) => {
+                    tracing::info!(
+                        index = dev.index,
+                        attempt,
+                        generation,
+                        "lost gpu device re-created"
+                    );
+                    if let Some(hook) = self.replaced.get() {
+                        hook(dev.index);
+                    }
+                    return Ok(());
+                }
+                Err(e) => {
+                    tracing::warn!(index = dev.index, attempt, error = %e, "gpu device re-creation failed");
+                    last = e.to_string();
+                    tokio::time::sleep(backoff).await;
+                    backoff *= 2;
+                }
+            }
+        }
+        dev.state.lock().dead = true;
+        if let Some(hook) = self.replaced.get() {
+            // Tell the supervisor the device will not come back: its quarantined slots go.
+            hook(dev.index);
+        }
+        Err(GpuError::CreateFailed(last))
+    }
+
+    /// A fresh device on the same adapter, from a fresh wgpu instance.
+    ///
+    /// Why a fresh instance: on GL (EGL), every adapter enumerated from one instance shares
+    /// that instance's one EGL context, each behind a lock of its own. The lost generation's
+    /// handles live on in quarantined jobs and are dropped later, on other threads; a device
+    /// from the same instance would make the same context current there while the new device
+    /// uses it, and wgpu-hal panics on the `EGL_BAD_ACCESS` that follows (the family of
+    /// gfx-rs/wgpu#5349). An instance per generation gives each its own context; Vulkan, Metal
+    /// and DX12 do not mind either way.
+    async fn recreate(&self, dev: &Arc<GpuDevice>) -> Result<u64, GpuError> {
+        let adapter = enumerate(&self.guard, dev.info.backend.into(), dev.index)
+            .await?
+            .into_iter()
+            .find(|a| {
+                let i = a.get_info();
+                i.name == dev.info.name
+                    && i.backend == dev.info.backend
+                    && i.device == dev.info.device
+                    && i.vendor == dev.info.vendor
+            })
+            .ok_or(GpuError::NoAdapter)?;
+        dev.open_on(&adapter).await
+    }
+
+    /// Starts re-creating a lost device in the background (its quarantined slots are waited for).
+    pub(crate) fn recreate_in_background(self: &Arc<Self>, device: usize) {
+        let pool = Arc::clone(self);
+        tokio::spawn(async move {
+            let dev = Arc::clone(&pool.devices[device]);
+            let _ = pool.ensure_ready(&dev).await;
+        });
+    }
+
+    /// Waits, off the caller's thread, for the lease's GPU work (per the fence policy), and
+    /// zeroes its scratch (per the scratch policy) so that the next lease of the sub-slot cannot
+    /// read it. A backend panic in any of it is a loss of the device.
+    pub(crate) async fn fence(&self, gpu: &JobGpu) -> Result<(), FenceFailure> {
+        let inner = Arc::clone(&gpu.inner);
+        let lost = |inner: &JobGpuInner| {
+            inner
+                .owner
+                .loss_of(inner.generation)
+                .map(|reason| FenceFailure::Lost {
+                    device: inner.device_index(),
+                    reason,
+                })
+        };
+        if let Some(l) = lost(&inner) {
+            return Err(l);
+        }
+        let (fence, scratch) = (self.opts.fence_policy, self.opts.scratch_policy);
+        let mut wait = tokio::task::spawn_blocking(move || {
+            let result = fence_blocking(&inner, fence, scratch);
+            if let Err(reason) = &result {
+                inner.owner.mark_lost(inner.generation, reason.clone());
+            }
+            (result, inner)
+        });
+        let joined = match tokio::time::timeout(self.opts.fence_timeout, &mut wait).await {
+            Ok(joined) => joined,
+            Err(_) => {
+                return Err(FenceFailure::Timeout {
+                    after: self.opts.fence_timeout,
+                    still_waiting: Box::pin(async move {
+                        let _ = wait.await;
+                    }),
+                });
+            }
+        };
+        let device = gpu.device_index();
+        let (result, inner) = joined.map_err(|e| FenceFailure::Lost {
+            device,
+            reason: e.to_string(),
+        })?;
+        if let Some(l) = lost(&inner) {
+            return Err(l);
+        }
+        result.map_err(|reason| FenceFailure::Lost { device, reason })
+    }
+
+    /// Waits at most `bound` for the remaining GPU work of every device (unless the device is
+    /// lost), then destroys each device; `gpu_device(i)` is `None` from the start of the call.
+    /// Each device is waited for and destroyed on a thread of its own, so a device whose work
+    /// never completes (a slot quarantined by the fence timeout) costs the caller `bound`, not
+    /// forever: it is reported in the result and left to finish on that thread.
+    pub(crate) fn close_within(&self, bound: Duration) -> Vec<Unclosed> {
+        self.closed.store(true, Ordering::Relaxed);
+        let deadline = Instant::now() + bound;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut unclosed = Vec::new();
+        let mut pending = Vec::new();
+        for dev in &self.devices {
+            let (current, generation) = {
+                let mut s = dev.state.lock();
+                (s.current.take(), s.generation)
+            };
+            let Some(current) = current else {
+                continue;
+            };
+            // Whatever happens to the thread, the handles are dropped guarded.
+            let doomed = Doomed::new(current, dev, generation);
+            let (dev2, tx) = (Arc::clone(dev), tx.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("leasehold-gpu-close-{}", dev.index))
+                .spawn(move || {
+                    let result = doomed
+                        .get()
+                        .map_or(Ok(()), |c| drain_and_destroy(&dev2, generation, c));
+                    drop(doomed);
+                    let _ = tx.send((dev2.index, result));
+                });
+            match spawned {
+                Ok(_) => pending.push(dev.index),
+                Err(e) => unclosed.push(Unclosed {
+                    device: dev.index,
+                    reason: format!("could not start the close thread: {e}"),
+                }),
+            }
+        }
+        drop(tx);
+        while !pending.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok((device, result)) => {
+                    pending.retain(|d| *d != device);
+                    if let Err(reason) = result {
+                        unclosed.push(Unclosed { device, reason });
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        unclosed.extend(pending.into_iter().map(|device| Unclosed {
+            device,
+            reason: format!(
+                "gpu work still running {bound:?} into the close; the device is destroyed once it completes"
+            ),
+        }));
+        unclosed
+    }
+
+    /// For tests and tools: the device of one index, if it is usable.
+    pub(crate) fn device(&self, index: usize) -> Option<wgpu::Device> {
+        let s = self.devices.get(index)?.state.lock();
+        s.current.as_ref().map(|c| c.device.clone())
+    }
+
+    pub(crate) fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// Whether a lost device has been dealt with: usable again, or given up for good.
+    pub(crate) fn settled(&self, index: usize) -> bool {
+        let dev = &self.devices[index];
+        dev.usable() || dev.state.lock().dead
+    }
+
+    /// How many times the device has been created (1 at start, +1 per re-creation).
+    pub(crate) fn generation(&self, index: usize) -> Option<u64> {
+        Some(self.devices.get(index)?.state.lock().generation)
+    }
+}
+
+impl Drop for GpuPool {
+    /// A pool dropped without `close` (a supervisor that never shut down) lets go of its
+    /// devices guarded and off the dropping thread, like everything else here.
+    fn drop(&mut self) {
+        for dev in &self.devices {
+            let (current, generation) = {
+                let mut s = dev.state.lock();
+                (s.current.take(), s.generation)
+            };
+            if let Some(current) = current {
+                Doomed::new(current, dev, generation).drop_off_thread();
+            }
+        }
+    }
+}
+
+/// The fence's blocking part, on the blocking pool. `Err` means the device is lost (or its
+/// backend panicked); the caller marks it so.
+fn fence_blocking(
+    inner: &JobGpuInner,
+    fence: FencePolicy,
+    scratch: ScratchPolicy,
+) -> Result<(), String> {
+    let dev = &inner.owner;
+    let (index, sub, generation) = (dev.index, inner.sub, inner.generation);
+    let h = inner.handles();
+    let guard = &dev.guard;
+    // A non-blocking poll first: it runs the device's maintenance, which is where a loss (a
+    // driver reset, `destroy()`) is noticed and the loss callback fires. A blocking wait on a
+    // device already lost may never return.
+    let _ = guard.run(BackendCall::FencePoll, index, Some(sub), || {
+        h.device.poll(wgpu::PollType::Poll)
+    })?;
+    if let Some(reason) = dev.loss_of(generation) {
+        return Err(reason);
+    }
+    let wait_for = match fence {
+        // An empty submission is ordered after everything submitted on this queue before it,
+        // through the context or not, and flushes pending `write_buffer`s.
+        FencePolicy::Queue => {
+            Some(guard.run(BackendCall::FenceSubmit, index, Some(sub), || {
+                h.queue.submit(std::iter::empty())
+            })?)
+        }
+        FencePolicy::Recorded => inner.last.lock().clone(),
+    };
+    if let Some(i) = wait_for {
+        // No timeout here: wgpu-core 30.0.2 can panic in a timed wait that runs out while
+        // other threads submit (gfx-rs/wgpu#9958). The bound is the caller's tokio timer.
+        guard
+            .run(BackendCall::FenceWait, index, Some(sub), || {
+                h.device.poll(wgpu::PollType::Wait {
+                    submission_index: Some(i),
+                    timeout: None,
+                })
+            })?
+            .map_err(|e| e.to_string())?;
+    }
+    // After the lease's work, and not waited for: the next lease's work on this sub-slot is
+    // queued after the clear, so it runs on zeroed scratch all the same (a mapping waits for
+    // the clear too), while the release need not wait for the memset itself, nor (with
+    // `FencePolicy::Recorded`) for other slots' work queued before it. A replaced device comes
+    // with new scratch, which wgpu zero-initialises; a lease that never asked for its scratch
+    // left nothing in it.
+    if scratch == ScratchPolicy::Zeroed
+        && inner.scratch_used()
+        && let Zeroing::Refused(why) = dev.zero_scratch(sub, &h.device, &h.queue, &h.scratch)?
+    {
+        dev.replace_scratch(generation, sub, &why);
+    }
+    Ok(())
+}
+
+/// At close: waits for the device's remaining work (unless it is lost), then destroys it.
+fn drain_and_destroy(dev: &GpuDevice, generation: u64, current: &Current) -> Result<(), String> {
+    dev.guard.run(BackendCall::Close, dev.index, None, || {
+        // Notice a loss first: a blocking wait on a lost device may never return.
+        let _ = current.device.poll(wgpu::PollType::Poll);
+        if dev.loss_of(generation).is_none() {
+            let _ = current.device.poll(wgpu::PollType::wait_indefinitely());
+        }
+        current.device.destroy();
+    })
+}
+
+/// The device with the most free sub-slots (the lowest index among equals), skipping dead
+/// devices, and its first free sub-slot.
+fn least_loaded(busy: &[Vec<bool>], dead: &[bool]) -> Option<Placement> {
+    busy.iter()
+        .enumerate()
+        .filter(|(d, _)| !dead[*d])
+        .filter_map(|(d, subs)| {
+            let free = subs.iter().filter(|b| !**b).count();
+            let first = subs.iter().position(|b| !*b)?;
+            Some((free, d, first))
+        })
+        .max_by_key(|(free, d, _)| (*free, std::cmp::Reverse(*d)))
+        .map(|(_, device, sub)| Placement { device, sub })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(device: usize, sub: usize) -> Option<Placement> {
+        Some(Placement { device, sub })
+    }
+
+    #[test]
+    fn a_new_lease_goes_to_the_least_loaded_device() {
+        let busy = vec![vec![true, false, false], vec![false, false, false]];
+        assert_eq!(least_loaded(&busy, &[false, false]), p(1, 0));
+        let busy = vec![vec![true, false, false], vec![true, true, false]];
+        assert_eq!(least_loaded(&busy, &[false, false]), p(0, 1));
+    }
+
+    #[test]
+    fn equally_loaded_devices_fill_in_index_order() {
+        let busy = vec![vec![false, true], vec![false, true]];
+        assert_eq!(least_loaded(&busy, &[false, false]), p(0, 0));
+    }
+
+    #[test]
+    fn full_and_dead_devices_are_skipped() {
+        let busy = vec![vec![true, true], vec![false, false], vec![false, false]];
+        assert_eq!(least_loaded(&busy, &[false, true, false]), p(2, 0));
+        assert_eq!(least_loaded(&busy, &[false, true, true]), None);
+    }
+}
