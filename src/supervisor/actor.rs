@@ -109,6 +109,8 @@ struct JobRt {
     shared: Arc<JobShared>,
     /// Taken when the caller has been answered (at the end, or early on quarantine).
     reply: Option<oneshot::Sender<RunOutcome>>,
+    /// Why the job could not start (its caller hears this, once the token is back).
+    not_started: Option<AcquireError>,
     #[cfg(feature = "gpu")]
     placement: Option<crate::gpu::Placement>,
 }
@@ -342,6 +344,12 @@ impl Shell {
             }
             SupMsg::Shutdown { reply } => {
                 self.shutdown_replies.extend(reply);
+                if self.core.is_serving() {
+                    // A shutdown first re-checks the quarantined slots, as a reclaim does: what
+                    // can be proven clean now is released, the rest is reported.
+                    self.apply(Input::ReclaimBegin).await;
+                    self.apply(Input::ReclaimEnd).await;
+                }
                 Input::Shutdown
             }
             SupMsg::Quarantined { reply } => {
@@ -605,8 +613,7 @@ impl Shell {
                 Some(p) => Some(p),
                 None => {
                     let err = crate::gpu::GpuError::CreateFailed("no usable gpu slot".into());
-                    let _ = reply.send(RunOutcome::NotStarted(AcquireError::Gpu(err)));
-                    return self.core.apply(Input::NotStarted { key });
+                    return self.not_started(key, job_id, shared, reply, AcquireError::Gpu(err));
                 }
             },
             None => None,
@@ -640,6 +647,7 @@ impl Shell {
                         job_id,
                         shared: Arc::clone(&shared),
                         reply: Some(reply),
+                        not_started: None,
                         #[cfg(feature = "gpu")]
                         placement,
                     },
@@ -670,10 +678,32 @@ impl Shell {
                     gpu.free(p);
                 }
                 let err = BrokerError::new(format!("worker spawn failed: {err}"));
-                let _ = reply.send(RunOutcome::NotStarted(AcquireError::Failed(err)));
-                self.core.apply(Input::NotStarted { key });
+                self.not_started(key, job_id, shared, reply, AcquireError::Failed(err));
             }
         }
+    }
+
+    /// A job that could not start: its token goes back, then its caller hears why.
+    fn not_started(
+        &mut self,
+        key: LeaseKey,
+        job_id: Arc<str>,
+        shared: Arc<JobShared>,
+        reply: oneshot::Sender<RunOutcome>,
+        error: AcquireError,
+    ) {
+        self.jobs.insert(
+            key,
+            JobRt {
+                job_id,
+                shared,
+                reply: Some(reply),
+                not_started: Some(error),
+                #[cfg(feature = "gpu")]
+                placement: None,
+            },
+        );
+        self.core.apply(Input::NotStarted { key });
     }
 
     fn refuse(&mut self, waiter: WaiterId, error: AcquireError) {
@@ -822,12 +852,18 @@ impl Shell {
         self.publish();
         if let Some(job) = self.jobs.get_mut(&key) {
             let job_id = Arc::clone(&job.job_id);
-            let undelivered = match job.reply.take() {
-                Some(reply) => match reply.send(RunOutcome::Finished { cleanup: result }) {
+            let undelivered = match (job.reply.take(), job.not_started.take()) {
+                // The caller hears why its job did not start; a failed release of the token it
+                // never used has nobody else to go to.
+                (Some(reply), Some(why)) => {
+                    let _ = reply.send(RunOutcome::NotStarted(why));
+                    result.err()
+                }
+                (Some(reply), None) => match reply.send(RunOutcome::Finished { cleanup: result }) {
                     Err(RunOutcome::Finished { cleanup: Err(err) }) => Some(err),
                     _ => None,
                 },
-                None => result.err(),
+                (None, _) => result.err(),
             };
             if let Some(err) = undelivered {
                 self.sink(Some(job_id.to_string()), err);

@@ -327,8 +327,8 @@ pub(crate) enum Input {
     /// The lease granted by [`Effect::Deliver`] found nobody: its caller left before it could be
     /// handed over. Nobody used it: it goes to the next waiter.
     Undelivered { key: LeaseKey },
-    /// The job granted by [`Effect::Deliver`] could not start (no worker, no GPU sub-slot); its
-    /// caller has been answered and no body ran.
+    /// The job granted by [`Effect::Deliver`] could not start (no worker, no GPU sub-slot); no
+    /// body ran. Its caller is answered when the token is back.
     NotStarted { key: LeaseKey },
     /// The job's worker is running; `device` is its GPU placement.
     Started {
@@ -515,7 +515,10 @@ pub(crate) struct StopTally {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stop {
     Serving,
-    Stopping { gpu: GpuClose },
+    Stopping {
+        gpu: GpuClose,
+        deadline_passed: bool,
+    },
     Stopped,
 }
 
@@ -713,7 +716,7 @@ impl Core {
             Input::ShutdownGraceOver => self.shutdown_grace_over(),
             Input::ShutdownDeadline => self.shutdown_deadline(),
             Input::GpuClosed => {
-                if let Stop::Stopping { gpu } = &mut self.stop {
+                if let Stop::Stopping { gpu, .. } = &mut self.stop {
                     *gpu = GpuClose::Closed;
                 }
             }
@@ -898,9 +901,9 @@ impl Core {
         let Some(lease) = self.leases.get_mut(&key) else {
             return self.illegal(format_args!("lease {key} that did not start is not live"));
         };
-        // No worker ran: nothing physical is owed; the caller already heard why.
+        // No worker ran: nothing physical is owed. The caller hears why once the token is back
+        // (`run` returns only after the pipeline), through the usual answer.
         lease.owed = Owed(0);
-        lease.answered = true;
         self.advance(key);
     }
 
@@ -1234,6 +1237,7 @@ impl Core {
             } else {
                 GpuClose::NotNeeded
             },
+            deadline_passed: false,
         };
         while let Some((waiter, _)) = self.queue.pop() {
             self.stop_tally.refused_waiters += 1;
@@ -1291,9 +1295,13 @@ impl Core {
     }
 
     fn shutdown_deadline(&mut self) {
-        if !matches!(self.stop, Stop::Stopping { .. }) {
+        let Stop::Stopping {
+            deadline_passed, ..
+        } = &mut self.stop
+        else {
             return;
-        }
+        };
+        *deadline_passed = true;
         for key in sorted(self.leases.keys().copied().collect()) {
             let lease = &self.leases[&key];
             if lease.release != Release::NotStarted {
@@ -1314,13 +1322,23 @@ impl Core {
         }
     }
 
-    /// Shutdown finishes once every lease is released or quarantined, no broker acquire is in
-    /// flight, and the GPU devices are closed.
+    /// Shutdown finishes once every lease is released or quarantined for good, no broker
+    /// acquire is in flight, and the GPU devices are closed. Until the shutdown bound passes, a
+    /// lease quarantined for something that ends on its own (late tasks or GPU work, a lost
+    /// device being replaced) is waited for; one that only a re-check could clear (the shutdown
+    /// re-checked it when it began) is not.
     fn maybe_stopped(&mut self) {
-        let Stop::Stopping { gpu } = self.stop else {
+        let Stop::Stopping {
+            gpu,
+            deadline_passed,
+        } = self.stop
+        else {
             return;
         };
-        let busy = self.leases.values().any(|l| !l.is_quarantined());
+        let busy = self.leases.values().any(|l| {
+            !l.is_quarantined()
+                || (!deadline_passed && l.reasons.iter().any(|r| r.why != Why::Unproven))
+        });
         if busy || !self.acquiring.is_empty() || self.reclaiming.is_some() {
             return;
         }
@@ -1328,6 +1346,7 @@ impl Core {
             GpuClose::Pending => {
                 self.stop = Stop::Stopping {
                     gpu: GpuClose::Closing,
+                    deadline_passed,
                 };
                 self.emit(Effect::CloseGpu);
             }
@@ -1374,6 +1393,10 @@ impl Core {
 
     pub(crate) fn counters(&self) -> Counters {
         self.counters
+    }
+
+    pub(crate) fn is_serving(&self) -> bool {
+        self.stop == Stop::Serving
     }
 
     pub(crate) fn stop_tally(&self) -> StopTally {

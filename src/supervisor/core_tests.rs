@@ -629,7 +629,6 @@ impl World {
                                 Known {
                                     token: Some(token),
                                     job: true,
-                                    answers: 1,
                                     ..Default::default()
                                 },
                             );
