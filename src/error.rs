@@ -136,8 +136,14 @@ pub enum CleanupErrorKind {
 
 /// A release that did not finish cleanly. Cloneable: one failure may be reported to several
 /// places (the caller and the error sink never both, but repeated `release` calls may share it).
+/// One pointer wide: it travels in every release's answer, and a failure is the rare case.
 #[derive(Debug, Clone)]
 pub struct CleanupError {
+    inner: Box<CleanupInner>,
+}
+
+#[derive(Debug, Clone)]
+struct CleanupInner {
     kind: CleanupErrorKind,
     token: Option<SlotToken>,
     detail: Option<String>,
@@ -151,66 +157,72 @@ enum CleanupSource {
 }
 
 impl CleanupError {
-    pub(crate) fn timeout(token: SlotToken, after: Duration) -> Self {
+    fn from_parts(
+        kind: CleanupErrorKind,
+        token: Option<SlotToken>,
+        detail: Option<String>,
+        source: Option<CleanupSource>,
+    ) -> Self {
         Self {
-            kind: CleanupErrorKind::Timeout,
-            token: Some(token),
-            detail: Some(format!("release of {token} took longer than {after:?}")),
-            source: None,
+            inner: Box::new(CleanupInner {
+                kind,
+                token,
+                detail,
+                source,
+            }),
         }
+    }
+
+    pub(crate) fn timeout(token: SlotToken, after: Duration) -> Self {
+        Self::from_parts(
+            CleanupErrorKind::Timeout,
+            Some(token),
+            Some(format!("release of {token} took longer than {after:?}")),
+            None,
+        )
     }
 
     pub(crate) fn broker(token: SlotToken, err: BrokerError) -> Self {
-        Self {
-            kind: CleanupErrorKind::Failed,
-            token: Some(token),
-            detail: None,
-            source: Some(CleanupSource::Broker(err)),
-        }
+        Self::from_parts(
+            CleanupErrorKind::Failed,
+            Some(token),
+            None,
+            Some(CleanupSource::Broker(err)),
+        )
     }
 
     pub(crate) fn unconfirmed(token: SlotToken, detail: String, io: Option<io::Error>) -> Self {
-        Self {
-            kind: CleanupErrorKind::Unconfirmed,
-            token: Some(token),
-            detail: Some(detail),
-            source: io.map(|e| CleanupSource::Io(Arc::new(e))),
-        }
+        Self::from_parts(
+            CleanupErrorKind::Unconfirmed,
+            Some(token),
+            Some(detail),
+            io.map(|e| CleanupSource::Io(Arc::new(e))),
+        )
     }
 
     /// The I/O error behind it (an unremovable temp dir).
     pub(crate) fn with_io(mut self, io: io::Error) -> Self {
-        self.source = Some(CleanupSource::Io(Arc::new(io)));
+        self.inner.source = Some(CleanupSource::Io(Arc::new(io)));
         self
     }
 
     pub(crate) fn with_kind(kind: CleanupErrorKind, token: SlotToken, detail: String) -> Self {
-        Self {
-            kind,
-            token: Some(token),
-            detail: Some(detail),
-            source: None,
-        }
+        Self::from_parts(kind, Some(token), Some(detail), None)
     }
 
     pub(crate) fn stopped(token: Option<SlotToken>) -> Self {
-        Self {
-            kind: CleanupErrorKind::SupervisorStopped,
-            token,
-            detail: None,
-            source: None,
-        }
+        Self::from_parts(CleanupErrorKind::SupervisorStopped, token, None, None)
     }
 
     /// What went wrong.
     pub fn kind(&self) -> CleanupErrorKind {
-        self.kind
+        self.inner.kind
     }
 
-    /// `LEASE_CLEANUP_TIMEOUT`, `LEASE_CLEANUP_FAILED`, `LEASE_CLEANUP_UNCONFIRMED` or
-    /// `SUPERVISOR_STOPPED`.
+    /// `LEASE_CLEANUP_TIMEOUT`, `LEASE_CLEANUP_FAILED`, `LEASE_CLEANUP_UNCONFIRMED`,
+    /// `LEASE_GPU_DEVICE_LOST` or `SUPERVISOR_STOPPED`.
     pub fn code(&self) -> &'static str {
-        match self.kind {
+        match self.inner.kind {
             CleanupErrorKind::Timeout => codes::LEASE_CLEANUP_TIMEOUT,
             CleanupErrorKind::Failed => codes::LEASE_CLEANUP_FAILED,
             CleanupErrorKind::Unconfirmed => codes::LEASE_CLEANUP_UNCONFIRMED,
@@ -221,12 +233,12 @@ impl CleanupError {
 
     /// The token whose release failed, when known.
     pub fn token(&self) -> Option<SlotToken> {
-        self.token
+        self.inner.token
     }
 
     /// The broker's error, when the broker release failed.
     pub fn broker_error(&self) -> Option<&BrokerError> {
-        match &self.source {
+        match &self.inner.source {
             Some(CleanupSource::Broker(e)) => Some(e),
             _ => None,
         }
@@ -235,7 +247,7 @@ impl CleanupError {
 
 impl fmt::Display for CleanupError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let what = match self.kind {
+        let what = match self.inner.kind {
             CleanupErrorKind::Timeout => "slot release timed out",
             CleanupErrorKind::Failed => "slot release failed",
             CleanupErrorKind::Unconfirmed => "cleanup unconfirmed, slot quarantined",
@@ -245,9 +257,9 @@ impl fmt::Display for CleanupError {
             }
         };
         f.write_str(what)?;
-        if let Some(detail) = &self.detail {
+        if let Some(detail) = &self.inner.detail {
             write!(f, ": {detail}")?;
-        } else if let Some(token) = self.token {
+        } else if let Some(token) = self.inner.token {
             write!(f, " ({token})")?;
         }
         Ok(())
@@ -256,7 +268,7 @@ impl fmt::Display for CleanupError {
 
 impl std::error::Error for CleanupError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match &self.source {
+        match &self.inner.source {
             Some(CleanupSource::Broker(e)) => Some(e),
             Some(CleanupSource::Io(e)) => Some(&**e),
             None => None,

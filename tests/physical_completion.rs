@@ -84,14 +84,20 @@ async fn cancelled_job_keeps_temp_dir_and_slot_until_its_blocking_thread_ends() 
         })
     };
     cancel.cancel();
-    // The body ends at once; the thread does not. Nothing may move while it runs: a release on
-    // the worker's exit (or its supervision event) alone would start the next job here.
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), b_rx)
-            .await
-            .is_err(),
-        "slot reused while the thread ran"
-    );
+    // The body ends at once; the thread does not. Nothing may move while it runs. Wait until
+    // the supervisor has handled the worker's end (the job shows as draining): a release on
+    // the worker's exit (or its supervision event) alone would have been started by then.
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while sup.stats().draining == 0 && broker.release_calls() == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the supervisor never saw the worker end");
+    assert_eq!(broker.release_calls(), 0, "released while the thread ran");
+    assert_eq!(sup.stats().draining, 1);
+    let mut b_rx = b_rx;
+    assert!(b_rx.try_recv().is_err(), "slot reused while the thread ran");
     let dir = dir_seen.lock().clone().unwrap();
     assert!(
         dir.exists(),

@@ -29,7 +29,7 @@ use super::core::{
 use super::hosts::Hosts;
 use super::inbox::{Inbox, Ring};
 use super::messages::{PendingJob, ReleaseReply, RunOutcome, SupMsg, WaiterKind};
-use super::stats::{Published, SharedStats, metric_names};
+use super::stats::{Metrics, Published, SharedStats};
 use super::{QuarantinedSlot, ReclaimReport, Reporter, ShutdownReport, UnclosedDevice};
 use crate::broker::{
     AcquireRequest, BrokerError, BrokerEvent, DynBroker, LocalBroker, SlotToken, poll_once,
@@ -68,13 +68,6 @@ impl BrokerPort {
         }
     }
 
-    fn renews(&self) -> bool {
-        match self {
-            Self::Local(_) => false,
-            Self::Dyn(b) => b.renews(),
-        }
-    }
-
     pub(crate) fn as_dyn(&self) -> Arc<dyn DynBroker> {
         match self {
             Self::Local(b) => Arc::clone(b) as Arc<dyn DynBroker>,
@@ -97,10 +90,25 @@ pub(crate) struct SupArgs {
     pub(crate) origin: u64,
 }
 
+/// A job granted a slot, to start (its worker's spawn is awaited).
+struct JobStart {
+    key: LeaseKey,
+    token: SlotToken,
+    job: Box<PendingJob>,
+}
+
 struct Waiter {
     /// Carries the caller's span.
     kind: WaiterKind,
-    since: Instant,
+    since: Since,
+}
+
+/// When a waiter joined the queue: in the batch being handled (its clock not read yet: a grant
+/// within the same batch waited no time), or at a time read when its batch ended.
+#[derive(Clone, Copy)]
+enum Since {
+    ThisBatch,
+    At(Instant),
 }
 
 /// What the shell keeps for a running job.
@@ -115,10 +123,12 @@ struct JobRt {
     placement: Option<crate::gpu::Placement>,
 }
 
-/// Replies waiting for an explicit lease's release (usually one).
-enum Replies {
-    One(ReleaseReply),
-    Many(Vec<ReleaseReply>),
+/// What the shell keeps for an explicit lease.
+struct Explicit {
+    /// Shared with the `Lease`: revoked by shutdown, or lost.
+    cell: Arc<LeaseCell>,
+    /// `release` calls waiting for the broker's answer (usually one).
+    replies: Vec<ReleaseReply>,
 }
 
 pub(crate) struct Shell {
@@ -132,8 +142,17 @@ pub(crate) struct Shell {
     waiters: FxHashMap<WaiterId, Waiter>,
     jobs: FxHashMap<LeaseKey, JobRt>,
     workers: FxHashMap<ActorId, LeaseKey>,
-    explicit: FxHashMap<LeaseKey, Arc<LeaseCell>>,
-    release_replies: FxHashMap<LeaseKey, Replies>,
+    explicit: FxHashMap<LeaseKey, Explicit>,
+    /// Replies to a `release` of a lease already gone (answered `Ok` by the core).
+    late_replies: Vec<(LeaseKey, ReleaseReply)>,
+    metrics: Metrics,
+    /// The batch's clock, read at most once per batch and only when a wait or a release must be
+    /// measured across batches (an uncontended acquire and release read no clock at all).
+    clock: Option<Instant>,
+    /// Waiters that joined in this batch (stamped when it ends, if they still wait).
+    fresh: Vec<WaiterId>,
+    /// The most leases and waiters at once since the maps were last shrunk.
+    peak: usize,
     renewals: FxHashMap<LeaseKey, AbortHandle>,
     acquires: FxHashMap<RequestId, AbortHandle>,
     evidence: FxHashMap<(LeaseKey, u64), Box<dyn Evidence>>,
@@ -146,6 +165,9 @@ pub(crate) struct Shell {
     /// The batch being handled (kept for its capacity).
     batch: Vec<SupMsg>,
 }
+
+/// A flood this large (leases and waiters at once) is worth giving memory back after.
+const SHRINK_AFTER: usize = 64;
 
 /// At most this many drains of the inbox per doorbell; then the actor rings itself, so that
 /// supervision events (worker ends) get their turn under a sustained load.
@@ -173,7 +195,10 @@ impl Actor for SupervisorActor {
         #[cfg(not(feature = "gpu"))]
         let gpu = false;
         Ok(Shell {
-            core: Core::new(args.capacity, args.broker.renews(), gpu),
+            core: match &args.broker {
+                BrokerPort::Local(_) => Core::new(args.capacity, false, gpu).trusting_tokens(),
+                BrokerPort::Dyn(b) => Core::new(args.capacity, b.renews(), gpu),
+            },
             inbox: args.inbox,
             myself,
             broker: args.broker,
@@ -184,7 +209,11 @@ impl Actor for SupervisorActor {
             jobs: FxHashMap::default(),
             workers: FxHashMap::default(),
             explicit: FxHashMap::default(),
-            release_replies: FxHashMap::default(),
+            late_replies: Vec::new(),
+            metrics: Metrics::register(),
+            clock: None,
+            fresh: Vec::new(),
+            peak: 0,
             renewals: FxHashMap::default(),
             acquires: FxHashMap::default(),
             evidence: FxHashMap::default(),
@@ -214,6 +243,7 @@ impl Actor for SupervisorActor {
             }
             state.batch = batch;
             state.settle().await;
+            state.end_batch();
         }
         // Mail may have arrived during the last drain; the doorbell is still marked rung.
         if !state.inbox.ring_again() {
@@ -252,6 +282,7 @@ impl Actor for SupervisorActor {
                 })
                 .await;
             state.settle().await;
+            state.end_batch();
         }
         Ok(())
     }
@@ -283,7 +314,12 @@ impl Shell {
 
     async fn perform_all(&mut self) {
         while let Some(effect) = self.core.pop_effect() {
-            self.perform(effect).await;
+            // Only a job's start awaits (its worker's spawn); every other effect is immediate.
+            if let Some(start) = self.perform(effect) {
+                // Boxed: the worker's spawn is a large future, and the rare one; every other
+                // message's turn stays small.
+                Box::pin(self.start_job(start)).await;
+            }
         }
     }
 
@@ -300,15 +336,21 @@ impl Shell {
             self.perform_all().await;
         }
         self.publish();
-        SharedStats::publish_gauges(&self.core);
-        self.core.shrink_idle();
-        shrink(&mut self.waiters);
-        shrink(&mut self.jobs);
-        shrink(&mut self.workers);
-        shrink(&mut self.explicit);
-        shrink(&mut self.release_replies);
-        shrink(&mut self.acquires);
-        self.inbox.shrink();
+        self.metrics.publish_gauges(&self.core);
+        // Memory a flood left behind goes back once it has drained (nothing waits, nothing is
+        // held): checked then, not after every batch.
+        let load = self.core.waiting() + self.core.active();
+        self.peak = self.peak.max(load);
+        if load == 0 && self.peak > SHRINK_AFTER {
+            self.peak = 0;
+            self.core.shrink_idle();
+            shrink(&mut self.waiters);
+            shrink(&mut self.jobs);
+            shrink(&mut self.workers);
+            shrink(&mut self.explicit);
+            shrink(&mut self.acquires);
+            self.inbox.shrink();
+        }
     }
 
     fn publish(&mut self) {
@@ -322,23 +364,23 @@ impl Shell {
                     WaiterKind::Lease { .. } => Want::Lease,
                     WaiterKind::Job(_) => Want::Job,
                 };
-                let since = Instant::now();
-                self.waiters.insert(waiter, Waiter { kind, since });
+                self.waiters.insert(
+                    waiter,
+                    Waiter {
+                        kind,
+                        since: Since::ThisBatch,
+                    },
+                );
+                self.fresh.push(waiter);
                 Input::Enqueue { waiter, want }
             }
             SupMsg::Withdraw { waiter, why } => Input::Withdraw { waiter, why },
             SupMsg::Release { key, reply } => {
                 if let Some(reply) = reply {
-                    match self.release_replies.remove(&key) {
-                        None => self.release_replies.insert(key, Replies::One(reply)),
-                        Some(Replies::One(first)) => self
-                            .release_replies
-                            .insert(key, Replies::Many(vec![first, reply])),
-                        Some(Replies::Many(mut all)) => {
-                            all.push(reply);
-                            self.release_replies.insert(key, Replies::Many(all))
-                        }
-                    };
+                    match self.explicit.get_mut(&key) {
+                        Some(lease) => lease.replies.push(reply),
+                        None => self.late_replies.push((key, reply)),
+                    }
                 }
                 Input::ReleaseRequested { key }
             }
@@ -372,7 +414,8 @@ impl Shell {
                 result,
                 started,
             } => {
-                record_release(started, &result);
+                let took = self.now().saturating_duration_since(started);
+                self.record_release(took, &result);
                 Input::Released { key, result }
             }
             SupMsg::LeaseLost { key, reason } => Input::LeaseLost { key, reason },
@@ -454,7 +497,8 @@ impl Shell {
         self.apply(input).await;
     }
 
-    async fn perform(&mut self, effect: Effect) {
+    /// Performs one effect; a job to start is handed back (its worker's spawn is awaited).
+    fn perform(&mut self, effect: Effect) -> Option<JobStart> {
         match effect {
             Effect::Acquire {
                 request,
@@ -465,7 +509,7 @@ impl Shell {
                     task.abort();
                 }
             }
-            Effect::Deliver { waiter, key, token } => self.deliver(waiter, key, token).await,
+            Effect::Deliver { waiter, key, token } => return self.deliver(waiter, key, token),
             Effect::Refuse { waiter, error } => self.refuse(waiter, error),
             Effect::StartRenewal { key, token } => self.start_renewal(key, token),
             Effect::StopRenewal { key } => {
@@ -507,9 +551,7 @@ impl Shell {
             Effect::ArmShutdownTimers => self.arm_shutdown_timers(),
             Effect::CloseGpu => self.close_gpu(),
             Effect::Stopped => self.stopped(),
-            Effect::OrphanCounted => {
-                metrics::counter!(metric_names::ORPHAN_EXPIRED_COUNT).increment(1);
-            }
+            Effect::OrphanCounted => self.metrics.orphan_expired.increment(1),
             Effect::TokenRefused(detail) => {
                 tracing::error!(%detail, "refusing a token from the broker");
             }
@@ -520,6 +562,7 @@ impl Shell {
                 tracing::error!(%detail, "the supervisor's core refused an input");
             }
         }
+        None
     }
 
     fn broker_acquire(&mut self, request: RequestId, for_waiter: Option<WaiterId>) {
@@ -561,19 +604,27 @@ impl Shell {
         self.core.apply(Input::Acquired { request, result });
     }
 
-    async fn deliver(&mut self, waiter: WaiterId, key: LeaseKey, token: SlotToken) {
+    fn deliver(&mut self, waiter: WaiterId, key: LeaseKey, token: SlotToken) -> Option<JobStart> {
         let Some(Waiter { kind, since }) = self.waiters.remove(&waiter) else {
             tracing::error!(waiter, "a grant for a waiter the shell does not know");
-            return self.core.apply(Input::Undelivered { key });
+            self.core.apply(Input::Undelivered { key });
+            return None;
         };
         match kind {
             WaiterKind::Lease { reply, span } => {
                 if reply.is_closed() {
-                    return self.core.apply(Input::Undelivered { key });
+                    self.core.apply(Input::Undelivered { key });
+                    return None;
                 }
-                record_grant(&span, since, token);
+                self.record_grant(&span, since, token);
                 let cell = Arc::new(LeaseCell::new());
-                self.explicit.insert(key, Arc::clone(&cell));
+                self.explicit.insert(
+                    key,
+                    Explicit {
+                        cell: Arc::clone(&cell),
+                        replies: Vec::new(),
+                    },
+                );
                 self.publish();
                 let lease = Lease::new(key, token, Arc::clone(&self.inbox), cell);
                 if let Err(Ok(lease)) = reply.send(Ok(lease)) {
@@ -582,6 +633,7 @@ impl Shell {
                     self.explicit.remove(&key);
                     self.core.apply(Input::Undelivered { key });
                 }
+                None
             }
             WaiterKind::Job(job) => {
                 // A grant racing with the caller's cancellation goes to the next waiter.
@@ -589,22 +641,24 @@ impl Shell {
                     let _ = job
                         .reply
                         .send(RunOutcome::NotStarted(AcquireError::Cancelled));
-                    return self.core.apply(Input::Undelivered { key });
+                    self.core.apply(Input::Undelivered { key });
+                    return None;
                 }
-                record_grant(&job.span, since, token);
-                self.start_job(key, token, *job).await;
+                self.record_grant(&job.span, since, token);
+                Some(JobStart { key, token, job })
             }
         }
     }
 
-    async fn start_job(&mut self, key: LeaseKey, token: SlotToken, job: PendingJob) {
+    async fn start_job(&mut self, start: JobStart) {
+        let JobStart { key, token, job } = start;
         let PendingJob {
             job_id,
             shared,
             body,
             reply,
             span,
-        } = job;
+        } = *job;
         span.record("slot_id", token.slot_id());
         span.record("lease_id", token.lease_id());
         #[cfg(feature = "gpu")]
@@ -763,11 +817,11 @@ impl Shell {
                 }
             }
             Holder::Explicit => {
-                if let Some(cell) = self.explicit.get(&key) {
+                if let Some(lease) = self.explicit.get(&key) {
                     if let Some(reason) = &lost {
                         tracing::error!(key, %reason, "lease lost: it could not be kept alive");
                     }
-                    cell.revoke(lost.is_some());
+                    lease.cell.revoke(lost.is_some());
                 }
             }
             Holder::Surplus => {}
@@ -816,7 +870,6 @@ impl Shell {
     /// Releases `token` under the cleanup timeout, which is the supervisor's own: no caller's
     /// cancellation reaches it.
     fn broker_release(&mut self, key: LeaseKey, token: SlotToken) {
-        let started = Instant::now();
         let result = match &self.broker {
             BrokerPort::Local(local) => local.give(token),
             BrokerPort::Dyn(broker) => {
@@ -824,7 +877,7 @@ impl Shell {
                 match poll_once(&mut fut) {
                     Poll::Ready(result) => result,
                     Poll::Pending => {
-                        let timeout = self.config.cleanup_timeout;
+                        let (timeout, started) = (self.config.cleanup_timeout, self.now());
                         let inbox = Arc::clone(&self.inbox);
                         tokio::spawn(async move {
                             let result = match tokio::time::timeout(timeout, fut).await {
@@ -843,8 +896,9 @@ impl Shell {
                 }
             }
         };
+        // Answered inline, within this turn: no time passed that the batch clock could see.
         let result = result.map_err(|e| CleanupError::broker(token, e));
-        record_release(started, &result);
+        self.record_release(Duration::ZERO, &result);
         self.core.apply(Input::Released { key, result });
     }
 
@@ -870,18 +924,23 @@ impl Shell {
             }
             return;
         }
-        let heard = match self.release_replies.remove(&key) {
-            None => false,
-            Some(Replies::One(reply)) => reply.send(result.clone()).is_ok(),
-            Some(Replies::Many(all)) => {
-                // Every reply is sent to (no short circuit): each caller hears the answer.
-                let mut heard = false;
-                for reply in all {
-                    heard |= reply.send(result.clone()).is_ok();
-                }
-                heard
-            }
-        };
+        let mut replies = self
+            .explicit
+            .get_mut(&key)
+            .map(|lease| mem::take(&mut lease.replies))
+            .unwrap_or_default();
+        if !self.late_replies.is_empty() {
+            let (late, rest) = mem::take(&mut self.late_replies)
+                .into_iter()
+                .partition(|(k, _)| *k == key);
+            self.late_replies = rest;
+            replies.extend(late.into_iter().map(|(_, r): (LeaseKey, ReleaseReply)| r));
+        }
+        // Every reply is sent to (no short circuit): each caller hears the answer.
+        let mut heard = false;
+        for reply in replies {
+            heard |= reply.send(result.clone()).is_ok();
+        }
         if !heard && let Err(err) = result {
             self.sink(None, err);
         }
@@ -1019,6 +1078,54 @@ impl Shell {
         out
     }
 
+    /// The batch's time, read once per batch when first needed.
+    fn now(&mut self) -> Instant {
+        *self.clock.get_or_insert_with(Instant::now)
+    }
+
+    /// A batch of messages has been handled: waiters that joined in it and still wait get its
+    /// time (read only now, and only if there are any).
+    fn end_batch(&mut self) {
+        if !self.fresh.is_empty() {
+            if self.core.waiting() > 0 {
+                let now = self.now();
+                for waiter in self.fresh.drain(..) {
+                    if let Some(w) = self.waiters.get_mut(&waiter) {
+                        w.since = Since::At(now);
+                    }
+                }
+            }
+            self.fresh.clear();
+        }
+        self.clock = None;
+    }
+
+    fn record_grant(&mut self, span: &Span, since: Since, token: SlotToken) {
+        let waited_ms = match since {
+            Since::ThisBatch => 0.0,
+            Since::At(t) => self.now().saturating_duration_since(t).as_secs_f64() * 1e3,
+        };
+        self.metrics.acquire_count.increment(1);
+        self.metrics.acquire_ms.record(waited_ms);
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let _e = span.enter();
+            tracing::debug!(
+                slot_id = token.slot_id(),
+                lease_id = token.lease_id(),
+                waited_ms,
+                "slot granted"
+            );
+        }
+    }
+
+    fn record_release(&self, took: Duration, result: &Result<(), CleanupError>) {
+        self.metrics.release_ms.record(took.as_secs_f64() * 1e3);
+        self.metrics.release_count.increment(1);
+        if result.is_err() {
+            self.metrics.release_failed.increment(1);
+        }
+    }
+
     /// A cleanup failure with no caller left: the error sink and a tracing error event.
     fn sink(&self, job_id: Option<String>, error: CleanupError) {
         crate::sink::report_orphaned(self.config.error_sink.as_ref(), job_id, error);
@@ -1027,30 +1134,6 @@ impl Shell {
 
 fn shrink<K: Eq + std::hash::Hash, V>(map: &mut FxHashMap<K, V>) {
     super::core::shrink_map(map);
-}
-
-fn record_grant(span: &Span, since: Instant, token: SlotToken) {
-    let waited_ms = since.elapsed().as_secs_f64() * 1e3;
-    metrics::counter!(metric_names::ACQUIRE_COUNT).increment(1);
-    metrics::histogram!(metric_names::ACQUIRE_DURATION_MS).record(waited_ms);
-    if tracing::enabled!(tracing::Level::DEBUG) {
-        let _e = span.enter();
-        tracing::debug!(
-            slot_id = token.slot_id(),
-            lease_id = token.lease_id(),
-            waited_ms,
-            "slot granted"
-        );
-    }
-}
-
-fn record_release(started: Instant, result: &Result<(), CleanupError>) {
-    metrics::histogram!(metric_names::RELEASE_DURATION_MS)
-        .record(started.elapsed().as_secs_f64() * 1e3);
-    metrics::counter!(metric_names::RELEASE_COUNT).increment(1);
-    if result.is_err() {
-        metrics::counter!(metric_names::RELEASE_FAILED_COUNT).increment(1);
-    }
 }
 
 /// Releases a token that arrived after the supervisor stopped, under the cleanup timeout.

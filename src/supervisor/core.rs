@@ -212,8 +212,8 @@ pub(crate) struct Lease {
     /// Why the temp dir could not be removed, kept for the early answer.
     io: Option<io::Error>,
     cancelled: bool,
-    /// Counted in `quarantined`.
-    counted: bool,
+    /// Which of the core's phase counts (`draining`, `quarantined`) includes it.
+    counted: Option<Phase>,
 }
 
 impl Lease {
@@ -594,6 +594,9 @@ pub(crate) struct Core {
     renews: bool,
     /// The supervisor owns GPU devices (close them at shutdown).
     gpu: bool,
+    /// Check every token against the live leases (invariant 2). Off only for the supervisor's
+    /// own in-process broker, which cannot hand out a live slot or lease id.
+    check_tokens: bool,
     leases: FxHashMap<LeaseKey, Lease>,
     /// Slot id → the newest lease on it; lease id → its lease (to refuse duplicates).
     by_slot: FxHashMap<u32, LeaseKey>,
@@ -604,6 +607,8 @@ pub(crate) struct Core {
     next_request: RequestId,
     next_key: LeaseKey,
     quarantined: usize,
+    /// Jobs whose body has ended, their physical end or temp dir still being proven.
+    draining: usize,
     stop: Stop,
     stop_tally: StopTally,
     counters: Counters,
@@ -618,6 +623,7 @@ impl Core {
             capacity: capacity.map(|c| c as usize),
             renews,
             gpu,
+            check_tokens: true,
             leases: FxHashMap::default(),
             by_slot: FxHashMap::default(),
             by_lease_id: FxHashMap::default(),
@@ -626,6 +632,7 @@ impl Core {
             next_request: 1,
             next_key: 1,
             quarantined: 0,
+            draining: 0,
             stop: Stop::Serving,
             stop_tally: StopTally::default(),
             counters: Counters::default(),
@@ -638,6 +645,13 @@ impl Core {
     /// behind the ones already here.
     pub(crate) fn pop_effect(&mut self) -> Option<Effect> {
         self.effects.pop_front()
+    }
+
+    /// Trusts the broker's tokens: for the supervisor's own `LocalBroker` only, whose slots
+    /// and strictly increasing lease ids make a collision impossible by construction.
+    pub(crate) fn trusting_tokens(mut self) -> Self {
+        self.check_tokens = false;
+        self
     }
 
     pub(crate) fn has_effects(&self) -> bool {
@@ -819,6 +833,9 @@ impl Core {
     /// supervisors); refusing such a token would leak it, since a refused token is never
     /// released.
     fn check_token(&self, token: SlotToken) -> Result<(), String> {
+        if !self.check_tokens {
+            return Ok(());
+        }
         let live = |key: Option<&LeaseKey>| {
             key.and_then(|k| self.leases.get(k))
                 .filter(|l| l.release == Release::NotStarted)
@@ -861,11 +878,13 @@ impl Core {
                 answered: false,
                 io: None,
                 cancelled: false,
-                counted: false,
+                counted: None,
             },
         );
-        self.by_slot.insert(token.slot_id(), key);
-        self.by_lease_id.insert(token.lease_id(), key);
+        if self.check_tokens {
+            self.by_slot.insert(token.slot_id(), key);
+            self.by_lease_id.insert(token.lease_id(), key);
+        }
         self.counters.acquired_total += 1;
         if self.renews && holder != Holder::Surplus {
             self.leases.get_mut(&key).expect("just inserted").renewing = true;
@@ -1149,30 +1168,43 @@ impl Core {
 
     fn remove(&mut self, key: LeaseKey) -> Lease {
         let lease = self.leases.remove(&key).expect("checked by the caller");
-        if lease.counted {
-            self.quarantined -= 1;
+        match lease.counted {
+            Some(Phase::Quarantined) => self.quarantined -= 1,
+            Some(Phase::Draining) => self.draining -= 1,
+            _ => {}
         }
         // A newer lease may already hold the slot (see `check_token`).
-        if self.by_slot.get(&lease.token.slot_id()) == Some(&key) {
-            self.by_slot.remove(&lease.token.slot_id());
-        }
-        if self.by_lease_id.get(&lease.token.lease_id()) == Some(&key) {
-            self.by_lease_id.remove(&lease.token.lease_id());
+        if self.check_tokens {
+            if self.by_slot.get(&lease.token.slot_id()) == Some(&key) {
+                self.by_slot.remove(&lease.token.slot_id());
+            }
+            if self.by_lease_id.get(&lease.token.lease_id()) == Some(&key) {
+                self.by_lease_id.remove(&lease.token.lease_id());
+            }
         }
         lease
     }
 
     /// Keeps the quarantine count in step with one lease.
+    /// Keeps the phase counts in step with one lease.
     fn refresh(&mut self, key: LeaseKey) {
         let lease = self.leases.get_mut(&key).expect("checked by the caller");
-        let now = lease.is_quarantined();
-        if now != lease.counted {
-            lease.counted = now;
-            if now {
-                self.quarantined += 1;
-            } else {
-                self.quarantined -= 1;
-            }
+        let now = match lease.phase() {
+            phase @ (Phase::Quarantined | Phase::Draining) => Some(phase),
+            Phase::Running | Phase::Releasing => None,
+        };
+        if now == lease.counted {
+            return;
+        }
+        match std::mem::replace(&mut lease.counted, now) {
+            Some(Phase::Quarantined) => self.quarantined -= 1,
+            Some(Phase::Draining) => self.draining -= 1,
+            _ => {}
+        }
+        match now {
+            Some(Phase::Quarantined) => self.quarantined += 1,
+            Some(Phase::Draining) => self.draining += 1,
+            _ => {}
         }
     }
 
@@ -1385,6 +1417,10 @@ impl Core {
 
     pub(crate) fn quarantined(&self) -> usize {
         self.quarantined
+    }
+
+    pub(crate) fn draining(&self) -> usize {
+        self.draining
     }
 
     pub(crate) fn waiting(&self) -> usize {

@@ -1191,3 +1191,4 @@ proptest! {
         world.finish();
     }
 }
+

@@ -125,7 +125,7 @@ impl Inbox {
     pub(crate) fn shrink(&self) {
         let mut state = self.state.lock();
         let cap = state.queue.capacity();
-        if cap > 256 && state.queue.is_empty() {
+        if cap > 64 && state.queue.is_empty() {
             state.queue.shrink_to(64);
         }
     }

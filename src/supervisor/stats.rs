@@ -46,6 +46,9 @@ pub struct Stats {
     pub orphan_expired_total: u64,
     /// Slots held in quarantine now.
     pub quarantined: usize,
+    /// Of `active`, the jobs whose body has ended and whose physical end (tracked tasks,
+    /// processes, GPU work) or temp dir removal is still being proven.
+    pub draining: usize,
 }
 
 /// Atomics the actor publishes into after each message; `Supervisor::stats` reads them.
@@ -58,6 +61,7 @@ pub(crate) struct SharedStats {
     release_failed_total: AtomicU64,
     orphan_expired_total: AtomicU64,
     quarantined: AtomicU64,
+    draining: AtomicU64,
     shut_down: AtomicBool,
 }
 
@@ -67,6 +71,7 @@ struct Figures {
     active: usize,
     waiting: usize,
     quarantined: usize,
+    draining: usize,
     counters: Counters,
 }
 
@@ -76,6 +81,7 @@ impl Figures {
             active: table.active(),
             waiting: table.waiting(),
             quarantined: table.quarantined(),
+            draining: table.draining(),
             counters: table.counters(),
         }
     }
@@ -108,17 +114,10 @@ impl SharedStats {
         set(&self.release_failed_total, c.release_failed_total);
         set(&self.orphan_expired_total, c.orphan_expired_total);
         set(&self.quarantined, now.quarantined as u64);
+        set(&self.draining, now.draining as u64);
         last.stored = Some(now);
     }
 
-    /// Sets the gauges of DESIGN.md section 5 (once per batch of messages). Every time, even
-    /// unchanged: a recorder may drain gauges when it reads them (metrics-util's
-    /// `DebuggingRecorder` does), and must then see them again.
-    pub(crate) fn publish_gauges(table: &Core) {
-        metrics::gauge!(metric_names::ACTIVE_COUNT).set(table.active() as f64);
-        metrics::gauge!(metric_names::WAITING_COUNT).set(table.waiting() as f64);
-        metrics::gauge!(metric_names::QUARANTINED_COUNT).set(table.quarantined() as f64);
-    }
 
     /// Set by the actor right before it stops after a completed shutdown.
     pub(crate) fn mark_shut_down(&self) {
@@ -139,6 +138,47 @@ impl SharedStats {
             release_failed_total: get(&self.release_failed_total),
             orphan_expired_total: get(&self.orphan_expired_total),
             quarantined: get(&self.quarantined) as usize,
+            draining: get(&self.draining) as usize,
         }
+    }
+}
+
+/// The supervisor's metrics, registered once when it starts (so install a recorder before
+/// `start()`): a handle costs one call per update, where the macros would build and hash a key
+/// every time.
+pub(crate) struct Metrics {
+    pub(crate) acquire_count: metrics::Counter,
+    pub(crate) acquire_ms: metrics::Histogram,
+    pub(crate) release_count: metrics::Counter,
+    pub(crate) release_ms: metrics::Histogram,
+    pub(crate) release_failed: metrics::Counter,
+    pub(crate) orphan_expired: metrics::Counter,
+    active: metrics::Gauge,
+    waiting: metrics::Gauge,
+    quarantined: metrics::Gauge,
+}
+
+impl Metrics {
+    pub(crate) fn register() -> Self {
+        Self {
+            acquire_count: metrics::counter!(metric_names::ACQUIRE_COUNT),
+            acquire_ms: metrics::histogram!(metric_names::ACQUIRE_DURATION_MS),
+            release_count: metrics::counter!(metric_names::RELEASE_COUNT),
+            release_ms: metrics::histogram!(metric_names::RELEASE_DURATION_MS),
+            release_failed: metrics::counter!(metric_names::RELEASE_FAILED_COUNT),
+            orphan_expired: metrics::counter!(metric_names::ORPHAN_EXPIRED_COUNT),
+            active: metrics::gauge!(metric_names::ACTIVE_COUNT),
+            waiting: metrics::gauge!(metric_names::WAITING_COUNT),
+            quarantined: metrics::gauge!(metric_names::QUARANTINED_COUNT),
+        }
+    }
+
+    /// Sets the gauges of DESIGN.md section 5 (once per batch of messages). Every time, even
+    /// unchanged: a recorder may drain gauges when it reads them (metrics-util's
+    /// `DebuggingRecorder` does), and must then see them again.
+    pub(crate) fn publish_gauges(&self, core: &Core) {
+        self.active.set(core.active() as f64);
+        self.waiting.set(core.waiting() as f64);
+        self.quarantined.set(core.quarantined() as f64);
     }
 }
