@@ -1,7 +1,7 @@
 //! What the benches share: the runtime every figure is taken on, the timed loop that runs on it,
 //! the samples behind each bench's ratio rows and the printer of those rows, test-mode
-//! detection, the scratch dir for job temp dirs, and the floors themselves (a raw ractor actor
-//! and a tokio mpsc + oneshot echo task).
+//! detection, the scratch dir for job temp dirs, and the floors themselves (a raw ractor actor,
+//! a tokio mpsc + oneshot echo task, and the hand-written equivalents of `Supervisor::run`).
 //!
 //! Each bench includes it with `mod floor;` and uses a part of it, hence the `dead_code` allow.
 //!
@@ -16,6 +16,7 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::io;
+use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -25,7 +26,7 @@ use criterion::measurement::WallTime;
 use leasehold::{JobSpec, Supervisor};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::runtime::Runtime;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
 // ---------------------------------------------------------------------------------------------
 // Runtime, timed loops, modes
@@ -314,4 +315,69 @@ pub async fn echo(tx: &mpsc::UnboundedSender<oneshot::Sender<()>>) {
     let (reply, answer) = oneshot::channel();
     tx.send(reply).expect("echo task alive");
     answer.await.expect("echo answers");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Floors: the hand-written equivalents of `run` with a no-op body
+// ---------------------------------------------------------------------------------------------
+
+/// The hand-written equivalent of `run` with a no-op body, without an actor: a permit, a temp
+/// dir, the body spawned as a tokio task and joined, the dir removed, the permit given back.
+pub async fn hand_written_task_job(sem: &Semaphore, root: &Path) {
+    let _permit = sem.acquire().await.expect("semaphore open");
+    let dir = tempfile::tempdir_in(root).expect("temp dir");
+    tokio::spawn(async { Ok::<_, io::Error>(()) })
+        .await
+        .expect("body task")
+        .expect("body");
+    dir.close().expect("temp dir removed");
+}
+
+/// The hand-written equivalent of `run` with a no-op body *with a per-job ractor worker*, which
+/// is the shape of leasehold's `run`: a permit, a temp dir, a fresh [`JobWorker`] spawned that
+/// runs the body in its `post_start` and stops itself, its `JoinHandle` awaited, the dir
+/// removed, the permit given back. The body's result stays in the worker (a no-op body cannot
+/// fail), so this floor does a little less than `run`, which hands the result to its caller.
+pub async fn hand_written_ractor_job(sem: &Semaphore, root: &Path) {
+    let _permit = sem.acquire().await.expect("semaphore open");
+    let dir = tempfile::tempdir_in(root).expect("temp dir");
+    let body = || async { Ok::<_, io::Error>(()) };
+    let (_worker, join) = Actor::spawn(None, JobWorker(PhantomData), body)
+        .await
+        .expect("worker starts");
+    join.await.expect("worker joins");
+    dir.close().expect("temp dir removed");
+}
+
+/// A per-job ractor worker: runs the body it was started with in `post_start`, then stops.
+pub struct JobWorker<B>(pub PhantomData<fn() -> B>);
+
+impl<B, Fut> Actor for JobWorker<B>
+where
+    B: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = io::Result<()>> + Send,
+{
+    type Msg = ();
+    type State = Option<B>;
+    type Arguments = B;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<()>,
+        body: B,
+    ) -> Result<Option<B>, ActorProcessingErr> {
+        Ok(Some(body))
+    }
+
+    async fn post_start(
+        &self,
+        myself: ActorRef<()>,
+        body: &mut Option<B>,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(body) = body.take() {
+            body().await?;
+        }
+        myself.stop(None);
+        Ok(())
+    }
 }
