@@ -33,7 +33,7 @@
 //!
 //! Every figure is taken on a worker thread of a 2-worker multi-thread runtime: each routine
 //! spawns its timed loop onto the runtime and returns the time the loop measured itself
-//! (`iter_custom`), as in `benches/overhead.rs`.
+//! (`iter_custom`), as in the other benches (`benches/floor/mod.rs`).
 
 #![cfg_attr(not(feature = "gpu"), allow(dead_code, unused_imports))]
 
@@ -175,7 +175,7 @@ where
 }
 
 /// Job temp dirs on tmpfs when the machine has one (the figures are then the library's and not
-/// the disk's; `LEASEHOLD_BENCH_ROOT` picks another place), as in `benches/overhead.rs`.
+/// the disk's; `LEASEHOLD_BENCH_ROOT` picks another place), as in `benches/floor/mod.rs`.
 fn scratch_dir() -> tempfile::TempDir {
     let make = |base: &Path| {
         tempfile::Builder::new()

@@ -1,0 +1,175 @@
+//! Lease round trip: `acquire` + `release` of an explicit lease, uncontended (8 slots, one
+//! caller), next to its floors measured in the same run (see `BENCHMARKS.md`):
+//!
+//! - `tokio_semaphore`: a tokio `Semaphore` permit acquired and dropped;
+//! - `mpsc_oneshot`: a tokio mpsc + oneshot round trip to a task;
+//! - `ractor_call`: one raw ractor `call` to an actor that answers at once: the target's floor,
+//!   acquire + release ≤ 2.2× of it (issue 11);
+//! - `ractor_call_x2`: two raw calls in a row, context (acquire and release are each a message
+//!   to the supervisor actor).
+//!
+//! criterion ids are `lease_round_trip/<function>/slots=8`. The last "benchmark", `summary`,
+//! prints the ratio rows from the samples criterion took above. `-- --test` runs each once.
+
+mod floor;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use leasehold::Lease;
+use ractor::Actor;
+use tokio::sync::{Semaphore, SemaphorePermit};
+
+use floor::{PingActor, key, ratio_row, start_supervisor, table_end, table_start, timed};
+
+const GROUP: &str = "lease_round_trip";
+const SAMPLES: usize = 30;
+const PARAM: &str = "slots=8";
+/// acquire + release ≤ 2.2× one raw ractor call (issue 11, point 6).
+const TARGET_ONE_CALL: f64 = 2.2;
+
+fn lease_round_trip(c: &mut Criterion) {
+    let rt = floor::runtime();
+    let sup = rt.block_on(start_supervisor(8, None));
+    let sem = Arc::new(Semaphore::new(8));
+    let (ping, ping_join) = rt
+        .block_on(Actor::spawn(None, PingActor, ()))
+        .expect("ping actor starts");
+    let echo = floor::spawn_echo(&rt);
+
+    let mut group = c.benchmark_group(GROUP);
+    group
+        .sample_size(SAMPLES)
+        .throughput(Throughput::Elements(1));
+    floor::times(
+        &mut group,
+        Duration::from_millis(500),
+        Duration::from_secs(2),
+    );
+
+    let k = key(GROUP, "leasehold", PARAM);
+    group.bench_function(BenchmarkId::new("leasehold", PARAM), |b| {
+        timed(b, &rt, &k, SAMPLES, |iters| {
+            let sup = sup.clone();
+            async move {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let mut lease: Lease = sup.acquire().await.expect("acquire");
+                    lease.release().await.expect("release");
+                }
+                start.elapsed()
+            }
+        });
+    });
+
+    let k = key(GROUP, "tokio_semaphore", PARAM);
+    group.bench_function(BenchmarkId::new("tokio_semaphore", PARAM), |b| {
+        timed(b, &rt, &k, SAMPLES, |iters| {
+            let sem = Arc::clone(&sem);
+            async move {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let permit: SemaphorePermit<'_> = sem.acquire().await.expect("semaphore open");
+                    drop(permit);
+                }
+                start.elapsed()
+            }
+        });
+    });
+
+    let k = key(GROUP, "mpsc_oneshot", PARAM);
+    group.bench_function(BenchmarkId::new("mpsc_oneshot", PARAM), |b| {
+        timed(b, &rt, &k, SAMPLES, |iters| {
+            let echo = echo.clone();
+            async move {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    floor::echo(&echo).await;
+                }
+                start.elapsed()
+            }
+        });
+    });
+
+    let k = key(GROUP, "ractor_call", PARAM);
+    group.bench_function(BenchmarkId::new("ractor_call", PARAM), |b| {
+        timed(b, &rt, &k, SAMPLES, |iters| {
+            let ping = ping.clone();
+            async move {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    floor::ping(&ping).await;
+                }
+                start.elapsed()
+            }
+        });
+    });
+
+    // Context, not a target: acquire + release is two messages to the actor, each answered.
+    let k = key(GROUP, "ractor_call_x2", PARAM);
+    group.bench_function(BenchmarkId::new("ractor_call_x2", PARAM), |b| {
+        timed(b, &rt, &k, SAMPLES, |iters| {
+            let ping = ping.clone();
+            async move {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    floor::ping(&ping).await;
+                    floor::ping(&ping).await;
+                }
+                start.elapsed()
+            }
+        });
+    });
+    group.finish();
+
+    drop(echo);
+    rt.block_on(async {
+        sup.shutdown().await.expect("shutdown");
+        ping.stop(None);
+        ping_join.await.expect("ping actor joins");
+    });
+}
+
+fn summary(_c: &mut Criterion) {
+    if !table_start("lease round trip", "per acquire + release") {
+        return;
+    }
+    let k = |f: &str| key(GROUP, f, PARAM);
+    ratio_row(
+        "acquire+release / tokio Semaphore acquire+drop",
+        &k("leasehold"),
+        &k("tokio_semaphore"),
+        1,
+        None,
+    );
+    ratio_row(
+        "acquire+release / mpsc+oneshot round trip",
+        &k("leasehold"),
+        &k("mpsc_oneshot"),
+        1,
+        None,
+    );
+    ratio_row(
+        "**acquire+release / 1 raw ractor call**",
+        &k("leasehold"),
+        &k("ractor_call"),
+        1,
+        Some(TARGET_ONE_CALL),
+    );
+    ratio_row(
+        "acquire+release / 2 raw ractor calls",
+        &k("leasehold"),
+        &k("ractor_call_x2"),
+        1,
+        None,
+    );
+    table_end();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().without_plots().nresamples(20_000);
+    targets = lease_round_trip, summary
+}
+criterion_main!(benches);
