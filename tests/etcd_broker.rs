@@ -516,3 +516,194 @@ async fn a_slot_handed_to_a_waiter_whose_process_died_comes_back_within_its_ttl(
     broker.release(token).await.unwrap();
     assert!(slot_keys(&mut c, "dead").await.is_empty());
 }
+
+/// Polls `check` until it says true, or panics with `what` after `within`.
+async fn wait_until<F, Fut>(within: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what} within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn keys_under(c: &mut Client, prefix: &str) -> Vec<(String, String)> {
+    c.get(prefix, Some(GetOptions::new().with_prefix()))
+        .await
+        .unwrap()
+        .kvs()
+        .iter()
+        .map(|kv| {
+            (
+                kv.key_str().unwrap().to_owned(),
+                kv.value_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_dropped_while_waiting_leaves_no_queue_place_and_no_slot_behind() {
+    let Some(bin) = etcd_binary("an_acquire_dropped_while_waiting") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let mut c = client(&etcd).await;
+    let broker = Arc::new(
+        EtcdBroker::connect(config(&etcd.endpoint(), "drop", 1))
+            .await
+            .unwrap(),
+    );
+    let holder = broker.acquire(request(1)).await.unwrap();
+    let waiting = {
+        let broker = Arc::clone(&broker);
+        tokio::spawn(async move { broker.acquire(request(2)).await })
+    };
+    wait_for_key(&mut c, &broker.queue_key_for(&request(2))).await;
+
+    // The supervisor drops acquires still in flight at shutdown: the waiter's place goes at
+    // once (its session lives on, so no TTL would ever remove it).
+    waiting.abort();
+    assert!(waiting.await.unwrap_err().is_cancelled());
+    wait_until(
+        Duration::from_secs(10),
+        "the dropped waiter's place goes",
+        || {
+            let mut c = c.clone();
+            async move { keys_under(&mut c, "leasehold/drop/queue/").await.is_empty() }
+        },
+    )
+    .await;
+    let marker = keys_under(&mut c, &broker.request_key_for(&request(2))).await;
+    assert!(
+        marker.iter().all(|(_, v)| v.ends_with("abandoned")),
+        "only a tombstone may stay: {marker:?}"
+    );
+
+    // The release frees the slot: nothing is handed to the dropped waiter.
+    broker.release(holder).await.unwrap();
+    assert!(slot_keys(&mut c, "drop").await.is_empty());
+    let again = broker.acquire(request(3)).await.unwrap();
+    broker.release(again).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_dropped_after_its_grant_passes_the_slot_on() {
+    let Some(bin) = etcd_binary("an_acquire_dropped_after_its_grant") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let proxy = Proxy::start(etcd.client_port());
+    let mut c = client(&etcd).await;
+    let holder = EtcdBroker::connect(config(&etcd.endpoint(), "passon", 1))
+        .await
+        .unwrap();
+    // The waiter's session outlives the test's bounds: only its cleanup can free the slot.
+    let waiter = Arc::new(
+        EtcdBroker::connect(config(&proxy.endpoint(), "passon", 1).ttl(Duration::from_secs(30)))
+            .await
+            .unwrap(),
+    );
+    let first = holder.acquire(request(1)).await.unwrap();
+    let waiting = {
+        let waiter = Arc::clone(&waiter);
+        tokio::spawn(async move { waiter.acquire(request(2)).await })
+    };
+    wait_for_key(&mut c, &waiter.queue_key_for(&request(2))).await;
+
+    // The waiter is cut off, the release hands it the slot, and its acquire is dropped before
+    // it could hear of the grant.
+    proxy.blackhole();
+    holder.release(first).await.unwrap();
+    let session = waiter.session_lease().unwrap();
+    assert_eq!(
+        slot_keys(&mut c, "passon").await,
+        vec![("leasehold/passon/slot/000000".to_owned(), session)],
+        "handed to the waiter"
+    );
+    waiting.abort();
+    assert!(waiting.await.unwrap_err().is_cancelled());
+    proxy.heal();
+
+    // Its cleanup finds the grant and passes the slot on (here: frees it).
+    wait_until(
+        Duration::from_secs(15),
+        "the dropped grant is passed on",
+        || {
+            let mut c = c.clone();
+            async move { slot_keys(&mut c, "passon").await.is_empty() }
+        },
+    )
+    .await;
+    let next = holder.acquire(request(3)).await.unwrap();
+    assert!(next.lease_id() > first.lease_id());
+    holder.release(next).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_nobody_keeps_alive_is_given_back_after_a_ttl_and_its_index_serves_again() {
+    let Some(bin) = etcd_binary("a_grant_nobody_keeps_alive") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let mut c = client(&etcd).await;
+    let broker = EtcdBroker::connect(config(&etcd.endpoint(), "unclaimed", 1))
+        .await
+        .unwrap();
+    // A grant that reached nobody (say, a supervisor that had stopped): never kept alive,
+    // never released.
+    let lost = broker.acquire(request(1)).await.unwrap();
+    // The broker gives it back after one TTL and forgets the index, so that it serves again.
+    let next = tokio::time::timeout(Duration::from_secs(10), broker.acquire(request(2)))
+        .await
+        .expect("the unclaimed grant's slot serves again")
+        .unwrap();
+    assert_eq!(next.slot_id(), lost.slot_id());
+    assert!(next.lease_id() > lost.lease_id());
+    // A late release of the forgotten token is answered without touching the new holder.
+    broker.release(lost).await.unwrap();
+    assert_eq!(slot_keys(&mut c, "unclaimed").await.len(), 1);
+    broker.release(next).await.unwrap();
+    assert!(slot_keys(&mut c, "unclaimed").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_landed_but_whose_answer_was_lost_is_not_counted_as_an_orphan_expiry() {
+    let Some(bin) = etcd_binary("a_release_that_landed") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let proxy = Proxy::start(etcd.client_port());
+    let mut c = client(&etcd).await;
+    let broker = EtcdBroker::connect(
+        config(&proxy.endpoint(), "landed", 1).retry_for(Duration::from_millis(800)),
+    )
+    .await
+    .unwrap();
+    let reported = Arc::new(AtomicU64::new(0));
+    let seen = Arc::clone(&reported);
+    broker.attach(BrokerEvents::new(move |_| {
+        seen.fetch_add(1, Ordering::SeqCst);
+    }));
+    let token = broker.acquire(request(1)).await.unwrap();
+    proxy.drop_responses();
+    let err = broker.release(token).await.unwrap_err();
+    assert_eq!(err.kind(), BrokerErrorKind::DeliveryUnknown, "{err}");
+    // It did land: the slot is free in etcd.
+    assert!(slot_keys(&mut c, "landed").await.is_empty());
+    proxy.heal();
+    wait_until(Duration::from_secs(15), "the release settles", || {
+        let settling = broker.settling();
+        async move { settling == 0 }
+    })
+    .await;
+    // A failed release (the supervisor counts that), not an orphan that expired as well.
+    assert_eq!(broker.orphans_expired(), 0);
+    assert_eq!(reported.load(Ordering::SeqCst), 0);
+}

@@ -363,6 +363,15 @@ impl Inner {
         origin: u64,
     ) -> Result<SlotToken, EtcdError> {
         let token = SlotToken::new(grant.slot, grant.revision as u64);
+        // A grant after an outage may come before the session's next renewal: renew first, so
+        // that the holder's keep-alive does not report the lease lost at once.
+        if !grant
+            .session
+            .refresh(self.ttl, self.ttl - self.margin())
+            .await
+        {
+            return Err(grant.session.expired_error("handing out a grant"));
+        }
         loop {
             // Armed before `held` is read: a release in between still wakes this.
             let released = self.released.notified();

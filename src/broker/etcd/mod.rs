@@ -23,7 +23,7 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, ConnectOptions, GetOptions, Txn, TxnOp};
@@ -137,6 +137,8 @@ struct Inner {
     /// Cleanups of acquires given up, by request key.
     abandoned: Mutex<HashMap<u64, Arc<Cleanup>>>,
     orphans_expired: AtomicU64,
+    /// Give-backs in progress in the background.
+    settling: AtomicUsize,
     events: Mutex<Vec<BrokerEvents>>,
     /// Cancelled when the broker goes: its session keeper revokes the session.
     closing: CancellationToken,
@@ -227,6 +229,7 @@ impl EtcdBroker {
             contended: AtomicBool::new(false),
             abandoned: Mutex::new(HashMap::new()),
             orphans_expired: AtomicU64::new(0),
+            settling: AtomicUsize::new(0),
             events: Mutex::new(Vec::new()),
             closing: CancellationToken::new(),
         });
@@ -251,6 +254,12 @@ impl EtcdBroker {
     /// expired session (their TTL, not a release, ended them).
     pub fn orphans_expired(&self) -> u64 {
         self.inner.orphans_expired.load(Ordering::Relaxed)
+    }
+
+    /// Slots this broker is giving back in the background: releases whose answer was lost (or
+    /// whose future was dropped), and tokens nobody kept alive for a TTL (for tools and tests).
+    pub fn settling(&self) -> usize {
+        self.inner.settling.load(Ordering::Acquire)
     }
 
     /// The pool's key prefix (`{key_prefix}/{pool}/`).

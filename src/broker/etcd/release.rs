@@ -49,7 +49,11 @@ impl Drop for ReleaseGuard {
             && let Ok(rt) = tokio::runtime::Handle::try_current()
         {
             let (inner, token) = (Arc::clone(&self.inner), self.token);
-            rt.spawn(async move { inner.settle(token, entry, true).await });
+            let settling = Settling::new(&inner);
+            rt.spawn(async move {
+                inner.settle(token, entry, true).await;
+                drop(settling);
+            });
         }
     }
 }
@@ -322,6 +326,23 @@ impl Inner {
                 events.orphan_expired(token.lease_id());
             }
         }
+    }
+}
+
+/// Counts a give-back in progress in the background (see `EtcdBroker::settling`) while it
+/// lives.
+pub(super) struct Settling(Arc<Inner>);
+
+impl Settling {
+    pub(super) fn new(inner: &Arc<Inner>) -> Self {
+        inner.settling.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(inner))
+    }
+}
+
+impl Drop for Settling {
+    fn drop(&mut self) {
+        self.0.settling.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

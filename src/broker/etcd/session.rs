@@ -17,7 +17,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use etcd_client::{LeaseKeepAliveStream, LeaseKeeper};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 
@@ -41,6 +41,8 @@ pub(super) enum Liveness {
 pub(super) struct Session {
     pub(super) id: i64,
     live: watch::Receiver<Liveness>,
+    /// Asks the keeper for a renewal now.
+    renew_now: Arc<Notify>,
 }
 
 impl Session {
@@ -57,6 +59,24 @@ impl Session {
     pub(super) async fn expired(&self) {
         let mut live = self.live.clone();
         let _ = live.wait_for(|l| *l == Liveness::Expired).await;
+    }
+
+    /// Makes sure the session was renewed within half of `ttl` before a grant is handed out
+    /// (after an outage the keeper may not have renewed yet, and the holder's keep-alive would
+    /// report the lease lost at once): asks the keeper for a renewal and waits up to `bound`
+    /// for it. `false` when etcd says the session is gone.
+    pub(super) async fn refresh(&self, ttl: Duration, bound: Duration) -> bool {
+        let fresh = |l: &Liveness| match l {
+            Liveness::Alive { renewed } => Instant::now() < *renewed + ttl / 2,
+            Liveness::Expired => true,
+        };
+        if fresh(&self.liveness()) {
+            return !self.is_expired();
+        }
+        self.renew_now.notify_one();
+        let mut live = self.live.clone();
+        let _ = timeout(bound, live.wait_for(fresh)).await;
+        !self.is_expired()
     }
 
     pub(super) fn expired_error(&self, what: &str) -> EtcdError {
@@ -135,19 +155,24 @@ impl Inner {
             ));
         }
         let (tx, rx) = watch::channel(Liveness::Alive { renewed: asked_at });
+        let renew_now = Arc::new(Notify::new());
         let session = Arc::new(Session {
             id: granted.id(),
             live: rx,
+            renew_now: Arc::clone(&renew_now),
         });
-        tokio::spawn(keep_session(
-            Arc::clone(&self.endpoints),
-            granted.id(),
-            self.ttl,
-            self.rpc_timeout,
-            asked_at,
-            tx,
-            self.closing.clone(),
-        ));
+        tokio::spawn(
+            Keeper {
+                endpoints: Arc::clone(&self.endpoints),
+                id: granted.id(),
+                ttl: self.ttl,
+                rpc_timeout: self.rpc_timeout,
+                tx,
+                renew_now,
+                closing: self.closing.clone(),
+            }
+            .run(asked_at),
+        );
         tracing::debug!(
             session = format_args!("{:016x}", session.id),
             "etcd session granted"
@@ -273,6 +298,9 @@ impl Inner {
                 _ => return,
             }
         };
+        let _settling = super::release::Settling::new(self);
+        self.releases
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         self.released.notify_waiters();
         tracing::warn!(
             %token,
@@ -318,105 +346,121 @@ impl Drop for ClaimGuard {
     }
 }
 
-/// Renews session `id` every third of `ttl` until etcd says it is gone or the broker closes
-/// (then it revokes it). Publishes every successful renewal and the expiry.
-async fn keep_session(
+/// Renews session `id` every third of `ttl` (or at once when asked) until etcd says it is gone
+/// or the broker closes (then it revokes it). Publishes every successful renewal and the
+/// expiry.
+struct Keeper {
     endpoints: Arc<Endpoints>,
     id: i64,
     ttl: Duration,
     rpc_timeout: Duration,
-    granted_at: Instant,
     tx: watch::Sender<Liveness>,
+    renew_now: Arc<Notify>,
     closing: CancellationToken,
-) {
-    let every = ttl / 3;
-    let mut renewed = granted_at;
-    let mut stream: Option<(usize, LeaseKeeper, LeaseKeepAliveStream)> = None;
-    let lease = format!("{id:016x}");
-    loop {
-        tokio::select! {
-            () = closing.cancelled() => {
-                // The broker is gone: whatever is left under its session goes now, not one TTL
-                // later. One attempt; the TTL covers a failure.
-                let _ = endpoints
-                    .call("revoke the session", Instant::now() + rpc_timeout, |mut c| async move {
-                        c.lease_revoke(id).await
-                    })
-                    .await;
-                return;
-            }
-            () = sleep_until(renewed + every) => {}
-        }
-        let mut backoff = Duration::from_millis(50);
+}
+
+impl Keeper {
+    async fn run(self, granted_at: Instant) {
+        let Keeper {
+            endpoints,
+            id,
+            ttl,
+            rpc_timeout,
+            tx,
+            renew_now,
+            closing,
+        } = self;
+        let every = ttl / 3;
+        let mut renewed = granted_at;
+        let mut stream: Option<(usize, LeaseKeeper, LeaseKeepAliveStream)> = None;
+        let lease = format!("{id:016x}");
         loop {
-            if closing.is_cancelled() {
-                break;
-            }
-            let sent_at = Instant::now();
-            let outcome = match &mut stream {
-                Some((member, keeper, responses)) => {
-                    let answered = async {
-                        keeper.keep_alive().await?;
-                        responses.message().await
-                    };
-                    match timeout(rpc_timeout, answered).await {
-                        Ok(Ok(Some(resp))) if resp.ttl() > 0 => Ok(()),
-                        Ok(Ok(Some(_))) => Err(Fail::NotFound),
-                        Ok(Ok(None)) => Err(Fail::Ambiguous("keep-alive stream closed".into())),
-                        Ok(Err(err)) => Err(super::error::classify(err)),
-                        Err(_) => Err(Fail::Ambiguous(format!(
-                            "no keep-alive answer within {rpc_timeout:?}"
-                        ))),
-                    }
-                    .inspect_err(|f| {
-                        if let Fail::Ambiguous(why) = f {
-                            endpoints.mark_down(*member, why);
-                        }
-                    })
-                }
-                None => {
-                    // Opening the stream sends the first renewal and reads its answer.
-                    match endpoints
-                        .call_on(
-                            "keep the session alive",
-                            sent_at + rpc_timeout,
-                            |mut c| async move { c.lease_keep_alive(id).await },
-                        )
-                        .await
-                    {
-                        Ok((member, (keeper, responses))) => {
-                            stream = Some((member, keeper, responses));
-                            Ok(())
-                        }
-                        Err(fail) => Err(fail),
-                    }
-                }
-            };
-            match outcome {
-                Ok(()) => {
-                    renewed = sent_at;
-                    tx.send_replace(Liveness::Alive { renewed });
-                    break;
-                }
-                Err(Fail::NotFound) => {
-                    tracing::warn!(session = %lease, "etcd session expired");
-                    tx.send_replace(Liveness::Expired);
+            tokio::select! {
+                () = closing.cancelled() => {
+                    // The broker is gone: whatever is left under its session goes now, not one TTL
+                    // later. One attempt; the TTL covers a failure.
+                    let _ = endpoints
+                        .call("revoke the session", Instant::now() + rpc_timeout, |mut c| async move {
+                            c.lease_revoke(id).await
+                        })
+                        .await;
                     return;
                 }
-                Err(Fail::Fatal(e)) => {
-                    tracing::warn!(session = %lease, error = %e, "etcd session renewal refused; retrying");
-                    stream = None;
-                }
-                Err(Fail::Ambiguous(why)) => {
-                    tracing::debug!(session = %lease, error = %why, "etcd session renewal retried");
-                    stream = None;
-                }
+                () = sleep_until(renewed + every) => {}
+                () = renew_now.notified() => {}
             }
-            tokio::select! {
-                () = closing.cancelled() => {}
-                () = sleep(backoff) => {}
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                if closing.is_cancelled() {
+                    break;
+                }
+                let sent_at = Instant::now();
+                let outcome = match &mut stream {
+                    Some((member, keeper, responses)) => {
+                        let answered = async {
+                            keeper.keep_alive().await?;
+                            responses.message().await
+                        };
+                        match timeout(rpc_timeout, answered).await {
+                            Ok(Ok(Some(resp))) if resp.ttl() > 0 => Ok(()),
+                            Ok(Ok(Some(_))) => Err(Fail::NotFound),
+                            Ok(Ok(None)) => Err(Fail::Ambiguous("keep-alive stream closed".into())),
+                            Ok(Err(err)) => Err(super::error::classify(err)),
+                            Err(_) => Err(Fail::Ambiguous(format!(
+                                "no keep-alive answer within {rpc_timeout:?}"
+                            ))),
+                        }
+                        .inspect_err(|f| {
+                            if let Fail::Ambiguous(why) = f {
+                                endpoints.mark_down(*member, why);
+                            }
+                        })
+                    }
+                    None => {
+                        // Opening the stream sends the first renewal and reads its answer.
+                        match endpoints
+                            .call_on(
+                                "keep the session alive",
+                                sent_at + rpc_timeout,
+                                |mut c| async move { c.lease_keep_alive(id).await },
+                            )
+                            .await
+                        {
+                            Ok((member, (keeper, responses))) => {
+                                stream = Some((member, keeper, responses));
+                                Ok(())
+                            }
+                            Err(fail) => Err(fail),
+                        }
+                    }
+                };
+                match outcome {
+                    Ok(()) => {
+                        renewed = sent_at;
+                        tx.send_replace(Liveness::Alive { renewed });
+                        break;
+                    }
+                    Err(Fail::NotFound) => {
+                        tracing::warn!(session = %lease, "etcd session expired");
+                        tx.send_replace(Liveness::Expired);
+                        return;
+                    }
+                    Err(Fail::Fatal(e)) => {
+                        tracing::warn!(session = %lease, error = %e, "etcd session renewal refused; retrying");
+                        stream = None;
+                    }
+                    Err(Fail::Ambiguous(why)) => {
+                        tracing::debug!(session = %lease, error = %why, "etcd session renewal retried");
+                        stream = None;
+                    }
+                }
+                tokio::select! {
+                    () = closing.cancelled() => {}
+                    () = sleep(backoff) => {}
+                    () = renew_now.notified() => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_millis(500));
             }
-            backoff = (backoff * 2).min(Duration::from_millis(500));
         }
     }
 }
