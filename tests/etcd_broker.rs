@@ -71,7 +71,7 @@ async fn a_pool_grants_its_capacity_in_fifo_order_and_fencing_tokens_increase() 
         }));
         // Queue order is etcd's create revision: wait until this waiter's key exists.
         let mut c = client(&etcd).await;
-        wait_for_key(&mut c, &broker.queue_key_for(&request(id))).await;
+        wait_for_key(&mut c, &broker.request_key_for(&request(id))).await;
     }
     broker.release(a).await.unwrap();
     let (first, c) = rx.recv().await.unwrap();
@@ -310,7 +310,7 @@ async fn foreign_keys_and_a_corrupt_capacity_are_refused_and_grant_nothing() {
     let under = || Some(etcd_client::PutOptions::new().with_lease(lease));
     c.put(
         "leasehold/guard/queue/000000000000002a",
-        "leasehold/v1 waiter owner=0000000000000000 request=1",
+        "leasehold/v1 waiter owner=0000000000000000 request=000000000000002a",
         under(),
     )
     .await
@@ -326,7 +326,7 @@ async fn foreign_keys_and_a_corrupt_capacity_are_refused_and_grant_nothing() {
         let broker = Arc::clone(&broker);
         tokio::spawn(async move { broker.acquire(request(2)).await })
     };
-    wait_for_key(&mut c, &broker.queue_key_for(&request(2))).await;
+    wait_for_key(&mut c, &broker.request_key_for(&request(2))).await;
     c.lease_revoke(lease).await.unwrap();
     let err = pending.await.unwrap().unwrap_err();
     assert_eq!(err.code(), Some("ETCD_CORRUPT_RECORD"), "{err}");
@@ -476,7 +476,7 @@ async fn a_slot_handed_to_a_waiter_whose_process_died_comes_back_within_its_ttl(
     let dead = 0x2a_u64;
     c.put(
         format!("leasehold/dead/queue/{dead:016x}"),
-        "leasehold/v1 waiter owner=0000000000000000 request=1",
+        "leasehold/v1 waiter owner=0000000000000000 request=000000000000002a",
         under(),
     )
     .await
@@ -493,7 +493,7 @@ async fn a_slot_handed_to_a_waiter_whose_process_died_comes_back_within_its_ttl(
         let broker = Arc::clone(&broker);
         tokio::spawn(async move { broker.acquire(request(2)).await })
     };
-    wait_for_key(&mut c, &broker.queue_key_for(&request(2))).await;
+    wait_for_key(&mut c, &broker.request_key_for(&request(2))).await;
 
     // The release hands the slot to the dead waiter, in FIFO order; its TTL brings it back,
     // and the live waiter, now the head, takes it.
@@ -565,7 +565,7 @@ async fn an_acquire_dropped_while_waiting_leaves_no_queue_place_and_no_slot_behi
         let broker = Arc::clone(&broker);
         tokio::spawn(async move { broker.acquire(request(2)).await })
     };
-    wait_for_key(&mut c, &broker.queue_key_for(&request(2))).await;
+    wait_for_key(&mut c, &broker.request_key_for(&request(2))).await;
 
     // The supervisor drops acquires still in flight at shutdown: the waiter's place goes at
     // once (its session lives on, so no TTL would ever remove it).
@@ -615,7 +615,7 @@ async fn an_acquire_dropped_after_its_grant_passes_the_slot_on() {
         let waiter = Arc::clone(&waiter);
         tokio::spawn(async move { waiter.acquire(request(2)).await })
     };
-    wait_for_key(&mut c, &waiter.queue_key_for(&request(2))).await;
+    wait_for_key(&mut c, &waiter.request_key_for(&request(2))).await;
 
     // The waiter is cut off, the release hands it the slot, and its acquire is dropped before
     // it could hear of the grant.

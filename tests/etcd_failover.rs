@@ -454,7 +454,7 @@ async fn a_waiter_whose_session_expires_fails_with_etcd_session_expired_and_gets
         tokio::spawn(async move { waiter.acquire(AcquireRequest::new(1, None)).await })
     };
     let mut c = client(&endpoints).await;
-    let place = waiter.queue_key_for(&AcquireRequest::new(1, None));
+    let place = waiter.request_key_for(&AcquireRequest::new(1, None));
     wait_until(Duration::from_secs(10), "the waiter queued", || {
         let (mut c, place) = (c.clone(), place.clone());
         async move { !c.get(place, None).await.unwrap().kvs().is_empty() }
@@ -533,7 +533,7 @@ async fn waiters_keep_their_fifo_places_through_a_leader_election() {
                 .unwrap(),
         );
         let request = AcquireRequest::new(1, None);
-        let place = broker.queue_key_for(&request);
+        let place = broker.request_key_for(&request);
         let granted_tx = granted_tx.clone();
         waiters.push(tokio::spawn(async move {
             let token = broker

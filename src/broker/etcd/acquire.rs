@@ -14,13 +14,13 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 use parking_lot::Mutex;
 use tokio::time::{Instant, sleep, timeout};
 
 use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
-use super::layout::{Marker, MarkerState, request_key};
+use super::layout::{MarkerState, place_key, request_key};
 use super::queue::{Look, Ticket};
 use super::session::{Claim, Held, Session};
 use crate::broker::{AcquireRequest, SlotToken};
@@ -37,7 +37,8 @@ pub(super) struct Grant {
 /// What the first transaction found or did.
 enum First {
     Granted(Grant),
-    Queued(Ticket, Look),
+    /// Queued; what the join read (with the marker's watch opened before it), if it did.
+    Queued(Ticket, Option<Look>),
     /// Something left by an earlier attempt was cleared: send the first transaction again.
     Again,
 }
@@ -97,24 +98,66 @@ impl Inner {
             armed: true,
         };
         let result = async {
-            let grant = self.obtain(rk, request.request_id()).await?;
+            let grant = self.obtain(rk).await?;
             self.park(grant, rk, request.origin()).await
         }
         .await;
         match &result {
-            Ok(_) => guard.armed = false,
+            Ok(_) => {
+                guard.armed = false;
+                self.free_place(rk);
+            }
             Err(e) if e.is_pool_refusal() => {
                 // The pool is unusable: give back anything this request holds before answering,
                 // so that the refusal grants nothing, not even for a moment after it.
                 guard.armed = false;
                 let bound = self.rpc_timeout * 2;
-                if timeout(bound, self.abandon(rk)).await.is_err() {
-                    self.abandon_in_background(rk);
+                match timeout(bound, self.abandon(rk)).await {
+                    Ok(Ok(())) => self.free_place(rk),
+                    _ => self.abandon_in_background(rk),
                 }
             }
             Err(_) => {} // the guard cleans up in the background
         }
         result
+    }
+
+    /// The queue place of request `rk`: the one it already has, or a free one.
+    pub(super) fn place_of(&self, rk: u64) -> u64 {
+        let mut places = self.places.lock();
+        let index = match places.by_request.get(&rk) {
+            Some(index) => *index,
+            None => {
+                let index = match places.free.pop() {
+                    Some(index) => index,
+                    None => {
+                        places.next += 1;
+                        places.next - 1
+                    }
+                };
+                places.by_request.insert(rk, index);
+                index
+            }
+        };
+        place_key(self.owner, index)
+    }
+
+    /// Request `rk`'s queue place, if it has one.
+    fn place_if_any(&self, rk: u64) -> Option<u64> {
+        let places = self.places.lock();
+        places
+            .by_request
+            .get(&rk)
+            .map(|index| place_key(self.owner, *index))
+    }
+
+    /// Frees request `rk`'s queue place: its queue key is gone (granted, never created, or
+    /// removed by its cleanup).
+    pub(super) fn free_place(&self, rk: u64) {
+        let mut places = self.places.lock();
+        if let Some(index) = places.by_request.remove(&rk) {
+            places.free.push(index);
+        }
     }
 
     fn token_of(&self, rk: u64) -> Option<SlotToken> {
@@ -126,14 +169,27 @@ impl Inner {
     }
 
     /// The first transaction, then the queue until a grant.
-    async fn obtain(self: &Arc<Self>, rk: u64, request_id: u64) -> Result<Grant, EtcdError> {
+    async fn obtain(self: &Arc<Self>, rk: u64) -> Result<Grant, EtcdError> {
         let deadline = Instant::now() + self.retry_for;
         let mut again = 0;
+        let mut stream = None;
         loop {
             let session = self.session(deadline).await?;
-            match self.first(rk, request_id, &session, deadline).await {
+            // On a busy pool this acquire will wait: its marker's watch goes first, so that a
+            // grant right after the join is not missed (and no look is needed after it).
+            if stream.is_none() && self.contended.load(Ordering::Relaxed) {
+                stream = self.open_marker_watch(rk, &session).await?;
+            }
+            match self.first(rk, &session, deadline).await {
                 Ok(First::Granted(grant)) => return Ok(grant),
-                Ok(First::Queued(ticket, look)) => return self.wait(ticket, look).await,
+                Ok(First::Queued(ticket, joined)) => {
+                    let stream = if joined.is_some() {
+                        stream.take()
+                    } else {
+                        None
+                    };
+                    return self.wait(ticket, stream, joined).await;
+                }
                 Ok(First::Again) if again < 3 => again += 1,
                 Ok(First::Again) => {
                     return Err(EtcdError::new(
@@ -175,13 +231,19 @@ impl Inner {
     async fn first(
         self: &Arc<Self>,
         rk: u64,
-        request_id: u64,
         session: &Arc<Session>,
         deadline: Instant,
     ) -> Result<First, Fail> {
         let l = &self.layout;
+        let qk = self.place_of(rk);
         let under = || Some(PutOptions::new().with_lease(session.id));
-        let guess = self.guess();
+        // On a pool seen busy, straight to the queue: "nobody waits" compares the whole queue,
+        // and someone does. Either way is correct (a waiter that finds a slot free takes it).
+        let guess = if self.contended.load(Ordering::Relaxed) {
+            None
+        } else {
+            self.guess()
+        };
         let claim = match guess {
             Some(g) => Txn::new()
                 .when([
@@ -197,30 +259,17 @@ impl Inner {
                         under(),
                     ),
                 ]),
-            // Every index is held here: straight to the queue.
+            // Busy, or every index is held here: straight to the queue.
             None => Txn::new().when([Compare::version(l.capacity_key(), CompareOp::Equal, 0)]),
         };
         let join = [
-            TxnOp::put(
-                l.queue_key(rk),
-                l.waiter_value(self.owner, request_id),
-                under(),
-            ),
+            TxnOp::put(l.queue_key(qk), l.waiter_value(self.owner, rk), under()),
             TxnOp::put(
                 l.request_key(rk),
                 l.marker_value(MarkerState::Waiting),
                 under(),
             ),
-            // The place just taken and the one before it (the newest two).
-            TxnOp::get(
-                l.queue_prefix(),
-                Some(
-                    GetOptions::new()
-                        .with_prefix()
-                        .with_sort(SortTarget::Create, SortOrder::Descend)
-                        .with_limit(2),
-                ),
-            ),
+            // Whether a slot may be free (counted from the index: no key is read).
             TxnOp::get(
                 l.slot_prefix(),
                 Some(GetOptions::new().with_prefix().with_count_only()),
@@ -234,7 +283,7 @@ impl Inner {
             .and_then([TxnOp::txn(claim.or_else(join))])
             .or_else([
                 TxnOp::get(l.request_key(rk), None),
-                TxnOp::get(l.queue_key(rk), None),
+                TxnOp::get(l.queue_key(qk), None),
                 TxnOp::get(l.capacity_key(), None),
             ]);
         let resp = self
@@ -251,7 +300,7 @@ impl Inner {
                 return Err(Fail::Fatal(txn_shape("claim a slot or join the queue")));
             };
             if inner.succeeded() {
-                self.contended.store(false, Ordering::Relaxed);
+                self.heads.lock().clear();
                 let slot = guess.expect("the claim branch has a guess");
                 self.hint
                     .store((slot + 1) % l.capacity(), Ordering::Relaxed);
@@ -261,30 +310,19 @@ impl Inner {
                     session: Arc::clone(session),
                 }));
             }
+            // Queued: the pool is busy (or this broker's guess was taken).
             self.contended.store(true, Ordering::Relaxed);
             let reads = gets(&inner.op_responses());
-            let [newest, count] = reads.as_slice() else {
-                return Err(Fail::Fatal(txn_shape("join the queue")));
-            };
-            let waiters = l.waiters(newest.kvs()).map_err(Fail::Fatal)?;
-            let predecessor = waiters.into_iter().find(|w| w.rk != rk);
-            let ticket = Ticket {
-                rk,
-                rev: revision,
-                session: Arc::clone(session),
-            };
-            let look = Look {
-                revision,
-                marker: Some(Marker {
-                    state: MarkerState::Waiting,
-                    lease: session.id,
-                    mod_rev: revision,
-                }),
-                queued: true,
-                predecessor,
-                held: count.count(),
-            };
-            return Ok(First::Queued(ticket, look));
+            let held = reads.first().map(|g| g.count());
+            return Ok(First::Queued(
+                Ticket {
+                    rk,
+                    qk,
+                    rev: revision,
+                    session: Arc::clone(session),
+                },
+                held.map(|held| Look::joined(revision, session.id, held)),
+            ));
         }
         // The request already has a marker, or the capacity record is not ours.
         let reads = gets(&ops);
@@ -301,15 +339,18 @@ impl Inner {
         match found.state {
             _ if stale => {}
             MarkerState::Waiting => {
-                if let Some(kv) = queued.kvs().first() {
-                    let waiter = l.waiter(kv).map_err(Fail::Fatal)?;
-                    let ticket = Ticket {
-                        rk,
-                        rev: waiter.create_rev,
-                        session: Arc::clone(session),
-                    };
-                    let look = self.look(&ticket).await.map_err(Fail::Fatal)?;
-                    return Ok(First::Queued(ticket, look));
+                if let Some(kv) = queued.kvs().first()
+                    && l.waiter(kv).map_err(Fail::Fatal)?.rk == rk
+                {
+                    return Ok(First::Queued(
+                        Ticket {
+                            rk,
+                            qk,
+                            rev: kv.create_revision(),
+                            session: Arc::clone(session),
+                        },
+                        None,
+                    ));
                 }
             }
             MarkerState::Granted { slot } => {
@@ -473,6 +514,12 @@ impl Inner {
             let give_up = (me.ttl * 10).max(Duration::from_secs(60));
             let mut backoff = Duration::from_millis(100);
             let started = Instant::now();
+            // The place is free once the cleanup is over, whatever its outcome (after the
+            // longest bound the session has expired, and the queue key with it).
+            let _free = FreePlace {
+                inner: Arc::clone(&me),
+                rk,
+            };
             loop {
                 match timeout(me.retry_for, me.abandon(rk)).await {
                     Ok(Ok(())) => return,
@@ -507,10 +554,9 @@ impl Inner {
             l.marker_value(MarkerState::Abandoned),
             Some(PutOptions::new().with_lease(session.id)),
         );
-        let read = Txn::new().and_then([
-            TxnOp::get(key.clone(), None),
-            TxnOp::get(l.queue_key(rk), Some(GetOptions::new().with_keys_only())),
-        ]);
+        // Only the place this request holds: a freed place may be another request's now.
+        let place = self.place_if_any(rk);
+        let read = Txn::new().and_then([TxnOp::get(key.clone(), None)]);
         // Read, act on what was read under a comparison, read again: every step is idempotent
         // (a lost answer's retry fails its comparison), and a late copy of the first
         // transaction that lands in between is seen by the next read.
@@ -564,13 +610,15 @@ impl Inner {
                         }
                     }
                     // Waiting (or a grant whose slot had moved on): leave the queue.
+                    let mut ops = vec![tomb.clone()];
+                    ops.extend(place.map(|qk| TxnOp::delete(l.queue_key(qk), None)));
                     Txn::new()
                         .when([Compare::mod_revision(
                             key.clone(),
                             CompareOp::Equal,
                             m.mod_rev,
                         )])
-                        .and_then([TxnOp::delete(l.queue_key(rk), None), tomb.clone()])
+                        .and_then(ops)
                 }
                 // Never got that far (or not yet): fence a late first transaction.
                 None => Txn::new()
@@ -626,6 +674,18 @@ impl Inner {
                 )
                 .await;
         });
+    }
+}
+
+/// Frees a request's queue place when dropped.
+struct FreePlace {
+    inner: Arc<Inner>,
+    rk: u64,
+}
+
+impl Drop for FreePlace {
+    fn drop(&mut self) {
+        self.inner.free_place(self.rk);
     }
 }
 

@@ -8,12 +8,15 @@
 //! |---|---|---|
 //! | `capacity` | `leasehold/v1 capacity=N` | none |
 //! | `request/{rk:016x}` | `leasehold/v1 request waiting`, `… granted slot=N` or `… abandoned` | the requester's session |
-//! | `queue/{rk:016x}` | `leasehold/v1 waiter owner={owner:016x} request={id}` | the waiter's session |
+//! | `queue/{qk:016x}` | `leasehold/v1 waiter owner={owner:016x} request={rk:016x}` | the waiter's session |
 //! | `slot/{index:06}` | `leasehold/v1 holder request={rk:016x}` | the holder's session |
 //!
 //! `rk`, the request key, is derived from the broker's random owner id, the supervisor's origin
-//! and the request id: it names everything one acquire writes, which is what makes a retry find
-//! its own work.
+//! and the request id: it names the request's marker and its slot, which is what makes a retry
+//! find its own work. `qk`, the place key, names a queue place: derived from the owner id and a
+//! small index the broker reuses once a place is free, so that the queue's range holds a bounded
+//! set of key names (etcd keeps every name a range ever held until it is compacted, and a range
+//! read visits them all).
 
 use etcd_client::KeyValue;
 
@@ -39,6 +42,9 @@ pub(super) struct Holder {
 /// A queue key, read back: a waiter and its place (create revision).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Waiter {
+    /// Its place key (names the queue key).
+    pub(super) qk: u64,
+    /// Its request key (names its marker).
     pub(super) rk: u64,
     pub(super) lease: i64,
     pub(super) create_rev: i64,
@@ -123,8 +129,8 @@ impl Layout {
         format!("{}queue/", self.prefix)
     }
 
-    pub(super) fn queue_key(&self, rk: u64) -> String {
-        format!("{}queue/{rk:016x}", self.prefix)
+    pub(super) fn queue_key(&self, qk: u64) -> String {
+        format!("{}queue/{qk:016x}", self.prefix)
     }
 
     pub(super) fn slot_prefix(&self) -> String {
@@ -139,8 +145,8 @@ impl Layout {
         format!("{}request/{rk:016x}", self.prefix)
     }
 
-    pub(super) fn waiter_value(&self, owner: u64, request_id: u64) -> String {
-        format!("{FORMAT} waiter owner={owner:016x} request={request_id}")
+    pub(super) fn waiter_value(&self, owner: u64, rk: u64) -> String {
+        format!("{FORMAT} waiter owner={owner:016x} request={rk:016x}")
     }
 
     pub(super) fn holder_value(&self, rk: u64) -> String {
@@ -216,13 +222,18 @@ impl Layout {
     pub(super) fn waiter<'a>(&self, kv: impl Into<Raw<'a>>) -> Result<Waiter, EtcdError> {
         let kv = kv.into();
         let rest = self.rest(kv, "queue/")?;
-        let rk = parse_hex(rest).ok_or_else(|| self.foreign(kv, "not a queue key"))?;
-        let ok = std::str::from_utf8(kv.value)
-            .is_ok_and(|v| v.starts_with(&format!("{FORMAT} waiter owner=")));
-        if !ok || kv.lease == 0 {
-            return Err(self.corrupt(kv, "not a waiter record under a lease"));
-        }
+        let qk = parse_hex(rest).ok_or_else(|| self.foreign(kv, "not a queue key"))?;
+        let rk = std::str::from_utf8(kv.value)
+            .ok()
+            .and_then(|v| v.strip_prefix(FORMAT))
+            .and_then(|v| v.strip_prefix(" waiter owner="))
+            .and_then(|v| v.split_once(" request="))
+            .filter(|(owner, _)| parse_hex(owner).is_some())
+            .and_then(|(_, rk)| parse_hex(rk))
+            .filter(|_| kv.lease != 0)
+            .ok_or_else(|| self.corrupt(kv, "not a waiter record under a lease"))?;
         Ok(Waiter {
+            qk,
             rk,
             lease: kv.lease,
             create_rev: kv.create_rev,
@@ -341,9 +352,14 @@ pub(super) fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The request key of `(owner, origin, request_id)`: what names everything one acquire writes.
+/// The request key of `(owner, origin, request_id)`: what names a request's marker and slot.
 pub(super) fn request_key(owner: u64, origin: u64, request_id: u64) -> u64 {
     mix(owner ^ mix(origin) ^ mix(mix(request_id)))
+}
+
+/// The place key of the broker `owner`'s queue place number `index`.
+pub(super) fn place_key(owner: u64, index: u32) -> u64 {
+    mix(mix(owner) ^ mix(u64::from(index) + 1))
 }
 
 #[cfg(test)]
@@ -358,6 +374,16 @@ mod tests {
             .flat_map(|r| [request_key(42, 1, r), request_key(42, 2, r)])
             .collect();
         assert_eq!(keys.len(), 20_000);
+    }
+
+    #[test]
+    fn place_keys_differ_per_place_and_per_owner() {
+        // Owners are random 64-bit ids.
+        let (a, b) = (0x1234_5678_9abc_def0, 0x0fed_cba9_8765_4321);
+        let keys: HashSet<u64> = (0..1_000u32)
+            .flat_map(|i| [place_key(a, i), place_key(b, i)])
+            .collect();
+        assert_eq!(keys.len(), 2_000);
     }
 
     #[test]
@@ -402,9 +428,12 @@ mod tests {
                 mod_rev: 9
             }
         );
-        let (key, value) = (layout.queue_key(0xabc), layout.waiter_value(1, 2));
+        let (key, value) = (layout.queue_key(0xabc), layout.waiter_value(1, 0xdef));
         let waiter = layout.waiter(raw(&key, &value, 11)).unwrap();
-        assert_eq!((waiter.rk, waiter.lease, waiter.create_rev), (0xabc, 11, 5));
+        assert_eq!(
+            (waiter.qk, waiter.rk, waiter.lease, waiter.create_rev),
+            (0xabc, 0xdef, 11, 5)
+        );
     }
 
     #[test]

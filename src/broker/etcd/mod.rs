@@ -8,6 +8,7 @@
 //! - `session` — renewal and loss: the session lease, `keep_alive`, tokens nobody keeps alive;
 //! - `acquire` — the idempotent first transaction, and the cleanup of an acquire given up;
 //! - `queue` — FIFO, work-conserving, herd-free waiting;
+//! - `watches` — one watch stream per broker, shared by its waiters;
 //! - `release` — the hand-off to the next waiter, and releases settled in the background.
 
 mod acquire;
@@ -18,6 +19,7 @@ mod layout;
 mod queue;
 mod release;
 mod session;
+mod watches;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -132,8 +134,20 @@ struct Inner {
     forgotten: Mutex<VecDeque<SlotToken>>,
     /// A slot index likely to be free (the idle pool's first guess).
     hint: AtomicU32,
-    /// Whether the last release or acquire saw waiters: a release then reads the head first.
+    /// The oldest waiters this broker last read (a release chains over them).
+    heads: Mutex<Vec<layout::Waiter>>,
+    /// A read of `heads` is on its way.
+    refreshing: AtomicBool,
+    /// The broker's shared watch stream (see `watches`).
+    hub: Arc<watches::Hub>,
+    /// Bumped on every slot deletion while the broker has waiters (see `queue`).
+    frees: tokio::sync::watch::Sender<u64>,
+    frees_ctl: Mutex<queue::FreesCtl>,
+    /// Whether the queue had waiters when last seen: an acquire then joins it straight away
+    /// instead of first trying to claim (a comparison over the whole queue).
     contended: AtomicBool,
+    /// Queue places in use, by request key, and the free ones (see `layout`).
+    places: Mutex<Places>,
     /// Cleanups of acquires given up, by request key.
     abandoned: Mutex<HashMap<u64, Arc<Cleanup>>>,
     orphans_expired: AtomicU64,
@@ -142,6 +156,14 @@ struct Inner {
     events: Mutex<Vec<BrokerEvents>>,
     /// Cancelled when the broker goes: its session keeper revokes the session.
     closing: CancellationToken,
+}
+
+/// A broker's queue places: a small index per place, reused once free.
+#[derive(Debug, Default)]
+struct Places {
+    by_request: HashMap<u64, u32>,
+    free: Vec<u32>,
+    next: u32,
 }
 
 impl Drop for Inner {
@@ -211,7 +233,13 @@ impl EtcdBroker {
             layout.capacity_key(),
             owner as usize,
         );
+        let hub = watches::Hub::new(
+            Arc::clone(&endpoints),
+            layout.capacity_key(),
+            config.retry_for,
+        );
         let inner = Arc::new(Inner {
+            hub,
             layout,
             endpoints,
             ttl: config.ttl,
@@ -226,7 +254,12 @@ impl EtcdBroker {
             releases: AtomicU64::new(0),
             forgotten: Mutex::new(VecDeque::new()),
             hint: AtomicU32::new((owner % u64::from(config.capacity)) as u32),
+            heads: Mutex::new(Vec::new()),
+            refreshing: AtomicBool::new(false),
+            frees: tokio::sync::watch::Sender::new(0),
+            frees_ctl: Mutex::new(queue::FreesCtl::default()),
             contended: AtomicBool::new(false),
+            places: Mutex::new(Places::default()),
             abandoned: Mutex::new(HashMap::new()),
             orphans_expired: AtomicU64::new(0),
             settling: AtomicUsize::new(0),

@@ -1,13 +1,19 @@
 //! Queue and waiting: FIFO by the queue key's create revision, work-conserving and herd-free.
 //!
-//! A waiter watches only its predecessor (the next older queue key) and its own request
-//! marker. Only the head (no predecessor) looks at the holders, and only for slots freed
-//! without a hand-off (a holder's session expired): a release normally hands its slot straight
-//! to the head in the same transaction (see `release`), which writes the grant into the head's
-//! marker, so the grantee learns it from one watch event. Per release: one grant event, one
-//! predecessor event for the next waiter, one look (a read) by it; no waiter re-reads the pool.
-//! When the head finds several slots free it claims one and grants the others to the waiters
-//! behind it, in queue order, in parallel transactions (one round trip).
+//! A release hands its slot straight to the oldest waiter, in its own transaction (see
+//! `release`), and writes the grant into that waiter's marker (`request/{rk}`): a waiter learns
+//! of its grant from one watch event on its own marker. While every slot is held that is all a
+//! waiter watches; no waiter reads the pool, and a release costs one watch event (the
+//! grantee's) and no read.
+//!
+//! A slot can be free while someone waits only after a free without a hand-off: a holder's
+//! session expired, or a release found the queue empty just before a waiter joined. Each broker
+//! with waiters watches slot deletions (one watch per broker, not per waiter; in steady
+//! contention there are none: hand-offs are writes, not deletions); a waiter that joins reads the
+//! count of held slots as it joins. When a waiter sees fewer slots held than the pool has, it
+//! looks for its predecessor: the head (no predecessor) claims a free slot and grants the others
+//! to the waiters behind it, in queue order, in parallel transactions (one round trip); any
+//! other waiter watches its predecessor until it is the head or the pool is full again.
 //!
 //! A waiter keeps its place through outages and leader elections (its calls retry on any
 //! member, without a bound) and fails only when etcd says its session expired.
@@ -19,38 +25,59 @@ use std::time::Duration;
 
 use etcd_client::{
     Compare, CompareOp, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
-    WatchFilterType, WatchOptions, WatchStream,
+    WatchFilterType, WatchOptions,
 };
 use futures_util::future::join_all;
+use tokio::sync::watch;
 use tokio::time::{Instant, sleep};
+use tokio_util::sync::CancellationToken;
 
 use super::Inner;
 use super::acquire::{Grant, gets, txn_shape};
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{Marker, MarkerState, Waiter};
 use super::session::Session;
+use super::watches::{Seen, Watch};
 
 /// A place in the queue.
 #[derive(Debug, Clone)]
 pub(super) struct Ticket {
     pub(super) rk: u64,
+    /// Its place key (names its queue key).
+    pub(super) qk: u64,
     /// The queue key's create revision: the place.
     pub(super) rev: i64,
     pub(super) session: Arc<Session>,
 }
 
-/// What a waiter read about itself at one revision.
+/// What a waiter read about itself.
 #[derive(Debug, Clone)]
 pub(super) struct Look {
-    pub(super) revision: i64,
     /// Its request marker.
     pub(super) marker: Option<Marker>,
     /// Whether its queue key exists.
     pub(super) queued: bool,
-    /// The next older waiter, if any.
-    pub(super) predecessor: Option<Waiter>,
+    /// The next older waiter: `None` when not read (the pool was full), `Some(None)` for the
+    /// head.
+    pub(super) predecessor: Option<Option<Waiter>>,
     /// How many slot keys exist.
     pub(super) held: i64,
+}
+
+impl Look {
+    /// What a waiter knows right after joining, from the join's own transaction.
+    pub(super) fn joined(revision: i64, lease: i64, held: i64) -> Look {
+        Look {
+            marker: Some(Marker {
+                state: MarkerState::Waiting,
+                lease,
+                mod_rev: revision,
+            }),
+            queued: true,
+            predecessor: None,
+            held,
+        }
+    }
 }
 
 /// What a waiter does next, decided from a [`Look`].
@@ -64,9 +91,13 @@ pub(super) enum Next {
     Broken,
     /// Its marker is a tombstone: it was given up.
     Abandoned,
-    /// It is the head; `maybe_free` when fewer slots are held than the pool has.
-    Head { maybe_free: bool },
-    /// It waits behind `predecessor` (a request key).
+    /// Every slot is held: wait for a grant (or a slot deletion).
+    Wait,
+    /// A slot may be free: find out where it stands in the queue.
+    LookCloser,
+    /// A slot may be free and it is the head: claim.
+    Head,
+    /// A slot may be free, and it waits behind `predecessor` (a place key).
     Behind { predecessor: u64 },
 }
 
@@ -82,40 +113,44 @@ pub(super) fn decide(look: &Look, capacity: u32) -> Next {
         },
         MarkerState::Abandoned => Next::Abandoned,
         MarkerState::Waiting if !look.queued => Next::Broken,
+        MarkerState::Waiting if look.held >= i64::from(capacity) => Next::Wait,
         MarkerState::Waiting => match &look.predecessor {
-            Some(p) => Next::Behind { predecessor: p.rk },
-            None => Next::Head {
-                maybe_free: look.held < i64::from(capacity),
-            },
+            None => Next::LookCloser,
+            Some(None) => Next::Head,
+            Some(Some(p)) => Next::Behind { predecessor: p.qk },
         },
     }
 }
 
-/// Watch ids on a waiter's stream (client-chosen).
-const WATCH_MARKER: i64 = 1;
-const WATCH_NEXT: i64 = 2;
-
-/// What the waiter's stream watches besides its own marker.
-#[derive(Debug, Clone, Copy)]
-enum Watching {
-    /// The predecessor's queue key.
-    Predecessor(u64),
-    /// Deletions of slot keys (the head only).
-    Frees,
-}
-
 impl Inner {
-    /// Waits in the queue until granted. Cancel safe in the sense the acquire guard needs: a
-    /// dropped wait leaves its place to the guard's cleanup.
+    /// Waits in the queue until granted. `stream` is the waiter's marker watch if it was opened
+    /// before the join (then `look` is what the join read); otherwise it is opened here and the
+    /// waiter looks after it. Cancel safe in the sense the acquire guard needs: a dropped wait
+    /// leaves its place to the guard's cleanup.
     pub(super) async fn wait(
         self: &Arc<Self>,
         ticket: Ticket,
-        mut look: Look,
+        mut stream: Option<WaitStream>,
+        joined: Option<Look>,
     ) -> Result<Grant, EtcdError> {
+        let _watching_frees = self.frees_user();
+        let mut frees = self.frees.subscribe();
+        frees.mark_unchanged();
+        let mut look = match (&stream, joined) {
+            (Some(_), Some(look)) => look,
+            _ => {
+                // The stream first (its marker watch from now), then the look: a grant made
+                // before the watch began is in the look, any later one comes as an event.
+                if stream.is_none() {
+                    stream = self.open_watch(&ticket).await?;
+                }
+                self.look(&ticket, false).await?
+            }
+        };
         loop {
             // Local releases so far: one after this can free an index the head could not take.
             let releases = self.releases.load(Ordering::Acquire);
-            let watching = match decide(&look, self.layout.capacity()) {
+            let predecessor = match decide(&look, self.layout.capacity()) {
                 Next::Granted { slot, revision } => {
                     return Ok(Grant {
                         slot,
@@ -139,30 +174,37 @@ impl Inner {
                         format!("request {:016x} was given up while it waited", ticket.rk),
                     ));
                 }
-                Next::Head { maybe_free: true } => {
+                Next::LookCloser => {
+                    look = self.look(&ticket, true).await?;
+                    continue;
+                }
+                Next::Head => {
                     if let Some(grant) = self.claim_as_head(&ticket).await? {
                         return Ok(grant);
                     }
-                    // Nothing this broker may take (or someone was quicker): look again,
-                    // then watch.
-                    let again = self.look(&ticket).await?;
-                    if matches!(
-                        decide(&again, self.layout.capacity()),
-                        Next::Head { maybe_free: true }
-                    ) && again.held == look.held
-                    {
-                        look = again;
-                        Watching::Frees
-                    } else {
-                        look = again;
+                    // Nothing this broker may take (an index it still holds), or someone was
+                    // quicker: look again; if nothing changed, wait for a change.
+                    let again = self.look(&ticket, true).await?;
+                    let same = decide(&again, self.layout.capacity()) == Next::Head
+                        && again.held == look.held;
+                    look = again;
+                    if !same {
                         continue;
                     }
+                    None
                 }
-                Next::Head { maybe_free: false } => Watching::Frees,
-                Next::Behind { predecessor } => Watching::Predecessor(predecessor),
+                Next::Wait => None,
+                Next::Behind { predecessor } => Some(predecessor),
             };
+            let free = look.held < i64::from(self.layout.capacity());
             look = self
-                .watch_for_change(&ticket, &look, watching, releases)
+                .watch_for_change(
+                    &ticket,
+                    predecessor,
+                    free.then_some(releases),
+                    &mut stream,
+                    &mut frees,
+                )
                 .await?;
         }
     }
@@ -194,17 +236,28 @@ impl Inner {
         }
     }
 
-    /// Reads the waiter's marker, its queue key, its predecessor and how many slots are held,
-    /// in one read, retried on any member while the session lives.
-    pub(super) async fn look(self: &Arc<Self>, ticket: &Ticket) -> Result<Look, EtcdError> {
+    /// Reads the waiter's marker, its queue key and how many slots are held (and, `closer`, its
+    /// predecessor: a read of the queue), in one read, retried on any member while the session
+    /// lives.
+    pub(super) async fn look(
+        self: &Arc<Self>,
+        ticket: &Ticket,
+        closer: bool,
+    ) -> Result<Look, EtcdError> {
         let l = &self.layout;
-        let txn = Txn::new().and_then([
+        let mut ops = vec![
             TxnOp::get(l.request_key(ticket.rk), None),
             TxnOp::get(
-                l.queue_key(ticket.rk),
+                l.queue_key(ticket.qk),
                 Some(GetOptions::new().with_keys_only()),
             ),
             TxnOp::get(
+                l.slot_prefix(),
+                Some(GetOptions::new().with_prefix().with_count_only()),
+            ),
+        ];
+        if closer {
+            ops.push(TxnOp::get(
                 l.queue_prefix(),
                 Some(
                     GetOptions::new()
@@ -213,33 +266,32 @@ impl Inner {
                         .with_sort(SortTarget::Create, SortOrder::Descend)
                         .with_limit(1),
                 ),
-            ),
-            TxnOp::get(
-                l.slot_prefix(),
-                Some(GetOptions::new().with_prefix().with_count_only()),
-            ),
-        ]);
+            ));
+        }
+        let txn = Txn::new().and_then(ops);
         let resp = self
             .patiently(ticket, "look at the queue", |mut c| {
                 let txn = txn.clone();
                 async move { c.txn(txn).await }
             })
             .await?;
-        let revision = resp.header().map_or(0, |h| h.revision());
         let reads = gets(&resp.op_responses());
-        let [marker, queued, predecessor, count] = reads.as_slice() else {
-            return Err(txn_shape("look at the queue"));
+        let (marker, queued, count) = match reads.as_slice() {
+            [m, q, c, ..] if reads.len() == 3 + usize::from(closer) => (m, q, c),
+            _ => return Err(txn_shape("look at the queue")),
         };
         let marker = match marker.kvs().first() {
             Some(kv) => Some(l.marker(kv)?),
             None => None,
         };
-        let predecessor = match predecessor.kvs().first() {
-            Some(kv) => Some(l.waiter(kv)?),
+        let predecessor = match reads.get(3) {
+            Some(p) => Some(match p.kvs().first() {
+                Some(kv) => Some(l.waiter(kv)?),
+                None => None,
+            }),
             None => None,
         };
         Ok(Look {
-            revision,
             marker,
             queued: !queued.kvs().is_empty(),
             predecessor,
@@ -339,12 +391,12 @@ impl Inner {
         let under = || Some(PutOptions::new().with_lease(ticket.session.id));
         let txn = Txn::new()
             .when([
-                Compare::create_revision(l.queue_key(ticket.rk), CompareOp::Equal, ticket.rev),
+                Compare::create_revision(l.queue_key(ticket.qk), CompareOp::Equal, ticket.rev),
                 Compare::create_revision(l.slot_key(slot), CompareOp::Equal, 0),
             ])
             .and_then([
                 TxnOp::put(l.slot_key(slot), l.holder_value(ticket.rk), under()),
-                TxnOp::delete(l.queue_key(ticket.rk), None),
+                TxnOp::delete(l.queue_key(ticket.qk), None),
                 TxnOp::put(
                     l.request_key(ticket.rk),
                     l.marker_value(MarkerState::Granted { slot }),
@@ -374,7 +426,7 @@ impl Inner {
         let txn = Txn::new()
             .when([
                 Compare::create_revision(
-                    l.queue_key(waiter.rk),
+                    l.queue_key(waiter.qk),
                     CompareOp::Equal,
                     waiter.create_rev,
                 ),
@@ -382,7 +434,7 @@ impl Inner {
             ])
             .and_then([
                 TxnOp::put(l.slot_key(slot), l.holder_value(waiter.rk), under()),
-                TxnOp::delete(l.queue_key(waiter.rk), None),
+                TxnOp::delete(l.queue_key(waiter.qk), None),
                 TxnOp::put(
                     l.request_key(waiter.rk),
                     l.marker_value(MarkerState::Granted { slot }),
@@ -402,188 +454,261 @@ impl Inner {
             .await;
     }
 
-    /// Watches the waiter's marker and `watching` from after `look`, and returns what the
-    /// waiter should decide from next: the grant written into its marker, or a fresh look once
-    /// its predecessor changed, a slot was freed, the stream broke or its member went down.
+    /// Waits for what may change the waiter's decision, and returns what to decide from next:
+    /// the grant written into its marker, or a fresh look once its predecessor changed
+    /// (`predecessor`), a slot was deleted, a local release happened (`releases`, when a slot
+    /// may be free), or the broker's watch stream was set up again.
     async fn watch_for_change(
         self: &Arc<Self>,
         ticket: &Ticket,
-        look: &Look,
-        watching: Watching,
-        releases: u64,
+        predecessor: Option<u64>,
+        releases: Option<u64>,
+        stream: &mut Option<WaitStream>,
+        frees: &mut watch::Receiver<u64>,
     ) -> Result<Look, EtcdError> {
-        let Some((member, mut stream)) =
-            self.open_watch(ticket, look.revision + 1, watching).await?
-        else {
-            return self.look(ticket).await;
+        let Some(s) = stream.as_mut() else {
+            // A new watch of the marker, from now: look again after it, for what happened
+            // while there was none.
+            *stream = self.open_watch(ticket).await?;
+            return self.look(ticket, false).await;
         };
-        let mut members = self.endpoints.subscribe();
+        if s.predecessor() != predecessor {
+            s.next = None;
+            if let Some(qk) = predecessor {
+                // From now, then checked: the predecessor may have left before the watch.
+                let key = self.layout.queue_key(qk);
+                let watch = match self.hub.watch(key.clone(), WatchOptions::new()).await {
+                    Ok(watch) => watch,
+                    Err(_) => return self.look(ticket, false).await,
+                };
+                s.next = Some((qk, watch));
+                let still = self
+                    .patiently(ticket, "look at the predecessor", |mut c| {
+                        let key = key.clone();
+                        async move { c.get(key, Some(GetOptions::new().with_count_only())).await }
+                    })
+                    .await?;
+                if still.count() == 0 {
+                    return self.look(ticket, false).await;
+                }
+            }
+        }
         // A slot index this broker held may become free for it (its token released here after
-        // etcd had already let it go): the head looks again. Armed before the stream is read.
+        // etcd had already let it go). Armed before the count is compared.
         let released = self.released.notified();
         tokio::pin!(released);
         released.as_mut().enable();
-        if matches!(watching, Watching::Frees) && self.releases.load(Ordering::Acquire) != releases
-        {
-            return self.look(ticket).await;
+        if releases.is_some_and(|r| self.releases.load(Ordering::Acquire) != r) {
+            return self.look(ticket, false).await;
         }
-        loop {
-            tokio::select! {
-                () = &mut released, if matches!(watching, Watching::Frees) => {
-                    return self.look(ticket).await;
+        {
+            let next = async {
+                match s.next.as_mut() {
+                    Some((_, watch)) => watch.seen.recv().await,
+                    None => std::future::pending().await,
                 }
-                msg = stream.message() => {
-                    let resp = match msg {
-                        Ok(Some(resp)) if !resp.canceled() => resp,
-                        // Cancelled (compacted past our revision), closed or broken: look again.
-                        _ => return self.look(ticket).await,
-                    };
-                    for event in resp.events() {
-                        let Some(kv) = event.kv() else { continue };
-                        match resp.watch_id() {
-                            WATCH_MARKER if event.event_type() == EventType::Put => {
-                                let marker = self.layout.marker(kv)?;
-                                if let MarkerState::Granted { .. } = marker.state {
-                                    return Ok(Look {
-                                        revision: kv.mod_revision(),
-                                        marker: Some(marker),
-                                        queued: false,
-                                        predecessor: None,
-                                        held: 0,
-                                    });
-                                }
-                            }
-                            WATCH_NEXT => {
-                                if let Watching::Frees = watching
-                                    && let Ok(holder_free) = self.freed_index(kv.key())
-                                    && let Some(grant) = self.claim_freed(ticket, holder_free).await?
-                                {
-                                    return Ok(granted_look(&grant));
-                                }
-                                return self.look(ticket).await;
-                            }
-                            _ => return self.look(ticket).await,
+            };
+            tokio::pin!(next);
+            loop {
+                tokio::select! {
+                    () = &mut released, if releases.is_some() => {
+                        return self.look(ticket, false).await;
+                    }
+                    changed = frees.changed() => {
+                        if changed.is_ok() {
+                            return self.look(ticket, false).await;
                         }
                     }
-                }
-                _ = members.changed() => {
-                    if self.endpoints.is_down(member) {
-                        return self.look(ticket).await;
+                    seen = s.marker.seen.recv() => match seen {
+                        Some(Seen::Events(events)) => {
+                            for event in &events {
+                                let Some(kv) = event.kv() else { continue };
+                                if event.event_type() == EventType::Put {
+                                    let marker = self.layout.marker(kv)?;
+                                    if let MarkerState::Granted { .. } = marker.state {
+                                        return Ok(Look {
+                                            marker: Some(marker),
+                                            queued: false,
+                                            predecessor: None,
+                                            held: 0,
+                                        });
+                                    }
+                                    continue; // its own "waiting"
+                                }
+                                return self.look(ticket, false).await; // its marker went: why?
+                            }
+                        }
+                        // Set up again on a new stream, or cancelled by etcd: look again.
+                        Some(Seen::Reset) => return self.look(ticket, false).await,
+                        None => break,
+                    },
+                    _ = &mut next => {
+                        // The predecessor moved on (or its watch was set up again).
+                        return self.look(ticket, false).await;
                     }
-                }
-                () = ticket.session.expired() => {
-                    return Err(ticket.session.expired_error("waiting in the queue"));
+                    () = ticket.session.expired() => {
+                        return Err(ticket.session.expired_error("waiting in the queue"));
+                    }
                 }
             }
         }
+        // The hub dropped the watch (the broker is closing): a new one next time.
+        *stream = None;
+        self.look(ticket, false).await
     }
 
-    /// The slot index of a `slot/` key (from a deletion event).
-    fn freed_index(&self, key: &[u8]) -> Result<u32, ()> {
-        let prefix = self.layout.slot_prefix();
-        key.strip_prefix(prefix.as_bytes())
-            .and_then(|k| std::str::from_utf8(k).ok())
-            .filter(|k| k.len() == 6)
-            .and_then(|k| k.parse::<u32>().ok())
-            .filter(|i| *i < self.layout.capacity())
-            .ok_or(())
-    }
-
-    /// The head saw slot `index` freed: claims it at once unless this broker still holds a
-    /// token for that index.
-    async fn claim_freed(
+    /// Watches a waiter's marker, from now, on the broker's shared stream, retried while the
+    /// session lives. `None` if the session expired meanwhile (the caller's look will say so).
+    ///
+    /// From now, not from the revision of a read: etcd serves a watch that starts in the past
+    /// from a loop that catches up every 100 ms (and re-reads history to do so), which would
+    /// delay the grant's event. The caller looks after it instead (or set it up before the
+    /// join).
+    pub(super) async fn open_watch(
         self: &Arc<Self>,
         ticket: &Ticket,
-        index: u32,
-    ) -> Result<Option<Grant>, EtcdError> {
-        if self.held.lock().keys().any(|t| t.slot_id() == index) {
-            return Ok(None);
-        }
-        self.claim(ticket, index).await
+    ) -> Result<Option<WaitStream>, EtcdError> {
+        let session = Arc::clone(&ticket.session);
+        self.open_marker_watch(ticket.rk, &session).await
     }
 
-    /// Opens the waiter's stream on a member that answers, retried while the session lives.
-    /// `None` if the session expired meanwhile (the caller's look will say so).
-    async fn open_watch(
+    /// [`open_watch`](Self::open_watch) by request key (an acquire opens it before joining).
+    pub(super) async fn open_marker_watch(
         self: &Arc<Self>,
-        ticket: &Ticket,
-        from: i64,
-        watching: Watching,
-    ) -> Result<Option<(usize, WatchStream)>, EtcdError> {
-        let l = &self.layout;
-        let marker_key = l.request_key(ticket.rk);
-        let (next_key, next) = match watching {
-            Watching::Predecessor(rk) => (
-                l.queue_key(rk),
-                WatchOptions::new()
-                    .with_start_revision(from)
-                    .with_watch_id(WATCH_NEXT),
-            ),
-            Watching::Frees => (
-                l.slot_prefix(),
-                WatchOptions::new()
-                    .with_prefix()
-                    .with_filters([WatchFilterType::NoPut])
-                    .with_start_revision(from)
-                    .with_watch_id(WATCH_NEXT),
-            ),
-        };
+        rk: u64,
+        session: &Session,
+    ) -> Result<Option<WaitStream>, EtcdError> {
+        let key = self.layout.request_key(rk);
         let mut backoff = Duration::from_millis(20);
         loop {
-            if ticket.session.is_expired() {
+            if session.is_expired() {
                 return Ok(None);
             }
-            let opened = self
-                .endpoints
-                .call_on(
-                    "watch the queue",
-                    Instant::now() + self.retry_for,
-                    |mut c| {
-                        let (marker_key, next_key, next) =
-                            (marker_key.clone(), next_key.clone(), next.clone());
-                        async move {
-                            let mut stream = c
-                                .watch(
-                                    marker_key,
-                                    Some(
-                                        WatchOptions::new()
-                                            .with_start_revision(from)
-                                            .with_watch_id(WATCH_MARKER),
-                                    ),
-                                )
-                                .await?;
-                            stream.watch(next_key, Some(next)).await?;
-                            Ok(stream)
-                        }
-                    },
-                )
-                .await;
-            match opened {
-                Ok(found) => return Ok(Some(found)),
-                Err(Fail::Ambiguous(why)) => {
-                    tracing::debug!(error = %why, "a waiter keeps its place while etcd does not answer");
-                }
-                Err(Fail::NotFound) => return Ok(None),
+            match self.hub.watch(key.clone(), WatchOptions::new()).await {
+                Ok(marker) => return Ok(Some(WaitStream { marker, next: None })),
                 Err(Fail::Fatal(e)) => return Err(e),
+                Err(f) => {
+                    tracing::debug!(error = ?f, "a waiter keeps its place while etcd does not answer");
+                }
             }
             sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_millis(500));
         }
     }
+
+    /// Registers a waiter with the broker's watch of slot deletions, which runs while the
+    /// broker has waiters.
+    fn frees_user(self: &Arc<Self>) -> FreesUser {
+        let mut ctl = self.frees_ctl.lock();
+        ctl.users += 1;
+        if ctl.stop.is_none()
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            let stop = CancellationToken::new();
+            ctl.stop = Some(stop.clone());
+            rt.spawn(watch_frees(Arc::downgrade(self), stop));
+        }
+        FreesUser {
+            inner: Arc::clone(self),
+        }
+    }
 }
 
-/// The look that says "granted", for a grant the waiter made itself.
-fn granted_look(grant: &Grant) -> Look {
-    Look {
-        revision: grant.revision,
-        marker: Some(Marker {
-            state: MarkerState::Granted { slot: grant.slot },
-            lease: grant.session.id,
-            mod_rev: grant.revision,
-        }),
-        queued: false,
-        predecessor: None,
-        held: 0,
+/// One waiter of a broker's watch of slot deletions; the last one stops it.
+struct FreesUser {
+    inner: Arc<Inner>,
+}
+
+impl Drop for FreesUser {
+    fn drop(&mut self) {
+        let mut ctl = self.inner.frees_ctl.lock();
+        ctl.users -= 1;
+        if ctl.users == 0
+            && let Some(stop) = ctl.stop.take()
+        {
+            stop.cancel();
+        }
+    }
+}
+
+/// The state of a broker's watch of slot deletions.
+#[derive(Debug, Default)]
+pub(super) struct FreesCtl {
+    users: usize,
+    stop: Option<CancellationToken>,
+}
+
+/// Watches slot deletions (frees without a hand-off) for the broker's waiters, from now, and
+/// bumps `frees` on each, and also whenever the watch (re)starts, for what it may have missed.
+async fn watch_frees(inner: std::sync::Weak<Inner>, stop: CancellationToken) {
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        let Some(me) = inner.upgrade() else {
+            return;
+        };
+        let prefix = me.layout.slot_prefix();
+        let opened = tokio::select! {
+            () = stop.cancelled() => return,
+            opened = me.endpoints.call_on("watch the slots", Instant::now() + me.retry_for, |mut c| {
+                let prefix = prefix.clone();
+                async move {
+                    c.watch(
+                        prefix,
+                        Some(WatchOptions::new().with_prefix().with_filters([WatchFilterType::NoPut])),
+                    )
+                    .await
+                }
+            }) => opened,
+        };
+        let (member, mut stream) = match opened {
+            Ok(found) => found,
+            Err(_) => {
+                drop(me);
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(20);
+        me.frees.send_modify(|n| *n += 1);
+        let endpoints = Arc::clone(&me.endpoints);
+        let frees = me.frees.clone();
+        drop(me);
+        let mut members = endpoints.subscribe();
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                msg = stream.message() => match msg {
+                    Ok(Some(resp)) if !resp.canceled() => {
+                        if !resp.events().is_empty() {
+                            frees.send_modify(|n| *n += 1);
+                        }
+                    }
+                    _ => break,
+                },
+                _ = members.changed() => {
+                    if endpoints.is_down(member) {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A waiter's watches on the broker's shared stream: its marker's, and its predecessor's (with
+/// its place key) while it has one.
+pub(super) struct WaitStream {
+    marker: Watch,
+    next: Option<(u64, Watch)>,
+}
+
+impl WaitStream {
+    fn predecessor(&self) -> Option<u64> {
+        self.next.as_ref().map(|(qk, _)| *qk)
     }
 }
 
@@ -594,39 +719,46 @@ mod tests {
     fn look(
         marker: Option<MarkerState>,
         queued: bool,
-        predecessor: Option<u64>,
+        predecessor: Option<Option<u64>>,
         held: i64,
     ) -> Look {
         Look {
-            revision: 10,
             marker: marker.map(|state| Marker {
                 state,
                 lease: 7,
                 mod_rev: 9,
             }),
             queued,
-            predecessor: predecessor.map(|rk| Waiter {
-                rk,
-                lease: 8,
-                create_rev: 5,
+            predecessor: predecessor.map(|p| {
+                p.map(|qk| Waiter {
+                    qk,
+                    rk: qk + 100,
+                    lease: 8,
+                    create_rev: 5,
+                })
             }),
             held,
         }
     }
 
     #[test]
-    fn a_waiter_with_a_predecessor_watches_it_and_only_the_head_looks_at_the_holders() {
+    fn while_every_slot_is_held_a_waiter_only_waits_for_its_grant() {
+        for predecessor in [None, Some(None), Some(Some(3))] {
+            assert_eq!(
+                decide(&look(Some(MarkerState::Waiting), true, predecessor, 2), 2),
+                Next::Wait
+            );
+        }
+    }
+
+    #[test]
+    fn with_a_slot_free_a_waiter_finds_its_place_and_only_the_head_claims() {
+        let waiting = Some(MarkerState::Waiting);
+        assert_eq!(decide(&look(waiting, true, None, 1), 2), Next::LookCloser);
+        assert_eq!(decide(&look(waiting, true, Some(None), 1), 2), Next::Head);
         assert_eq!(
-            decide(&look(Some(MarkerState::Waiting), true, Some(3), 2), 2),
+            decide(&look(waiting, true, Some(Some(3)), 1), 2),
             Next::Behind { predecessor: 3 }
-        );
-        assert_eq!(
-            decide(&look(Some(MarkerState::Waiting), true, None, 2), 2),
-            Next::Head { maybe_free: false }
-        );
-        assert_eq!(
-            decide(&look(Some(MarkerState::Waiting), true, None, 1), 2),
-            Next::Head { maybe_free: true }
         );
     }
 
@@ -634,7 +766,12 @@ mod tests {
     fn a_grant_in_the_marker_wins_over_anything_else_the_look_says() {
         assert_eq!(
             decide(
-                &look(Some(MarkerState::Granted { slot: 1 }), false, Some(3), 2),
+                &look(
+                    Some(MarkerState::Granted { slot: 1 }),
+                    false,
+                    Some(Some(3)),
+                    1
+                ),
                 2
             ),
             Next::Granted {

@@ -19,7 +19,7 @@ use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTar
 use tokio::time::{Instant, sleep};
 
 use super::Inner;
-use super::acquire::gets;
+use super::acquire::{gets, txn_shape};
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{MarkerState, Waiter};
 use super::session::{Claim, Held};
@@ -104,9 +104,15 @@ impl Inner {
         }
     }
 
-    /// Moves the slot of `token` on: to the queue's head, or free when nobody waits. The
+    /// Moves the slot of `token` on: to the oldest waiter, or free when nobody waits. The
     /// request's marker goes in the same transaction, or becomes a tombstone under the session
     /// `tombstone` (an acquire given up).
+    ///
+    /// Concurrent releases must not fight over one head: the transaction is a chain of nested
+    /// transactions over the oldest waiters this broker last read (`heads`), and hands the slot
+    /// to the first of them still waiting, all at one revision. Any waiter older than those read
+    /// does not exist (the queue only grows at its young end), so a stale list only risks
+    /// finding nobody left, and then the chain's last link reads the queue again.
     pub(super) async fn give_back(
         self: &Arc<Self>,
         token: SlotToken,
@@ -115,139 +121,168 @@ impl Inner {
         deadline: Instant,
     ) -> Result<GaveBack, Fail> {
         let l = &self.layout;
-        let slot_key = l.slot_key(token.slot_id());
         let mine = token.lease_id() as i64;
-        let marker = Some(match tombstone {
+        let marker = match tombstone {
             None => TxnOp::delete(l.request_key(entry.rk), None),
             Some(lease) => TxnOp::put(
                 l.request_key(entry.rk),
                 l.marker_value(MarkerState::Abandoned),
                 Some(PutOptions::new().with_lease(lease)),
             ),
-        });
-        let reads = [
-            TxnOp::get(slot_key.clone(), Some(GetOptions::new().with_keys_only())),
-            first_waiter(l.queue_prefix()),
-        ];
-        let mut head = if self.contended.load(Ordering::Relaxed) {
-            self.read_head(deadline).await?
-        } else {
-            None
         };
-        let mut rounds = 0;
-        loop {
-            rounds += 1;
-            let txn = match &head {
-                Some(w) => {
-                    let under = || Some(PutOptions::new().with_lease(w.lease));
-                    let mut ops = vec![
-                        TxnOp::put(slot_key.clone(), l.holder_value(w.rk), under()),
-                        TxnOp::delete(l.queue_key(w.rk), None),
-                        TxnOp::put(
-                            l.request_key(w.rk),
-                            l.marker_value(MarkerState::Granted {
-                                slot: token.slot_id(),
-                            }),
-                            under(),
-                        ),
-                    ];
-                    ops.extend(marker.clone());
-                    Txn::new()
-                        .when([
-                            Compare::mod_revision(slot_key.clone(), CompareOp::Equal, mine),
-                            Compare::create_revision(
-                                l.queue_key(w.rk),
-                                CompareOp::Equal,
-                                w.create_rev,
-                            ),
-                        ])
-                        .and_then(ops)
-                        .or_else(reads.clone())
-                }
-                None => {
-                    let mut ops = vec![TxnOp::delete(slot_key.clone(), None)];
-                    ops.extend(marker.clone());
-                    Txn::new()
-                        .when([
-                            Compare::mod_revision(slot_key.clone(), CompareOp::Equal, mine),
-                            Compare::version(l.queue_prefix(), CompareOp::Equal, 0).with_prefix(),
-                        ])
-                        .and_then(ops)
-                        .or_else(reads.clone())
-                }
-            };
-            let what = if head.is_some() {
-                "hand the slot to the next waiter"
-            } else {
-                "free the slot"
-            };
-            let resp = match self
+        // Never itself: a holder read as a waiter before its grant (and its marker would be both
+        // written and deleted by one link).
+        let mut heads: Vec<Waiter> = self.heads.lock().clone();
+        for _ in 0..16 {
+            heads.retain(|w| w.rk != entry.rk);
+            let txn = self.hand_off(token, &heads, &marker);
+            let resp = self
                 .endpoints
-                .call(what, deadline, |mut c| {
+                .call("hand the slot on", deadline, |mut c| {
                     let txn = txn.clone();
                     async move { c.txn(txn).await }
                 })
-                .await
-            {
-                Ok(resp) => resp,
-                // The head's session vanished between the read and the hand-off (a put under a
-                // lease that no longer exists fails as a whole): look for the next head.
-                Err(Fail::NotFound) if head.is_some() && rounds < 16 => {
-                    head = self.read_head(deadline).await?;
-                    continue;
+                .await?;
+            // Walk down the chain to the link that ran.
+            let mut link = resp;
+            let mut depth = 0;
+            while !link.succeeded() {
+                match link.op_responses().into_iter().next() {
+                    Some(etcd_client::TxnOpResponse::Txn(next)) => {
+                        link = next;
+                        depth += 1;
+                    }
+                    _ => break,
                 }
-                Err(f) => return Err(f),
-            };
-            if resp.succeeded() {
-                self.contended.store(head.is_some(), Ordering::Relaxed);
+            }
+            if link.succeeded() {
+                let handed = depth < heads.len();
+                self.contended.store(handed, Ordering::Relaxed);
+                if handed {
+                    // The waiters up to the one served are gone from the queue.
+                    let left = {
+                        let mut cache = self.heads.lock();
+                        let served = &heads[..=depth];
+                        cache.retain(|w| !served.contains(w));
+                        cache.len()
+                    };
+                    if left < 2 {
+                        self.refresh_heads();
+                    }
+                } else {
+                    self.heads.lock().clear();
+                }
                 return Ok(GaveBack::Released);
             }
-            let reads = gets(&resp.op_responses());
-            let [slot, first] = reads.as_slice() else {
-                return Err(Fail::Fatal(super::acquire::txn_shape(what)));
+            // The last link's reads: is the slot still this token's, and who waits now.
+            let reads = gets(&link.op_responses());
+            let [slot, oldest] = reads.as_slice() else {
+                return Err(Fail::Fatal(txn_shape("hand the slot on")));
             };
             match slot.kvs().first() {
                 Some(kv) if kv.mod_revision() == mine => {}
                 _ => return Ok(GaveBack::Gone),
             }
-            head = match first.kvs().first() {
-                Some(kv) => Some(l.waiter(kv).map_err(Fail::Fatal)?),
-                None => None,
-            };
-            self.contended.store(head.is_some(), Ordering::Relaxed);
-            if rounds >= 16 {
-                return Err(Fail::Ambiguous(
-                    "the queue kept changing under the release".into(),
-                ));
-            }
+            heads = self.layout.waiters(oldest.kvs()).map_err(Fail::Fatal)?;
+            self.contended.store(!heads.is_empty(), Ordering::Relaxed);
+            *self.heads.lock() = heads.clone();
         }
+        Err(Fail::Ambiguous(
+            "the queue kept changing under the release".into(),
+        ))
     }
 
-    /// The queue's head (oldest waiter), by a read.
-    async fn read_head(self: &Arc<Self>, deadline: Instant) -> Result<Option<Waiter>, Fail> {
-        let prefix = self.layout.queue_prefix();
-        let resp = self
-            .endpoints
-            .call("read the queue's head", deadline, |mut c| {
-                let prefix = prefix.clone();
-                async move {
-                    c.get(
-                        prefix,
-                        Some(
-                            GetOptions::new()
-                                .with_prefix()
-                                .with_sort(SortTarget::Create, SortOrder::Ascend)
-                                .with_limit(1),
-                        ),
-                    )
-                    .await
-                }
-            })
-            .await?;
-        match resp.kvs().first() {
-            Some(kv) => Ok(Some(self.layout.waiter(kv).map_err(Fail::Fatal)?)),
-            None => Ok(None),
+    /// The chain: for each waiter in `heads`, "if the slot is still the token's and the waiter
+    /// still waits, hand it over, else try the next"; last, "if nobody waits, delete it, else
+    /// read the slot and the queue's oldest waiters".
+    fn hand_off(&self, token: SlotToken, heads: &[Waiter], marker: &TxnOp) -> Txn {
+        let l = &self.layout;
+        let slot_key = l.slot_key(token.slot_id());
+        let still_mine =
+            || Compare::mod_revision(slot_key.clone(), CompareOp::Equal, token.lease_id() as i64);
+        let mut link = Txn::new()
+            .when([
+                still_mine(),
+                Compare::version(l.queue_prefix(), CompareOp::Equal, 0).with_prefix(),
+            ])
+            .and_then([TxnOp::delete(slot_key.clone(), None), marker.clone()])
+            .or_else([
+                TxnOp::get(slot_key.clone(), Some(GetOptions::new().with_keys_only())),
+                oldest_waiters(l.queue_prefix(), self.heads_read()),
+            ]);
+        for w in heads.iter().rev() {
+            let under = || Some(PutOptions::new().with_lease(w.lease));
+            link = Txn::new()
+                .when([
+                    still_mine(),
+                    Compare::create_revision(l.queue_key(w.qk), CompareOp::Equal, w.create_rev),
+                ])
+                .and_then([
+                    TxnOp::put(slot_key.clone(), l.holder_value(w.rk), under()),
+                    TxnOp::delete(l.queue_key(w.qk), None),
+                    TxnOp::put(
+                        l.request_key(w.rk),
+                        l.marker_value(MarkerState::Granted {
+                            slot: token.slot_id(),
+                        }),
+                        under(),
+                    ),
+                    marker.clone(),
+                ])
+                .or_else([TxnOp::txn(link)]);
         }
+        link
+    }
+
+    /// How many of the oldest waiters a release reads (and chains over).
+    fn heads_read(&self) -> i64 {
+        i64::from(self.layout.capacity().min(16))
+    }
+
+    /// Reads the queue's oldest waiters into `heads`, off the release's path (one read on one
+    /// member, while the remaining ones still serve the next releases).
+    fn refresh_heads(self: &Arc<Self>) {
+        if self.refreshing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            self.refreshing.store(false, Ordering::Release);
+            return;
+        };
+        let me = Arc::clone(self);
+        rt.spawn(async move {
+            let prefix = me.layout.queue_prefix();
+            let n = me.heads_read();
+            let read = me
+                .endpoints
+                .call(
+                    "read the queue's oldest waiters",
+                    Instant::now() + me.rpc_timeout * 2,
+                    |mut c| {
+                        let prefix = prefix.clone();
+                        async move {
+                            c.get(
+                                prefix,
+                                Some(
+                                    GetOptions::new()
+                                        .with_prefix()
+                                        .with_sort(SortTarget::Create, SortOrder::Ascend)
+                                        .with_limit(n),
+                                ),
+                            )
+                            .await
+                        }
+                    },
+                )
+                .await;
+            if let Ok(resp) = read
+                && let Ok(waiters) = me.layout.waiters(resp.kvs())
+            {
+                me.contended.store(!waiters.is_empty(), Ordering::Relaxed);
+                *me.heads.lock() = waiters;
+            }
+            me.refreshing.store(false, Ordering::Release);
+        });
     }
 
     /// Finishes giving a token back in the background, retrying while etcd does not answer.
@@ -346,15 +381,15 @@ impl Drop for Settling {
     }
 }
 
-/// A read of the queue's oldest waiter.
-fn first_waiter(queue_prefix: String) -> TxnOp {
+/// A read of the queue's `n` oldest waiters.
+fn oldest_waiters(queue_prefix: String, n: i64) -> TxnOp {
     TxnOp::get(
         queue_prefix,
         Some(
             GetOptions::new()
                 .with_prefix()
                 .with_sort(SortTarget::Create, SortOrder::Ascend)
-                .with_limit(1),
+                .with_limit(n),
         ),
     )
 }
