@@ -681,6 +681,11 @@ impl Cluster {
         self.members[i].client_port
     }
 
+    /// Member `i`'s process id, while it runs.
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.members[i].child.as_ref().map(Child::id)
+    }
+
     /// Whether member `i`'s process runs.
     pub fn is_running(&mut self, i: usize) -> bool {
         match &mut self.members[i].child {
