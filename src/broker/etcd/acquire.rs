@@ -41,6 +41,8 @@ enum First {
     Queued(Ticket, Option<Look>),
     /// Something left by an earlier attempt was cleared: send the first transaction again.
     Again,
+    /// The idle pool's claim found the pool busy: join the queue.
+    Busy,
 }
 
 /// Where the cleanup of an acquire that ended without a grant is.
@@ -173,14 +175,15 @@ impl Inner {
         let deadline = Instant::now() + self.retry_for;
         let mut again = 0;
         let mut stream = None;
+        let mut join = false;
         loop {
             let session = self.session(deadline).await?;
             // On a busy pool this acquire will wait: its marker's watch goes first, so that a
             // grant right after the join is not missed (and no look is needed after it).
-            if stream.is_none() && self.contended.load(Ordering::Relaxed) {
+            if stream.is_none() && (join || self.contended.load(Ordering::Relaxed)) {
                 stream = self.open_marker_watch(rk, &session).await?;
             }
-            match self.first(rk, &session, deadline).await {
+            match self.first(rk, &session, join, deadline).await {
                 Ok(First::Granted(grant)) => return Ok(grant),
                 Ok(First::Queued(ticket, joined)) => {
                     let stream = if joined.is_some() {
@@ -190,6 +193,7 @@ impl Inner {
                     };
                     return self.wait(ticket, stream, joined).await;
                 }
+                Ok(First::Busy) => join = true,
                 Ok(First::Again) if again < 3 => again += 1,
                 Ok(First::Again) => {
                     return Err(EtcdError::new(
@@ -232,6 +236,7 @@ impl Inner {
         self: &Arc<Self>,
         rk: u64,
         session: &Arc<Session>,
+        join: bool,
         deadline: Instant,
     ) -> Result<First, Fail> {
         let l = &self.layout;
@@ -239,53 +244,52 @@ impl Inner {
         let under = || Some(PutOptions::new().with_lease(session.id));
         // On a pool seen busy, straight to the queue: "nobody waits" compares the whole queue,
         // and someone does. Either way is correct (a waiter that finds a slot free takes it).
-        let guess = if self.contended.load(Ordering::Relaxed) {
+        let guess = if join || self.contended.load(Ordering::Relaxed) {
             None
         } else {
             self.guess()
         };
-        let claim = match guess {
-            Some(g) => Txn::new()
-                .when([
-                    // An empty range compares as one absent key: "nobody waits".
-                    Compare::version(l.queue_prefix(), CompareOp::Equal, 0).with_prefix(),
-                    Compare::create_revision(l.slot_key(g), CompareOp::Equal, 0),
-                ])
-                .and_then([
+        // Acts only while the request has no marker and the capacity record is this pool's:
+        // else it reads back (a retry, a late copy, a corrupt record).
+        let mut when = vec![
+            Compare::version(l.request_key(rk), CompareOp::Equal, 0),
+            Compare::value(l.capacity_key(), CompareOp::Equal, l.capacity_value()),
+        ];
+        let then = match guess {
+            // Claim slot `g` if nobody waits and it is free: one flat transaction (a nested
+            // "claim, else join" costs etcd more on every acquire of an idle pool).
+            Some(g) => {
+                // An empty range compares as one absent key: "nobody waits".
+                when.push(Compare::version(l.queue_prefix(), CompareOp::Equal, 0).with_prefix());
+                when.push(Compare::create_revision(l.slot_key(g), CompareOp::Equal, 0));
+                vec![
                     TxnOp::put(l.slot_key(g), l.holder_value(rk), under()),
                     TxnOp::put(
                         l.request_key(rk),
                         l.marker_value(MarkerState::Granted { slot: g }),
                         under(),
                     ),
-                ]),
-            // Busy, or every index is held here: straight to the queue.
-            None => Txn::new().when([Compare::version(l.capacity_key(), CompareOp::Equal, 0)]),
+                ]
+            }
+            // Join the queue, counting the held slots (from the index: no key is read).
+            None => vec![
+                TxnOp::put(l.queue_key(qk), l.waiter_value(self.owner, rk), under()),
+                TxnOp::put(
+                    l.request_key(rk),
+                    l.marker_value(MarkerState::Waiting),
+                    under(),
+                ),
+                TxnOp::get(
+                    l.slot_prefix(),
+                    Some(GetOptions::new().with_prefix().with_count_only()),
+                ),
+            ],
         };
-        let join = [
-            TxnOp::put(l.queue_key(qk), l.waiter_value(self.owner, rk), under()),
-            TxnOp::put(
-                l.request_key(rk),
-                l.marker_value(MarkerState::Waiting),
-                under(),
-            ),
-            // Whether a slot may be free (counted from the index: no key is read).
-            TxnOp::get(
-                l.slot_prefix(),
-                Some(GetOptions::new().with_prefix().with_count_only()),
-            ),
-        ];
-        let txn = Txn::new()
-            .when([
-                Compare::version(l.request_key(rk), CompareOp::Equal, 0),
-                Compare::value(l.capacity_key(), CompareOp::Equal, l.capacity_value()),
-            ])
-            .and_then([TxnOp::txn(claim.or_else(join))])
-            .or_else([
-                TxnOp::get(l.request_key(rk), None),
-                TxnOp::get(l.queue_key(qk), None),
-                TxnOp::get(l.capacity_key(), None),
-            ]);
+        let txn = Txn::new().when(when).and_then(then).or_else([
+            TxnOp::get(l.request_key(rk), None),
+            TxnOp::get(l.queue_key(qk), None),
+            TxnOp::get(l.capacity_key(), None),
+        ]);
         let resp = self
             .endpoints
             .call("claim a slot or join the queue", deadline, |mut c| {
@@ -296,33 +300,28 @@ impl Inner {
         let revision = resp.header().map_or(0, |h| h.revision());
         let ops = resp.op_responses();
         if resp.succeeded() {
-            let Some(etcd_client::TxnOpResponse::Txn(inner)) = ops.into_iter().next() else {
-                return Err(Fail::Fatal(txn_shape("claim a slot or join the queue")));
+            let Some(slot) = guess else {
+                // Queued.
+                self.contended.store(true, Ordering::Relaxed);
+                let held = gets(&ops).first().map(|g| g.count());
+                return Ok(First::Queued(
+                    Ticket {
+                        rk,
+                        qk,
+                        rev: revision,
+                        session: Arc::clone(session),
+                    },
+                    held.map(|held| Look::joined(revision, session.id, held)),
+                ));
             };
-            if inner.succeeded() {
-                self.heads.lock().clear();
-                let slot = guess.expect("the claim branch has a guess");
-                self.hint
-                    .store((slot + 1) % l.capacity(), Ordering::Relaxed);
-                return Ok(First::Granted(Grant {
-                    slot,
-                    revision,
-                    session: Arc::clone(session),
-                }));
-            }
-            // Queued: the pool is busy (or this broker's guess was taken).
-            self.contended.store(true, Ordering::Relaxed);
-            let reads = gets(&inner.op_responses());
-            let held = reads.first().map(|g| g.count());
-            return Ok(First::Queued(
-                Ticket {
-                    rk,
-                    qk,
-                    rev: revision,
-                    session: Arc::clone(session),
-                },
-                held.map(|held| Look::joined(revision, session.id, held)),
-            ));
+            self.heads.lock().clear();
+            self.hint
+                .store((slot + 1) % l.capacity(), Ordering::Relaxed);
+            return Ok(First::Granted(Grant {
+                slot,
+                revision,
+                session: Arc::clone(session),
+            }));
         }
         // The request already has a marker, or the capacity record is not ours.
         let reads = gets(&ops);
@@ -332,6 +331,11 @@ impl Inner {
         l.check_capacity(capacity.kvs().first())
             .map_err(Fail::Fatal)?;
         let Some(marker_kv) = marker.kvs().first() else {
+            if guess.is_some() {
+                // Someone waits, or the guessed slot is taken: join the queue.
+                self.contended.store(true, Ordering::Relaxed);
+                return Ok(First::Busy);
+            }
             return Ok(First::Again); // removed in between
         };
         let found = l.marker(marker_kv).map_err(Fail::Fatal)?;
