@@ -522,13 +522,15 @@ async fn waiters_keep_their_fifo_places_through_a_leader_election() {
         .await
         .unwrap();
     let first = holder.acquire(AcquireRequest::new(1, None)).await.unwrap();
-    // Six waiters, each its own broker (its own session), queued in a known order.
+    // Six waiters, each its own broker (its own session), queued in a known order. Their calls
+    // give up after 1 s, less than an election: a waiter whose watch stream was on the leader
+    // looks again during the election, and must keep its place all the same.
     let mut c = client(&endpoints).await;
     let (granted_tx, mut granted) = tokio::sync::mpsc::unbounded_channel::<(usize, SlotToken)>();
     let mut waiters = Vec::new();
     for w in 1..=6usize {
         let broker = Arc::new(
-            EtcdBroker::connect(config(&endpoints, "fifo", 1))
+            EtcdBroker::connect(config(&endpoints, "fifo", 1).retry_for(Duration::from_secs(1)))
                 .await
                 .unwrap(),
         );

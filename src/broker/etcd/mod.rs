@@ -59,11 +59,12 @@ use session::{Held, Session};
 /// |---|---|---|
 /// | `capacity` | `leasehold/v1 capacity=N` | none: written once, compared by every broker |
 /// | `request/{rk:016x}` | `leasehold/v1 request waiting`, `… granted slot=N` or `… abandoned` | the broker's session |
-/// | `queue/{rk:016x}` | `leasehold/v1 waiter owner=… request=…` | the waiter's session |
+/// | `queue/{qk:016x}` | `leasehold/v1 waiter owner=… request={rk:016x}` | the waiter's session |
 /// | `slot/{index:06}` | `leasehold/v1 holder request={rk:016x}` | the holder's session |
 ///
 /// `rk` is derived from the broker's random owner id, the supervisor's
-/// [`AcquireRequest::origin`] and its [`AcquireRequest::request_id`].
+/// [`AcquireRequest::origin`] and its [`AcquireRequest::request_id`]; `qk` names a queue place
+/// of this broker, reused once free.
 ///
 /// # Protocol
 ///
@@ -75,11 +76,11 @@ use session::{Held, Session};
 /// request id) finds what the first attempt did and never takes a second slot.
 ///
 /// Otherwise the acquire joins the queue, ordered by the queue key's create revision (FIFO).
-/// A waiter watches only its predecessor and its own request marker; only the head watches the
-/// slots, for slots freed without a release. A release hands its slot straight to the head in
-/// its own transaction, writing the grant into the head's marker: no slot sits idle while
-/// someone waits, and each release costs one watch event and one read whatever the queue's
-/// length. A waiter keeps its place through outages and leader elections and fails
+/// A release hands its slot straight to the oldest waiter in its own transaction, writing the
+/// grant into the waiter's marker: no slot sits idle while someone waits, and while every slot
+/// is held a waiter watches only its marker (on one watch stream per broker), so a release costs
+/// one watch event and no read whatever the queue's length. A slot freed without a release (a
+/// holder's session expired) makes the waiters look for their place, and the head claims it. A waiter keeps its place through outages and leader elections and fails
 /// (`ETCD_SESSION_EXPIRED`) only when etcd says its session expired.
 ///
 /// The token's lease id is the revision of the grant (the slot key's mod revision), strictly
