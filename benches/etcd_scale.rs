@@ -169,12 +169,12 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
         "follower"
     };
     println!(
-        "| run | leases/s | bare pairs/s | leases / bare | etcd calls / lease | messages / lease | slot utilisation | wait p50 / p99 | failed |"
+        "| run | leases/s | bare pairs/s | leases / bare | etcd calls / lease | messages / lease | slot utilisation | wait p50 / p99 | CPU ms / lease (clients + etcd) | failed |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     println!(
-        "| bare loop, 3 members | – | {:.0} | – | {:.2} per pair | {:.2} per pair | – | – | – |",
-        bare3.rate, bare3.calls_per_pair, bare3.msgs_per_pair
+        "| bare loop, 3 members | – | {:.0} | – | {:.2} per pair | {:.2} per pair | – | – | {:.2} + {:.2} per pair | – |",
+        bare3.rate, bare3.calls_per_pair, bare3.msgs_per_pair, bare3.cpu_ms.0, bare3.cpu_ms.1
     );
     calm.row("leases, no kill", bare3.rate);
     direct.row("↳ the broker alone (no supervisor), no kill", bare3.rate);
