@@ -26,22 +26,15 @@ async fn client(etcd: &Etcd) -> Client {
 
 use etcd_support::slot_keys;
 
-/// Waits until etcd itself lists `lease` (asked directly, not through the proxy).
-async fn wait_for_lease(c: &mut Client, lease: i64) {
+/// Waits until etcd itself (asked directly, not through the proxy) has `key`.
+async fn wait_for_key(c: &mut Client, key: &str) {
     tokio::time::timeout(Duration::from_secs(10), async {
-        while !c
-            .leases()
-            .await
-            .unwrap()
-            .leases()
-            .iter()
-            .any(|l| l.id() == lease)
-        {
+        while c.get(key, None).await.unwrap().kvs().is_empty() {
             tokio::task::yield_now().await;
         }
     })
     .await
-    .expect("etcd granted the lease");
+    .unwrap_or_else(|_| panic!("{key} never appeared"));
 }
 
 fn request(id: u64) -> AcquireRequest {
@@ -78,11 +71,7 @@ async fn a_pool_grants_its_capacity_in_fifo_order_and_fencing_tokens_increase() 
         }));
         // Queue order is etcd's create revision: wait until this waiter's key exists.
         let mut c = client(&etcd).await;
-        let lease = broker.etcd_lease_for(&request(id));
-        let key = format!("leasehold/fifo/queue/{lease:016x}");
-        while c.get(key.clone(), None).await.unwrap().kvs().is_empty() {
-            tokio::task::yield_now().await;
-        }
+        wait_for_key(&mut c, &broker.request_key_for(&request(id))).await;
     }
     broker.release(a).await.unwrap();
     let (first, c) = rx.recv().await.unwrap();
@@ -149,62 +138,55 @@ async fn lost_grant_answers_are_recovered_by_request_id_and_never_take_two_slots
     let cfg = config(&proxy.endpoint(), "lost", 2).retry_for(Duration::from_millis(1500));
     let broker = Arc::new(EtcdBroker::connect(cfg).await.unwrap());
     let mut c = client(&etcd).await;
+    // The broker's session exists before the answers go missing.
+    let warm = broker.acquire(request(100)).await.unwrap();
+    broker.release(warm).await.unwrap();
+    let session = broker.session_lease().expect("a live session");
 
-    // Answers lost in the middle of an acquire: it retries with the same ids, and once they
-    // get through again it has the very grant etcd made while nobody heard the answer.
+    // Answers lost in the middle of an acquire: it retries with the same request key, and once
+    // they get through again it has the very grant etcd made while nobody heard the answer.
     proxy.drop_responses();
-    let lease = broker.etcd_lease_for(&request(1));
     let pending = {
         let broker = Arc::clone(&broker);
         tokio::spawn(async move { broker.acquire(request(1)).await })
     };
-    wait_for_lease(&mut c, lease).await;
+    wait_for_key(&mut c, &broker.request_key_for(&request(1))).await;
     proxy.heal();
     let token = pending.await.unwrap().unwrap();
-    assert_eq!(broker.etcd_lease_of(token), Some(lease), "the same grant");
+    assert_eq!(
+        broker.etcd_lease_of(token),
+        Some(session),
+        "under the session"
+    );
     let held = slot_keys(&mut c, "lost").await;
     assert_eq!(
         held,
-        vec![(format!("leasehold/lost/slot/{:06}", token.slot_id()), lease)]
+        vec![(
+            format!("leasehold/lost/slot/{:06}", token.slot_id()),
+            session
+        )]
     );
 
-    // An acquire whose answers stay lost gives up (ambiguous); the broker revokes its lease in
-    // the background. A later retry with the same request id waits for that revoke to settle
-    // and takes one slot: never two for one request.
+    // An acquire whose answers stay lost gives up (ambiguous); the broker cleans up what it may
+    // have left in the background. A later retry with the same request id takes one slot:
+    // never two for one request.
     proxy.drop_responses();
-    let lease2 = broker.etcd_lease_for(&request(2));
     let first = {
         let broker = Arc::clone(&broker);
         tokio::spawn(async move { broker.acquire(request(2)).await })
     };
-    wait_for_lease(&mut c, lease2).await;
+    wait_for_key(&mut c, &broker.request_key_for(&request(2))).await;
     let err = first.await.unwrap().unwrap_err();
     assert_eq!(err.kind(), BrokerErrorKind::Unavailable, "{err}");
-    assert!(err.to_string().contains("lease grant"), "{err}");
+    assert_eq!(err.code(), Some("ETCD_UNAVAILABLE"), "{err}");
     proxy.heal();
     let token2 = broker.acquire(request(2)).await.unwrap();
-    let lease2b = broker.etcd_lease_of(token2).unwrap();
     let held = slot_keys(&mut c, "lost").await;
     assert_eq!(held.len(), 2, "one slot per request: {held:?}");
     assert!(held.contains(&(
         format!("leasehold/lost/slot/{:06}", token2.slot_id()),
-        lease2b
+        session
     )));
-    let live: Vec<i64> = c
-        .leases()
-        .await
-        .unwrap()
-        .leases()
-        .iter()
-        .map(|l| l.id())
-        .collect();
-    assert_eq!(
-        live.iter()
-            .filter(|l| **l == lease2 || **l == lease2b)
-            .count(),
-        1,
-        "the given-up lease was revoked (or taken back): one live lease for the request"
-    );
 
     broker.release(token).await.unwrap();
     broker.release(token2).await.unwrap();
@@ -287,12 +269,25 @@ async fn foreign_keys_and_a_corrupt_capacity_are_refused_and_grant_nothing() {
     };
     let etcd = Etcd::start(&bin);
     let mut c = client(&etcd).await;
-    let broker = EtcdBroker::connect(config(&etcd.endpoint(), "guard", 2))
+    let broker = Arc::new(
+        EtcdBroker::connect(config(&etcd.endpoint(), "guard", 2))
+            .await
+            .unwrap(),
+    );
+
+    // A key leasehold did not write, under the pool prefix: refused at connect, where the
+    // whole pool is checked.
+    c.put("leasehold/guard/notes", "hello", None).await.unwrap();
+    let refused = EtcdBroker::connect(config(&etcd.endpoint(), "guard", 2))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), "ETCD_FOREIGN_KEY");
+    c.delete("leasehold/guard/notes", None).await.unwrap();
+
+    // One in the queue's range, where a running broker reads: refused when read.
+    c.put("leasehold/guard/queue/notes", "hello", None)
         .await
         .unwrap();
-
-    // A key leasehold did not write, under the pool prefix.
-    c.put("leasehold/guard/notes", "hello", None).await.unwrap();
     let err = broker.acquire(request(1)).await.unwrap_err();
     assert_eq!(err.code(), Some("ETCD_FOREIGN_KEY"), "{err}");
     assert_eq!(err.kind(), BrokerErrorKind::InvalidResponse);
@@ -300,21 +295,40 @@ async fn foreign_keys_and_a_corrupt_capacity_are_refused_and_grant_nothing() {
         slot_keys(&mut c, "guard").await.is_empty(),
         "nothing granted"
     );
-    let refused = EtcdBroker::connect(config(&etcd.endpoint(), "guard", 2))
-        .await
-        .unwrap_err();
-    assert_eq!(refused.code(), "ETCD_FOREIGN_KEY");
-    c.delete("leasehold/guard/notes", None).await.unwrap();
+    c.delete("leasehold/guard/queue/notes", None).await.unwrap();
 
-    // A slot key without a lease (someone wrote it by hand).
+    // A slot key without a lease (someone wrote it by hand), seen when the queue's head looks
+    // for a free slot: another client waits ahead, so this acquire queues, and leaves.
     c.put(
         "leasehold/guard/slot/000001",
-        "leasehold/v1 holder lease=000000000000002a",
+        "leasehold/v1 holder request=000000000000002a",
         None,
     )
     .await
     .unwrap();
-    let err = broker.acquire(request(2)).await.unwrap_err();
+    let lease = c.lease_grant(30, None).await.unwrap().id();
+    let under = || Some(etcd_client::PutOptions::new().with_lease(lease));
+    c.put(
+        "leasehold/guard/queue/000000000000002a",
+        "leasehold/v1 waiter owner=0000000000000000 request=000000000000002a",
+        under(),
+    )
+    .await
+    .unwrap();
+    c.put(
+        "leasehold/guard/request/000000000000002a",
+        "leasehold/v1 request waiting",
+        under(),
+    )
+    .await
+    .unwrap();
+    let pending = {
+        let broker = Arc::clone(&broker);
+        tokio::spawn(async move { broker.acquire(request(2)).await })
+    };
+    wait_for_key(&mut c, &broker.request_key_for(&request(2))).await;
+    c.lease_revoke(lease).await.unwrap();
+    let err = pending.await.unwrap().unwrap_err();
     assert_eq!(err.code(), Some("ETCD_CORRUPT_RECORD"), "{err}");
     c.delete("leasehold/guard/slot/000001", None).await.unwrap();
 
@@ -339,7 +353,7 @@ async fn foreign_keys_and_a_corrupt_capacity_are_refused_and_grant_nothing() {
         .unwrap();
     let t = broker.acquire(request(4)).await.unwrap();
     broker.release(t).await.unwrap();
-    // The refused acquires' leases are revoked in the background, their queue keys with them.
+    // The refused acquires left their queue places before they answered.
     tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             let left = c
@@ -410,7 +424,7 @@ async fn one_broker_shared_by_two_supervisors_never_gives_both_the_same_grant() 
             .await
             .unwrap(),
     );
-    // Both supervisors number their requests from 1: the origin keeps their leases apart.
+    // Both supervisors number their requests from 1: the origin keeps their requests apart.
     let a = Supervisor::builder()
         .broker(Arc::clone(&broker))
         .start()
@@ -427,11 +441,13 @@ async fn one_broker_shared_by_two_supervisors_never_gives_both_the_same_grant() 
     assert_ne!(ta, tb);
     let mut c = client(&etcd).await;
     let held = slot_keys(&mut c, "shared").await;
-    assert_eq!(held.len(), 2, "{held:?}");
-    assert_ne!(held[0].1, held[1].1, "two etcd leases");
-    let lease_a = broker.etcd_lease_of(ta).unwrap();
-    let key_a = format!("leasehold/shared/slot/{:06}", ta.slot_id());
-    assert!(held.contains(&(key_a, lease_a)), "{held:?}");
+    assert_eq!(held.len(), 2, "two slots for two requests: {held:?}");
+    let session = broker.session_lease().unwrap();
+    for t in [ta, tb] {
+        let key = format!("leasehold/shared/slot/{:06}", t.slot_id());
+        assert!(held.contains(&(key, session)), "{held:?}");
+        assert_eq!(broker.etcd_lease_of(t), Some(session));
+    }
     la.release().await.unwrap();
     lb.release().await.unwrap();
     assert!(slot_keys(&mut c, "shared").await.is_empty());
@@ -441,44 +457,253 @@ async fn one_broker_shared_by_two_supervisors_never_gives_both_the_same_grant() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_holders_leftover_queue_key_does_not_hold_back_the_next_waiter() {
-    let Some(bin) = etcd_binary("a_holders_leftover_queue_key") else {
+async fn a_slot_handed_to_a_waiter_whose_process_died_comes_back_within_its_ttl() {
+    let Some(bin) = etcd_binary("a_slot_handed_to_a_dead_waiter") else {
         return;
     };
     let etcd = Etcd::start(&bin);
-    let broker = EtcdBroker::connect(config(&etcd.endpoint(), "left", 2))
-        .await
-        .unwrap();
-    // Another client holds slot 0 and, after a retry whose cleanup failed, still has a queue
-    // key under the same lease (older than any new waiter's).
+    let broker = Arc::new(
+        EtcdBroker::connect(config(&etcd.endpoint(), "dead", 1))
+            .await
+            .unwrap(),
+    );
+    let first = broker.acquire(request(1)).await.unwrap();
+    // Another client queues behind the holder, then dies: its session (a 3 s lease) is never
+    // renewed, but its place stays until etcd expires it.
     let mut c = client(&etcd).await;
-    let lease = 0x2a;
-    c.lease_grant(
-        30,
-        Some(etcd_client::LeaseGrantOptions::new().with_id(lease)),
-    )
-    .await
-    .unwrap();
+    let lease = c.lease_grant(3, None).await.unwrap().id();
     let under = || Some(etcd_client::PutOptions::new().with_lease(lease));
+    let dead = 0x2a_u64;
     c.put(
-        "leasehold/left/slot/000000",
-        format!("leasehold/v1 holder lease={lease:016x}"),
+        format!("leasehold/dead/queue/{dead:016x}"),
+        "leasehold/v1 waiter owner=0000000000000000 request=000000000000002a",
         under(),
     )
     .await
     .unwrap();
     c.put(
-        format!("leasehold/left/queue/{lease:016x}"),
-        "leasehold/v1 waiter owner=0 request=1",
+        format!("leasehold/dead/request/{dead:016x}"),
+        "leasehold/v1 request waiting",
         under(),
     )
     .await
     .unwrap();
-    let token = tokio::time::timeout(Duration::from_secs(5), broker.acquire(request(1)))
+    // A live waiter queues behind the dead one.
+    let next = {
+        let broker = Arc::clone(&broker);
+        tokio::spawn(async move { broker.acquire(request(2)).await })
+    };
+    wait_for_key(&mut c, &broker.request_key_for(&request(2))).await;
+
+    // The release hands the slot to the dead waiter, in FIFO order; its TTL brings it back,
+    // and the live waiter, now the head, takes it.
+    broker.release(first).await.unwrap();
+    let granted = c
+        .get(format!("leasehold/dead/slot/{:06}", first.slot_id()), None)
         .await
-        .expect("slot 1 is free and nobody really waits ahead")
         .unwrap();
-    assert_eq!(token.slot_id(), 1);
+    assert_eq!(
+        granted.kvs().first().map(|kv| kv.lease()),
+        Some(lease),
+        "handed to the oldest waiter"
+    );
+    let token = tokio::time::timeout(Duration::from_secs(10), next)
+        .await
+        .expect("the slot returns within the dead waiter's ttl")
+        .unwrap()
+        .unwrap();
+    assert!(token.lease_id() > first.lease_id());
     broker.release(token).await.unwrap();
-    c.lease_revoke(lease).await.unwrap();
+    assert!(slot_keys(&mut c, "dead").await.is_empty());
+}
+
+/// Polls `check` until it says true, or panics with `what` after `within`.
+async fn wait_until<F, Fut>(within: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what} within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn keys_under(c: &mut Client, prefix: &str) -> Vec<(String, String)> {
+    c.get(prefix, Some(GetOptions::new().with_prefix()))
+        .await
+        .unwrap()
+        .kvs()
+        .iter()
+        .map(|kv| {
+            (
+                kv.key_str().unwrap().to_owned(),
+                kv.value_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_dropped_while_waiting_leaves_no_queue_place_and_no_slot_behind() {
+    let Some(bin) = etcd_binary("an_acquire_dropped_while_waiting") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let mut c = client(&etcd).await;
+    let broker = Arc::new(
+        EtcdBroker::connect(config(&etcd.endpoint(), "drop", 1))
+            .await
+            .unwrap(),
+    );
+    let holder = broker.acquire(request(1)).await.unwrap();
+    let waiting = {
+        let broker = Arc::clone(&broker);
+        tokio::spawn(async move { broker.acquire(request(2)).await })
+    };
+    wait_for_key(&mut c, &broker.request_key_for(&request(2))).await;
+
+    // The supervisor drops acquires still in flight at shutdown: the waiter's place goes at
+    // once (its session lives on, so no TTL would ever remove it).
+    waiting.abort();
+    assert!(waiting.await.unwrap_err().is_cancelled());
+    wait_until(
+        Duration::from_secs(10),
+        "the dropped waiter's place goes",
+        || {
+            let mut c = c.clone();
+            async move { keys_under(&mut c, "leasehold/drop/queue/").await.is_empty() }
+        },
+    )
+    .await;
+    let marker = keys_under(&mut c, &broker.request_key_for(&request(2))).await;
+    assert!(
+        marker.iter().all(|(_, v)| v.ends_with("abandoned")),
+        "only a tombstone may stay: {marker:?}"
+    );
+
+    // The release frees the slot: nothing is handed to the dropped waiter.
+    broker.release(holder).await.unwrap();
+    assert!(slot_keys(&mut c, "drop").await.is_empty());
+    let again = broker.acquire(request(3)).await.unwrap();
+    broker.release(again).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_dropped_after_its_grant_passes_the_slot_on() {
+    let Some(bin) = etcd_binary("an_acquire_dropped_after_its_grant") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let proxy = Proxy::start(etcd.client_port());
+    let mut c = client(&etcd).await;
+    let holder = EtcdBroker::connect(config(&etcd.endpoint(), "passon", 1))
+        .await
+        .unwrap();
+    // The waiter's session outlives the test's bounds: only its cleanup can free the slot.
+    let waiter = Arc::new(
+        EtcdBroker::connect(config(&proxy.endpoint(), "passon", 1).ttl(Duration::from_secs(30)))
+            .await
+            .unwrap(),
+    );
+    let first = holder.acquire(request(1)).await.unwrap();
+    let waiting = {
+        let waiter = Arc::clone(&waiter);
+        tokio::spawn(async move { waiter.acquire(request(2)).await })
+    };
+    wait_for_key(&mut c, &waiter.request_key_for(&request(2))).await;
+
+    // The waiter is cut off, the release hands it the slot, and its acquire is dropped before
+    // it could hear of the grant.
+    proxy.blackhole();
+    holder.release(first).await.unwrap();
+    let session = waiter.session_lease().unwrap();
+    assert_eq!(
+        slot_keys(&mut c, "passon").await,
+        vec![("leasehold/passon/slot/000000".to_owned(), session)],
+        "handed to the waiter"
+    );
+    waiting.abort();
+    assert!(waiting.await.unwrap_err().is_cancelled());
+    proxy.heal();
+
+    // Its cleanup finds the grant and passes the slot on (here: frees it).
+    wait_until(
+        Duration::from_secs(15),
+        "the dropped grant is passed on",
+        || {
+            let mut c = c.clone();
+            async move { slot_keys(&mut c, "passon").await.is_empty() }
+        },
+    )
+    .await;
+    let next = holder.acquire(request(3)).await.unwrap();
+    assert!(next.lease_id() > first.lease_id());
+    holder.release(next).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_nobody_keeps_alive_is_given_back_after_a_ttl_and_its_index_serves_again() {
+    let Some(bin) = etcd_binary("a_grant_nobody_keeps_alive") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let mut c = client(&etcd).await;
+    let broker = EtcdBroker::connect(config(&etcd.endpoint(), "unclaimed", 1))
+        .await
+        .unwrap();
+    // A grant that reached nobody (say, a supervisor that had stopped): never kept alive,
+    // never released.
+    let lost = broker.acquire(request(1)).await.unwrap();
+    // The broker gives it back after one TTL and forgets the index, so that it serves again.
+    let next = tokio::time::timeout(Duration::from_secs(10), broker.acquire(request(2)))
+        .await
+        .expect("the unclaimed grant's slot serves again")
+        .unwrap();
+    assert_eq!(next.slot_id(), lost.slot_id());
+    assert!(next.lease_id() > lost.lease_id());
+    // A late release of the forgotten token is answered without touching the new holder.
+    broker.release(lost).await.unwrap();
+    assert_eq!(slot_keys(&mut c, "unclaimed").await.len(), 1);
+    broker.release(next).await.unwrap();
+    assert!(slot_keys(&mut c, "unclaimed").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_landed_but_whose_answer_was_lost_is_not_counted_as_an_orphan_expiry() {
+    let Some(bin) = etcd_binary("a_release_that_landed") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let proxy = Proxy::start(etcd.client_port());
+    let mut c = client(&etcd).await;
+    let broker = EtcdBroker::connect(
+        config(&proxy.endpoint(), "landed", 1).retry_for(Duration::from_millis(800)),
+    )
+    .await
+    .unwrap();
+    let reported = Arc::new(AtomicU64::new(0));
+    let seen = Arc::clone(&reported);
+    broker.attach(BrokerEvents::new(move |_| {
+        seen.fetch_add(1, Ordering::SeqCst);
+    }));
+    let token = broker.acquire(request(1)).await.unwrap();
+    proxy.drop_responses();
+    let err = broker.release(token).await.unwrap_err();
+    assert_eq!(err.kind(), BrokerErrorKind::DeliveryUnknown, "{err}");
+    // It did land: the slot is free in etcd.
+    assert!(slot_keys(&mut c, "landed").await.is_empty());
+    proxy.heal();
+    wait_until(Duration::from_secs(15), "the release settles", || {
+        let settling = broker.settling();
+        async move { settling == 0 }
+    })
+    .await;
+    // A failed release (the supervisor counts that), not an orphan that expired as well.
+    assert_eq!(broker.orphans_expired(), 0);
+    assert_eq!(reported.load(Ordering::SeqCst), 0);
 }

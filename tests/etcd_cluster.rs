@@ -11,14 +11,15 @@
 mod etcd_support;
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::Client;
-use etcd_support::{Etcd, OccupancyRecord, Proxy, etcd_binary};
+use etcd_support::{
+    ChildGuard, Etcd, OccupancyRecord, Proxy, etcd_binary, lines_of, next_line_with,
+};
 use leasehold::{
     AcquireRequest, EtcdBroker, FencingGuard, JobError, JobSpec, SlotBroker, Supervisor, codes,
 };
@@ -162,73 +163,8 @@ async fn etcd_client_process() {
     }
 }
 
-/// A child process killed (and reaped) when the test ends, also when it fails.
-struct ChildGuard(Child);
-
-impl std::ops::Deref for ChildGuard {
-    type Target = Child;
-    fn deref(&self) -> &Child {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for ChildGuard {
-    fn deref_mut(&mut self) -> &mut Child {
-        &mut self.0
-    }
-}
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
-
 fn spawn_child(mode: &str, vars: &[(&str, String)]) -> ChildGuard {
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "etcd_client_process",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, mode)
-        .envs(vars.iter().map(|(k, v)| (*k, v.as_str())))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn child test process");
-    ChildGuard(child)
-}
-
-/// Reads the child's stdout on a thread; lines arrive on the channel.
-fn lines_of(child: &mut Child) -> std::sync::mpsc::Receiver<String> {
-    let out = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    rx
-}
-
-fn next_line_with(rx: &std::sync::mpsc::Receiver<String>, prefix: &str) -> String {
-    loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|e| panic!("no {prefix} line from the child: {e}"));
-        // libtest prints "test etcd_client_process ... " before the child's first line.
-        if let Some(at) = line.find(prefix) {
-            return line[at..].to_owned();
-        }
-    }
+    etcd_support::spawn_test_child("etcd_client_process", CHILD_ENV, mode, vars)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 #![cfg(target_os = "linux")]
 
 mod common;
+#[cfg(feature = "gpu")]
 mod gpu_support;
 
 use std::process::Stdio;
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Plan, TestBroker};
-use leasehold::{GpuOptions, JobSpec, OrphanedFailure, ProcessSpec, Supervisor};
+use leasehold::{JobSpec, OrphanedFailure, ProcessSpec, Supervisor};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::{Notify, mpsc, oneshot};
 
@@ -216,8 +217,10 @@ async fn a_cleanup_failure_of_a_submitted_job_nobody_waits_for_reaches_the_error
 /// A GPU device loss and processes that cannot be proven gone, on one lease: replacing the
 /// device says nothing about the processes. The slot stays quarantined (its temp dir kept)
 /// until a reclaim proves the group gone; it used to be released once the device was replaced.
+#[cfg(feature = "gpu")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_loss_does_not_release_a_slot_whose_processes_are_unproven() {
+    use leasehold::GpuOptions;
     let _serial = SERIAL.lock().await;
     let broker = TestBroker::new(1);
     let Some(sup) = gpu_support::start(

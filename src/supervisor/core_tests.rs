@@ -1191,4 +1191,3 @@ proptest! {
         world.finish();
     }
 }
-

@@ -118,7 +118,6 @@ impl SharedStats {
         last.stored = Some(now);
     }
 
-
     /// Set by the actor right before it stops after a completed shutdown.
     pub(crate) fn mark_shut_down(&self) {
         self.shut_down.store(true, Ordering::Release);

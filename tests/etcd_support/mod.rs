@@ -1,343 +1,25 @@
-//! Test support for the etcd integration tests: a throwaway etcd server, a fault-injecting TCP
-//! proxy (lost answers, black hole) and an independent, cross-process record of slot occupancy.
+//! Test support for the etcd integration tests: the throwaway etcd servers and clusters
+//! (`server`, shared with the `distributed` example and the scale benchmark), a fault-injecting
+//! TCP proxy (lost answers, black hole), an independent, cross-process record of slot occupancy
+//! and a ledger of every hold.
 //!
 //! Everything here is built on std (threads, `std::net`, `std::process`) so it works from any
 //! test, synchronous or inside any async runtime.
 #![allow(dead_code, unreachable_pub)]
 
+mod server;
+
+pub use server::*;
+
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-use tempfile::TempDir;
-
-// ---------------------------------------------------------------------------------------------
-// Finding the binary
-// ---------------------------------------------------------------------------------------------
-
-/// Finds the etcd binary: `$LEASEHOLD_ETCD_BIN` if set, else `etcd` on `PATH`.
-///
-/// When none is found, panics if `LEASEHOLD_REQUIRE_ETCD=1`, otherwise prints a loud `SKIPPED`
-/// line naming `test` to stderr and returns `None` (the caller returns early).
-pub fn etcd_binary(test: &str) -> Option<PathBuf> {
-    let found = match std::env::var_os("LEASEHOLD_ETCD_BIN") {
-        Some(bin) if !bin.is_empty() => {
-            let bin = PathBuf::from(bin);
-            if is_executable(&bin) {
-                Some(bin)
-            } else {
-                eprintln!(
-                    "LEASEHOLD_ETCD_BIN={} is not an executable file",
-                    bin.display()
-                );
-                None
-            }
-        }
-        _ => std::env::var_os("PATH").and_then(|path| {
-            std::env::split_paths(&path)
-                .map(|dir| dir.join("etcd"))
-                .find(|candidate| is_executable(candidate))
-        }),
-    };
-    if found.is_none() {
-        if std::env::var("LEASEHOLD_REQUIRE_ETCD").as_deref() == Ok("1") {
-            panic!(
-                "LEASEHOLD_REQUIRE_ETCD=1 but no etcd binary found: apt-get install etcd-server"
-            );
-        }
-        eprintln!(
-            "SKIPPED {test}: no etcd binary (install etcd-server, or set LEASEHOLD_ETCD_BIN); \
-             set LEASEHOLD_REQUIRE_ETCD=1 to fail instead"
-        );
-    }
-    found
-}
-
-fn is_executable(path: &Path) -> bool {
-    fs::metadata(path)
-        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        .unwrap_or(false)
-}
-
-/// A free loopback port: binds `127.0.0.1:0`, reads the port and closes the listener (racy by
-/// nature; callers retry).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind 127.0.0.1:0")
-        .port()
-}
-
-/// A plain HTTP/1.1 `GET path` to `127.0.0.1:port` on a fresh connection, with `timeout` for the
-/// connect and for each read/write; returns the whole response (status line, headers, body) as
-/// text once the server closes the connection.
-pub fn http_get(port: u16, path: &str, timeout: Duration) -> io::Result<String> {
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response)?;
-    Ok(String::from_utf8_lossy(&response).into_owned())
-}
-
-/// Whether an `http_get` response is etcd's `/health` answer saying it is healthy.
-pub fn is_healthy_response(response: &str) -> bool {
-    response.starts_with("HTTP/1.1 200") && response.contains("\"health\":\"true\"")
-}
-
-// ---------------------------------------------------------------------------------------------
-// Etcd
-// ---------------------------------------------------------------------------------------------
-
-/// How long `start`/`restart` wait for `/health` to say true.
-const HEALTH_LIMIT: Duration = Duration::from_secs(30);
-/// How many times `start` retries with fresh ports when etcd exits early (a port race).
-const START_ATTEMPTS: usize = 5;
-/// How long `restart` keeps respawning on the same ports when etcd exits early.
-const RESTART_LIMIT: Duration = Duration::from_secs(10);
-
-/// One etcd server on free loopback ports with a throwaway data dir; killed, reaped and removed
-/// on drop. Its stdout/stderr go to a log file in a separate temp dir (see `log_tail`).
-pub struct Etcd {
-    bin: PathBuf,
-    data: TempDir,
-    logs: TempDir,
-    client_port: u16,
-    peer_port: u16,
-    child: Option<Child>,
-    pid: u32,
-}
-
-/// Why waiting for health failed.
-enum WaitError {
-    /// The process exited before it became healthy (e.g. a port was taken).
-    Exited(String),
-    /// Still running but not healthy within the limit.
-    TimedOut,
-}
-
-impl Etcd {
-    /// Starts a single-member etcd on two free loopback ports with a fresh data dir and waits until
-    /// `/health` says true (retrying with new ports up to 5 times if it exits early; panics with
-    /// the log tail if it never becomes healthy).
-    pub fn start(bin: &Path) -> Etcd {
-        let mut etcd = Etcd {
-            bin: bin.to_path_buf(),
-            data: new_data_dir(),
-            logs: tempfile::Builder::new()
-                .prefix("leasehold-etcd-log-")
-                .tempdir()
-                .expect("create etcd log dir"),
-            client_port: 0,
-            peer_port: 0,
-            child: None,
-            pid: 0,
-        };
-        let mut last_error = String::new();
-        for attempt in 1..=START_ATTEMPTS {
-            if attempt > 1 {
-                // A fresh data dir: the failed attempt may have left a half-initialised member.
-                etcd.data = new_data_dir();
-            }
-            etcd.client_port = free_port();
-            etcd.peer_port = free_port();
-            while etcd.peer_port == etcd.client_port {
-                etcd.peer_port = free_port();
-            }
-            etcd.spawn();
-            match etcd.wait_healthy(HEALTH_LIMIT) {
-                Ok(()) => return etcd,
-                Err(WaitError::Exited(status)) => {
-                    last_error = format!(
-                        "attempt {attempt}: etcd exited early ({status}) on client port {}, \
-                         peer port {}",
-                        etcd.client_port, etcd.peer_port
-                    );
-                    eprintln!("{last_error}; retrying");
-                }
-                Err(WaitError::TimedOut) => panic!(
-                    "etcd did not become healthy within {HEALTH_LIMIT:?} on {}; log tail:\n{}",
-                    etcd.endpoint(),
-                    etcd.log_tail()
-                ),
-            }
-        }
-        panic!(
-            "etcd failed to start {START_ATTEMPTS} times; last: {last_error}; log tail:\n{}",
-            etcd.log_tail()
-        );
-    }
-
-    /// The client URL, `http://127.0.0.1:PORT`.
-    pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
-    }
-
-    /// The client port.
-    pub fn client_port(&self) -> u16 {
-        self.client_port
-    }
-
-    /// The peer port.
-    pub fn peer_port(&self) -> u16 {
-        self.peer_port
-    }
-
-    /// The process id of the current (or, after `kill9`, the last) etcd process.
-    pub fn pid(&self) -> u32 {
-        self.pid
-    }
-
-    /// Whether an etcd process is running (spawned and not yet reaped).
-    pub fn is_running(&mut self) -> bool {
-        match &mut self.child {
-            Some(child) => matches!(child.try_wait(), Ok(None)),
-            None => false,
-        }
-    }
-
-    /// The data dir (kept across `kill9`/`restart`, removed on drop).
-    pub fn data_dir(&self) -> PathBuf {
-        self.data.path().join("data")
-    }
-
-    /// The last ~40 lines of etcd's combined stdout/stderr (all runs, including restarts).
-    pub fn log_tail(&self) -> String {
-        tail_of(&self.log_path(), 40)
-    }
-
-    /// Sends SIGKILL to etcd and reaps it (no-op when it is not running).
-    pub fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            // `Child::kill` is SIGKILL on unix; it fails only if the child was already reaped.
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// Starts etcd again on the same ports and the same data dir (killing a running one first),
-    /// respawning for up to 10 s if it exits early (ports briefly in use), then waits for health.
-    pub fn restart(&mut self) {
-        self.kill9();
-        let deadline = Instant::now() + RESTART_LIMIT;
-        loop {
-            self.spawn();
-            match self.wait_healthy(HEALTH_LIMIT) {
-                Ok(()) => return,
-                Err(WaitError::Exited(status)) if Instant::now() < deadline => {
-                    eprintln!(
-                        "etcd restart on {} exited early ({status}); retrying",
-                        self.endpoint()
-                    );
-                    thread::sleep(Duration::from_millis(100));
-                }
-                Err(WaitError::Exited(status)) => panic!(
-                    "etcd restart on {} kept exiting early for {RESTART_LIMIT:?} (last: {status}); \
-                     log tail:\n{}",
-                    self.endpoint(),
-                    self.log_tail()
-                ),
-                Err(WaitError::TimedOut) => panic!(
-                    "restarted etcd did not become healthy within {HEALTH_LIMIT:?} on {}; \
-                     log tail:\n{}",
-                    self.endpoint(),
-                    self.log_tail()
-                ),
-            }
-        }
-    }
-
-    /// Whether `/health` answers true right now (one request, 1 s timeout).
-    pub fn healthy(&self) -> bool {
-        http_get(self.client_port, "/health", Duration::from_secs(1))
-            .map(|r| is_healthy_response(&r))
-            .unwrap_or(false)
-    }
-
-    fn log_path(&self) -> PathBuf {
-        self.logs.path().join("etcd.log")
-    }
-
-    fn spawn(&mut self) {
-        let log = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.log_path())
-            .expect("open etcd log file");
-        let log_err = log.try_clone().expect("clone etcd log file");
-        let client = format!("http://127.0.0.1:{}", self.client_port);
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = etcd_command(&self.bin, &self.data_dir(), &client, &peer)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {}: {e}", self.bin.display()));
-        self.pid = child.id();
-        self.child = Some(child);
-    }
-
-    fn wait_healthy(&mut self, limit: Duration) -> Result<(), WaitError> {
-        let deadline = Instant::now() + limit;
-        let mut backoff = Duration::from_millis(10);
-        loop {
-            if let Some(child) = &mut self.child {
-                if let Ok(Some(status)) = child.try_wait() {
-                    self.child = None;
-                    return Err(WaitError::Exited(status.to_string()));
-                }
-            } else {
-                return Err(WaitError::Exited("not running".into()));
-            }
-            if self.healthy() {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(WaitError::TimedOut);
-            }
-            thread::sleep(backoff);
-            backoff = (backoff * 2).min(Duration::from_millis(200));
-        }
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        self.kill9();
-        // The TempDirs (data and log) are removed by their own Drop after this.
-    }
-}
-
-fn new_data_dir() -> TempDir {
-    tempfile::Builder::new()
-        .prefix("leasehold-etcd-data-")
-        .tempdir()
-        .expect("create etcd data dir")
-}
-
-/// The last `n` lines of a text file (an explanatory line if it cannot be read).
-fn tail_of(path: &Path, n: usize) -> String {
-    match fs::read(path) {
-        Ok(bytes) => {
-            let text = String::from_utf8_lossy(&bytes);
-            let lines: Vec<&str> = text.lines().collect();
-            lines[lines.len().saturating_sub(n)..].join("\n")
-        }
-        Err(e) => format!("(cannot read {}: {e})", path.display()),
-    }
-}
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 // ---------------------------------------------------------------------------------------------
 // Proxy
@@ -756,13 +438,6 @@ fn check_name(who: &str) {
     );
 }
 
-fn now_ns() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("system clock before 1970")
-        .as_nanos()
-}
-
 fn holders_in(dir: &Path) -> usize {
     match fs::read_dir(dir.join("holders")) {
         Ok(entries) => entries.filter(|entry| entry.is_ok()).count(),
@@ -806,239 +481,6 @@ fn read_events(dir: &Path) -> Vec<Event> {
     events
 }
 
-// ---------------------------------------------------------------------------------------------
-// Etcd with extra flags (TLS)
-// ---------------------------------------------------------------------------------------------
-
-/// What etcd (3.4/3.5, zap logger) logs when it starts serving clients over TLS. It serves
-/// clients only once its member is ready (has a leader and has published itself to the cluster),
-/// so this line means the server answers requests.
-pub const SERVING_SECURELY: &str = "serving client traffic securely";
-
-/// One etcd server started by [`Etcd::start_with`]: client URLs of a chosen scheme and extra
-/// command-line flags (e.g. `--cert-file`, `--key-file`, `--trusted-ca-file`,
-/// `--client-cert-auth`). Killed, reaped and removed on drop, like [`Etcd`].
-pub struct EtcdWith {
-    etcd: Etcd,
-    scheme: String,
-    extra_args: Vec<String>,
-}
-
-impl Etcd {
-    /// Like [`Etcd::start`], but the client URLs use `scheme` (`"http"` or `"https"`) and
-    /// `extra_args` are appended to etcd's command line (peers stay on plain http).
-    ///
-    /// Readiness: with `"http"`, `/health` says true (as for `start`); with `"https"` (where a
-    /// plain HTTP GET cannot be used), etcd's log of this run says [`SERVING_SECURELY`] and the
-    /// client port accepts a TCP connection. Retries with fresh ports up to 5 times if etcd exits
-    /// early; panics with the log tail if it never becomes ready.
-    pub fn start_with(bin: &Path, scheme: &str, extra_args: &[String]) -> EtcdWith {
-        assert!(
-            matches!(scheme, "http" | "https"),
-            "scheme must be \"http\" or \"https\", not {scheme:?}"
-        );
-        let mut server = EtcdWith {
-            etcd: Etcd {
-                bin: bin.to_path_buf(),
-                data: new_data_dir(),
-                logs: tempfile::Builder::new()
-                    .prefix("leasehold-etcd-log-")
-                    .tempdir()
-                    .expect("create etcd log dir"),
-                client_port: 0,
-                peer_port: 0,
-                child: None,
-                pid: 0,
-            },
-            scheme: scheme.to_owned(),
-            extra_args: extra_args.to_vec(),
-        };
-        let mut last_error = String::new();
-        for attempt in 1..=START_ATTEMPTS {
-            if attempt > 1 {
-                server.etcd.data = new_data_dir();
-            }
-            server.etcd.client_port = free_port();
-            server.etcd.peer_port = free_port();
-            while server.etcd.peer_port == server.etcd.client_port {
-                server.etcd.peer_port = free_port();
-            }
-            let log_from = server.spawn();
-            match server.wait_ready(HEALTH_LIMIT, log_from) {
-                Ok(()) => return server,
-                Err(WaitError::Exited(status)) => {
-                    last_error = format!(
-                        "attempt {attempt}: etcd exited early ({status}) on client port {}, \
-                         peer port {}",
-                        server.etcd.client_port, server.etcd.peer_port
-                    );
-                    eprintln!("{last_error}; retrying");
-                }
-                Err(WaitError::TimedOut) => panic!(
-                    "etcd did not become ready within {HEALTH_LIMIT:?} on {}; log tail:\n{}",
-                    server.endpoint(),
-                    server.log_tail()
-                ),
-            }
-        }
-        panic!(
-            "etcd failed to start {START_ATTEMPTS} times; last: {last_error}; log tail:\n{}",
-            server.log_tail()
-        );
-    }
-}
-
-impl EtcdWith {
-    /// The client URL, `{scheme}://127.0.0.1:PORT` (e.g. `https://127.0.0.1:PORT`).
-    pub fn endpoint(&self) -> String {
-        format!("{}://127.0.0.1:{}", self.scheme, self.etcd.client_port)
-    }
-
-    /// The client URLs' scheme, `http` or `https`.
-    pub fn scheme(&self) -> &str {
-        &self.scheme
-    }
-
-    /// The client port.
-    pub fn client_port(&self) -> u16 {
-        self.etcd.client_port
-    }
-
-    /// The peer port.
-    pub fn peer_port(&self) -> u16 {
-        self.etcd.peer_port
-    }
-
-    /// The process id of the current (or, after `kill9`, the last) etcd process.
-    pub fn pid(&self) -> u32 {
-        self.etcd.pid
-    }
-
-    /// Whether an etcd process is running (spawned and not yet reaped).
-    pub fn is_running(&mut self) -> bool {
-        self.etcd.is_running()
-    }
-
-    /// The data dir (removed on drop).
-    pub fn data_dir(&self) -> PathBuf {
-        self.etcd.data_dir()
-    }
-
-    /// The last ~40 lines of etcd's combined stdout/stderr (all attempts).
-    pub fn log_tail(&self) -> String {
-        self.etcd.log_tail()
-    }
-
-    /// The whole of etcd's combined stdout/stderr so far (all attempts).
-    pub fn log(&self) -> String {
-        let path = self.etcd.log_path();
-        fs::read(&path)
-            .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
-            .unwrap_or_else(|e| format!("(cannot read {}: {e})", path.display()))
-    }
-
-    /// Sends SIGKILL to etcd and reaps it (no-op when it is not running).
-    pub fn kill9(&mut self) {
-        self.etcd.kill9();
-    }
-
-    /// Spawns etcd on the current ports with the extra flags; returns the log's length before
-    /// the spawn (where this run's lines begin).
-    fn spawn(&mut self) -> u64 {
-        let log_path = self.etcd.log_path();
-        let log = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .expect("open etcd log file");
-        let log_from = log.metadata().map(|m| m.len()).unwrap_or(0);
-        let log_err = log.try_clone().expect("clone etcd log file");
-        let client = self.endpoint();
-        let peer = format!("http://127.0.0.1:{}", self.etcd.peer_port);
-        let child = etcd_command(&self.etcd.bin, &self.etcd.data_dir(), &client, &peer)
-            .args(&self.extra_args)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {}: {e}", self.etcd.bin.display()));
-        self.etcd.pid = child.id();
-        self.etcd.child = Some(child);
-        log_from
-    }
-
-    /// Whether etcd serves clients now: `/health` for http; for https, this run's log says
-    /// [`SERVING_SECURELY`] and the client port accepts a TCP connection.
-    fn ready(&self, log_from: u64) -> bool {
-        if self.scheme == "http" {
-            return self.etcd.healthy();
-        }
-        let logged = fs::read(self.etcd.log_path())
-            .ok()
-            .and_then(|bytes| {
-                let from = usize::try_from(log_from).ok()?;
-                bytes
-                    .get(from..)
-                    .map(|run| String::from_utf8_lossy(run).contains(SERVING_SECURELY))
-            })
-            .unwrap_or(false);
-        logged
-            && TcpStream::connect_timeout(
-                &SocketAddr::from(([127, 0, 0, 1], self.etcd.client_port)),
-                Duration::from_secs(1),
-            )
-            .is_ok()
-    }
-
-    fn wait_ready(&mut self, limit: Duration, log_from: u64) -> Result<(), WaitError> {
-        let deadline = Instant::now() + limit;
-        let mut backoff = Duration::from_millis(10);
-        loop {
-            if let Some(child) = &mut self.etcd.child {
-                if let Ok(Some(status)) = child.try_wait() {
-                    self.etcd.child = None;
-                    return Err(WaitError::Exited(status.to_string()));
-                }
-            } else {
-                return Err(WaitError::Exited("not running".into()));
-            }
-            if self.ready(log_from) {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(WaitError::TimedOut);
-            }
-            thread::sleep(backoff);
-            backoff = (backoff * 2).min(Duration::from_millis(200));
-        }
-    }
-}
-
-/// A one-member etcd on `client` (its URL: scheme, loopback, port) and `peer`, logging to
-/// stderr.
-fn etcd_command(bin: &Path, data_dir: &Path, client: &str, peer: &str) -> Command {
-    let mut cmd = Command::new(bin);
-    cmd.arg("--name")
-        .arg("t")
-        .arg("--data-dir")
-        .arg(data_dir)
-        .arg("--listen-client-urls")
-        .arg(client)
-        .arg("--advertise-client-urls")
-        .arg(client)
-        .arg("--listen-peer-urls")
-        .arg(peer)
-        .arg("--initial-advertise-peer-urls")
-        .arg(peer)
-        .arg("--initial-cluster")
-        .arg(format!("t={peer}"))
-        .arg("--logger")
-        .arg("zap")
-        .arg("--log-outputs")
-        .arg("stderr");
-    cmd
-}
-
 /// The broker settings every etcd test uses: a short TTL (2 s, close to etcd's minimum) so
 /// that lapses happen within a test, and short call bounds.
 #[cfg(feature = "etcd")]
@@ -1063,4 +505,201 @@ pub async fn slot_keys(c: &mut etcd_client::Client, pool: &str) -> Vec<(String, 
         .iter()
         .map(|kv| (kv.key_str().unwrap().to_owned(), kv.lease()))
         .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child processes (the test binary run again)
+// ---------------------------------------------------------------------------------------------
+
+/// A child process killed (and reaped) when the test ends, also when it fails.
+pub struct ChildGuard(pub Child);
+
+impl std::ops::Deref for ChildGuard {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for ChildGuard {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// Runs this test binary again as a child: only the test `entry`, with `env=mode` and `vars`
+/// set, its stdout piped (see [`lines_of`]).
+pub fn spawn_test_child(entry: &str, env: &str, mode: &str, vars: &[(&str, String)]) -> ChildGuard {
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args([entry, "--exact", "--nocapture", "--test-threads=1"])
+        .env(env, mode)
+        .envs(vars.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn child test process");
+    ChildGuard(child)
+}
+
+/// Reads the child's stdout on a thread; lines arrive on the channel.
+pub fn lines_of(child: &mut Child) -> std::sync::mpsc::Receiver<String> {
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// The next line of the child's that contains `prefix`, from `prefix` on (libtest prints
+/// "test NAME ... " before the child's first line); panics after 60 s without one.
+pub fn next_line_with(rx: &std::sync::mpsc::Receiver<String>, prefix: &str) -> String {
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("no {prefix} line from the child: {e}"));
+        if let Some(at) = line.find(prefix) {
+            return line[at..].to_owned();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ledger
+// ---------------------------------------------------------------------------------------------
+
+/// One hold, as the job that held the slot recorded it (nanoseconds since the UNIX epoch, a
+/// clock shared by every process on the host).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hold {
+    pub slot: u32,
+    pub token: u64,
+    pub start: u128,
+    pub end: u128,
+    pub who: String,
+}
+
+/// An independent, cross-process ledger of holds: jobs append `hold {slot} {token} {start}
+/// {end} {who}` to `dir/ledger-{pid}` once they are done holding (their interval lies inside
+/// the real hold: it starts after the grant and ends before the release).
+pub struct Ledger {
+    dir: PathBuf,
+}
+
+impl Ledger {
+    /// A ledger kept in `dir` (created if missing; may be shared with other processes).
+    pub fn at(dir: &Path) -> Ledger {
+        fs::create_dir_all(dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+        Ledger {
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    /// Records one hold.
+    pub fn record(&self, slot: u32, token: u64, start: u128, end: u128, who: &str) {
+        check_name(who);
+        let path = self.dir.join(format!("ledger-{}", std::process::id()));
+        let mut file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+        // One short line per write with O_APPEND: lines of concurrent writers never interleave.
+        file.write_all(format!("hold {slot} {token} {start} {end} {who}\n").as_bytes())
+            .unwrap_or_else(|e| panic!("append to {}: {e}", path.display()));
+    }
+
+    /// Every hold recorded in `dir`, by every process.
+    pub fn holds(dir: &Path) -> Vec<Hold> {
+        let mut holds = Vec::new();
+        let Ok(entries) = fs::read_dir(dir) else {
+            return holds;
+        };
+        for entry in entries.flatten() {
+            if !entry.file_name().to_string_lossy().starts_with("ledger-") {
+                continue;
+            }
+            let text = fs::read_to_string(entry.path()).unwrap_or_default();
+            for line in text.lines() {
+                let f: Vec<&str> = line.split(' ').collect();
+                let [_, slot, token, start, end, who] = f.as_slice() else {
+                    panic!("malformed ledger line {line:?}");
+                };
+                holds.push(Hold {
+                    slot: slot.parse().unwrap(),
+                    token: token.parse().unwrap(),
+                    start: start.parse().unwrap(),
+                    end: end.parse().unwrap(),
+                    who: (*who).to_owned(),
+                });
+            }
+        }
+        holds
+    }
+
+    /// How many holds are recorded in `dir`.
+    pub fn count(dir: &Path) -> usize {
+        Ledger::holds(dir).len()
+    }
+
+    /// Checks the ledger: per slot, in time order, hold intervals never overlap and tokens
+    /// increase; no token serves two holds. Returns the number of holds.
+    pub fn check(dir: &Path) -> Result<usize, String> {
+        let holds = Ledger::holds(dir);
+        let mut tokens = std::collections::HashSet::new();
+        for h in &holds {
+            if !tokens.insert(h.token) {
+                return Err(format!("token {} served two holds ({})", h.token, h.who));
+            }
+        }
+        let mut by_slot: std::collections::BTreeMap<u32, Vec<&Hold>> = Default::default();
+        for h in &holds {
+            by_slot.entry(h.slot).or_default().push(h);
+        }
+        for (slot, mut list) in by_slot {
+            list.sort_by_key(|h| (h.start, h.end));
+            for pair in list.windows(2) {
+                let (a, b) = (pair[0], pair[1]);
+                if b.start < a.end {
+                    return Err(format!(
+                        "slot {slot}: {} (token {}) and {} (token {}) overlap by {} ns",
+                        a.who,
+                        a.token,
+                        b.who,
+                        b.token,
+                        a.end - b.start
+                    ));
+                }
+                if b.token <= a.token {
+                    return Err(format!(
+                        "slot {slot}: token {} of {} after token {} of {}",
+                        b.token, b.who, a.token, a.who
+                    ));
+                }
+            }
+        }
+        Ok(holds.len())
+    }
+}
+
+/// Nanoseconds since the UNIX epoch (the ledger's clock).
+pub fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("system clock before 1970")
+        .as_nanos()
 }

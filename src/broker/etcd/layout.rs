@@ -1,0 +1,495 @@
+//! The pool's layout in etcd — every key and value leasehold writes — and the validation of
+//! everything it reads back: a key under the pool prefix that is not part of the layout is
+//! `ETCD_FOREIGN_KEY`, a value leasehold did not write is `ETCD_CORRUPT_RECORD`.
+//!
+//! Under `{key_prefix}/{pool}/`:
+//!
+//! | key | value | lease |
+//! |---|---|---|
+//! | `capacity` | `leasehold/v1 capacity=N` | none |
+//! | `request/{rk:016x}` | `leasehold/v1 request waiting`, `… granted slot=N` or `… abandoned` | the requester's session |
+//! | `queue/{qk:016x}` | `leasehold/v1 waiter owner={owner:016x} request={rk:016x}` | the waiter's session |
+//! | `slot/{index:06}` | `leasehold/v1 holder request={rk:016x}` | the holder's session |
+//!
+//! `rk`, the request key, is derived from the broker's random owner id, the supervisor's origin
+//! and the request id: it names the request's marker and its slot, which is what makes a retry
+//! find its own work. `qk`, the place key, names a queue place: derived from the owner id and a
+//! small index the broker reuses once a place is free, so that the queue's range holds a bounded
+//! set of key names (etcd keeps every name a range ever held until it is compacted, and a range
+//! read visits them all).
+
+use etcd_client::KeyValue;
+
+use super::error::{EtcdError, EtcdErrorKind};
+
+/// Marks every value leasehold writes (and refuses any other).
+pub(super) const FORMAT: &str = "leasehold/v1";
+/// The largest pool an `EtcdBroker` manages (slot keys have six digits).
+pub(super) const MAX_CAPACITY: u32 = 100_000;
+
+/// A slot key, read back: who holds slot `index`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Holder {
+    pub(super) index: u32,
+    /// The holder's request key.
+    pub(super) rk: u64,
+    /// The holder's session lease.
+    pub(super) lease: i64,
+    /// The revision of the grant: the token's lease id, and so its fencing token.
+    pub(super) mod_rev: i64,
+}
+
+/// A queue key, read back: a waiter and its place (create revision).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Waiter {
+    /// Its place key (names the queue key).
+    pub(super) qk: u64,
+    /// Its request key (names its marker).
+    pub(super) rk: u64,
+    pub(super) lease: i64,
+    pub(super) create_rev: i64,
+}
+
+/// Where a request stands, as its `request/` key says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum MarkerState {
+    /// Queued (or about to be).
+    Waiting,
+    /// Holds slot `slot`, granted at the key's mod revision.
+    Granted { slot: u32 },
+    /// Given up: the key stays as a tombstone so that a late copy of the request's first
+    /// transaction finds it and does nothing.
+    Abandoned,
+}
+
+/// A `request/` key, read back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Marker {
+    pub(super) state: MarkerState,
+    pub(super) lease: i64,
+    pub(super) mod_rev: i64,
+}
+
+/// The parts of a key-value pair that validation looks at (a `KeyValue` read from etcd, or one
+/// built by hand in a unit test).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Raw<'a> {
+    pub(super) key: &'a [u8],
+    pub(super) value: &'a [u8],
+    pub(super) lease: i64,
+    pub(super) create_rev: i64,
+    pub(super) mod_rev: i64,
+}
+
+impl<'a> From<&'a KeyValue> for Raw<'a> {
+    fn from(kv: &'a KeyValue) -> Self {
+        Raw {
+            key: kv.key(),
+            value: kv.value(),
+            lease: kv.lease(),
+            create_rev: kv.create_revision(),
+            mod_rev: kv.mod_revision(),
+        }
+    }
+}
+
+/// The pool's keys and values, and their validation.
+#[derive(Debug, Clone)]
+pub(super) struct Layout {
+    /// `{key_prefix}/{pool}/`.
+    prefix: String,
+    capacity: u32,
+}
+
+impl Layout {
+    pub(super) fn new(key_prefix: &str, pool: &str, capacity: u32) -> Self {
+        Self {
+            prefix: format!("{key_prefix}/{pool}/"),
+            capacity,
+        }
+    }
+
+    pub(super) fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    pub(super) fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    pub(super) fn capacity_key(&self) -> String {
+        format!("{}capacity", self.prefix)
+    }
+
+    pub(super) fn capacity_value(&self) -> String {
+        format!("{FORMAT} capacity={}", self.capacity)
+    }
+
+    pub(super) fn queue_prefix(&self) -> String {
+        format!("{}queue/", self.prefix)
+    }
+
+    pub(super) fn queue_key(&self, qk: u64) -> String {
+        format!("{}queue/{qk:016x}", self.prefix)
+    }
+
+    pub(super) fn slot_prefix(&self) -> String {
+        format!("{}slot/", self.prefix)
+    }
+
+    pub(super) fn slot_key(&self, index: u32) -> String {
+        format!("{}slot/{index:06}", self.prefix)
+    }
+
+    pub(super) fn request_key(&self, rk: u64) -> String {
+        format!("{}request/{rk:016x}", self.prefix)
+    }
+
+    pub(super) fn waiter_value(&self, owner: u64, rk: u64) -> String {
+        format!("{FORMAT} waiter owner={owner:016x} request={rk:016x}")
+    }
+
+    pub(super) fn holder_value(&self, rk: u64) -> String {
+        format!("{FORMAT} holder request={rk:016x}")
+    }
+
+    pub(super) fn marker_value(&self, state: MarkerState) -> String {
+        match state {
+            MarkerState::Waiting => format!("{FORMAT} request waiting"),
+            MarkerState::Granted { slot } => format!("{FORMAT} request granted slot={slot}"),
+            MarkerState::Abandoned => format!("{FORMAT} request abandoned"),
+        }
+    }
+
+    fn foreign(&self, kv: Raw<'_>, why: &str) -> EtcdError {
+        EtcdError::new(
+            EtcdErrorKind::ForeignKey,
+            format!(
+                "key {} under the pool prefix {:?} was not written by leasehold ({why}); remove it or use another pool",
+                shown(kv.key),
+                self.prefix
+            ),
+        )
+    }
+
+    fn corrupt(&self, kv: Raw<'_>, why: &str) -> EtcdError {
+        EtcdError::new(
+            EtcdErrorKind::CorruptRecord,
+            format!(
+                "key {} holds {} ({why}); leasehold refuses to use the pool",
+                shown(kv.key),
+                shown(kv.value)
+            ),
+        )
+    }
+
+    /// The part of `kv`'s key after `{prefix}{section}`.
+    fn rest<'a>(&self, kv: Raw<'a>, section: &str) -> Result<&'a str, EtcdError> {
+        kv.key
+            .strip_prefix(self.prefix.as_bytes())
+            .and_then(|k| k.strip_prefix(section.as_bytes()))
+            .and_then(|k| std::str::from_utf8(k).ok())
+            .ok_or_else(|| self.foreign(kv, "outside the layout"))
+    }
+
+    /// A key of the `slot/` range.
+    pub(super) fn holder<'a>(&self, kv: impl Into<Raw<'a>>) -> Result<Holder, EtcdError> {
+        let kv = kv.into();
+        let rest = self.rest(kv, "slot/")?;
+        let index = (rest.len() == 6 && rest.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| rest.parse::<u32>().ok())
+            .flatten()
+            .ok_or_else(|| self.foreign(kv, "not a slot key"))?;
+        if index >= self.capacity {
+            return Err(self.corrupt(kv, "slot index beyond the pool's capacity"));
+        }
+        let rk = std::str::from_utf8(kv.value)
+            .ok()
+            .and_then(|v| v.strip_prefix(FORMAT))
+            .and_then(|v| v.strip_prefix(" holder request="))
+            .and_then(parse_hex)
+            .filter(|_| kv.lease != 0)
+            .ok_or_else(|| self.corrupt(kv, "not a holder record under a lease"))?;
+        Ok(Holder {
+            index,
+            rk,
+            lease: kv.lease,
+            mod_rev: kv.mod_rev,
+        })
+    }
+
+    /// A key of the `queue/` range.
+    pub(super) fn waiter<'a>(&self, kv: impl Into<Raw<'a>>) -> Result<Waiter, EtcdError> {
+        let kv = kv.into();
+        let rest = self.rest(kv, "queue/")?;
+        let qk = parse_hex(rest).ok_or_else(|| self.foreign(kv, "not a queue key"))?;
+        let rk = std::str::from_utf8(kv.value)
+            .ok()
+            .and_then(|v| v.strip_prefix(FORMAT))
+            .and_then(|v| v.strip_prefix(" waiter owner="))
+            .and_then(|v| v.split_once(" request="))
+            .filter(|(owner, _)| parse_hex(owner).is_some())
+            .and_then(|(_, rk)| parse_hex(rk))
+            .filter(|_| kv.lease != 0)
+            .ok_or_else(|| self.corrupt(kv, "not a waiter record under a lease"))?;
+        Ok(Waiter {
+            qk,
+            rk,
+            lease: kv.lease,
+            create_rev: kv.create_rev,
+        })
+    }
+
+    /// A key of the `request/` range.
+    pub(super) fn marker<'a>(&self, kv: impl Into<Raw<'a>>) -> Result<Marker, EtcdError> {
+        let kv = kv.into();
+        let rest = self.rest(kv, "request/")?;
+        parse_hex(rest).ok_or_else(|| self.foreign(kv, "not a request key"))?;
+        let state = std::str::from_utf8(kv.value)
+            .ok()
+            .and_then(|v| v.strip_prefix(FORMAT))
+            .and_then(|v| v.strip_prefix(" request "))
+            .and_then(|v| match v {
+                "waiting" => Some(MarkerState::Waiting),
+                "abandoned" => Some(MarkerState::Abandoned),
+                other => other
+                    .strip_prefix("granted slot=")
+                    .and_then(|n| n.parse::<u32>().ok())
+                    .filter(|n| *n < self.capacity)
+                    .map(|slot| MarkerState::Granted { slot }),
+            })
+            .filter(|_| kv.lease != 0)
+            .ok_or_else(|| self.corrupt(kv, "not a request record under a lease"))?;
+        Ok(Marker {
+            state,
+            lease: kv.lease,
+            mod_rev: kv.mod_rev,
+        })
+    }
+
+    /// The `capacity` key: refused unless it records this broker's capacity.
+    pub(super) fn check_capacity(&self, kv: Option<&KeyValue>) -> Result<(), EtcdError> {
+        let Some(kv) = kv.map(Raw::from) else {
+            return Err(EtcdError::new(
+                EtcdErrorKind::CorruptRecord,
+                format!("the capacity record {:?} is missing", self.capacity_key()),
+            ));
+        };
+        let n = std::str::from_utf8(kv.value)
+            .ok()
+            .and_then(|v| v.strip_prefix(FORMAT))
+            .and_then(|v| v.strip_prefix(" capacity="))
+            .and_then(|n| n.parse::<u32>().ok())
+            .filter(|n| (1..=MAX_CAPACITY).contains(n))
+            .ok_or_else(|| self.corrupt(kv, "not a capacity record"))?;
+        if n != self.capacity {
+            return Err(EtcdError::new(
+                EtcdErrorKind::CapacityMismatch,
+                format!(
+                    "pool {:?} was created with capacity {n}, this broker is configured with {}",
+                    self.prefix, self.capacity
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Validates every key of the pool (read at `connect`).
+    pub(super) fn check_pool(&self, kvs: &[KeyValue]) -> Result<(), EtcdError> {
+        let capacity_key = self.capacity_key();
+        let mut capacity = None;
+        for kv in kvs {
+            let key = kv.key();
+            if key == capacity_key.as_bytes() {
+                capacity = Some(kv);
+            } else if key.starts_with(self.slot_prefix().as_bytes()) {
+                self.holder(kv)?;
+            } else if key.starts_with(self.queue_prefix().as_bytes()) {
+                self.waiter(kv)?;
+            } else if key.starts_with(format!("{}request/", self.prefix).as_bytes()) {
+                self.marker(kv)?;
+            } else if key.starts_with(self.prefix.as_bytes()) {
+                return Err(self.foreign(kv.into(), "unknown key"));
+            } else {
+                return Err(self.foreign(kv.into(), "outside the prefix"));
+            }
+        }
+        self.check_capacity(capacity)
+    }
+
+    /// Every slot key of a `slot/` range read, validated.
+    pub(super) fn holders(&self, kvs: &[KeyValue]) -> Result<Vec<Holder>, EtcdError> {
+        kvs.iter().map(|kv| self.holder(kv)).collect()
+    }
+
+    /// Every queue key of a `queue/` range read, validated.
+    pub(super) fn waiters(&self, kvs: &[KeyValue]) -> Result<Vec<Waiter>, EtcdError> {
+        kvs.iter().map(|kv| self.waiter(kv)).collect()
+    }
+}
+
+fn shown(bytes: &[u8]) -> String {
+    let s = String::from_utf8_lossy(bytes);
+    let mut out: String = s.chars().take(120).collect();
+    if s.chars().count() > 120 {
+        out.push('…');
+    }
+    format!("{out:?}")
+}
+
+/// Exactly sixteen hex digits.
+pub(super) fn parse_hex(hex: &str) -> Option<u64> {
+    if hex.len() != 16 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u64::from_str_radix(hex, 16).ok()
+}
+
+/// splitmix64's finaliser: a bijection, so distinct inputs give distinct outputs.
+pub(super) fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The request key of `(owner, origin, request_id)`: what names a request's marker and slot.
+pub(super) fn request_key(owner: u64, origin: u64, request_id: u64) -> u64 {
+    mix(owner ^ mix(origin) ^ mix(mix(request_id)))
+}
+
+/// The place key of the broker `owner`'s queue place number `index`.
+pub(super) fn place_key(owner: u64, index: u32) -> u64 {
+    mix(mix(owner) ^ mix(u64::from(index) + 1))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn request_keys_differ_per_request_and_per_origin() {
+        let keys: HashSet<u64> = (0..10_000u64)
+            .flat_map(|r| [request_key(42, 1, r), request_key(42, 2, r)])
+            .collect();
+        assert_eq!(keys.len(), 20_000);
+    }
+
+    #[test]
+    fn place_keys_differ_per_place_and_per_owner() {
+        // Owners are random 64-bit ids.
+        let (a, b) = (0x1234_5678_9abc_def0, 0x0fed_cba9_8765_4321);
+        let keys: HashSet<u64> = (0..1_000u32)
+            .flat_map(|i| [place_key(a, i), place_key(b, i)])
+            .collect();
+        assert_eq!(keys.len(), 2_000);
+    }
+
+    #[test]
+    fn hex_parsing_refuses_anything_but_sixteen_hex_digits() {
+        assert_eq!(parse_hex("000000000000002a"), Some(42));
+        assert_eq!(parse_hex("ffffffffffffffff"), Some(u64::MAX));
+        for bad in ["2a", "000000000000002g", "000000000000002a0"] {
+            assert_eq!(parse_hex(bad), None, "{bad}");
+        }
+    }
+
+    fn raw<'a>(key: &'a str, value: &'a str, lease: i64) -> Raw<'a> {
+        Raw {
+            key: key.as_bytes(),
+            value: value.as_bytes(),
+            lease,
+            create_rev: 5,
+            mod_rev: 9,
+        }
+    }
+
+    #[test]
+    fn every_value_leasehold_writes_reads_back_as_what_it_says() {
+        let layout = Layout::new("leasehold", "p", 8);
+        for state in [
+            MarkerState::Waiting,
+            MarkerState::Granted { slot: 7 },
+            MarkerState::Abandoned,
+        ] {
+            let (key, value) = (layout.request_key(3), layout.marker_value(state));
+            let marker = layout.marker(raw(&key, &value, 11)).unwrap();
+            assert_eq!((marker.state, marker.lease, marker.mod_rev), (state, 11, 9));
+        }
+        let (key, value) = (layout.slot_key(7), layout.holder_value(0xabc));
+        let holder = layout.holder(raw(&key, &value, 11)).unwrap();
+        assert_eq!(
+            holder,
+            Holder {
+                index: 7,
+                rk: 0xabc,
+                lease: 11,
+                mod_rev: 9
+            }
+        );
+        let (key, value) = (layout.queue_key(0xabc), layout.waiter_value(1, 0xdef));
+        let waiter = layout.waiter(raw(&key, &value, 11)).unwrap();
+        assert_eq!(
+            (waiter.qk, waiter.rk, waiter.lease, waiter.create_rev),
+            (0xabc, 0xdef, 11, 5)
+        );
+    }
+
+    #[test]
+    fn keys_outside_the_layout_are_foreign_and_values_it_did_not_write_are_corrupt() {
+        let layout = Layout::new("leasehold", "p", 8);
+        let code = |e: EtcdError| e.code();
+        let holder = layout.holder_value(1);
+        // Foreign: a key in a section that is not one of the layout's.
+        assert_eq!(
+            code(
+                layout
+                    .holder(raw("leasehold/p/slot/notes", &holder, 1))
+                    .unwrap_err()
+            ),
+            "ETCD_FOREIGN_KEY"
+        );
+        assert_eq!(
+            code(
+                layout
+                    .waiter(raw(
+                        "leasehold/p/queue/2a",
+                        "leasehold/v1 waiter owner=0",
+                        1
+                    ))
+                    .unwrap_err()
+            ),
+            "ETCD_FOREIGN_KEY"
+        );
+        // Corrupt: no lease, an index beyond the capacity, another format.
+        for (key, value, lease) in [
+            ("leasehold/p/slot/000001", holder.as_str(), 0),
+            ("leasehold/p/slot/000008", holder.as_str(), 1),
+            (
+                "leasehold/p/slot/000001",
+                "leasehold/v1 holder lease=000000000000002a",
+                1,
+            ),
+        ] {
+            assert_eq!(
+                code(layout.holder(raw(key, value, lease)).unwrap_err()),
+                "ETCD_CORRUPT_RECORD",
+                "{key} {value}"
+            );
+        }
+        for value in [
+            "leasehold/v1 request granted slot=8",
+            "leasehold/v1 request granted slot=x",
+            "leasehold/v1 request",
+            "hello",
+        ] {
+            let key = layout.request_key(1);
+            assert_eq!(
+                code(layout.marker(raw(&key, value, 1)).unwrap_err()),
+                "ETCD_CORRUPT_RECORD",
+                "{value}"
+            );
+        }
+    }
+}

@@ -1,0 +1,400 @@
+//! [`EtcdBroker`]: slots shared by several processes (on several hosts) through etcd.
+//!
+//! By concern:
+//! - `config` — [`EtcdConfig`] and its validation;
+//! - `error` — [`EtcdError`], [`EtcdErrorKind`] and the classification of failed calls;
+//! - `layout` — every key and value in etcd, and the validation of what is read back;
+//! - `endpoints` — one client per member, calls sent to a member that answers;
+//! - `session` — renewal and loss: the session lease, `keep_alive`, tokens nobody keeps alive;
+//! - `acquire` — the idempotent first transaction, and the cleanup of an acquire given up;
+//! - `queue` — FIFO, work-conserving, herd-free waiting;
+//! - `watches` — one watch stream per broker, shared by its waiters;
+//! - `release` — the hand-off to the next waiter, and releases settled in the background.
+
+mod acquire;
+mod config;
+mod endpoints;
+mod error;
+mod layout;
+mod queue;
+mod release;
+mod session;
+mod watches;
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use etcd_client::{Compare, CompareOp, ConnectOptions, GetOptions, Txn, TxnOp};
+use parking_lot::Mutex;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{AcquireRequest, BrokerError, BrokerEvents, SlotBroker, SlotToken};
+
+pub use config::EtcdConfig;
+pub use error::{EtcdError, EtcdErrorKind};
+
+use acquire::Cleanup;
+use endpoints::Endpoints;
+use error::Fail;
+use layout::Layout;
+use session::{Held, Session};
+
+/// A [`SlotBroker`] whose slots live in etcd and are shared by every broker (in any process,
+/// on any host) configured with the same endpoints, key prefix and pool.
+///
+/// Create it with [`EtcdBroker::connect`] and hand it to
+/// [`SupervisorBuilder::broker`](crate::SupervisorBuilder::broker) (an `Arc<EtcdBroker>` works
+/// too, to keep observing it).
+///
+/// # Layout
+///
+/// Everything lives under `{key_prefix}/{pool}/`, and nothing else may:
+///
+/// | key | value | lease |
+/// |---|---|---|
+/// | `capacity` | `leasehold/v1 capacity=N` | none: written once, compared by every broker |
+/// | `request/{rk:016x}` | `leasehold/v1 request waiting`, `… granted slot=N` or `… abandoned` | the broker's session |
+/// | `queue/{qk:016x}` | `leasehold/v1 waiter owner=… request={rk:016x}` | the waiter's session |
+/// | `slot/{index:06}` | `leasehold/v1 holder request={rk:016x}` | the holder's session |
+///
+/// `rk` is derived from the broker's random owner id, the supervisor's
+/// [`AcquireRequest::origin`] and its [`AcquireRequest::request_id`]; `qk` names a queue place
+/// of this broker, reused once free.
+///
+/// # Protocol
+///
+/// Each broker keeps one etcd lease, its session, alive on one keep-alive stream; everything it
+/// writes lives under it, so a process that dies loses its slots and queue places one TTL later.
+/// An acquire on an idle pool is one transaction (claim a slot if nobody waits), a release one
+/// more (delete the slot key if nobody waits): two consensus writes per lease. Both are named by
+/// the request key, so a retry of an ambiguous call (or of the whole acquire with the same
+/// request id) finds what the first attempt did and never takes a second slot.
+///
+/// Otherwise the acquire joins the queue, ordered by the queue key's create revision (FIFO).
+/// A release hands its slot straight to the oldest waiter in its own transaction, writing the
+/// grant into the waiter's marker: no slot sits idle while someone waits, and while every slot
+/// is held a waiter watches only its marker (on one watch stream per broker), so a release costs
+/// one watch event and no read whatever the queue's length. A slot freed without a release (a
+/// holder's session expired) makes the waiters look for their place, and the head claims it. A waiter keeps its place through outages and leader elections and fails
+/// (`ETCD_SESSION_EXPIRED`) only when etcd says its session expired.
+///
+/// The token's lease id is the revision of the grant (the slot key's mod revision), strictly
+/// increasing across the whole etcd cluster: a fencing token.
+///
+/// While a token is held the supervisor drives [`SlotBroker::keep_alive`], which resolves as
+/// soon as the session may lapse before it can be renewed. A token that nobody keeps alive for
+/// one TTL (and that is not released) is given back by the broker itself. A release whose
+/// answer is lost is finished in the background; if it is found to have gone with its expired
+/// session, it is reported through [`BrokerEvents::orphan_expired`]. Calls go to a member that
+/// answers; a member that does not is skipped until a probe finds it healthy.
+///
+/// # Examples
+///
+/// ```no_run
+/// use leasehold::{EtcdBroker, EtcdConfig, Supervisor};
+///
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let config = EtcdConfig::new(["http://127.0.0.1:2379"], "render", 3);
+/// let broker = EtcdBroker::connect(config).await?;
+/// let sup = Supervisor::builder().broker(broker).start().await?;
+/// let mut lease = sup.acquire().await?;
+/// println!("fencing token {}", lease.lease_id()?);
+/// lease.release().await?;
+/// # Ok(()) }
+/// ```
+pub struct EtcdBroker {
+    inner: Arc<Inner>,
+}
+
+/// The broker's state, shared with its background tasks.
+struct Inner {
+    layout: Layout,
+    endpoints: Arc<Endpoints>,
+    ttl: Duration,
+    rpc_timeout: Duration,
+    retry_for: Duration,
+    connect_timeout: Duration,
+    /// Random per broker: request ids are only unique per supervisor.
+    owner: u64,
+    /// The live session, if any.
+    session: Mutex<Option<Arc<Session>>>,
+    /// One session grant at a time.
+    granting: tokio::sync::Mutex<()>,
+    /// Tokens this broker granted and has not released.
+    held: Mutex<HashMap<SlotToken, Held>>,
+    /// Woken when a token is released: its slot index may be handed out again.
+    released: tokio::sync::Notify,
+    /// How many tokens were released (see `queue::wait`).
+    releases: AtomicU64,
+    /// Tokens given back unclaimed after a TTL: a late release of one answers `Ok`.
+    forgotten: Mutex<VecDeque<SlotToken>>,
+    /// A slot index likely to be free (the idle pool's first guess).
+    hint: AtomicU32,
+    /// The oldest waiters this broker last read (a release chains over them).
+    heads: Mutex<Vec<layout::Waiter>>,
+    /// A read of `heads` is on its way.
+    refreshing: AtomicBool,
+    /// The broker's shared watch stream (see `watches`).
+    hub: Arc<watches::Hub>,
+    /// Bumped on every slot deletion while the broker has waiters (see `queue`).
+    frees: tokio::sync::watch::Sender<u64>,
+    frees_ctl: Mutex<queue::FreesCtl>,
+    /// Whether the queue had waiters when last seen: an acquire then joins it straight away
+    /// instead of first trying to claim (a comparison over the whole queue).
+    contended: AtomicBool,
+    /// Queue places in use, by request key, and the free ones (see `layout`).
+    places: Mutex<Places>,
+    /// Cleanups of acquires given up, by request key.
+    abandoned: Mutex<HashMap<u64, Arc<Cleanup>>>,
+    orphans_expired: AtomicU64,
+    /// Give-backs in progress in the background.
+    settling: AtomicUsize,
+    events: Mutex<Vec<BrokerEvents>>,
+    /// Cancelled when the broker goes: its session keeper revokes the session.
+    closing: CancellationToken,
+}
+
+/// A broker's queue places: a small index per place, reused once free.
+#[derive(Debug, Default)]
+struct Places {
+    by_request: HashMap<u64, u32>,
+    free: Vec<u32>,
+    next: u32,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.closing.cancel();
+    }
+}
+
+impl fmt::Debug for EtcdBroker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdBroker")
+            .field("prefix", &self.inner.layout.prefix())
+            .field("capacity", &self.inner.layout.capacity())
+            .field("ttl", &self.inner.ttl)
+            .field("owner", &format_args!("{:016x}", self.inner.owner))
+            .field("endpoints", &self.inner.endpoints)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EtcdBroker {
+    /// Connects, records the pool's capacity (or checks it against the one recorded), and
+    /// checks that everything under the pool prefix is leasehold's.
+    ///
+    /// # Errors
+    ///
+    /// [`EtcdError`]: `ETCD_INVALID_CONFIG`, `ETCD_UNAVAILABLE` (no answer within the connect
+    /// bound and the retries), `ETCD_AUTH_FAILED`, `ETCD_TLS_FAILED`, `ETCD_CAPACITY_MISMATCH`
+    /// (the pool exists with another capacity), `ETCD_CORRUPT_RECORD` or `ETCD_FOREIGN_KEY`.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it writes at most the capacity record, which a later connect reads back.
+    pub async fn connect(config: EtcdConfig) -> Result<Self, EtcdError> {
+        config.validate()?;
+        let mut options = ConnectOptions::new()
+            .with_timeout(config.rpc_timeout)
+            .with_connect_timeout(config.connect_timeout)
+            .with_keep_alive(Duration::from_secs(5), config.rpc_timeout)
+            .with_require_leader(true);
+        if let Some((name, password)) = &config.user {
+            options = options
+                .with_user(name.clone(), password.clone())
+                .with_auto_token_refresh(true);
+        }
+        #[cfg(feature = "etcd-tls")]
+        if let Some(tls) = config.tls.clone() {
+            options = options.with_tls(tls);
+        }
+        let owner = {
+            let mut h = std::hash::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            h.write_u128(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos()),
+            );
+            h.finish()
+        };
+        let layout = Layout::new(&config.key_prefix, &config.pool, config.capacity);
+        // Processes start on different members, spreading the load.
+        let endpoints = Endpoints::new(
+            &config.endpoints,
+            options,
+            config.connect_timeout,
+            config.rpc_timeout,
+            layout.capacity_key(),
+            owner as usize,
+        );
+        let hub = watches::Hub::new(
+            Arc::clone(&endpoints),
+            layout.capacity_key(),
+            config.retry_for,
+        );
+        let inner = Arc::new(Inner {
+            hub,
+            layout,
+            endpoints,
+            ttl: config.ttl,
+            rpc_timeout: config.rpc_timeout,
+            retry_for: config.retry_for,
+            connect_timeout: config.connect_timeout,
+            owner,
+            session: Mutex::new(None),
+            granting: tokio::sync::Mutex::new(()),
+            held: Mutex::new(HashMap::new()),
+            released: tokio::sync::Notify::new(),
+            releases: AtomicU64::new(0),
+            forgotten: Mutex::new(VecDeque::new()),
+            hint: AtomicU32::new((owner % u64::from(config.capacity)) as u32),
+            heads: Mutex::new(Vec::new()),
+            refreshing: AtomicBool::new(false),
+            frees: tokio::sync::watch::Sender::new(0),
+            frees_ctl: Mutex::new(queue::FreesCtl::default()),
+            contended: AtomicBool::new(false),
+            places: Mutex::new(Places::default()),
+            abandoned: Mutex::new(HashMap::new()),
+            orphans_expired: AtomicU64::new(0),
+            settling: AtomicUsize::new(0),
+            events: Mutex::new(Vec::new()),
+            closing: CancellationToken::new(),
+        });
+        #[cfg(feature = "etcd-tls")]
+        let tls = config.tls.is_some();
+        #[cfg(not(feature = "etcd-tls"))]
+        let tls = false;
+        inner.ensure_capacity().await.map_err(|mut e| {
+            if tls && e.kind() == EtcdErrorKind::Unavailable {
+                // A TLS server that refuses the client's certificate (or its absence) just
+                // closes the connection: say what it may have been.
+                e.message.push_str(
+                    " (over TLS: the server may require a client certificate, or have refused this one)",
+                );
+            }
+            e
+        })?;
+        Ok(Self { inner })
+    }
+
+    /// Releases whose answer was lost and that were later found to have gone with this broker's
+    /// expired session (their TTL, not a release, ended them).
+    pub fn orphans_expired(&self) -> u64 {
+        self.inner.orphans_expired.load(Ordering::Relaxed)
+    }
+
+    /// Slots this broker is giving back in the background: releases whose answer was lost (or
+    /// whose future was dropped), and tokens nobody kept alive for a TTL (for tools and tests).
+    pub fn settling(&self) -> usize {
+        self.inner.settling.load(Ordering::Acquire)
+    }
+
+    /// The pool's key prefix (`{key_prefix}/{pool}/`).
+    pub fn pool_prefix(&self) -> &str {
+        self.inner.layout.prefix()
+    }
+
+    /// The etcd lease (this broker's session) behind a token it holds (for tools and tests).
+    pub fn etcd_lease_of(&self, token: SlotToken) -> Option<i64> {
+        self.inner.held.lock().get(&token).map(|h| h.session.id)
+    }
+
+    /// The etcd lease of this broker's live session, if it has one (for tools and tests).
+    pub fn session_lease(&self) -> Option<i64> {
+        self.inner
+            .session
+            .lock()
+            .as_ref()
+            .filter(|s| !s.is_expired())
+            .map(|s| s.id)
+    }
+
+    /// The queue key an acquire with this request waits under (for tools and tests).
+    pub fn queue_key_for(&self, request: &AcquireRequest) -> String {
+        self.inner.layout.queue_key(self.inner.request_key(request))
+    }
+
+    /// The request marker an acquire with this request writes first (for tools and tests): it
+    /// exists from the acquire's first transaction until the release.
+    pub fn request_key_for(&self, request: &AcquireRequest) -> String {
+        self.inner
+            .layout
+            .request_key(self.inner.request_key(request))
+    }
+}
+
+impl SlotBroker for EtcdBroker {
+    async fn acquire(&self, request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+        self.inner
+            .acquire(&request)
+            .await
+            .map_err(EtcdError::into_broker)
+    }
+
+    async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
+        self.inner.release(token).await
+    }
+
+    fn capacity(&self) -> Option<u32> {
+        Some(self.inner.layout.capacity())
+    }
+
+    fn renews(&self) -> bool {
+        true
+    }
+
+    async fn keep_alive(&self, token: SlotToken) -> BrokerError {
+        self.inner.keep_alive(token).await.into_broker()
+    }
+
+    fn attach(&self, events: BrokerEvents) {
+        self.inner.events.lock().push(events);
+    }
+}
+
+impl Inner {
+    /// Records the capacity if the pool is new, then validates the whole pool.
+    async fn ensure_capacity(self: &Arc<Self>) -> Result<(), EtcdError> {
+        let l = &self.layout;
+        // Bounded by the connect timeout: the client connects lazily, on this first call.
+        let deadline = Instant::now() + self.connect_timeout;
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                l.capacity_key(),
+                CompareOp::Equal,
+                0,
+            )])
+            .and_then([TxnOp::put(l.capacity_key(), l.capacity_value(), None)]);
+        self.endpoints
+            .call("record the capacity", deadline, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await
+            .map_err(|f| connect_error(f, "record the capacity"))?;
+        let prefix = l.prefix().to_owned();
+        let pool = self
+            .endpoints
+            .call("read the pool", deadline, |mut c| {
+                let prefix = prefix.clone();
+                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
+            })
+            .await
+            .map_err(|f| connect_error(f, "read the pool"))?;
+        l.check_pool(pool.kvs())
+    }
+}
+
+fn connect_error(fail: Fail, what: &str) -> EtcdError {
+    match fail {
+        Fail::Fatal(e) => e,
+        other => other.into_etcd(what),
+    }
+}

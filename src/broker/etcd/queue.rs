@@ -1,0 +1,796 @@
+//! Queue and waiting: FIFO by the queue key's create revision, work-conserving and herd-free.
+//!
+//! A release hands its slot straight to the oldest waiter, in its own transaction (see
+//! `release`), and writes the grant into that waiter's marker (`request/{rk}`): a waiter learns
+//! of its grant from one watch event on its own marker. While every slot is held that is all a
+//! waiter watches; no waiter reads the pool, and a release costs one watch event (the
+//! grantee's) and no read.
+//!
+//! A slot can be free while someone waits only after a free without a hand-off: a holder's
+//! session expired, or a release found the queue empty just before a waiter joined. Each broker
+//! with waiters watches slot deletions (one watch per broker, not per waiter; in steady
+//! contention there are none: hand-offs are writes, not deletions); a waiter that joins reads the
+//! count of held slots as it joins. When a waiter sees fewer slots held than the pool has, it
+//! looks for its predecessor: the head (no predecessor) claims a free slot and grants the others
+//! to the waiters behind it, in queue order, in parallel transactions (one round trip); any
+//! other waiter watches its predecessor until it is the head or the pool is full again.
+//!
+//! A waiter keeps its place through outages and leader elections (its calls retry on any
+//! member, without a bound) and fails only when etcd says its session expired.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use etcd_client::{
+    Compare, CompareOp, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
+    WatchFilterType, WatchOptions,
+};
+use futures_util::future::join_all;
+use tokio::sync::watch;
+use tokio::time::{Instant, sleep};
+use tokio_util::sync::CancellationToken;
+
+use super::Inner;
+use super::acquire::{Grant, gets, txn_shape};
+use super::error::{EtcdError, EtcdErrorKind, Fail};
+use super::layout::{Marker, MarkerState, Waiter};
+use super::session::Session;
+use super::watches::{Seen, Watch};
+
+/// A place in the queue.
+#[derive(Debug, Clone)]
+pub(super) struct Ticket {
+    pub(super) rk: u64,
+    /// Its place key (names its queue key).
+    pub(super) qk: u64,
+    /// The queue key's create revision: the place.
+    pub(super) rev: i64,
+    pub(super) session: Arc<Session>,
+}
+
+/// What a waiter read about itself.
+#[derive(Debug, Clone)]
+pub(super) struct Look {
+    /// Its request marker.
+    pub(super) marker: Option<Marker>,
+    /// Whether its queue key exists.
+    pub(super) queued: bool,
+    /// The next older waiter: `None` when not read (the pool was full), `Some(None)` for the
+    /// head.
+    pub(super) predecessor: Option<Option<Waiter>>,
+    /// How many slot keys exist.
+    pub(super) held: i64,
+}
+
+impl Look {
+    /// What a waiter knows right after joining, from the join's own transaction.
+    pub(super) fn joined(revision: i64, lease: i64, held: i64) -> Look {
+        Look {
+            marker: Some(Marker {
+                state: MarkerState::Waiting,
+                lease,
+                mod_rev: revision,
+            }),
+            queued: true,
+            predecessor: None,
+            held,
+        }
+    }
+}
+
+/// What a waiter does next, decided from a [`Look`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Next {
+    /// It holds `slot`, granted at `revision`.
+    Granted { slot: u32, revision: i64 },
+    /// Its marker is gone: its session expired (or someone deleted its records).
+    Gone,
+    /// Its marker says waiting but its queue key is gone: someone else deleted it.
+    Broken,
+    /// Its marker is a tombstone: it was given up.
+    Abandoned,
+    /// Every slot is held: wait for a grant (or a slot deletion).
+    Wait,
+    /// A slot may be free: find out where it stands in the queue.
+    LookCloser,
+    /// A slot may be free and it is the head: claim.
+    Head,
+    /// A slot may be free, and it waits behind `predecessor` (a place key).
+    Behind { predecessor: u64 },
+}
+
+/// Pure: what a waiter does next.
+pub(super) fn decide(look: &Look, capacity: u32) -> Next {
+    let Some(marker) = look.marker else {
+        return Next::Gone;
+    };
+    match marker.state {
+        MarkerState::Granted { slot } => Next::Granted {
+            slot,
+            revision: marker.mod_rev,
+        },
+        MarkerState::Abandoned => Next::Abandoned,
+        MarkerState::Waiting if !look.queued => Next::Broken,
+        MarkerState::Waiting if look.held >= i64::from(capacity) => Next::Wait,
+        MarkerState::Waiting => match &look.predecessor {
+            None => Next::LookCloser,
+            Some(None) => Next::Head,
+            Some(Some(p)) => Next::Behind { predecessor: p.qk },
+        },
+    }
+}
+
+impl Inner {
+    /// Waits in the queue until granted. `stream` is the waiter's marker watch if it was opened
+    /// before the join (then `look` is what the join read); otherwise it is opened here and the
+    /// waiter looks after it. Cancel safe in the sense the acquire guard needs: a dropped wait
+    /// leaves its place to the guard's cleanup.
+    pub(super) async fn wait(
+        self: &Arc<Self>,
+        ticket: Ticket,
+        mut stream: Option<WaitStream>,
+        joined: Option<Look>,
+    ) -> Result<Grant, EtcdError> {
+        let _watching_frees = self.frees_user();
+        let mut frees = self.frees.subscribe();
+        frees.mark_unchanged();
+        let mut look = match (&stream, joined) {
+            (Some(_), Some(look)) => look,
+            _ => {
+                // The stream first (its marker watch from now), then the look: a grant made
+                // before the watch began is in the look, any later one comes as an event.
+                if stream.is_none() {
+                    stream = self.open_watch(&ticket).await?;
+                }
+                self.look(&ticket, false).await?
+            }
+        };
+        loop {
+            // Local releases so far: one after this can free an index the head could not take.
+            let releases = self.releases.load(Ordering::Acquire);
+            let predecessor = match decide(&look, self.layout.capacity()) {
+                Next::Granted { slot, revision } => {
+                    return Ok(Grant {
+                        slot,
+                        revision,
+                        session: Arc::clone(&ticket.session),
+                    });
+                }
+                Next::Gone => return Err(self.gone(&ticket).await),
+                Next::Broken => {
+                    return Err(EtcdError::new(
+                        EtcdErrorKind::InvalidResponse,
+                        format!(
+                            "the queue key of request {:016x} was deleted by someone else",
+                            ticket.rk
+                        ),
+                    ));
+                }
+                Next::Abandoned => {
+                    return Err(EtcdError::new(
+                        EtcdErrorKind::InvalidResponse,
+                        format!("request {:016x} was given up while it waited", ticket.rk),
+                    ));
+                }
+                Next::LookCloser => {
+                    look = self.look(&ticket, true).await?;
+                    continue;
+                }
+                Next::Head => {
+                    if let Some(grant) = self.claim_as_head(&ticket).await? {
+                        return Ok(grant);
+                    }
+                    // Nothing this broker may take (an index it still holds), or someone was
+                    // quicker: look again; if nothing changed, wait for a change.
+                    let again = self.look(&ticket, true).await?;
+                    let same = decide(&again, self.layout.capacity()) == Next::Head
+                        && again.held == look.held;
+                    look = again;
+                    if !same {
+                        continue;
+                    }
+                    None
+                }
+                Next::Wait => None,
+                Next::Behind { predecessor } => Some(predecessor),
+            };
+            let free = look.held < i64::from(self.layout.capacity());
+            look = self
+                .watch_for_change(
+                    &ticket,
+                    predecessor,
+                    free.then_some(releases),
+                    &mut stream,
+                    &mut frees,
+                )
+                .await?;
+        }
+    }
+
+    /// Why a waiter's marker is gone: its session expired (etcd says so), or someone deleted
+    /// its records.
+    async fn gone(self: &Arc<Self>, ticket: &Ticket) -> EtcdError {
+        let id = ticket.session.id;
+        let ttl = self
+            .endpoints
+            .call(
+                "check the session",
+                Instant::now() + self.retry_for,
+                |mut c| async move { c.lease_time_to_live(id, None).await },
+            )
+            .await;
+        match ttl {
+            Ok(resp) if resp.ttl() > 0 => EtcdError::new(
+                EtcdErrorKind::InvalidResponse,
+                format!(
+                    "the records of request {:016x} were deleted by someone else",
+                    ticket.rk
+                ),
+            ),
+            _ => {
+                self.forget_session(&ticket.session);
+                ticket.session.expired_error("waiting in the queue")
+            }
+        }
+    }
+
+    /// Reads the waiter's marker, its queue key and how many slots are held (and, `closer`, its
+    /// predecessor: a read of the queue), in one read, retried on any member while the session
+    /// lives.
+    pub(super) async fn look(
+        self: &Arc<Self>,
+        ticket: &Ticket,
+        closer: bool,
+    ) -> Result<Look, EtcdError> {
+        let l = &self.layout;
+        let mut ops = vec![
+            TxnOp::get(l.request_key(ticket.rk), None),
+            TxnOp::get(
+                l.queue_key(ticket.qk),
+                Some(GetOptions::new().with_keys_only()),
+            ),
+            TxnOp::get(
+                l.slot_prefix(),
+                Some(GetOptions::new().with_prefix().with_count_only()),
+            ),
+        ];
+        if closer {
+            ops.push(TxnOp::get(
+                l.queue_prefix(),
+                Some(
+                    GetOptions::new()
+                        .with_prefix()
+                        .with_max_create_revision(ticket.rev - 1)
+                        .with_sort(SortTarget::Create, SortOrder::Descend)
+                        .with_limit(1),
+                ),
+            ));
+        }
+        let txn = Txn::new().and_then(ops);
+        let resp = self
+            .patiently(ticket, "look at the queue", |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        let reads = gets(&resp.op_responses());
+        let (marker, queued, count) = match reads.as_slice() {
+            [m, q, c, ..] if reads.len() == 3 + usize::from(closer) => (m, q, c),
+            _ => return Err(txn_shape("look at the queue")),
+        };
+        let marker = match marker.kvs().first() {
+            Some(kv) => Some(l.marker(kv)?),
+            None => None,
+        };
+        let predecessor = match reads.get(3) {
+            Some(p) => Some(match p.kvs().first() {
+                Some(kv) => Some(l.waiter(kv)?),
+                None => None,
+            }),
+            None => None,
+        };
+        Ok(Look {
+            marker,
+            queued: !queued.kvs().is_empty(),
+            predecessor,
+            held: count.count(),
+        })
+    }
+
+    /// One call, retried without a bound while the waiter's session lives: a waiter keeps its
+    /// place through an outage or a leader election.
+    async fn patiently<T, F, Fut>(
+        self: &Arc<Self>,
+        ticket: &Ticket,
+        what: &str,
+        mut f: F,
+    ) -> Result<T, EtcdError>
+    where
+        F: FnMut(etcd_client::Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+    {
+        loop {
+            if ticket.session.is_expired() {
+                return Err(ticket.session.expired_error(what));
+            }
+            match self
+                .endpoints
+                .call(what, Instant::now() + self.retry_for, &mut f)
+                .await
+            {
+                Ok(v) => return Ok(v),
+                Err(Fail::Ambiguous(why)) => {
+                    tracing::debug!(what, error = %why, "a waiter keeps its place while etcd does not answer");
+                }
+                Err(Fail::NotFound) => return Err(ticket.session.expired_error(what)),
+                Err(Fail::Fatal(e)) => return Err(e),
+            }
+        }
+    }
+
+    /// The head's move when slots may be free: read the holders, claim a free slot, and grant
+    /// the other free slots to the waiters behind, in order. `None` when it got nothing.
+    async fn claim_as_head(self: &Arc<Self>, ticket: &Ticket) -> Result<Option<Grant>, EtcdError> {
+        let l = &self.layout;
+        let slots = self
+            .patiently(ticket, "read the holders", |mut c| {
+                let prefix = l.slot_prefix();
+                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
+            })
+            .await?;
+        let taken: HashSet<u32> = l.holders(slots.kvs())?.iter().map(|h| h.index).collect();
+        let local: HashSet<u32> = self.held.lock().keys().map(|t| t.slot_id()).collect();
+        let free: Vec<u32> = (0..l.capacity())
+            .filter(|i| !taken.contains(i) && !local.contains(i))
+            .collect();
+        match free.as_slice() {
+            [] => Ok(None),
+            [only] => self.claim(ticket, *only).await,
+            _ => {
+                let n = free.len() as i64;
+                let first = self
+                    .patiently(ticket, "read the queue's head", |mut c| {
+                        let prefix = l.queue_prefix();
+                        async move {
+                            c.get(
+                                prefix,
+                                Some(
+                                    GetOptions::new()
+                                        .with_prefix()
+                                        .with_sort(SortTarget::Create, SortOrder::Ascend)
+                                        .with_limit(n),
+                                ),
+                            )
+                            .await
+                        }
+                    })
+                    .await?;
+                let waiters = l.waiters(first.kvs())?;
+                if waiters.first().map(|w| w.rk) != Some(ticket.rk) {
+                    return self.claim(ticket, free[0]).await;
+                }
+                let others = waiters[1..]
+                    .iter()
+                    .zip(&free[1..])
+                    .map(|(w, slot)| self.grant_to(w.clone(), *slot));
+                let (mine, _) = futures_util::join!(self.claim(ticket, free[0]), join_all(others));
+                mine
+            }
+        }
+    }
+
+    /// Claims `slot` for the waiter if it is still free and the waiter still queued.
+    async fn claim(
+        self: &Arc<Self>,
+        ticket: &Ticket,
+        slot: u32,
+    ) -> Result<Option<Grant>, EtcdError> {
+        let l = &self.layout;
+        let under = || Some(PutOptions::new().with_lease(ticket.session.id));
+        let txn = Txn::new()
+            .when([
+                Compare::create_revision(l.queue_key(ticket.qk), CompareOp::Equal, ticket.rev),
+                Compare::create_revision(l.slot_key(slot), CompareOp::Equal, 0),
+            ])
+            .and_then([
+                TxnOp::put(l.slot_key(slot), l.holder_value(ticket.rk), under()),
+                TxnOp::delete(l.queue_key(ticket.qk), None),
+                TxnOp::put(
+                    l.request_key(ticket.rk),
+                    l.marker_value(MarkerState::Granted { slot }),
+                    under(),
+                ),
+            ]);
+        // A retry after a lost answer fails the comparison (the queue key is gone); the look
+        // that follows finds the grant in the marker.
+        let resp = self
+            .patiently(ticket, "claim a free slot", |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        Ok(resp.succeeded().then(|| Grant {
+            slot,
+            revision: resp.header().map_or(0, |h| h.revision()),
+            session: Arc::clone(&ticket.session),
+        }))
+    }
+
+    /// Grants `slot` to `waiter` (another request, maybe of another process) if it is still
+    /// free and the waiter still queued. Best effort: a failure leaves it to the next head.
+    async fn grant_to(self: &Arc<Self>, waiter: Waiter, slot: u32) {
+        let l = &self.layout;
+        let under = || Some(PutOptions::new().with_lease(waiter.lease));
+        let txn = Txn::new()
+            .when([
+                Compare::create_revision(
+                    l.queue_key(waiter.qk),
+                    CompareOp::Equal,
+                    waiter.create_rev,
+                ),
+                Compare::create_revision(l.slot_key(slot), CompareOp::Equal, 0),
+            ])
+            .and_then([
+                TxnOp::put(l.slot_key(slot), l.holder_value(waiter.rk), under()),
+                TxnOp::delete(l.queue_key(waiter.qk), None),
+                TxnOp::put(
+                    l.request_key(waiter.rk),
+                    l.marker_value(MarkerState::Granted { slot }),
+                    under(),
+                ),
+            ]);
+        let _ = self
+            .endpoints
+            .call(
+                "grant a slot to the next waiter",
+                Instant::now() + self.retry_for,
+                |mut c| {
+                    let txn = txn.clone();
+                    async move { c.txn(txn).await }
+                },
+            )
+            .await;
+    }
+
+    /// Waits for what may change the waiter's decision, and returns what to decide from next:
+    /// the grant written into its marker, or a fresh look once its predecessor changed
+    /// (`predecessor`), a slot was deleted, a local release happened (`releases`, when a slot
+    /// may be free), or the broker's watch stream was set up again.
+    async fn watch_for_change(
+        self: &Arc<Self>,
+        ticket: &Ticket,
+        predecessor: Option<u64>,
+        releases: Option<u64>,
+        stream: &mut Option<WaitStream>,
+        frees: &mut watch::Receiver<u64>,
+    ) -> Result<Look, EtcdError> {
+        let Some(s) = stream.as_mut() else {
+            // A new watch of the marker, from now: look again after it, for what happened
+            // while there was none.
+            *stream = self.open_watch(ticket).await?;
+            return self.look(ticket, false).await;
+        };
+        if s.predecessor() != predecessor {
+            s.next = None;
+            if let Some(qk) = predecessor {
+                // From now, then checked: the predecessor may have left before the watch.
+                let key = self.layout.queue_key(qk);
+                let watch = match self.hub.watch(key.clone(), WatchOptions::new()).await {
+                    Ok(watch) => watch,
+                    Err(_) => return self.look(ticket, false).await,
+                };
+                s.next = Some((qk, watch));
+                let still = self
+                    .patiently(ticket, "look at the predecessor", |mut c| {
+                        let key = key.clone();
+                        async move { c.get(key, Some(GetOptions::new().with_count_only())).await }
+                    })
+                    .await?;
+                if still.count() == 0 {
+                    return self.look(ticket, false).await;
+                }
+            }
+        }
+        // A slot index this broker held may become free for it (its token released here after
+        // etcd had already let it go). Armed before the count is compared.
+        let released = self.released.notified();
+        tokio::pin!(released);
+        released.as_mut().enable();
+        if releases.is_some_and(|r| self.releases.load(Ordering::Acquire) != r) {
+            return self.look(ticket, false).await;
+        }
+        {
+            let next = async {
+                match s.next.as_mut() {
+                    Some((_, watch)) => watch.seen.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::pin!(next);
+            loop {
+                tokio::select! {
+                    () = &mut released, if releases.is_some() => {
+                        return self.look(ticket, false).await;
+                    }
+                    changed = frees.changed() => {
+                        if changed.is_ok() {
+                            return self.look(ticket, false).await;
+                        }
+                    }
+                    seen = s.marker.seen.recv() => match seen {
+                        Some(Seen::Events(events)) => {
+                            for event in &events {
+                                let Some(kv) = event.kv() else { continue };
+                                if event.event_type() == EventType::Put {
+                                    let marker = self.layout.marker(kv)?;
+                                    if let MarkerState::Granted { .. } = marker.state {
+                                        return Ok(Look {
+                                            marker: Some(marker),
+                                            queued: false,
+                                            predecessor: None,
+                                            held: 0,
+                                        });
+                                    }
+                                    continue; // its own "waiting"
+                                }
+                                return self.look(ticket, false).await; // its marker went: why?
+                            }
+                        }
+                        // Set up again on a new stream, or cancelled by etcd: look again.
+                        Some(Seen::Reset) => return self.look(ticket, false).await,
+                        None => break,
+                    },
+                    _ = &mut next => {
+                        // The predecessor moved on (or its watch was set up again).
+                        return self.look(ticket, false).await;
+                    }
+                    () = ticket.session.expired() => {
+                        return Err(ticket.session.expired_error("waiting in the queue"));
+                    }
+                }
+            }
+        }
+        // The hub dropped the watch (the broker is closing): a new one next time.
+        *stream = None;
+        self.look(ticket, false).await
+    }
+
+    /// Watches a waiter's marker, from now, on the broker's shared stream, retried while the
+    /// session lives. `None` if the session expired meanwhile (the caller's look will say so).
+    ///
+    /// From now, not from the revision of a read: etcd serves a watch that starts in the past
+    /// from a loop that catches up every 100 ms (and re-reads history to do so), which would
+    /// delay the grant's event. The caller looks after it instead (or set it up before the
+    /// join).
+    pub(super) async fn open_watch(
+        self: &Arc<Self>,
+        ticket: &Ticket,
+    ) -> Result<Option<WaitStream>, EtcdError> {
+        let session = Arc::clone(&ticket.session);
+        self.open_marker_watch(ticket.rk, &session).await
+    }
+
+    /// [`open_watch`](Self::open_watch) by request key (an acquire opens it before joining).
+    pub(super) async fn open_marker_watch(
+        self: &Arc<Self>,
+        rk: u64,
+        session: &Session,
+    ) -> Result<Option<WaitStream>, EtcdError> {
+        let key = self.layout.request_key(rk);
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            if session.is_expired() {
+                return Ok(None);
+            }
+            match self.hub.watch(key.clone(), WatchOptions::new()).await {
+                Ok(marker) => return Ok(Some(WaitStream { marker, next: None })),
+                Err(Fail::Fatal(e)) => return Err(e),
+                Err(f) => {
+                    tracing::debug!(error = ?f, "a waiter keeps its place while etcd does not answer");
+                }
+            }
+            sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Registers a waiter with the broker's watch of slot deletions, which runs while the
+    /// broker has waiters.
+    fn frees_user(self: &Arc<Self>) -> FreesUser {
+        let mut ctl = self.frees_ctl.lock();
+        ctl.users += 1;
+        if ctl.stop.is_none()
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            let stop = CancellationToken::new();
+            ctl.stop = Some(stop.clone());
+            rt.spawn(watch_frees(Arc::downgrade(self), stop));
+        }
+        FreesUser {
+            inner: Arc::clone(self),
+        }
+    }
+}
+
+/// One waiter of a broker's watch of slot deletions; the last one stops it.
+struct FreesUser {
+    inner: Arc<Inner>,
+}
+
+impl Drop for FreesUser {
+    fn drop(&mut self) {
+        let mut ctl = self.inner.frees_ctl.lock();
+        ctl.users -= 1;
+        if ctl.users == 0
+            && let Some(stop) = ctl.stop.take()
+        {
+            stop.cancel();
+        }
+    }
+}
+
+/// The state of a broker's watch of slot deletions.
+#[derive(Debug, Default)]
+pub(super) struct FreesCtl {
+    users: usize,
+    stop: Option<CancellationToken>,
+}
+
+/// Watches slot deletions (frees without a hand-off) for the broker's waiters, from now, and
+/// bumps `frees` on each, and also whenever the watch (re)starts, for what it may have missed.
+async fn watch_frees(inner: std::sync::Weak<Inner>, stop: CancellationToken) {
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        let Some(me) = inner.upgrade() else {
+            return;
+        };
+        let prefix = me.layout.slot_prefix();
+        let opened = tokio::select! {
+            () = stop.cancelled() => return,
+            opened = me.endpoints.call_on("watch the slots", Instant::now() + me.retry_for, |mut c| {
+                let prefix = prefix.clone();
+                async move {
+                    c.watch(
+                        prefix,
+                        Some(WatchOptions::new().with_prefix().with_filters([WatchFilterType::NoPut])),
+                    )
+                    .await
+                }
+            }) => opened,
+        };
+        let (member, mut stream) = match opened {
+            Ok(found) => found,
+            Err(_) => {
+                drop(me);
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(20);
+        me.frees.send_modify(|n| *n += 1);
+        let endpoints = Arc::clone(&me.endpoints);
+        let frees = me.frees.clone();
+        drop(me);
+        let mut members = endpoints.subscribe();
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                msg = stream.message() => match msg {
+                    Ok(Some(resp)) if !resp.canceled() => {
+                        if !resp.events().is_empty() {
+                            frees.send_modify(|n| *n += 1);
+                        }
+                    }
+                    _ => break,
+                },
+                _ = members.changed() => {
+                    if endpoints.is_down(member) {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A waiter's watches on the broker's shared stream: its marker's, and its predecessor's (with
+/// its place key) while it has one.
+pub(super) struct WaitStream {
+    marker: Watch,
+    next: Option<(u64, Watch)>,
+}
+
+impl WaitStream {
+    fn predecessor(&self) -> Option<u64> {
+        self.next.as_ref().map(|(qk, _)| *qk)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn look(
+        marker: Option<MarkerState>,
+        queued: bool,
+        predecessor: Option<Option<u64>>,
+        held: i64,
+    ) -> Look {
+        Look {
+            marker: marker.map(|state| Marker {
+                state,
+                lease: 7,
+                mod_rev: 9,
+            }),
+            queued,
+            predecessor: predecessor.map(|p| {
+                p.map(|qk| Waiter {
+                    qk,
+                    rk: qk + 100,
+                    lease: 8,
+                    create_rev: 5,
+                })
+            }),
+            held,
+        }
+    }
+
+    #[test]
+    fn while_every_slot_is_held_a_waiter_only_waits_for_its_grant() {
+        for predecessor in [None, Some(None), Some(Some(3))] {
+            assert_eq!(
+                decide(&look(Some(MarkerState::Waiting), true, predecessor, 2), 2),
+                Next::Wait
+            );
+        }
+    }
+
+    #[test]
+    fn with_a_slot_free_a_waiter_finds_its_place_and_only_the_head_claims() {
+        let waiting = Some(MarkerState::Waiting);
+        assert_eq!(decide(&look(waiting, true, None, 1), 2), Next::LookCloser);
+        assert_eq!(decide(&look(waiting, true, Some(None), 1), 2), Next::Head);
+        assert_eq!(
+            decide(&look(waiting, true, Some(Some(3)), 1), 2),
+            Next::Behind { predecessor: 3 }
+        );
+    }
+
+    #[test]
+    fn a_grant_in_the_marker_wins_over_anything_else_the_look_says() {
+        assert_eq!(
+            decide(
+                &look(
+                    Some(MarkerState::Granted { slot: 1 }),
+                    false,
+                    Some(Some(3)),
+                    1
+                ),
+                2
+            ),
+            Next::Granted {
+                slot: 1,
+                revision: 9
+            }
+        );
+    }
+
+    #[test]
+    fn missing_or_inconsistent_records_end_the_wait() {
+        assert_eq!(decide(&look(None, false, None, 0), 2), Next::Gone);
+        assert_eq!(
+            decide(&look(Some(MarkerState::Waiting), false, None, 0), 2),
+            Next::Broken
+        );
+        assert_eq!(
+            decide(&look(Some(MarkerState::Abandoned), false, None, 0), 2),
+            Next::Abandoned
+        );
+    }
+}

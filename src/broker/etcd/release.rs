@@ -1,0 +1,395 @@
+//! Release: one transaction that hands the slot straight to the queue's head (or deletes it
+//! when nobody waits), and the background settlement of a release whose answer was lost.
+//!
+//! The hand-off compares the slot key's mod revision with the token (so a retry after a lost
+//! answer, or a late copy, does nothing once the slot has moved on) and the head's queue key
+//! with the place read; it writes the slot key under the head's session, deletes the head's
+//! queue key and writes the grant into the head's marker, all at one revision: the new token.
+//! A slot never sits free while someone waits.
+//!
+//! Uncontended, a release is one write. Under contention the broker first reads the head
+//! (a read, not a consensus write) and then hands off; which of the two it starts with follows
+//! what the last release or acquire saw.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp};
+use tokio::time::{Instant, sleep};
+
+use super::Inner;
+use super::acquire::{gets, txn_shape};
+use super::error::{EtcdError, EtcdErrorKind, Fail};
+use super::layout::{MarkerState, Waiter};
+use super::session::{Claim, Held};
+use crate::broker::{BrokerError, SlotToken};
+
+/// How a give-back ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum GaveBack {
+    /// This call's transaction moved the slot on.
+    Released,
+    /// The slot no longer carried the token when read: an earlier attempt (whose answer was
+    /// lost) moved it on, or it went with the session.
+    Gone,
+}
+
+/// Settles a release in the background when the release future is dropped or fails with an
+/// unknown outcome.
+struct ReleaseGuard {
+    inner: Arc<Inner>,
+    token: SlotToken,
+    entry: Option<Held>,
+}
+
+impl Drop for ReleaseGuard {
+    fn drop(&mut self) {
+        if let Some(entry) = self.entry.take()
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            let (inner, token) = (Arc::clone(&self.inner), self.token);
+            let settling = Settling::new(&inner);
+            rt.spawn(async move {
+                inner.settle(token, entry, true).await;
+                drop(settling);
+            });
+        }
+    }
+}
+
+impl Inner {
+    /// Gives `token` back (see [`SlotBroker::release`](crate::SlotBroker::release)).
+    pub(super) async fn release(self: &Arc<Self>, token: SlotToken) -> Result<(), BrokerError> {
+        let entry = self.held.lock().remove(&token);
+        let Some(entry) = entry else {
+            if self.forgotten.lock().contains(&token) {
+                // Given back by the broker after a TTL nobody kept it alive.
+                return Ok(());
+            }
+            return Err(EtcdError::new(
+                EtcdErrorKind::NotOurs,
+                format!("{token} was not granted by this broker, or was already released"),
+            )
+            .into_broker());
+        };
+        // The slot index is this broker's to hand out again (see `park`).
+        self.releases.fetch_add(1, Ordering::AcqRel);
+        self.released.notify_waiters();
+        self.hint.store(token.slot_id(), Ordering::Relaxed);
+        if entry.claim == Claim::Expired {
+            return Ok(()); // the broker gave it back already
+        }
+        let mut guard = ReleaseGuard {
+            inner: Arc::clone(self),
+            token,
+            entry: Some(entry.clone()),
+        };
+        let deadline = Instant::now() + self.retry_for;
+        match self.give_back(token, &entry, None, deadline).await {
+            Ok(_) => {
+                guard.entry = None;
+                Ok(())
+            }
+            Err(Fail::Ambiguous(m)) => Err(BrokerError::delivery_unknown(format!(
+                "release of {token} unanswered: {m}; retried in the background, else the slot goes with the session's ttl"
+            ))
+            .with_code("ETCD_UNAVAILABLE")),
+            // The session is gone, and the slot key with it.
+            Err(Fail::NotFound) => {
+                guard.entry = None;
+                Ok(())
+            }
+            Err(Fail::Fatal(e)) => Err(e.into_broker()),
+        }
+    }
+
+    /// Moves the slot of `token` on: to the oldest waiter, or free when nobody waits. The
+    /// request's marker goes in the same transaction, or becomes a tombstone under the session
+    /// `tombstone` (an acquire given up).
+    ///
+    /// Concurrent releases must not fight over one head: the transaction is a chain of nested
+    /// transactions over the oldest waiters this broker last read (`heads`), and hands the slot
+    /// to the first of them still waiting, all at one revision. Any waiter older than those read
+    /// does not exist (the queue only grows at its young end), so a stale list only risks
+    /// finding nobody left, and then the chain's last link reads the queue again.
+    pub(super) async fn give_back(
+        self: &Arc<Self>,
+        token: SlotToken,
+        entry: &Held,
+        tombstone: Option<i64>,
+        deadline: Instant,
+    ) -> Result<GaveBack, Fail> {
+        let l = &self.layout;
+        let mine = token.lease_id() as i64;
+        let marker = match tombstone {
+            None => TxnOp::delete(l.request_key(entry.rk), None),
+            Some(lease) => TxnOp::put(
+                l.request_key(entry.rk),
+                l.marker_value(MarkerState::Abandoned),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+        };
+        // Never itself: a holder read as a waiter before its grant (and its marker would be both
+        // written and deleted by one link).
+        let mut heads: Vec<Waiter> = self.heads.lock().clone();
+        for _ in 0..16 {
+            heads.retain(|w| w.rk != entry.rk);
+            let txn = self.hand_off(token, &heads, &marker);
+            let resp = self
+                .endpoints
+                .call("hand the slot on", deadline, |mut c| {
+                    let txn = txn.clone();
+                    async move { c.txn(txn).await }
+                })
+                .await?;
+            // Walk down the chain to the link that ran.
+            let mut link = resp;
+            let mut depth = 0;
+            while !link.succeeded() {
+                match link.op_responses().into_iter().next() {
+                    Some(etcd_client::TxnOpResponse::Txn(next)) => {
+                        link = next;
+                        depth += 1;
+                    }
+                    _ => break,
+                }
+            }
+            if link.succeeded() {
+                let handed = depth < heads.len();
+                self.contended.store(handed, Ordering::Relaxed);
+                if handed {
+                    // The waiters up to the one served are gone from the queue.
+                    let left = {
+                        let mut cache = self.heads.lock();
+                        let served = &heads[..=depth];
+                        cache.retain(|w| !served.contains(w));
+                        cache.len()
+                    };
+                    if left < 2 {
+                        self.refresh_heads();
+                    }
+                } else {
+                    self.heads.lock().clear();
+                }
+                return Ok(GaveBack::Released);
+            }
+            // The last link's reads: is the slot still this token's, and who waits now.
+            let reads = gets(&link.op_responses());
+            let [slot, oldest] = reads.as_slice() else {
+                return Err(Fail::Fatal(txn_shape("hand the slot on")));
+            };
+            match slot.kvs().first() {
+                Some(kv) if kv.mod_revision() == mine => {}
+                _ => return Ok(GaveBack::Gone),
+            }
+            heads = self.layout.waiters(oldest.kvs()).map_err(Fail::Fatal)?;
+            self.contended.store(!heads.is_empty(), Ordering::Relaxed);
+            *self.heads.lock() = heads.clone();
+        }
+        Err(Fail::Ambiguous(
+            "the queue kept changing under the release".into(),
+        ))
+    }
+
+    /// The chain: for each waiter in `heads`, "if the slot is still the token's and the waiter
+    /// still waits, hand it over, else try the next"; last, "if nobody waits, delete it, else
+    /// read the slot and the queue's oldest waiters".
+    fn hand_off(&self, token: SlotToken, heads: &[Waiter], marker: &TxnOp) -> Txn {
+        let l = &self.layout;
+        let slot_key = l.slot_key(token.slot_id());
+        let still_mine =
+            || Compare::mod_revision(slot_key.clone(), CompareOp::Equal, token.lease_id() as i64);
+        let mut link = Txn::new()
+            .when([
+                still_mine(),
+                Compare::version(l.queue_prefix(), CompareOp::Equal, 0).with_prefix(),
+            ])
+            .and_then([TxnOp::delete(slot_key.clone(), None), marker.clone()])
+            .or_else([
+                TxnOp::get(slot_key.clone(), Some(GetOptions::new().with_keys_only())),
+                oldest_waiters(l.queue_prefix(), self.heads_read()),
+            ]);
+        for w in heads.iter().rev() {
+            let under = || Some(PutOptions::new().with_lease(w.lease));
+            link = Txn::new()
+                .when([
+                    still_mine(),
+                    Compare::create_revision(l.queue_key(w.qk), CompareOp::Equal, w.create_rev),
+                ])
+                .and_then([
+                    TxnOp::put(slot_key.clone(), l.holder_value(w.rk), under()),
+                    TxnOp::delete(l.queue_key(w.qk), None),
+                    TxnOp::put(
+                        l.request_key(w.rk),
+                        l.marker_value(MarkerState::Granted {
+                            slot: token.slot_id(),
+                        }),
+                        under(),
+                    ),
+                    marker.clone(),
+                ])
+                .or_else([TxnOp::txn(link)]);
+        }
+        link
+    }
+
+    /// How many of the oldest waiters a release reads (and chains over).
+    fn heads_read(&self) -> i64 {
+        i64::from(self.layout.capacity().min(16))
+    }
+
+    /// Reads the queue's oldest waiters into `heads`, off the release's path (one read on one
+    /// member, while the remaining ones still serve the next releases).
+    fn refresh_heads(self: &Arc<Self>) {
+        if self.refreshing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            self.refreshing.store(false, Ordering::Release);
+            return;
+        };
+        let me = Arc::clone(self);
+        rt.spawn(async move {
+            let prefix = me.layout.queue_prefix();
+            let n = me.heads_read();
+            let read = me
+                .endpoints
+                .call(
+                    "read the queue's oldest waiters",
+                    Instant::now() + me.rpc_timeout * 2,
+                    |mut c| {
+                        let prefix = prefix.clone();
+                        async move {
+                            c.get(
+                                prefix,
+                                Some(
+                                    GetOptions::new()
+                                        .with_prefix()
+                                        .with_sort(SortTarget::Create, SortOrder::Ascend)
+                                        .with_limit(n),
+                                ),
+                            )
+                            .await
+                        }
+                    },
+                )
+                .await;
+            if let Ok(resp) = read
+                && let Ok(waiters) = me.layout.waiters(resp.kvs())
+            {
+                me.contended.store(!waiters.is_empty(), Ordering::Relaxed);
+                *me.heads.lock() = waiters;
+            }
+            me.refreshing.store(false, Ordering::Release);
+        });
+    }
+
+    /// Finishes giving a token back in the background, retrying while etcd does not answer.
+    /// With `count_expiry` (a release whose outcome the supervisor did not learn), a slot found
+    /// gone together with the session counts as an orphan that expired; a slot found gone while
+    /// the session lives was moved on by the release's own earlier attempt, and counts as
+    /// nothing more.
+    pub(super) async fn settle(
+        self: &Arc<Self>,
+        token: SlotToken,
+        entry: Held,
+        count_expiry: bool,
+    ) {
+        let give_up = Instant::now() + (self.ttl * 10).max(Duration::from_secs(60));
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            if entry.session.is_expired() {
+                self.gone_with_session(token, &entry, count_expiry);
+                return;
+            }
+            let deadline = Instant::now() + self.retry_for;
+            match self.give_back(token, &entry, None, deadline).await {
+                Ok(GaveBack::Released) => {
+                    tracing::info!(%token, "etcd slot given back in the background");
+                    return;
+                }
+                Ok(GaveBack::Gone) => {
+                    if self.session_lives(&entry).await {
+                        tracing::info!(%token, "an earlier release of this etcd slot had landed");
+                    } else {
+                        self.gone_with_session(token, &entry, count_expiry);
+                    }
+                    return;
+                }
+                Err(Fail::NotFound) => {
+                    self.gone_with_session(token, &entry, count_expiry);
+                    return;
+                }
+                Err(Fail::Fatal(e)) => {
+                    tracing::error!(%token, error = %e, "etcd slot cannot be given back; left to the session's ttl");
+                    return;
+                }
+                Err(Fail::Ambiguous(_)) => {}
+            }
+            if Instant::now() >= give_up {
+                tracing::warn!(%token, "etcd unreachable for too long: slot left to the session's ttl, not counted");
+                return;
+            }
+            sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Whether etcd still knows the entry's session (asked, not assumed).
+    async fn session_lives(self: &Arc<Self>, entry: &Held) -> bool {
+        let id = entry.session.id;
+        let asked = self
+            .endpoints
+            .call(
+                "check the session",
+                Instant::now() + self.retry_for,
+                |mut c| async move { c.lease_time_to_live(id, None).await },
+            )
+            .await;
+        !matches!(asked, Ok(ref resp) if resp.ttl() <= 0) && !matches!(asked, Err(Fail::NotFound))
+    }
+
+    fn gone_with_session(&self, token: SlotToken, entry: &Held, count_expiry: bool) {
+        if !count_expiry {
+            return;
+        }
+        self.orphans_expired.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(%token, "etcd slot whose release went unanswered expired with its session (its ttl ended it, not a release)");
+        for events in self.events.lock().iter() {
+            if events.origin() == 0 || events.origin() == entry.origin || entry.origin == 0 {
+                events.orphan_expired(token.lease_id());
+            }
+        }
+    }
+}
+
+/// Counts a give-back in progress in the background (see `EtcdBroker::settling`) while it
+/// lives.
+pub(super) struct Settling(Arc<Inner>);
+
+impl Settling {
+    pub(super) fn new(inner: &Arc<Inner>) -> Self {
+        inner.settling.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(inner))
+    }
+}
+
+impl Drop for Settling {
+    fn drop(&mut self) {
+        self.0.settling.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A read of the queue's `n` oldest waiters.
+fn oldest_waiters(queue_prefix: String, n: i64) -> TxnOp {
+    TxnOp::get(
+        queue_prefix,
+        Some(
+            GetOptions::new()
+                .with_prefix()
+                .with_sort(SortTarget::Create, SortOrder::Ascend)
+                .with_limit(n),
+        ),
+    )
+}

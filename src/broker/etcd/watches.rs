@@ -1,0 +1,278 @@
+//! One watch stream per broker, shared by all its waiters: a waiter's watch is one message on
+//! the stream (and its cancel one more), not a stream of its own — etcd sets up a stream with
+//! goroutines and buffers, which cost more than the watch itself.
+//!
+//! `Hub::watch` registers a watch (from now: etcd serves those at once) under a fresh id and
+//! returns a [`Watch`], which receives that id's events and cancels the watch when dropped. A
+//! task reads the stream and routes events by watch id. When the stream breaks, or its member
+//! is marked down, the hub opens a new one on a member that answers, registers every watch
+//! again (from now) and sends each [`Seen::Reset`]: its owner looks again for what happened in
+//! between.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use etcd_client::{Event, WatchOptions, WatchRequestSender, WatchResponseStream};
+use futures_util::future::BoxFuture;
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::timeout;
+use tokio::time::{Instant, sleep};
+
+use super::endpoints::Endpoints;
+use super::error::Fail;
+
+/// What a [`Watch`] receives.
+#[derive(Debug)]
+pub(super) enum Seen {
+    /// Events on the watched key or range.
+    Events(Vec<Event>),
+    /// The watch was set up again (a new stream) or cancelled by etcd: look again.
+    Reset,
+}
+
+/// One registered watch.
+struct Route {
+    key: String,
+    options: WatchOptions,
+    to: mpsc::UnboundedSender<Seen>,
+    /// Told when etcd says the watch is in place on the current stream.
+    created: Option<oneshot::Sender<()>>,
+}
+
+/// The stream in use: where requests go, and which generation it is.
+struct Conn {
+    generation: u64,
+    sender: WatchRequestSender,
+}
+
+/// A broker's shared watch stream.
+pub(super) struct Hub {
+    endpoints: Arc<Endpoints>,
+    /// Watched by the connection itself, so that a stream can be opened before any waiter
+    /// watches (etcd-client opens a stream with its first watch).
+    anchor: String,
+    routes: Mutex<HashMap<i64, Route>>,
+    conn: tokio::sync::Mutex<Option<Conn>>,
+    next_id: AtomicI64,
+    generation: AtomicU64,
+    retry_for: Duration,
+}
+
+impl std::fmt::Debug for Hub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hub")
+            .field("watches", &self.routes.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The anchor's watch id (the routes' ids start above it).
+const ANCHOR: i64 = 1;
+
+/// A watch on the hub's stream; cancelled when dropped.
+pub(super) struct Watch {
+    hub: Weak<Hub>,
+    id: i64,
+    pub(super) seen: mpsc::UnboundedReceiver<Seen>,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(hub) = self.hub.upgrade() {
+            hub.routes.lock().remove(&self.id);
+            let id = self.id;
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let mut conn = hub.conn.lock().await;
+                    if let Some(c) = conn.as_mut() {
+                        let _ = c.sender.cancel(id).await;
+                    }
+                });
+            }
+        }
+    }
+}
+
+impl Hub {
+    pub(super) fn new(endpoints: Arc<Endpoints>, anchor: String, retry_for: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            endpoints,
+            anchor,
+            routes: Mutex::new(HashMap::new()),
+            conn: tokio::sync::Mutex::new(None),
+            next_id: AtomicI64::new(ANCHOR + 1),
+            generation: AtomicU64::new(0),
+            retry_for,
+        })
+    }
+
+    /// Watches `key` with `options` (whose start revision and id are set here: from now, a
+    /// fresh id). The watch is in place when this returns (etcd has said so). `Err` only when no
+    /// member answers within the retry bound.
+    pub(super) async fn watch(
+        self: &Arc<Self>,
+        key: String,
+        options: WatchOptions,
+    ) -> Result<Watch, Fail> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (to, seen) = mpsc::unbounded_channel();
+        let (created, in_place) = oneshot::channel();
+        self.routes.lock().insert(
+            id,
+            Route {
+                key: key.clone(),
+                options: options.clone(),
+                to,
+                created: Some(created),
+            },
+        );
+        let watch = Watch {
+            hub: Arc::downgrade(self),
+            id,
+            seen,
+        };
+        {
+            let mut conn = self.conn.lock().await;
+            let sent = match conn.as_mut() {
+                Some(c) => c
+                    .sender
+                    .watch(key, Some(options.with_watch_id(id)))
+                    .await
+                    .is_ok(),
+                None => false,
+            };
+            if !sent {
+                // No stream, or a broken one: a new one registers every route, this one too.
+                *conn = Some(self.connect().await?);
+                return Ok(watch);
+            }
+        }
+        match timeout(self.retry_for, in_place).await {
+            Ok(Ok(())) => Ok(watch),
+            // The stream broke before etcd answered: the new one registered this route (and
+            // sent it a `Reset`), or will.
+            Ok(Err(_)) => Ok(watch),
+            Err(_) => Err(Fail::Ambiguous(format!(
+                "a watch was not set up within {:?}",
+                self.retry_for
+            ))),
+        }
+    }
+
+    /// Opens a stream on a member that answers, registers every route on it (from now) and,
+    /// once etcd has set them all up, tells each to look again; starts the task that reads it.
+    fn connect(self: &Arc<Self>) -> BoxFuture<'static, Result<Conn, Fail>> {
+        // Boxed: the reader task it starts calls it again when the stream breaks.
+        Box::pin(Arc::clone(self).connect_now())
+    }
+
+    async fn connect_now(self: Arc<Self>) -> Result<Conn, Fail> {
+        let anchor = self.anchor.clone();
+        let (member, stream) = self
+            .endpoints
+            .call_on("watch", Instant::now() + self.retry_for, |mut c| {
+                let anchor = anchor.clone();
+                async move {
+                    c.watch(anchor, Some(WatchOptions::new().with_watch_id(ANCHOR)))
+                        .await
+                }
+            })
+            .await?;
+        let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        let (mut sender, responses) = stream.split();
+        tokio::spawn(read(Arc::downgrade(&self), generation, member, responses));
+        let mut acks = Vec::new();
+        let routes: Vec<(i64, String, WatchOptions)> = {
+            let mut routes = self.routes.lock();
+            routes
+                .iter_mut()
+                .map(|(id, r)| {
+                    let (created, in_place) = oneshot::channel();
+                    r.created = Some(created);
+                    acks.push(in_place);
+                    (*id, r.key.clone(), r.options.clone())
+                })
+                .collect()
+        };
+        for (id, key, options) in routes {
+            sender
+                .watch(key, Some(options.with_watch_id(id)))
+                .await
+                .map_err(|e| Fail::Ambiguous(format!("watch: {e}")))?;
+        }
+        let all = futures_util::future::join_all(acks);
+        if timeout(self.retry_for, all).await.is_err() {
+            return Err(Fail::Ambiguous("watches were not set up in time".into()));
+        }
+        for route in self.routes.lock().values() {
+            let _ = route.to.send(Seen::Reset);
+        }
+        Ok(Conn { generation, sender })
+    }
+}
+
+/// Routes the stream's events to their watches, until it breaks or its member goes down; then
+/// opens a new one (if any watch is left and no newer stream replaced it).
+async fn read(hub: Weak<Hub>, generation: u64, member: usize, mut responses: WatchResponseStream) {
+    let Some(endpoints) = hub.upgrade().map(|h| Arc::clone(&h.endpoints)) else {
+        return;
+    };
+    let mut members = endpoints.subscribe();
+    loop {
+        tokio::select! {
+            msg = responses.message() => match msg {
+                Ok(Some(resp)) => {
+                    let Some(hub) = hub.upgrade() else { return };
+                    let mut routes = hub.routes.lock();
+                    if let Some(route) = routes.get_mut(&resp.watch_id()) {
+                        if resp.created()
+                            && let Some(created) = route.created.take()
+                        {
+                            let _ = created.send(());
+                        }
+                        if resp.canceled() {
+                            let _ = route.to.send(Seen::Reset);
+                        } else if !resp.events().is_empty() {
+                            let _ = route.to.send(Seen::Events(resp.events().to_vec()));
+                        }
+                    }
+                }
+                _ => break,
+            },
+            _ = members.changed() => {
+                if endpoints.is_down(member) {
+                    break;
+                }
+            }
+        }
+    }
+    // Broken: a new stream, unless the broker is gone, nobody watches, or a newer stream
+    // already replaced this one.
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        let Some(hub) = hub.upgrade() else { return };
+        let mut conn = hub.conn.lock().await;
+        if conn.as_ref().is_some_and(|c| c.generation != generation) {
+            return;
+        }
+        *conn = None;
+        if hub.routes.lock().is_empty() {
+            return;
+        }
+        match hub.connect().await {
+            Ok(new) => {
+                *conn = Some(new);
+                return;
+            }
+            Err(_) => {
+                drop(conn);
+                drop(hub);
+                sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+        }
+    }
+}
