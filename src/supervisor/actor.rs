@@ -8,6 +8,12 @@
 //! message; temp dirs are made by the worker and removed by the job's driver; GPU fences run in
 //! the driver and the devices are closed on a thread of their own. The one await in a handler is
 //! a worker actor's spawn, which returns once its `pre_start` (a move of its arguments) is done.
+//!
+//! This file is the shell itself: the actor's handlers, each message turned into an input, and
+//! the dispatch of each effect. The effects that reach outside live beside it, one concern each:
+//! [`brokerage`] (broker acquires, releases and renewals), [`jobs`] (a worker's start, the
+//! driver that reports its physical end, temp dir removal, process reports) and [`ending`]
+//! (shutdown's timers, the GPU close, the report).
 
 use std::mem;
 use std::path::PathBuf;
@@ -40,6 +46,13 @@ use crate::process::{Evidence, ProcessPolicy};
 use crate::sink::ErrorSink;
 use crate::worker::{JobShared, WorkerActor, WorkerArgs};
 
+mod brokerage;
+mod ending;
+mod jobs;
+
+pub(crate) use brokerage::BrokerPort;
+use jobs::{JobRt, JobStart};
+
 /// Settings fixed at start.
 pub(crate) struct Config {
     pub(crate) cleanup_timeout: Duration,
@@ -50,30 +63,6 @@ pub(crate) struct Config {
     pub(crate) error_sink: Option<ErrorSink>,
     pub(crate) process_policy: ProcessPolicy,
     pub(crate) hosts: Hosts,
-}
-
-/// Where tokens come from. The in-process broker is called directly (no boxed future, no
-/// poll); any other broker through its object-safe face.
-#[derive(Clone)]
-pub(crate) enum BrokerPort {
-    Local(Arc<LocalBroker>),
-    Dyn(Arc<dyn DynBroker>),
-}
-
-impl BrokerPort {
-    pub(crate) fn capacity(&self) -> Option<u32> {
-        match self {
-            Self::Local(b) => Some(b.slots()),
-            Self::Dyn(b) => b.capacity(),
-        }
-    }
-
-    pub(crate) fn as_dyn(&self) -> Arc<dyn DynBroker> {
-        match self {
-            Self::Local(b) => Arc::clone(b) as Arc<dyn DynBroker>,
-            Self::Dyn(b) => Arc::clone(b),
-        }
-    }
 }
 
 pub(crate) struct SupervisorActor;
@@ -90,13 +79,6 @@ pub(crate) struct SupArgs {
     pub(crate) origin: u64,
 }
 
-/// A job granted a slot, to start (its worker's spawn is awaited).
-struct JobStart {
-    key: LeaseKey,
-    token: SlotToken,
-    job: Box<PendingJob>,
-}
-
 struct Waiter {
     /// Carries the caller's span.
     kind: WaiterKind,
@@ -109,18 +91,6 @@ struct Waiter {
 enum Since {
     ThisBatch,
     At(Instant),
-}
-
-/// What the shell keeps for a running job.
-struct JobRt {
-    job_id: Arc<str>,
-    shared: Arc<JobShared>,
-    /// Taken when the caller has been answered (at the end, or early on quarantine).
-    reply: Option<oneshot::Sender<RunOutcome>>,
-    /// Why the job could not start (its caller hears this, once the token is back).
-    not_started: Option<AcquireError>,
-    #[cfg(feature = "gpu")]
-    placement: Option<crate::gpu::Placement>,
 }
 
 /// What the shell keeps for an explicit lease.
@@ -565,45 +535,6 @@ impl Shell {
         None
     }
 
-    fn broker_acquire(&mut self, request: RequestId, for_waiter: Option<WaiterId>) {
-        let job_id = for_waiter
-            .and_then(|w| self.waiters.get(&w))
-            .and_then(|w| match &w.kind {
-                WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
-                WaiterKind::Lease { .. } => None,
-            });
-        let result = match &self.broker {
-            // Answers at once (the core asks only while a slot is free).
-            BrokerPort::Local(local) => local.take(),
-            BrokerPort::Dyn(broker) => {
-                let req = AcquireRequest::for_job(request, job_id).with_origin(self.origin);
-                let mut fut = Arc::clone(broker).acquire_boxed(req);
-                match poll_once(&mut fut) {
-                    Poll::Ready(result) => result,
-                    Poll::Pending => {
-                        let inbox = Arc::clone(&self.inbox);
-                        let broker = Arc::clone(broker);
-                        let timeout = self.config.cleanup_timeout;
-                        let task = tokio::spawn(async move {
-                            let result = fut.await;
-                            if let Err(SupMsg::Acquired {
-                                result: Ok(token), ..
-                            }) = inbox.send(SupMsg::Acquired { request, result })
-                            {
-                                // The supervisor stopped while this acquire was in flight:
-                                // nobody can hold the token, so it goes straight back, once.
-                                release_orphan(broker, token, timeout).await;
-                            }
-                        });
-                        self.acquires.insert(request, task.abort_handle());
-                        return;
-                    }
-                }
-            }
-        };
-        self.core.apply(Input::Acquired { request, result });
-    }
-
     fn deliver(&mut self, waiter: WaiterId, key: LeaseKey, token: SlotToken) -> Option<JobStart> {
         let Some(Waiter { kind, since }) = self.waiters.remove(&waiter) else {
             tracing::error!(waiter, "a grant for a waiter the shell does not know");
@@ -650,116 +581,6 @@ impl Shell {
         }
     }
 
-    async fn start_job(&mut self, start: JobStart) {
-        let JobStart { key, token, job } = start;
-        let PendingJob {
-            job_id,
-            shared,
-            body,
-            reply,
-            span,
-        } = *job;
-        span.record("slot_id", token.slot_id());
-        span.record("lease_id", token.lease_id());
-        #[cfg(feature = "gpu")]
-        let placement = match &self.config.hosts.gpu {
-            Some(gpu) => match gpu.place() {
-                Some(p) => Some(p),
-                None => {
-                    let err = crate::gpu::GpuError::CreateFailed("no usable gpu slot".into());
-                    return self.not_started(key, job_id, shared, reply, AcquireError::Gpu(err));
-                }
-            },
-            None => None,
-        };
-        let tracker = TaskTracker::new();
-        let reporter = Reporter {
-            inbox: Arc::clone(&self.inbox),
-            key,
-        };
-        let args = WorkerArgs {
-            body,
-            token,
-            job_id: Arc::clone(&job_id),
-            work_root: Arc::clone(&self.config.work_root),
-            shared: Arc::clone(&shared),
-            tracker: tracker.clone(),
-            span,
-            policy: self.config.process_policy,
-            grace: self.config.cancel_grace,
-            hosts: self.config.hosts.clone(),
-            reporter: reporter.clone(),
-            #[cfg(feature = "gpu")]
-            gpu: placement,
-        };
-        match Actor::spawn_linked(None, WorkerActor, args, self.myself.get_cell()).await {
-            Ok((worker, join)) => {
-                self.workers.insert(worker.get_id(), key);
-                self.jobs.insert(
-                    key,
-                    JobRt {
-                        job_id,
-                        shared: Arc::clone(&shared),
-                        reply: Some(reply),
-                        not_started: None,
-                        #[cfg(feature = "gpu")]
-                        placement,
-                    },
-                );
-                let driver = Driver {
-                    join,
-                    tracker,
-                    shared,
-                    reporter,
-                    drain_timeout: self.config.drain_timeout,
-                    #[cfg(feature = "gpu")]
-                    gpu: self.config.hosts.gpu.clone(),
-                    #[cfg(feature = "gpu")]
-                    placement,
-                };
-                tokio::spawn(driver.run());
-                #[cfg(feature = "gpu")]
-                let device = placement.map(|p| p.device);
-                #[cfg(not(feature = "gpu"))]
-                let device = None;
-                self.core.apply(Input::Started { key, device });
-            }
-            Err(err) => {
-                // The worker's pre_start only moves its arguments, so the body never ran.
-                tracing::error!(error = %err, "could not spawn the worker actor");
-                #[cfg(feature = "gpu")]
-                if let (Some(gpu), Some(p)) = (&self.config.hosts.gpu, placement) {
-                    gpu.free(p);
-                }
-                let err = BrokerError::new(format!("worker spawn failed: {err}"));
-                self.not_started(key, job_id, shared, reply, AcquireError::Failed(err));
-            }
-        }
-    }
-
-    /// A job that could not start: its token goes back, then its caller hears why.
-    fn not_started(
-        &mut self,
-        key: LeaseKey,
-        job_id: Arc<str>,
-        shared: Arc<JobShared>,
-        reply: oneshot::Sender<RunOutcome>,
-        error: AcquireError,
-    ) {
-        self.jobs.insert(
-            key,
-            JobRt {
-                job_id,
-                shared,
-                reply: Some(reply),
-                not_started: Some(error),
-                #[cfg(feature = "gpu")]
-                placement: None,
-            },
-        );
-        self.core.apply(Input::NotStarted { key });
-    }
-
     fn refuse(&mut self, waiter: WaiterId, error: AcquireError) {
         let Some(Waiter { kind, .. }) = self.waiters.remove(&waiter) else {
             return;
@@ -790,21 +611,6 @@ impl Shell {
         }
     }
 
-    /// Keeps the lease alive while it is held, when the broker needs that.
-    fn start_renewal(&mut self, key: LeaseKey, token: SlotToken) {
-        let lost = self.broker.as_dyn().keep_alive_boxed(token);
-        let inbox = Arc::clone(&self.inbox);
-        let task = tokio::spawn(async move {
-            let err = lost.await;
-            // Judged by the core: renewal may have been stopped since.
-            let _ = inbox.send(SupMsg::LeaseLost {
-                key,
-                reason: err.to_string(),
-            });
-        });
-        self.renewals.insert(key, task.abort_handle());
-    }
-
     fn cancel(&mut self, key: LeaseKey, holder: Holder, lost: Option<String>) {
         match holder {
             Holder::Job => {
@@ -826,80 +632,6 @@ impl Shell {
             }
             Holder::Surplus => {}
         }
-    }
-
-    #[cfg_attr(not(feature = "gpu"), allow(unused_variables))]
-    fn recreate_device(&mut self, device: usize) {
-        #[cfg(feature = "gpu")]
-        if let Some(gpu) = &self.config.hosts.gpu {
-            if gpu.settled(device) {
-                // Replaced (or given up) before the loss reached the core.
-                let generation = gpu.generation(device);
-                self.core
-                    .apply(Input::DeviceReplaced { device, generation });
-            } else {
-                gpu.recreate(device);
-            }
-        }
-    }
-
-    fn remove_scratch(&mut self, key: LeaseKey) {
-        let Some(job) = self.jobs.get(&key) else {
-            return;
-        };
-        let Some(path) = job.shared.temp_dir().map(PathBuf::from) else {
-            // The worker made no temp dir (it could not): nothing to remove.
-            return self.core.apply(Input::ProvenOne {
-                key,
-                proof: Proof::Scratch,
-            });
-        };
-        // Started exactly when the core says, in a task of its own: never in the mailbox.
-        let removal = remove_scratch(
-            Arc::clone(&self.config.hosts.scratch),
-            path,
-            self.config.cleanup_timeout,
-            Reporter {
-                inbox: Arc::clone(&self.inbox),
-                key,
-            },
-        );
-        tokio::spawn(removal);
-    }
-
-    /// Releases `token` under the cleanup timeout, which is the supervisor's own: no caller's
-    /// cancellation reaches it.
-    fn broker_release(&mut self, key: LeaseKey, token: SlotToken) {
-        let result = match &self.broker {
-            BrokerPort::Local(local) => local.give(token),
-            BrokerPort::Dyn(broker) => {
-                let mut fut = Arc::clone(broker).release_boxed(token);
-                match poll_once(&mut fut) {
-                    Poll::Ready(result) => result,
-                    Poll::Pending => {
-                        let (timeout, started) = (self.config.cleanup_timeout, self.now());
-                        let inbox = Arc::clone(&self.inbox);
-                        tokio::spawn(async move {
-                            let result = match tokio::time::timeout(timeout, fut).await {
-                                Ok(Ok(())) => Ok(()),
-                                Ok(Err(e)) => Err(CleanupError::broker(token, e)),
-                                Err(_) => Err(CleanupError::timeout(token, timeout)),
-                            };
-                            let _ = inbox.send(SupMsg::Released {
-                                key,
-                                result,
-                                started,
-                            });
-                        });
-                        return;
-                    }
-                }
-            }
-        };
-        // Answered inline, within this turn: no time passed that the batch clock could see.
-        let result = result.map_err(|e| CleanupError::broker(token, e));
-        self.record_release(Duration::ZERO, &result);
-        self.core.apply(Input::Released { key, result });
     }
 
     fn answer(&mut self, key: LeaseKey, result: Result<(), CleanupError>) {
@@ -978,106 +710,6 @@ impl Shell {
         }
     }
 
-    fn arm_shutdown_timers(&mut self) {
-        let inbox = Arc::clone(&self.inbox);
-        let (grace, bound) = (self.config.cancel_grace, self.config.shutdown_timeout);
-        tokio::spawn(async move {
-            let start = tokio::time::Instant::now();
-            if grace < bound {
-                tokio::time::sleep(grace).await;
-                if inbox.send(SupMsg::ShutdownGraceOver).is_err() {
-                    return;
-                }
-            }
-            tokio::time::sleep_until(start + bound).await;
-            let _ = inbox.send(SupMsg::ShutdownDeadline);
-        });
-    }
-
-    fn close_gpu(&mut self) {
-        #[cfg(feature = "gpu")]
-        if let Some(gpu) = &self.config.hosts.gpu {
-            let bound = self.config.cleanup_timeout;
-            let (closing, inbox) = (gpu.close(bound), Arc::clone(&self.inbox));
-            tokio::spawn(async move {
-                // The close bounds itself; this bound is for a close that would not.
-                let unclosed = tokio::time::timeout(bound + bound / 10, closing).await.ok();
-                let _ = inbox.send(SupMsg::GpuClosed { unclosed });
-            });
-            return;
-        }
-        self.core.apply(Input::GpuClosed);
-    }
-
-    fn stopped(&mut self) {
-        let tally = self.core.stop_tally();
-        let unproven = self.list_quarantine();
-        self.publish();
-        let report = ShutdownReport {
-            refused_waiters: tally.refused_waiters,
-            cancelled_jobs: tally.cancelled_jobs,
-            released_leases: tally.released_leases,
-            quarantined: self.core.quarantined(),
-            unproven,
-            unclosed_devices: mem::take(&mut self.unclosed),
-            stats: self.stats.snapshot(),
-        };
-        for reply in self.shutdown_replies.drain(..) {
-            let _ = reply.send(report.clone());
-        }
-        self.stats.mark_shut_down();
-        self.inbox.close();
-        self.myself.stop(None);
-    }
-
-    /// Drops everything the actor still holds: queued mail, waiters, renewals, broker acquires.
-    /// Idempotent.
-    fn stop_everything(&mut self) {
-        self.inbox.close();
-        for (_, task) in self.renewals.drain() {
-            task.abort();
-        }
-        for (_, task) in self.acquires.drain() {
-            task.abort();
-        }
-        // Waiters still queued hear SUPERVISOR_STOPPED when their reply senders drop.
-        self.waiters.clear();
-        if let Some(root) = self.owned_root.take()
-            && self.core.quarantined() > 0
-        {
-            // Quarantined temp dirs are evidence: keep them.
-            let kept = root.keep();
-            tracing::warn!(root = %kept.display(), "work root kept: it holds quarantined temp dirs");
-        }
-    }
-
-    fn describe(&self, key: LeaseKey) -> Option<QuarantinedSlot> {
-        let lease = self.core.lease(key)?;
-        Some(QuarantinedSlot {
-            token: lease.token(),
-            job_id: self.jobs.get(&key).map(|j| j.job_id.to_string()),
-            reason: lease
-                .reasons()
-                .iter()
-                .map(|r| r.detail.as_str())
-                .collect::<Vec<_>>()
-                .join("; "),
-        })
-    }
-
-    fn list_quarantine(&self) -> Vec<QuarantinedSlot> {
-        let mut keys: Vec<LeaseKey> = self
-            .core
-            .leases()
-            .filter(|(_, l)| l.phase() == super::core::Phase::Quarantined)
-            .map(|(k, _)| k)
-            .collect();
-        keys.sort_unstable();
-        let mut out: Vec<_> = keys.into_iter().filter_map(|k| self.describe(k)).collect();
-        out.sort_by_key(|q| q.token.lease_id());
-        out
-    }
-
     /// The batch's time, read once per batch when first needed.
     fn now(&mut self) -> Instant {
         *self.clock.get_or_insert_with(Instant::now)
@@ -1136,160 +768,6 @@ fn shrink<K: Eq + std::hash::Hash, V>(map: &mut FxHashMap<K, V>) {
     super::core::shrink_map(map);
 }
 
-/// Releases a token that arrived after the supervisor stopped, under the cleanup timeout.
-async fn release_orphan(broker: Arc<dyn DynBroker>, token: SlotToken, timeout: Duration) {
-    match tokio::time::timeout(timeout, broker.release_boxed(token)).await {
-        Ok(Ok(())) => {
-            tracing::info!(%token, "released a token granted after the supervisor stopped")
-        }
-        Ok(Err(error)) => {
-            tracing::error!(%token, %error, "could not release a token granted after the supervisor stopped")
-        }
-        Err(_) => {
-            tracing::error!(%token, ?timeout, "release of a token granted after the supervisor stopped timed out")
-        }
-    }
-}
-
 /// Inputs the core refused, ever (the simulation test demands none).
 #[cfg(test)]
 pub(crate) static ILLEGAL_INPUTS: AtomicU64 = AtomicU64::new(0);
-
-/// Process keys are unique in the process (any supervisor).
-static NEXT_PROCESS: AtomicU64 = AtomicU64::new(1);
-
-impl Reporter {
-    fn send(&self, msg: SupMsg) {
-        // A supervisor that is gone no longer waits for this.
-        let _ = self.inbox.send(msg);
-    }
-
-    /// A job started a process group: its slot now waits for it too.
-    pub(crate) fn process_started(&self) -> u64 {
-        let process = NEXT_PROCESS.fetch_add(1, Ordering::Relaxed);
-        self.send(SupMsg::ProcessStarted {
-            key: self.key,
-            process,
-        });
-        process
-    }
-
-    /// A process group's keeper ended.
-    pub(crate) fn process_ended(&self, process: u64, unproven: Option<Box<dyn Evidence>>) {
-        self.send(SupMsg::ProcessEnded {
-            key: self.key,
-            process,
-            unproven,
-        });
-    }
-}
-
-/// Removes a temp dir (off the mailbox) and reports; past `bound` the slot is quarantined
-/// until the removal ends.
-async fn remove_scratch(
-    host: Arc<dyn super::hosts::ScratchHost>,
-    path: PathBuf,
-    bound: Duration,
-    reporter: Reporter,
-) {
-    let mut removal = host.remove(path);
-    let result = match tokio::time::timeout(bound, &mut removal).await {
-        Ok(result) => result,
-        Err(_) => {
-            reporter.send(SupMsg::Late {
-                key: reporter.key,
-                proof: Proof::Scratch,
-                detail: format!("the temp dir was not removed within {bound:?}"),
-            });
-            removal.await
-        }
-    };
-    reporter.send(SupMsg::ScratchRemoved {
-        key: reporter.key,
-        result,
-    });
-}
-
-/// Awaits a job's physical end, outside the supervisor's mailbox, and reports each proof as
-/// it comes: the worker's actor task (its join handle resolves only once the actor is fully
-/// gone, state dropped), every task and blocking closure spawned through its context (process
-/// keepers included), and (with a GPU) every submission made under the lease. It decides
-/// nothing: what follows from the proofs is the core's.
-struct Driver {
-    join: JoinHandle<()>,
-    tracker: TaskTracker,
-    shared: Arc<JobShared>,
-    reporter: Reporter,
-    drain_timeout: Option<Duration>,
-    #[cfg(feature = "gpu")]
-    gpu: Option<Arc<dyn super::hosts::GpuHost>>,
-    #[cfg(feature = "gpu")]
-    placement: Option<crate::gpu::Placement>,
-}
-
-impl Driver {
-    async fn run(self) {
-        let key = self.reporter.key;
-        let _ = self.join.await;
-        let tracker = self.tracker;
-        tracker.close();
-        let mut proofs = Proofs::JOINED;
-        if !tracker.is_empty() {
-            // Tell the supervisor the body has ended; the tasks are waited for.
-            self.reporter.send(SupMsg::Proven { key, proofs });
-            proofs = Proofs::default();
-            if let Some(after) = self.drain_timeout
-                && tokio::time::timeout(after, tracker.wait()).await.is_err()
-            {
-                self.reporter.send(SupMsg::Late {
-                    key,
-                    proof: Proof::TasksJoined,
-                    detail: format!(
-                        "tasks spawned through the worker context were still running {after:?} after the worker ended"
-                    ),
-                });
-            }
-            tracker.wait().await;
-        }
-        self.shared.close();
-        proofs = proofs.with(Proofs::TASKS);
-        #[cfg(feature = "gpu")]
-        if let (Some(gpu), Some(placement)) = (&self.gpu, self.placement) {
-            use super::hosts::Fence;
-            let job = self.shared.take_gpu();
-            let mut fence = gpu.fence(placement, job).await;
-            if let Fence::Late { detail, rest } = fence {
-                self.reporter.send(SupMsg::Proven { key, proofs });
-                proofs = Proofs::default();
-                self.reporter.send(SupMsg::Late {
-                    key,
-                    proof: Proof::GpuFence,
-                    detail,
-                });
-                fence = rest.await;
-            }
-            match fence {
-                Fence::Done | Fence::Late { .. } => proofs = proofs.with(Proofs::GPU),
-                Fence::Lost {
-                    device,
-                    generation,
-                    reason,
-                } => {
-                    if !proofs.is_empty() {
-                        self.reporter.send(SupMsg::Proven { key, proofs });
-                        proofs = Proofs::default();
-                    }
-                    self.reporter.send(SupMsg::DeviceLost {
-                        key,
-                        device,
-                        generation,
-                        reason,
-                    });
-                }
-            }
-        }
-        if !proofs.is_empty() {
-            self.reporter.send(SupMsg::Proven { key, proofs });
-        }
-    }
-}

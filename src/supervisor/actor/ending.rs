@@ -1,0 +1,106 @@
+//! The end of a supervisor: shutdown's timers, the GPU pool's bounded close, the report and
+//! what is dropped when the actor stops; and how a quarantined slot is described.
+
+use super::*;
+
+impl Shell {
+    pub(super) fn arm_shutdown_timers(&mut self) {
+        let inbox = Arc::clone(&self.inbox);
+        let (grace, bound) = (self.config.cancel_grace, self.config.shutdown_timeout);
+        tokio::spawn(async move {
+            let start = tokio::time::Instant::now();
+            if grace < bound {
+                tokio::time::sleep(grace).await;
+                if inbox.send(SupMsg::ShutdownGraceOver).is_err() {
+                    return;
+                }
+            }
+            tokio::time::sleep_until(start + bound).await;
+            let _ = inbox.send(SupMsg::ShutdownDeadline);
+        });
+    }
+
+    pub(super) fn close_gpu(&mut self) {
+        #[cfg(feature = "gpu")]
+        if let Some(gpu) = &self.config.hosts.gpu {
+            let bound = self.config.cleanup_timeout;
+            let (closing, inbox) = (gpu.close(bound), Arc::clone(&self.inbox));
+            tokio::spawn(async move {
+                // The close bounds itself; this bound is for a close that would not.
+                let unclosed = tokio::time::timeout(bound + bound / 10, closing).await.ok();
+                let _ = inbox.send(SupMsg::GpuClosed { unclosed });
+            });
+            return;
+        }
+        self.core.apply(Input::GpuClosed);
+    }
+
+    pub(super) fn stopped(&mut self) {
+        let tally = self.core.stop_tally();
+        let unproven = self.list_quarantine();
+        self.publish();
+        let report = ShutdownReport {
+            refused_waiters: tally.refused_waiters,
+            cancelled_jobs: tally.cancelled_jobs,
+            released_leases: tally.released_leases,
+            quarantined: self.core.quarantined(),
+            unproven,
+            unclosed_devices: mem::take(&mut self.unclosed),
+            stats: self.stats.snapshot(),
+        };
+        for reply in self.shutdown_replies.drain(..) {
+            let _ = reply.send(report.clone());
+        }
+        self.stats.mark_shut_down();
+        self.inbox.close();
+        self.myself.stop(None);
+    }
+
+    /// Drops everything the actor still holds: queued mail, waiters, renewals, broker acquires.
+    /// Idempotent.
+    pub(super) fn stop_everything(&mut self) {
+        self.inbox.close();
+        for (_, task) in self.renewals.drain() {
+            task.abort();
+        }
+        for (_, task) in self.acquires.drain() {
+            task.abort();
+        }
+        // Waiters still queued hear SUPERVISOR_STOPPED when their reply senders drop.
+        self.waiters.clear();
+        if let Some(root) = self.owned_root.take()
+            && self.core.quarantined() > 0
+        {
+            // Quarantined temp dirs are evidence: keep them.
+            let kept = root.keep();
+            tracing::warn!(root = %kept.display(), "work root kept: it holds quarantined temp dirs");
+        }
+    }
+
+    pub(super) fn describe(&self, key: LeaseKey) -> Option<QuarantinedSlot> {
+        let lease = self.core.lease(key)?;
+        Some(QuarantinedSlot {
+            token: lease.token(),
+            job_id: self.jobs.get(&key).map(|j| j.job_id.to_string()),
+            reason: lease
+                .reasons()
+                .iter()
+                .map(|r| r.detail.as_str())
+                .collect::<Vec<_>>()
+                .join("; "),
+        })
+    }
+
+    pub(super) fn list_quarantine(&self) -> Vec<QuarantinedSlot> {
+        let mut keys: Vec<LeaseKey> = self
+            .core
+            .leases()
+            .filter(|(_, l)| l.phase() == crate::supervisor::core::Phase::Quarantined)
+            .map(|(k, _)| k)
+            .collect();
+        keys.sort_unstable();
+        let mut out: Vec<_> = keys.into_iter().filter_map(|k| self.describe(k)).collect();
+        out.sort_by_key(|q| q.token.lease_id());
+        out
+    }
+}

@@ -1,0 +1,315 @@
+//! A job's life off the mailbox: its worker's start, the [`Driver`] task that awaits its physical
+//! end and reports each proof as it comes, the removal of its temp dir, and the [`Reporter`] its
+//! process keepers report through. None of it decides anything: every report is an input to the
+//! core.
+
+use super::*;
+
+/// A job granted a slot, to start (its worker's spawn is awaited).
+pub(super) struct JobStart {
+    pub(super) key: LeaseKey,
+    pub(super) token: SlotToken,
+    pub(super) job: Box<PendingJob>,
+}
+
+/// What the shell keeps for a running job.
+pub(super) struct JobRt {
+    pub(super) job_id: Arc<str>,
+    pub(super) shared: Arc<JobShared>,
+    /// Taken when the caller has been answered (at the end, or early on quarantine).
+    pub(super) reply: Option<oneshot::Sender<RunOutcome>>,
+    /// Why the job could not start (its caller hears this, once the token is back).
+    pub(super) not_started: Option<AcquireError>,
+    #[cfg(feature = "gpu")]
+    pub(super) placement: Option<crate::gpu::Placement>,
+}
+
+impl Shell {
+    pub(super) async fn start_job(&mut self, start: JobStart) {
+        let JobStart { key, token, job } = start;
+        let PendingJob {
+            job_id,
+            shared,
+            body,
+            reply,
+            span,
+        } = *job;
+        span.record("slot_id", token.slot_id());
+        span.record("lease_id", token.lease_id());
+        #[cfg(feature = "gpu")]
+        let placement = match &self.config.hosts.gpu {
+            Some(gpu) => match gpu.place() {
+                Some(p) => Some(p),
+                None => {
+                    let err = crate::gpu::GpuError::CreateFailed("no usable gpu slot".into());
+                    return self.not_started(key, job_id, shared, reply, AcquireError::Gpu(err));
+                }
+            },
+            None => None,
+        };
+        let tracker = TaskTracker::new();
+        let reporter = Reporter {
+            inbox: Arc::clone(&self.inbox),
+            key,
+        };
+        let args = WorkerArgs {
+            body,
+            token,
+            job_id: Arc::clone(&job_id),
+            work_root: Arc::clone(&self.config.work_root),
+            shared: Arc::clone(&shared),
+            tracker: tracker.clone(),
+            span,
+            policy: self.config.process_policy,
+            grace: self.config.cancel_grace,
+            hosts: self.config.hosts.clone(),
+            reporter: reporter.clone(),
+            #[cfg(feature = "gpu")]
+            gpu: placement,
+        };
+        match Actor::spawn_linked(None, WorkerActor, args, self.myself.get_cell()).await {
+            Ok((worker, join)) => {
+                self.workers.insert(worker.get_id(), key);
+                self.jobs.insert(
+                    key,
+                    JobRt {
+                        job_id,
+                        shared: Arc::clone(&shared),
+                        reply: Some(reply),
+                        not_started: None,
+                        #[cfg(feature = "gpu")]
+                        placement,
+                    },
+                );
+                let driver = Driver {
+                    join,
+                    tracker,
+                    shared,
+                    reporter,
+                    drain_timeout: self.config.drain_timeout,
+                    #[cfg(feature = "gpu")]
+                    gpu: self.config.hosts.gpu.clone(),
+                    #[cfg(feature = "gpu")]
+                    placement,
+                };
+                tokio::spawn(driver.run());
+                #[cfg(feature = "gpu")]
+                let device = placement.map(|p| p.device);
+                #[cfg(not(feature = "gpu"))]
+                let device = None;
+                self.core.apply(Input::Started { key, device });
+            }
+            Err(err) => {
+                // The worker's pre_start only moves its arguments, so the body never ran.
+                tracing::error!(error = %err, "could not spawn the worker actor");
+                #[cfg(feature = "gpu")]
+                if let (Some(gpu), Some(p)) = (&self.config.hosts.gpu, placement) {
+                    gpu.free(p);
+                }
+                let err = BrokerError::new(format!("worker spawn failed: {err}"));
+                self.not_started(key, job_id, shared, reply, AcquireError::Failed(err));
+            }
+        }
+    }
+
+    /// A job that could not start: its token goes back, then its caller hears why.
+    pub(super) fn not_started(
+        &mut self,
+        key: LeaseKey,
+        job_id: Arc<str>,
+        shared: Arc<JobShared>,
+        reply: oneshot::Sender<RunOutcome>,
+        error: AcquireError,
+    ) {
+        self.jobs.insert(
+            key,
+            JobRt {
+                job_id,
+                shared,
+                reply: Some(reply),
+                not_started: Some(error),
+                #[cfg(feature = "gpu")]
+                placement: None,
+            },
+        );
+        self.core.apply(Input::NotStarted { key });
+    }
+
+    #[cfg_attr(not(feature = "gpu"), allow(unused_variables))]
+    pub(super) fn recreate_device(&mut self, device: usize) {
+        #[cfg(feature = "gpu")]
+        if let Some(gpu) = &self.config.hosts.gpu {
+            if gpu.settled(device) {
+                // Replaced (or given up) before the loss reached the core.
+                let generation = gpu.generation(device);
+                self.core
+                    .apply(Input::DeviceReplaced { device, generation });
+            } else {
+                gpu.recreate(device);
+            }
+        }
+    }
+
+    pub(super) fn remove_scratch(&mut self, key: LeaseKey) {
+        let Some(job) = self.jobs.get(&key) else {
+            return;
+        };
+        let Some(path) = job.shared.temp_dir().map(PathBuf::from) else {
+            // The worker made no temp dir (it could not): nothing to remove.
+            return self.core.apply(Input::ProvenOne {
+                key,
+                proof: Proof::Scratch,
+            });
+        };
+        // Started exactly when the core says, in a task of its own: never in the mailbox.
+        let removal = remove_scratch(
+            Arc::clone(&self.config.hosts.scratch),
+            path,
+            self.config.cleanup_timeout,
+            Reporter {
+                inbox: Arc::clone(&self.inbox),
+                key,
+            },
+        );
+        tokio::spawn(removal);
+    }
+}
+
+/// Process keys are unique in the process (any supervisor).
+static NEXT_PROCESS: AtomicU64 = AtomicU64::new(1);
+
+impl Reporter {
+    fn send(&self, msg: SupMsg) {
+        // A supervisor that is gone no longer waits for this.
+        let _ = self.inbox.send(msg);
+    }
+
+    /// A job started a process group: its slot now waits for it too.
+    pub(crate) fn process_started(&self) -> u64 {
+        let process = NEXT_PROCESS.fetch_add(1, Ordering::Relaxed);
+        self.send(SupMsg::ProcessStarted {
+            key: self.key,
+            process,
+        });
+        process
+    }
+
+    /// A process group's keeper ended.
+    pub(crate) fn process_ended(&self, process: u64, unproven: Option<Box<dyn Evidence>>) {
+        self.send(SupMsg::ProcessEnded {
+            key: self.key,
+            process,
+            unproven,
+        });
+    }
+}
+
+/// Removes a temp dir (off the mailbox) and reports; past `bound` the slot is quarantined
+/// until the removal ends.
+async fn remove_scratch(
+    host: Arc<dyn crate::supervisor::hosts::ScratchHost>,
+    path: PathBuf,
+    bound: Duration,
+    reporter: Reporter,
+) {
+    let mut removal = host.remove(path);
+    let result = match tokio::time::timeout(bound, &mut removal).await {
+        Ok(result) => result,
+        Err(_) => {
+            reporter.send(SupMsg::Late {
+                key: reporter.key,
+                proof: Proof::Scratch,
+                detail: format!("the temp dir was not removed within {bound:?}"),
+            });
+            removal.await
+        }
+    };
+    reporter.send(SupMsg::ScratchRemoved {
+        key: reporter.key,
+        result,
+    });
+}
+
+/// Awaits a job's physical end, outside the supervisor's mailbox, and reports each proof as
+/// it comes: the worker's actor task (its join handle resolves only once the actor is fully
+/// gone, state dropped), every task and blocking closure spawned through its context (process
+/// keepers included), and (with a GPU) every submission made under the lease. It decides
+/// nothing: what follows from the proofs is the core's.
+struct Driver {
+    join: JoinHandle<()>,
+    tracker: TaskTracker,
+    shared: Arc<JobShared>,
+    reporter: Reporter,
+    drain_timeout: Option<Duration>,
+    #[cfg(feature = "gpu")]
+    gpu: Option<Arc<dyn crate::supervisor::hosts::GpuHost>>,
+    #[cfg(feature = "gpu")]
+    placement: Option<crate::gpu::Placement>,
+}
+
+impl Driver {
+    async fn run(self) {
+        let key = self.reporter.key;
+        let _ = self.join.await;
+        let tracker = self.tracker;
+        tracker.close();
+        let mut proofs = Proofs::JOINED;
+        if !tracker.is_empty() {
+            // Tell the supervisor the body has ended; the tasks are waited for.
+            self.reporter.send(SupMsg::Proven { key, proofs });
+            proofs = Proofs::default();
+            if let Some(after) = self.drain_timeout
+                && tokio::time::timeout(after, tracker.wait()).await.is_err()
+            {
+                self.reporter.send(SupMsg::Late {
+                    key,
+                    proof: Proof::TasksJoined,
+                    detail: format!(
+                        "tasks spawned through the worker context were still running {after:?} after the worker ended"
+                    ),
+                });
+            }
+            tracker.wait().await;
+        }
+        self.shared.close();
+        proofs = proofs.with(Proofs::TASKS);
+        #[cfg(feature = "gpu")]
+        if let (Some(gpu), Some(placement)) = (&self.gpu, self.placement) {
+            use crate::supervisor::hosts::Fence;
+            let job = self.shared.take_gpu();
+            let mut fence = gpu.fence(placement, job).await;
+            if let Fence::Late { detail, rest } = fence {
+                self.reporter.send(SupMsg::Proven { key, proofs });
+                proofs = Proofs::default();
+                self.reporter.send(SupMsg::Late {
+                    key,
+                    proof: Proof::GpuFence,
+                    detail,
+                });
+                fence = rest.await;
+            }
+            match fence {
+                Fence::Done | Fence::Late { .. } => proofs = proofs.with(Proofs::GPU),
+                Fence::Lost {
+                    device,
+                    generation,
+                    reason,
+                } => {
+                    if !proofs.is_empty() {
+                        self.reporter.send(SupMsg::Proven { key, proofs });
+                        proofs = Proofs::default();
+                    }
+                    self.reporter.send(SupMsg::DeviceLost {
+                        key,
+                        device,
+                        generation,
+                        reason,
+                    });
+                }
+            }
+        }
+        if !proofs.is_empty() {
+            self.reporter.send(SupMsg::Proven { key, proofs });
+        }
+    }
+}
