@@ -143,6 +143,9 @@ const SHRINK_AFTER: usize = 64;
 /// supervision events (worker ends) get their turn under a sustained load.
 const DRAINS_PER_RING: usize = 4;
 
+/// The most message slots the batch vector keeps between drains.
+const BATCH_KEEP: usize = 64;
+
 impl Actor for SupervisorActor {
     type Msg = Ring;
     type State = Shell;
@@ -210,6 +213,11 @@ impl Actor for SupervisorActor {
             }
             for msg in batch.drain(..) {
                 state.on_message(msg).await;
+            }
+            // A flood's batch is large once; its memory is not kept for ever (the inbox swaps
+            // this vector in as its queue at the next drain).
+            if batch.capacity() > BATCH_KEEP {
+                batch.shrink_to(BATCH_KEEP);
             }
             state.batch = batch;
             state.settle().await;
