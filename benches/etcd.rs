@@ -7,7 +7,7 @@
 //!
 //! criterion ids are `etcd/<bare_put|etcd_broker|leasehold>/slots=8`. The last "benchmark",
 //! `summary`, prints the ratio rows from the samples criterion took above. `-- --test` runs each
-//! once. The group is the one `benches/overhead.rs` had, moved as it was.
+//! once.
 
 mod floor;
 

@@ -5,7 +5,7 @@
 //! handles, the process evidence to re-check) and decides nothing. It never awaits a broker,
 //! the file system or a GPU inside its mailbox: a broker future gets one inline poll (the
 //! in-process broker is called directly) and otherwise runs in a task that reports back by
-//! message; temp dirs are made by the worker and removed by the job's driver; GPU fences run in
+//! message; temp dirs are made by the worker and removed by a task of their own when the core asks; GPU fences run in
 //! the driver and the devices are closed on a thread of their own. The one await in a handler is
 //! a worker actor's spawn, which returns once its `pre_start` (a move of its arguments) is done.
 //!

@@ -1185,7 +1185,6 @@ impl Core {
         lease
     }
 
-    /// Keeps the quarantine count in step with one lease.
     /// Keeps the phase counts in step with one lease.
     fn refresh(&mut self, key: LeaseKey) {
         let lease = self.leases.get_mut(&key).expect("checked by the caller");

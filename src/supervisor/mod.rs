@@ -487,10 +487,14 @@ impl Supervisor {
         JobHandle::new(job_id, cancel, rx)
     }
 
-    /// Refuses new work, fails every waiter with `SUPERVISOR_STOPPED`, cancels running jobs,
-    /// waits for every worker and release, releases explicit leases still held, then stops the
-    /// actor. Quarantined slots are reported, not waited for. A second call returns the same
-    /// kind of report.
+    /// Refuses new work, fails every waiter with `SUPERVISOR_STOPPED`, cancels every job not yet
+    /// released whatever its phase (stopping its process groups, aborting its tracked tasks
+    /// after the cancel grace), releases explicit leases still held, waits for the release
+    /// pipelines, then stops the actor. Nothing is waited for beyond the shutdown timeout
+    /// ([`SupervisorBuilder::shutdown_timeout`]): a slot whose quarantine would clear on its own
+    /// (late tasks, GPU work, a device being re-created) is waited for until then; one that only
+    /// a re-check could clear (processes not proven gone, a temp dir not removed) is reported at
+    /// once. A second call returns the same kind of report.
     ///
     /// # Errors
     ///

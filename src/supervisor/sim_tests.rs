@@ -10,8 +10,10 @@
 //!
 //! The world keeps its own ledger — which slot each lease id holds, when each body, task,
 //! process, GPU work and temp dir physically ended, every broker release and its outcome,
-//! every answer and sink call — and checks DESIGN.md's invariants 1–9 against it at every
-//! broker call and at the end.
+//! every answer and sink call — and checks DESIGN.md's invariants 1 and 3–9 against it at every
+//! broker call and at the end. (Invariant 2, no double grant of a slot, cannot fail against the
+//! fake broker, which hands out each slot once by construction; `core_tests` and
+//! `tests/lifecycle.rs` check the supervisor's refusal of a duplicate token.)
 //!
 //! `LEASEHOLD_SIM_SEEDS=n` runs n seeds (default 1000); `LEASEHOLD_SIM_SEED=s` runs seed s
 //! alone and prints its trace.
