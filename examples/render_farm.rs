@@ -17,8 +17,9 @@
 //! Writes `out/render_farm/frames/*.png`, `out/render_farm/trace.json` (open it in
 //! <https://ui.perfetto.dev> or `chrome://tracing`) and `out/render_farm/timeline.png`.
 //!
-//! Needs a Vulkan or GL adapter; Mesa's software Vulkan driver (lavapipe, Debian package
-//! `mesa-vulkan-drivers`) is enough.
+//! Needs a Vulkan or GL adapter; Mesa's software drivers are enough: lavapipe for Vulkan
+//! (Debian package `mesa-vulkan-drivers`) or llvmpipe through EGL for GL (`libegl-mesa0`,
+//! `libgl1-mesa-dri`).
 
 #[cfg(feature = "gpu")]
 #[path = "render_farm/farm.rs"]
@@ -467,8 +468,9 @@ mod app {
             Err(StartError::Gpu(e)) => {
                 farm.progress().finish();
                 eprintln!(
-                    "\n*** SKIPPED: no usable GPU adapter ({e}); install a Vulkan driver, e.g. \
-                     Mesa's software one: apt-get install mesa-vulkan-drivers libvulkan1 ***\n"
+                    "\n*** SKIPPED: no usable GPU adapter ({e}); install a Vulkan or GL driver, \
+                     e.g. Mesa's software ones: apt-get install mesa-vulkan-drivers libvulkan1 \
+                     (Vulkan) or libegl1 libegl-mesa0 libgl1-mesa-dri (GL) ***\n"
                 );
                 return Ok(ExitCode::SUCCESS);
             }

@@ -371,8 +371,11 @@ impl Supervisor {
         }
     }
 
-    /// The supervisor's GPU device of that index (feature `gpu`), while it is usable: for tools
-    /// and fault-injection tests (`device.destroy()` simulates a device loss).
+    /// The supervisor's GPU device of that index (feature `gpu`), of its current generation:
+    /// for tools and fault-injection tests (`device.destroy()` simulates a device loss). After a
+    /// loss this is still the lost device until its replacement is installed (watch
+    /// [`gpu_device_generation`](Self::gpu_device_generation)); `None` for an index the
+    /// supervisor does not have.
     #[cfg(feature = "gpu")]
     pub fn gpu_device(&self, index: usize) -> Option<wgpu::Device> {
         self.inner.gpu.as_ref()?.device(index)
