@@ -85,12 +85,27 @@ struct Waiter {
     since: Since,
 }
 
-/// When a waiter joined the queue: in the batch being handled (its clock not read yet: a grant
-/// within the same batch waited no time), or at a time read when its batch ended.
+/// When a waiter joined the queue: 0 in the batch being handled (its clock not read yet: a
+/// grant within the same batch waited no time), else the time read when its batch ended, as
+/// nanoseconds past the shell's epoch, plus one. Eight bytes, held by every waiting caller.
 #[derive(Clone, Copy)]
-enum Since {
-    ThisBatch,
-    At(Instant),
+struct Since(u64);
+
+impl Since {
+    const THIS_BATCH: Self = Self(0);
+
+    fn at(time: Instant, epoch: Instant) -> Self {
+        let nanos = time.saturating_duration_since(epoch).as_nanos();
+        Self(u64::try_from(nanos).unwrap_or(u64::MAX - 1) + 1)
+    }
+
+    /// How long before `now` the waiter joined (zero within its batch).
+    fn waited(self, now: Instant, epoch: Instant) -> Duration {
+        match self.0 {
+            0 => Duration::ZERO,
+            n => now.saturating_duration_since(epoch + Duration::from_nanos(n - 1)),
+        }
+    }
 }
 
 /// What the shell keeps for an explicit lease.
@@ -119,6 +134,8 @@ pub(crate) struct Shell {
     /// The batch's clock, read at most once per batch and only when a wait or a release must be
     /// measured across batches (an uncontended acquire and release read no clock at all).
     clock: Option<Instant>,
+    /// What waiters' join times are counted from (see [`Since`]).
+    epoch: Instant,
     /// Waiters that joined in this batch (stamped when it ends, if they still wait).
     fresh: Vec<WaiterId>,
     /// The most leases and waiters at once since the maps were last shrunk.
@@ -185,6 +202,7 @@ impl Actor for SupervisorActor {
             late_replies: Vec::new(),
             metrics: Metrics::register(),
             clock: None,
+            epoch: Instant::now(),
             fresh: Vec::new(),
             peak: 0,
             renewals: FxHashMap::default(),
@@ -346,7 +364,7 @@ impl Shell {
                     waiter,
                     Waiter {
                         kind,
-                        since: Since::ThisBatch,
+                        since: Since::THIS_BATCH,
                     },
                 );
                 self.fresh.push(waiter);
@@ -555,7 +573,7 @@ impl Shell {
                     self.core.apply(Input::Undelivered { key });
                     return None;
                 }
-                self.record_grant(&span, since, token);
+                self.record_grant(span.get(), since, token);
                 let cell = Arc::new(LeaseCell::new());
                 self.explicit.insert(
                     key,
@@ -579,11 +597,11 @@ impl Shell {
                 if job.shared.cancel.is_cancelled() || job.reply.is_closed() {
                     let _ = job
                         .reply
-                        .send(RunOutcome::NotStarted(AcquireError::Cancelled));
+                        .send(RunOutcome::NotStarted(Box::new(AcquireError::Cancelled)));
                     self.core.apply(Input::Undelivered { key });
                     return None;
                 }
-                self.record_grant(&job.span, since, token);
+                self.record_grant(job.span.get(), since, token);
                 Some(JobStart { key, token, job })
             }
         }
@@ -597,7 +615,7 @@ impl Shell {
         match kind {
             WaiterKind::Lease { reply, span } => {
                 if let AcquireError::Failed(err) = &error {
-                    let _e = span.enter();
+                    let _e = span.get().enter();
                     tracing::warn!(error = %err, "slot acquire failed");
                 }
                 let _ = reply.send(Err(error));
@@ -611,10 +629,10 @@ impl Shell {
                     other => other,
                 };
                 if let AcquireError::Failed(err) = &error {
-                    let _e = job.span.enter();
+                    let _e = job.span.get().enter();
                     tracing::warn!(error = %err, "slot acquire failed");
                 }
-                let _ = job.reply.send(RunOutcome::NotStarted(error));
+                let _ = job.reply.send(RunOutcome::NotStarted(Box::new(error)));
             }
         }
     }
@@ -650,7 +668,7 @@ impl Shell {
                 // The caller hears why its job did not start; a failed release of the token it
                 // never used has nobody else to go to.
                 (Some(reply), Some(why)) => {
-                    let _ = reply.send(RunOutcome::NotStarted(why));
+                    let _ = reply.send(RunOutcome::NotStarted(Box::new(why)));
                     result.err()
                 }
                 (Some(reply), None) => match reply.send(RunOutcome::Finished { cleanup: result }) {
@@ -728,10 +746,10 @@ impl Shell {
     fn end_batch(&mut self) {
         if !self.fresh.is_empty() {
             if self.core.waiting() > 0 {
-                let now = self.now();
+                let since = Since::at(self.now(), self.epoch);
                 for waiter in self.fresh.drain(..) {
                     if let Some(w) = self.waiters.get_mut(&waiter) {
-                        w.since = Since::At(now);
+                        w.since = since;
                     }
                 }
             }
@@ -741,9 +759,9 @@ impl Shell {
     }
 
     fn record_grant(&mut self, span: &Span, since: Since, token: SlotToken) {
-        let waited_ms = match since {
-            Since::ThisBatch => 0.0,
-            Since::At(t) => self.now().saturating_duration_since(t).as_secs_f64() * 1e3,
+        let waited_ms = match since.0 {
+            0 => 0.0,
+            _ => since.waited(self.now(), self.epoch).as_secs_f64() * 1e3,
         };
         self.metrics.acquire_count.increment(1);
         self.metrics.acquire_ms.record(waited_ms);
@@ -779,3 +797,22 @@ fn shrink<K: Eq + std::hash::Hash, V>(map: &mut FxHashMap<K, V>) {
 /// Inputs the core refused, ever (the simulation test demands none).
 #[cfg(test)]
 pub(crate) static ILLEGAL_INPUTS: AtomicU64 = AtomicU64::new(0);
+
+#[cfg(test)]
+mod since_tests {
+    use super::*;
+
+    #[test]
+    fn a_waiters_join_time_measures_its_wait_from_the_batch_it_joined_in() {
+        let epoch = Instant::now();
+        let joined = Since::at(epoch + Duration::from_millis(5), epoch);
+        let now = epoch + Duration::from_millis(7);
+        assert_eq!(joined.waited(now, epoch), Duration::from_millis(2));
+        // Joined at the epoch itself: still a time, not "this batch".
+        assert_eq!(
+            Since::at(epoch, epoch).waited(now, epoch),
+            Duration::from_millis(7)
+        );
+        assert_eq!(Since::THIS_BATCH.waited(now, epoch), Duration::ZERO);
+    }
+}

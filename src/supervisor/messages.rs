@@ -126,9 +126,31 @@ pub(crate) type ReleaseReply = oneshot::Sender<Result<(), CleanupError>>;
 pub(crate) enum WaiterKind {
     Lease {
         reply: oneshot::Sender<Result<Lease, AcquireError>>,
-        span: Span,
+        span: KeptSpan,
     },
     Job(Box<PendingJob>),
+}
+
+/// A caller's or a job's span, held while it waits: a disabled span (no subscriber wants it,
+/// the common case) is not held at all, so that each of a flood's waiting callers costs 8 bytes
+/// for it instead of a `Span`'s 40.
+pub(crate) struct KeptSpan(Option<Box<Span>>);
+
+static NO_SPAN: Span = Span::none();
+
+impl KeptSpan {
+    pub(crate) fn new(span: Span) -> Self {
+        Self((!span.is_disabled()).then(|| Box::new(span)))
+    }
+
+    /// The span (a disabled one when it was not kept).
+    pub(crate) fn get(&self) -> &Span {
+        self.0.as_deref().unwrap_or(&NO_SPAN)
+    }
+
+    pub(crate) fn into_span(self) -> Span {
+        self.0.map_or_else(Span::none, |span| *span)
+    }
 }
 
 pub(crate) struct PendingJob {
@@ -136,13 +158,14 @@ pub(crate) struct PendingJob {
     pub(crate) shared: Arc<JobShared>,
     pub(crate) body: BoxedBody,
     pub(crate) reply: oneshot::Sender<RunOutcome>,
-    pub(crate) span: Span,
+    pub(crate) span: KeptSpan,
 }
 
 /// What `run` hears back.
 pub(crate) enum RunOutcome {
-    /// No body ran and nothing is held.
-    NotStarted(AcquireError),
+    /// No body ran and nothing is held. Boxed: the rare case, and every waiting job's reply
+    /// channel holds room for a `RunOutcome`.
+    NotStarted(Box<AcquireError>),
     /// The release pipeline has finished (or quarantined the slot).
     Finished { cleanup: Result<(), CleanupError> },
 }

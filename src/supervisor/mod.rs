@@ -34,7 +34,7 @@ pub use stats::{Stats, metric_names};
 
 use self::core::{LeaseKey, WaiterId, Withdrawal};
 use inbox::Inbox;
-use messages::{PendingJob, RunOutcome, SupMsg, WaiterKind};
+use messages::{KeptSpan, PendingJob, RunOutcome, SupMsg, WaiterKind};
 use stats::SharedStats;
 
 use crate::broker::SlotToken;
@@ -228,7 +228,7 @@ impl Supervisor {
             waiter,
             kind: WaiterKind::Lease {
                 reply: tx,
-                span: Span::current(),
+                span: KeptSpan::new(Span::current()),
             },
         };
         if self.inner.inbox.send(msg).is_err() {
@@ -307,7 +307,7 @@ impl Supervisor {
             shared: Arc::clone(&shared),
             body: boxed,
             reply: tx,
-            span,
+            span: KeptSpan::new(span),
         };
         let msg = SupMsg::Acquire {
             waiter,
@@ -327,7 +327,7 @@ impl Supervisor {
         .await;
         guard.disarm();
         let cleanup = match outcome {
-            Ok(RunOutcome::NotStarted(err)) => return Err(JobError::Acquire(err)),
+            Ok(RunOutcome::NotStarted(err)) => return Err(JobError::Acquire(*err)),
             Ok(RunOutcome::Finished { cleanup }) => cleanup,
             // The supervisor died (its runtime is gone): nothing more can be proven.
             Err(_) if !shared.started() => return Err(JobError::Acquire(AcquireError::Stopped)),

@@ -23,7 +23,7 @@ pub(crate) struct JobShared {
     /// `QUEUED`, `STARTED` (the body was called) or `CLOSED` (every tracked task has ended).
     stage: AtomicU8,
     /// Made by the worker before the body runs; removed by the supervisor after its end.
-    temp_dir: OnceLock<PathBuf>,
+    temp_dir: OnceLock<Box<Path>>,
 }
 
 const QUEUED: u8 = 0;
@@ -111,12 +111,12 @@ impl JobShared {
     }
 
     pub(crate) fn set_temp_dir(&self, dir: PathBuf) {
-        let _ = self.temp_dir.set(dir);
+        let _ = self.temp_dir.set(dir.into_boxed_path());
     }
 
     /// The job's temp dir, once the worker has made it.
     pub(crate) fn temp_dir(&self) -> Option<&Path> {
-        self.temp_dir.get().map(PathBuf::as_path)
+        self.temp_dir.get().map(|dir| &**dir)
     }
 
     /// Records a tracked task, to abort at shutdown. Handles of finished tasks are dropped now

@@ -34,6 +34,7 @@ impl Shell {
             reply,
             span,
         } = *job;
+        let span = span.into_span();
         span.record("slot_id", token.slot_id());
         span.record("lease_id", token.lease_id());
         #[cfg(feature = "gpu")]
