@@ -918,3 +918,46 @@ async fn a_hung_release_times_out_at_the_cleanup_timeout_which_the_caller_cannot
     assert!(failures.recv().await.is_none(), "more than one sink call");
     broker.assert_quiescent(report.stats);
 }
+
+/// DESIGN.md section 2, steps 6 and 7: the freed slot goes to the next waiter before the caller
+/// of the job that held it hears its result. Both happen in one turn of the supervisor; on a
+/// current-thread runtime the tasks it wakes then run in the order they were woken, so the next
+/// waiter's task runs first.
+#[tokio::test]
+async fn the_next_waiter_is_granted_before_the_released_jobs_caller_hears() {
+    let sup = Supervisor::builder().slots(1).start().await.unwrap();
+    let log = Arc::new(Mutex::new(Vec::<&'static str>::new()));
+    let (a_started_tx, a_started_rx) = oneshot::channel::<()>();
+    let (a_go_tx, a_go_rx) = oneshot::channel::<()>();
+    let a = {
+        let (sup, log) = (sup.clone(), Arc::clone(&log));
+        tokio::spawn(async move {
+            let result = sup
+                .run(JobSpec::new("a").unwrap(), move |_ctx| async move {
+                    a_started_tx.send(()).unwrap();
+                    a_go_rx.await.unwrap();
+                    Ok::<_, std::io::Error>(())
+                })
+                .await;
+            log.lock().push("a's caller answered");
+            result
+        })
+    };
+    a_started_rx.await.unwrap();
+    let b = {
+        let (sup, log) = (sup.clone(), Arc::clone(&log));
+        tokio::spawn(async move {
+            let lease = sup.acquire().await;
+            log.lock().push("b granted");
+            lease
+        })
+    };
+    wait_until("b waits", || sup.stats().waiting == 1).await;
+
+    a_go_tx.send(()).unwrap();
+    a.await.unwrap().unwrap();
+    let mut lease = b.await.unwrap().unwrap();
+    assert_eq!(*log.lock(), ["b granted", "a's caller answered"]);
+    lease.release().await.unwrap();
+    sup.shutdown().await.unwrap();
+}

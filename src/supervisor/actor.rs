@@ -108,6 +108,23 @@ impl Since {
     }
 }
 
+/// An answer to a caller, held until the end of the turn: DESIGN.md section 2 hands the freed
+/// slot to the next waiter (step 6) before the caller hears (step 7), and the grant is made by
+/// the same turn's `settle`.
+enum Outgoing {
+    /// A job's `run`.
+    Job {
+        job_id: Arc<str>,
+        reply: oneshot::Sender<RunOutcome>,
+        outcome: RunOutcome,
+    },
+    /// The `release` calls of an explicit lease (none for a dropped one).
+    Release {
+        replies: Vec<ReleaseReply>,
+        result: Result<(), CleanupError>,
+    },
+}
+
 /// What the shell keeps for an explicit lease.
 struct Explicit {
     /// Shared with the `Lease`: revoked by shutdown, or lost.
@@ -144,6 +161,8 @@ pub(crate) struct Shell {
     acquires: FxHashMap<RequestId, AbortHandle>,
     evidence: FxHashMap<(LeaseKey, u64), Box<dyn Evidence>>,
     shutdown_replies: Vec<oneshot::Sender<ShutdownReport>>,
+    /// This turn's answers, sent by `send_answers`.
+    outbox: Vec<Outgoing>,
     /// GPU devices the shutdown could not prove idle.
     unclosed: Vec<UnclosedDevice>,
     reclaim_reply: Option<oneshot::Sender<ReclaimReport>>,
@@ -209,6 +228,7 @@ impl Actor for SupervisorActor {
             acquires: FxHashMap::default(),
             evidence: FxHashMap::default(),
             shutdown_replies: Vec::new(),
+            outbox: Vec::new(),
             unclosed: Vec::new(),
             reclaim_reply: None,
             owned_root: args.owned_root,
@@ -333,6 +353,8 @@ impl Shell {
         }
         self.publish();
         self.metrics.publish_gauges(&self.core);
+        // Every freed slot has been handed on: the callers hear now.
+        self.send_answers();
         // Memory a flood left behind goes back once it has drained (nothing waits, nothing is
         // held): checked then, not after every batch.
         let load = self.core.waiting() + self.core.active();
@@ -660,25 +682,33 @@ impl Shell {
         }
     }
 
+    /// Answers the caller (sent once the turn has handed freed slots on: see [`Outgoing`]).
     fn answer(&mut self, key: LeaseKey, result: Result<(), CleanupError>) {
-        self.publish();
         if let Some(job) = self.jobs.get_mut(&key) {
             let job_id = Arc::clone(&job.job_id);
-            let undelivered = match (job.reply.take(), job.not_started.take()) {
+            match (job.reply.take(), job.not_started.take()) {
                 // The caller hears why its job did not start; a failed release of the token it
                 // never used has nobody else to go to.
                 (Some(reply), Some(why)) => {
-                    let _ = reply.send(RunOutcome::NotStarted(Box::new(why)));
-                    result.err()
+                    self.outbox.push(Outgoing::Job {
+                        job_id: Arc::clone(&job_id),
+                        reply,
+                        outcome: RunOutcome::NotStarted(Box::new(why)),
+                    });
+                    if let Err(err) = result {
+                        self.sink(Some(job_id.to_string()), err);
+                    }
                 }
-                (Some(reply), None) => match reply.send(RunOutcome::Finished { cleanup: result }) {
-                    Err(RunOutcome::Finished { cleanup: Err(err) }) => Some(err),
-                    _ => None,
-                },
-                (None, _) => result.err(),
-            };
-            if let Some(err) = undelivered {
-                self.sink(Some(job_id.to_string()), err);
+                (Some(reply), None) => self.outbox.push(Outgoing::Job {
+                    job_id,
+                    reply,
+                    outcome: RunOutcome::Finished { cleanup: result },
+                }),
+                (None, _) => {
+                    if let Err(err) = result {
+                        self.sink(Some(job_id.to_string()), err);
+                    }
+                }
             }
             return;
         }
@@ -694,13 +724,35 @@ impl Shell {
             self.late_replies = rest;
             replies.extend(late.into_iter().map(|(_, r): (LeaseKey, ReleaseReply)| r));
         }
-        // Every reply is sent to (no short circuit): each caller hears the answer.
-        let mut heard = false;
-        for reply in replies {
-            heard |= reply.send(result.clone()).is_ok();
-        }
-        if !heard && let Err(err) = result {
-            self.sink(None, err);
+        self.outbox.push(Outgoing::Release { replies, result });
+    }
+
+    /// Sends the answers of this turn. Called at the end of [`settle`](Self::settle), once every
+    /// freed slot has gone to the next waiter (or back to the broker), and before a shutdown's
+    /// report.
+    pub(super) fn send_answers(&mut self) {
+        for answer in mem::take(&mut self.outbox) {
+            match answer {
+                Outgoing::Job {
+                    job_id,
+                    reply,
+                    outcome,
+                } => {
+                    if let Err(RunOutcome::Finished { cleanup: Err(err) }) = reply.send(outcome) {
+                        self.sink(Some(job_id.to_string()), err);
+                    }
+                }
+                Outgoing::Release { replies, result } => {
+                    // Every reply is sent to (no short circuit): each caller hears the answer.
+                    let mut heard = false;
+                    for reply in replies {
+                        heard |= reply.send(result.clone()).is_ok();
+                    }
+                    if !heard && let Err(err) = result {
+                        self.sink(None, err);
+                    }
+                }
+            }
         }
     }
 

@@ -36,6 +36,8 @@ impl Shell {
     }
 
     pub(super) fn stopped(&mut self) {
+        // The jobs' and leases' callers hear before the shutdown's caller does.
+        self.send_answers();
         let tally = self.core.stop_tally();
         let unproven = self.list_quarantine();
         self.publish();
@@ -59,6 +61,8 @@ impl Shell {
     /// Drops everything the actor still holds: queued mail, waiters, renewals, broker acquires.
     /// Idempotent.
     pub(super) fn stop_everything(&mut self) {
+        // Answers of an unfinished turn still reach their callers.
+        self.send_answers();
         self.inbox.close();
         for (_, task) in self.renewals.drain() {
             task.abort();
