@@ -367,6 +367,7 @@ impl Shell {
             shrink(&mut self.workers);
             shrink(&mut self.explicit);
             shrink(&mut self.acquires);
+            self.outbox.shrink_to(BATCH_KEEP);
             self.inbox.shrink();
         }
     }
@@ -731,7 +732,9 @@ impl Shell {
     /// freed slot has gone to the next waiter (or back to the broker), and before a shutdown's
     /// report.
     pub(super) fn send_answers(&mut self) {
-        for answer in mem::take(&mut self.outbox) {
+        // Taken and put back: the vector keeps its capacity (no allocation per answer).
+        let mut outbox = mem::take(&mut self.outbox);
+        for answer in outbox.drain(..) {
             match answer {
                 Outgoing::Job {
                     job_id,
@@ -754,6 +757,7 @@ impl Shell {
                 }
             }
         }
+        self.outbox = outbox;
     }
 
     fn forget(&mut self, key: LeaseKey) {
