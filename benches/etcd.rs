@@ -9,14 +9,12 @@
 //! `summary`, prints the ratio rows from the samples criterion took above. `-- --test` runs each
 //! once.
 
+#[allow(dead_code, unreachable_pub)]
+#[path = "../tests/etcd_support/server.rs"]
+mod etcd_server;
 mod floor;
 
-use std::fs::File;
-use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -25,6 +23,7 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use leasehold::{AcquireRequest, EtcdBroker, EtcdConfig, Lease, SlotBroker, Supervisor};
 use tokio::runtime::Runtime;
 
+use etcd_server::{Etcd, bench_data_base, find_etcd};
 use floor::{key, ratio_row, runtime, table_end, table_start, timed};
 
 const ETCD: &str = "etcd";
@@ -40,25 +39,11 @@ const FLOOR_KEY: &str = "bench-floor/put";
 const FLOOR_VALUE: &str = "leasehold/v1 holder lease=0123456789abcdef";
 /// Set to `1` (CI does) to make a missing etcd binary a failure instead of a skip.
 const REQUIRE_ETCD_ENV: &str = "LEASEHOLD_REQUIRE_ETCD";
-/// How long etcd gets to answer `/health` with `"health":"true"`.
-const HEALTH_LIMIT: Duration = Duration::from_secs(30);
-/// Fresh port pairs tried when etcd exits early (a port taken between probe and bind).
-const START_ATTEMPTS: usize = 5;
 
 /// `$LEASEHOLD_ETCD_BIN`, else `etcd` on `PATH`; `None` (after a loud skip line) when there
 /// is none, a panic when CI requires one.
 fn etcd_binary() -> Option<PathBuf> {
-    let executable = |p: &Path| {
-        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
-    let found = match std::env::var_os("LEASEHOLD_ETCD_BIN").filter(|b| !b.is_empty()) {
-        Some(bin) => Some(PathBuf::from(bin)).filter(|b| executable(b)),
-        None => std::env::var_os("PATH").and_then(|path| {
-            std::env::split_paths(&path)
-                .map(|dir| dir.join("etcd"))
-                .find(|c| executable(c))
-        }),
-    };
+    let found = find_etcd(None);
     if found.is_none() {
         if std::env::var(REQUIRE_ETCD_ENV).as_deref() == Ok("1") {
             panic!(
@@ -72,129 +57,6 @@ fn etcd_binary() -> Option<PathBuf> {
     found
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind 127.0.0.1:0")
-        .port()
-}
-
-/// `GET /health` over plain HTTP/1.1: whether etcd says it is healthy.
-fn healthy(port: u16) -> bool {
-    let ask = || -> io::Result<String> {
-        let timeout = Duration::from_millis(500);
-        let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
-        stream.set_read_timeout(Some(timeout))?;
-        stream.set_write_timeout(Some(timeout))?;
-        write!(
-            stream,
-            "GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
-        )?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        Ok(response)
-    };
-    ask().is_ok_and(|r| r.contains("\"health\":\"true\""))
-}
-
-/// One single-member etcd on free loopback ports, its data dir on the scratch file system
-/// (tmpfs when there is one, as for the job temp dirs: the figures are round trips and
-/// etcd's own work, not the disk's fsync); killed and reaped on drop.
-struct EtcdServer {
-    child: Child,
-    endpoint: String,
-    dir: tempfile::TempDir,
-}
-
-impl EtcdServer {
-    fn start(bin: &Path) -> Self {
-        let mut last = String::new();
-        for _ in 0..START_ATTEMPTS {
-            let dir = etcd_scratch_dir();
-            let (client, peer) = (free_port(), free_port());
-            if client == peer {
-                continue;
-            }
-            let log = File::create(dir.path().join("etcd.log")).expect("etcd log file");
-            let log_err = log.try_clone().expect("etcd log file");
-            let endpoint = format!("http://127.0.0.1:{client}");
-            let peer_url = format!("http://127.0.0.1:{peer}");
-            let child = Command::new(bin)
-                .arg("--name")
-                .arg("b")
-                .arg("--data-dir")
-                .arg(dir.path().join("data"))
-                .arg("--listen-client-urls")
-                .arg(&endpoint)
-                .arg("--advertise-client-urls")
-                .arg(&endpoint)
-                .arg("--listen-peer-urls")
-                .arg(&peer_url)
-                .arg("--initial-advertise-peer-urls")
-                .arg(&peer_url)
-                .arg("--initial-cluster")
-                .arg(format!("b={peer_url}"))
-                .stdin(Stdio::null())
-                .stdout(log)
-                .stderr(log_err)
-                .spawn()
-                .unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
-            let mut server = Self {
-                child,
-                endpoint,
-                dir,
-            };
-            let deadline = Instant::now() + HEALTH_LIMIT;
-            loop {
-                if let Ok(Some(status)) = server.child.try_wait() {
-                    last = format!("etcd exited early ({status}):\n{}", server.log_tail());
-                    break;
-                }
-                if healthy(client) {
-                    return server;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "etcd not healthy within {HEALTH_LIMIT:?} on {}:\n{}",
-                    server.endpoint,
-                    server.log_tail()
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-        panic!("etcd did not start in {START_ATTEMPTS} attempts; last: {last}");
-    }
-
-    fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
-    }
-}
-
-impl Drop for EtcdServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The data dir's parent: `LEASEHOLD_BENCH_ROOT`, else `/dev/shm`, else the temp dir.
-fn etcd_scratch_dir() -> tempfile::TempDir {
-    std::env::var_os("LEASEHOLD_BENCH_ROOT")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([PathBuf::from("/dev/shm"), std::env::temp_dir()])
-        .find_map(|base| {
-            tempfile::Builder::new()
-                .prefix("leasehold-bench-etcd-")
-                .tempdir_in(base)
-                .ok()
-        })
-        .expect("a writable scratch dir for etcd")
-}
-
 /// What the group measures against: started on the first benchmark that runs, so that a
 /// filter that skips the whole group starts no etcd.
 struct EtcdBench {
@@ -202,16 +64,18 @@ struct EtcdBench {
     broker: Arc<EtcdBroker>,
     next_request: Arc<AtomicU64>,
     sup: Supervisor,
-    server: EtcdServer,
+    server: Etcd,
 }
 
 fn start_bench(rt: &Runtime, bin: &Path) -> EtcdBench {
-    let server = EtcdServer::start(bin);
-    let endpoint = server.endpoint.clone();
+    // The data dir on tmpfs when there is one: the figures are round trips and etcd's own work,
+    // not a disk's fsync.
+    let server = Etcd::start_in(bin, bench_data_base().as_deref());
+    let endpoint = server.endpoint();
     println!(
-        "etcd benchmarks on {} at {endpoint}, data dir under {}",
+        "etcd benchmarks on {} at {endpoint}, data dir {}",
         bin.display(),
-        server.dir.path().display()
+        server.data_dir().display()
     );
     let (client, broker, sup) = rt.block_on(async {
         let client = etcd_client::Client::connect([endpoint.as_str()], None)

@@ -30,14 +30,14 @@ mod etcd_server;
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use etcd_client::{Compare, CompareOp, Txn, TxnOp};
-use etcd_server::{Cluster, find_etcd, metric_sum};
+use etcd_server::{Cluster, bench_data_base, find_etcd, metric_sum};
 use leasehold::{EtcdBroker, EtcdConfig, JobSpec, Supervisor};
 
 const CHILD_ENV: &str = "LEASEHOLD_SCALE_CHILD";
@@ -93,15 +93,8 @@ struct Plan {
     kill_leader: bool,
 }
 
-fn scratch() -> Option<PathBuf> {
-    std::env::var_os("LEASEHOLD_BENCH_ROOT")
-        .map(PathBuf::from)
-        .or_else(|| Some(PathBuf::from("/dev/shm")))
-        .filter(|p| p.is_dir())
-}
-
 fn run(bin: &Path, plan: &Plan, test_mode: bool) {
-    let mut cluster = Cluster::start_in(bin, 3, scratch().as_deref());
+    let mut cluster = Cluster::start_in(bin, 3, bench_data_base().as_deref());
     let all = cluster.endpoints();
     let work = tempfile::tempdir().expect("scratch dir");
     let mut procs: Vec<Proc> = (0..plan.processes).map(Proc::spawn).collect();
@@ -111,7 +104,7 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
         plan.slots,
         plan.jobs,
         etcd_version(bin),
-        scratch().map_or("the temp dir".into(), |p| p.display().to_string()),
+        bench_data_base().map_or("the temp dir".into(), |p| p.display().to_string()),
     );
 
     let bare3 = bare(&mut procs, &mut cluster, &all, plan);

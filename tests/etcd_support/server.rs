@@ -2,8 +2,8 @@
 //! cluster of several (`Cluster`), each on free ports with throwaway data dirs, killed, reaped
 //! and removed on drop; and reading a member's `/health` and `/metrics`.
 //!
-//! Shared by the etcd tests (`mod etcd_support`), `examples/distributed.rs` and
-//! `benches/etcd_scale.rs` (each includes this file with `#[path]`), so it depends on std and
+//! Shared by the etcd tests (`mod etcd_support`), `examples/distributed.rs`, `benches/etcd.rs`
+//! and `benches/etcd_scale.rs` (each includes this file with `#[path]`), so it depends on std and
 //! `tempfile` only.
 
 use std::fs::{self, OpenOptions};
@@ -131,9 +131,14 @@ impl Etcd {
     /// `/health` says true (retrying with new ports up to 5 times if it exits early; panics with
     /// the log tail if it never becomes healthy).
     pub fn start(bin: &Path) -> Etcd {
+        Etcd::start_in(bin, None)
+    }
+
+    /// [`start`](Self::start), with the data dir under `base` (e.g. `/dev/shm`).
+    pub fn start_in(bin: &Path, base: Option<&Path>) -> Etcd {
         let mut etcd = Etcd {
             bin: bin.to_path_buf(),
-            data: new_data_dir(),
+            data: data_dir_in(base),
             logs: tempfile::Builder::new()
                 .prefix("leasehold-etcd-log-")
                 .tempdir()
@@ -147,7 +152,7 @@ impl Etcd {
         for attempt in 1..=START_ATTEMPTS {
             if attempt > 1 {
                 // A fresh data dir: the failed attempt may have left a half-initialised member.
-                etcd.data = new_data_dir();
+                etcd.data = data_dir_in(base);
             }
             etcd.client_port = free_port();
             etcd.peer_port = free_port();
@@ -318,13 +323,6 @@ impl Drop for Etcd {
     }
 }
 
-fn new_data_dir() -> TempDir {
-    tempfile::Builder::new()
-        .prefix("leasehold-etcd-data-")
-        .tempdir()
-        .expect("create etcd data dir")
-}
-
 /// The last `n` lines of a text file (an explanatory line if it cannot be read).
 fn tail_of(path: &Path, n: usize) -> String {
     match fs::read(path) {
@@ -371,7 +369,7 @@ impl Etcd {
         let mut server = EtcdWith {
             etcd: Etcd {
                 bin: bin.to_path_buf(),
-                data: new_data_dir(),
+                data: data_dir_in(None),
                 logs: tempfile::Builder::new()
                     .prefix("leasehold-etcd-log-")
                     .tempdir()
@@ -387,7 +385,7 @@ impl Etcd {
         let mut last_error = String::new();
         for attempt in 1..=START_ATTEMPTS {
             if attempt > 1 {
-                server.etcd.data = new_data_dir();
+                server.etcd.data = data_dir_in(None);
             }
             server.etcd.client_port = free_port();
             server.etcd.peer_port = free_port();
@@ -568,6 +566,16 @@ fn etcd_command(bin: &Path, data_dir: &Path, client: &str, peer: &str) -> Comman
         .arg("--log-outputs")
         .arg("stderr");
     cmd
+}
+
+/// Where a benchmark puts etcd's data dirs: `$LEASEHOLD_BENCH_ROOT`, else `/dev/shm` (tmpfs, so
+/// that the figures are round trips and etcd's work, not a disk's fsync); `None` (the OS temp
+/// dir) when that is not a directory.
+pub fn bench_data_base() -> Option<PathBuf> {
+    std::env::var_os("LEASEHOLD_BENCH_ROOT")
+        .map(PathBuf::from)
+        .or_else(|| Some(PathBuf::from("/dev/shm")))
+        .filter(|p| p.is_dir())
 }
 
 /// The etcd binary: `explicit` if given, else `$LEASEHOLD_ETCD_BIN`, else `etcd` on `PATH`;
