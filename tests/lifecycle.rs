@@ -8,13 +8,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use common::{EventLog, Plan, TestBroker};
+use common::{EventLog, Plan, TestBroker, sink_channel};
 use leasehold::{
     AcquireError, AcquireRequest, BrokerError, BrokerErrorKind, CancellationToken,
-    CleanupErrorKind, JobSpec, OrphanedFailure, SlotBroker, SlotToken, StartError, Supervisor,
+    CleanupErrorKind, JobSpec, SlotBroker, SlotToken, StartError, Supervisor,
 };
 use parking_lot::Mutex;
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{Notify, oneshot};
 
 async fn start(broker: &TestBroker) -> Supervisor {
     Supervisor::builder()
@@ -35,18 +35,6 @@ async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
         );
         tokio::task::yield_now().await;
     }
-}
-
-/// An error sink that forwards every orphaned failure to a channel.
-fn sink_channel() -> (
-    impl Fn(&OrphanedFailure) + Send + Sync + 'static,
-    mpsc::UnboundedReceiver<OrphanedFailure>,
-) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let sink = move |failure: &OrphanedFailure| {
-        let _ = tx.send(failure.clone());
-    };
-    (sink, rx)
 }
 
 // ---------------------------------------------------------------------------------------------

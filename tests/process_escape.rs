@@ -10,24 +10,11 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{EventLog, Plan, TestBroker};
+use common::{EventLog, Plan, TestBroker, first_line};
 use leasehold::{CancellationToken, JobSpec, ProcessSpec, Supervisor};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::oneshot;
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-async fn first_line(stdout: tokio::process::ChildStdout) -> i32 {
-    let mut lines = BufReader::new(stdout).lines();
-    lines
-        .next_line()
-        .await
-        .unwrap()
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap()
-}
 
 fn broker_logging_escapee(log: EventLog, pid: Arc<parking_lot::Mutex<Option<i32>>>) -> TestBroker {
     let broker = TestBroker::new(1);

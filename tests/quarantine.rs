@@ -10,34 +10,13 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Plan, TestBroker};
-use leasehold::{JobSpec, OrphanedFailure, ProcessSpec, Supervisor};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::sync::{Notify, mpsc, oneshot};
-
-fn sink_channel() -> (
-    impl Fn(&OrphanedFailure) + Send + Sync + 'static,
-    mpsc::UnboundedReceiver<OrphanedFailure>,
-) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    (move |f: &OrphanedFailure| drop(tx.send(f.clone())), rx)
-}
+use common::{Plan, TestBroker, first_line, sink_channel};
+use leasehold::{JobSpec, ProcessSpec, Supervisor};
+use tokio::sync::{Notify, oneshot};
 
 /// The process subreaper and orphan checks are process-wide: tests with processes run one at a
 /// time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-async fn first_line(stdout: tokio::process::ChildStdout) -> i32 {
-    let mut lines = BufReader::new(stdout).lines();
-    lines
-        .next_line()
-        .await
-        .unwrap()
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap()
-}
 
 fn kill(pid: i32) {
     rustix::process::kill_process(

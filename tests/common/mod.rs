@@ -285,3 +285,29 @@ pub fn proc_alive(pid: i32) -> bool {
 pub fn proc_exists(pid: i32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
+
+/// An error sink that forwards every orphaned failure to a channel.
+pub fn sink_channel() -> (
+    impl Fn(&leasehold::OrphanedFailure) + Send + Sync + 'static,
+    tokio::sync::mpsc::UnboundedReceiver<leasehold::OrphanedFailure>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let sink = move |failure: &leasehold::OrphanedFailure| {
+        let _ = tx.send(failure.clone());
+    };
+    (sink, rx)
+}
+
+/// The first line a child prints, as a number (a test script's `echo $!`, say).
+pub async fn first_line(stdout: tokio::process::ChildStdout) -> i32 {
+    use tokio::io::AsyncBufReadExt;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    lines
+        .next_line()
+        .await
+        .unwrap()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
