@@ -936,14 +936,21 @@ impl Core {
         }
         if self.stop != Stop::Serving && !lease.cancelled {
             // Granted just as shutdown began: cancel it with the rest.
-            lease.cancelled = true;
-            self.stop_tally.cancelled_jobs += 1;
-            self.emit(Effect::Cancel {
-                key,
-                holder: Holder::Job,
-                lost: None,
-            });
+            self.cancel_job_for_shutdown(key);
         }
+    }
+
+    /// Shutdown cancels a job not cancelled yet (counted once in the report).
+    fn cancel_job_for_shutdown(&mut self, key: LeaseKey) {
+        if let Some(lease) = self.leases.get_mut(&key) {
+            lease.cancelled = true;
+        }
+        self.stop_tally.cancelled_jobs += 1;
+        self.emit(Effect::Cancel {
+            key,
+            holder: Holder::Job,
+            lost: None,
+        });
     }
 
     fn proven(&mut self, key: LeaseKey, bits: u8, process: Option<ProcessKey>) {
@@ -1286,15 +1293,7 @@ impl Core {
         for key in sorted(self.leases.keys().copied().collect()) {
             let lease = self.leases.get_mut(&key).expect("listed");
             match (lease.holder, lease.release) {
-                (Holder::Job, _) if !lease.cancelled => {
-                    lease.cancelled = true;
-                    self.stop_tally.cancelled_jobs += 1;
-                    self.emit(Effect::Cancel {
-                        key,
-                        holder: Holder::Job,
-                        lost: None,
-                    });
-                }
+                (Holder::Job, _) if !lease.cancelled => self.cancel_job_for_shutdown(key),
                 (Holder::Explicit, Release::NotStarted) => {
                     self.stop_tally.released_leases += 1;
                     self.emit(Effect::Cancel {
