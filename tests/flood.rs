@@ -19,6 +19,10 @@ use leasehold::{
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 use tokio::task::{AbortHandle, JoinError};
+use tracing::field::{Field, Visit};
+use tracing::subscriber::Interest;
+use tracing::{Event, Level, Metadata, Subscriber};
+use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 
 const JOBS: usize = 10_000;
 const SLOTS: usize = 4;
@@ -136,6 +140,63 @@ type Outcome = Result<Result<u32, JobError<io::Error>>, JoinError>;
 
 /// What the error sink heard: job id, lease id, code.
 type Orphaned = (Option<String>, u64, &'static str);
+
+/// The supervisor's own record of the grant order: the lease id of each "slot granted" event,
+/// in the order the supervisor emitted them (one actor, so one order). Lease ids alone do not
+/// name the grant order: a token that a job refuses at its grant (cancelled in that instant)
+/// goes on to the longest waiter left, behind grants made in the same turn with later lease ids.
+#[derive(Clone, Default)]
+struct GrantLog(Arc<Mutex<Vec<u64>>>);
+
+impl GrantLog {
+    /// Installs the log as this test binary's global subscriber (the supervisor runs on the
+    /// runtime's worker threads, so a thread-local default would not see it).
+    fn install() -> Self {
+        let log = Self::default();
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(log.clone()))
+            .expect("the flood binary installs one subscriber");
+        log
+    }
+}
+
+impl<S: Subscriber> Layer<S> for GrantLog {
+    fn register_callsite(&self, meta: &'static Metadata<'static>) -> Interest {
+        // leasehold's events and `enabled!` hints down to DEBUG; no spans (none are needed).
+        if !meta.is_span()
+            && meta.target().starts_with("leasehold")
+            && *meta.level() <= Level::DEBUG
+        {
+            Interest::always()
+        } else {
+            Interest::never()
+        }
+    }
+
+    fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
+        #[derive(Default)]
+        struct Grant {
+            granted: bool,
+            lease_id: Option<u64>,
+        }
+        impl Visit for Grant {
+            fn record_u64(&mut self, field: &Field, value: u64) {
+                if field.name() == "lease_id" {
+                    self.lease_id = Some(value);
+                }
+            }
+            fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.granted = format!("{value:?}") == "slot granted";
+                }
+            }
+        }
+        let mut grant = Grant::default();
+        event.record(&mut grant);
+        if let (true, Some(lease)) = (grant.granted, grant.lease_id) {
+            self.0.lock().push(lease);
+        }
+    }
+}
 
 /// Keeps the injected panics out of the output; every other panic reaches the default hook.
 fn silence_injected_panics() {
@@ -372,6 +433,7 @@ fn dir_entries(dir: &Path) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_jobs_with_faults_leak_nothing_never_double_grant_and_stay_fifo() {
     silence_injected_panics();
+    let grant_log = GrantLog::install();
     let broker = TestBroker::new(SLOTS as u32);
     // The broker's own word on which releases it failed (never a panic inside the broker).
     let injected: Arc<Mutex<Vec<u64>>> = Arc::default();
@@ -523,27 +585,40 @@ async fn ten_thousand_jobs_with_faults_leak_nothing_never_double_grant_and_stay_
     assert!(board.busy.iter().all(|b| !b.load(SeqCst)));
     assert!(broker.max_held() <= SLOTS);
 
-    // (4) FIFO: grants follow the queue, and lease ids (strictly increasing in the order the
-    // broker hands them out) name the grant order. Body *start* order is not the grant order:
-    // four granted workers may begin in any order on a multi-thread runtime.
-    let mut started = Vec::new();
-    let mut inversions = 0;
-    let mut last_seq = None;
-    for (i, record) in flood.records.iter().enumerate() {
-        if record.started.load(SeqCst) {
-            let seq = record.start_seq.load(SeqCst);
-            inversions += usize::from(last_seq.is_some_and(|s| s > seq));
-            last_seq = Some(seq);
-            started.push((i, record.lease_id.load(SeqCst)));
-        }
-    }
-    for pair in started.windows(2) {
-        let ((a, la), (b, lb)) = (pair[0], pair[1]);
+    // (4) FIFO: grants follow the queue, in the supervisor's own grant order (see `GrantLog`).
+    // Body *start* order is not the grant order: four granted workers may begin in any order on
+    // a multi-thread runtime; lease id order is not either (a token a racing cancellation
+    // refused goes on to a later waiter).
+    let started: Vec<(usize, u64)> = flood
+        .records
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.started.load(SeqCst))
+        .map(|(i, r)| (i, r.lease_id.load(SeqCst)))
+        .collect();
+    let job_of: HashMap<u64, usize> = started.iter().map(|&(i, l)| (l, i)).collect();
+    let granted: Vec<usize> = grant_log
+        .0
+        .lock()
+        .iter()
+        .filter_map(|lease| job_of.get(lease).copied())
+        .collect();
+    assert_eq!(
+        granted.len(),
+        started.len(),
+        "a started job's grant was not logged exactly once"
+    );
+    for pair in granted.windows(2) {
+        let (a, b) = (pair[0], pair[1]);
         assert!(
-            la < lb,
-            "grant order broke FIFO: job {a} got lease {la}, job {b} (queued later) got lease {lb}"
+            a < b,
+            "grant order broke FIFO: job {a} was granted before job {b}, which queued earlier"
         );
     }
+    let inversions =
+        |seq: &dyn Fn(usize) -> u64| granted.windows(2).filter(|p| seq(p[0]) > seq(p[1])).count();
+    let start_inversions = inversions(&|i| flood.records[i].start_seq.load(SeqCst));
+    let lease_inversions = inversions(&|i| flood.records[i].lease_id.load(SeqCst));
     for &(i, lease) in &started {
         assert!(lease_ids.insert(lease), "job {i} reused lease {lease}");
     }
@@ -576,13 +651,12 @@ async fn ten_thousand_jobs_with_faults_leak_nothing_never_double_grant_and_stay_
     );
     // Who heard each injected failure: the lease holder, the job's caller, or (no caller left:
     // an aborted job, or a token nobody waited for any more) the error sink.
-    let jobs_by_lease: HashMap<u64, usize> = started.iter().map(|&(i, l)| (l, i)).collect();
     let orphaned = orphaned.lock().clone();
     let mut heard_by_sink = BTreeSet::new();
     for (job_id, lease, code) in &orphaned {
         assert_eq!(*code, codes::LEASE_CLEANUP_FAILED);
         assert!(heard_by_sink.insert(*lease), "lease {lease} sunk twice");
-        match jobs_by_lease.get(lease) {
+        match job_of.get(lease) {
             Some(&i) => {
                 assert_eq!(
                     fault(i),
@@ -638,14 +712,13 @@ async fn ten_thousand_jobs_with_faults_leak_nothing_never_double_grant_and_stay_
     eprintln!(
         "flood: {JOBS} jobs queued in {submitted_in:?}, ran in {ran_in:?}; {} bodies started \
          ({racing_started} of {} racing cancellations lost to the grant), {} release failures \
-         ({} heard by callers, {} by the sink), max {} bodies at once, {} start-order \
-         inversions against grant order",
+         ({} heard by callers, {} by the sink), max {} bodies at once; against grant order, \
+         {start_inversions} start-order and {lease_inversions} lease-id inversions",
         started.len(),
         count(Fault::CancelRacing),
         injected.len(),
         heard_by_callers.len(),
         heard_by_sink.len(),
         board.max_running.load(SeqCst),
-        inversions,
     );
 }
