@@ -67,6 +67,9 @@ async fn enumerate(
 ) -> Result<Vec<wgpu::Adapter>, GpuError> {
     guard
         .run_async(BackendCall::Enumerate, device, async move {
+            if backends.contains(wgpu::Backends::VULKAN) {
+                keep_vulkan_driver_loaded();
+            }
             let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
             desc.backends = backends;
             // The adapters (and the devices requested from them) keep what they need of the
@@ -75,6 +78,24 @@ async fn enumerate(
         })
         .await
         .map_err(GpuError::CreateFailed)
+}
+
+/// Keeps the Vulkan loader and its drivers loaded for the rest of the process, with one
+/// instance that is never dropped.
+///
+/// Without it, the last device and instance a supervisor drops take the driver's library out of
+/// the process (the loader `dlclose`s it), and a driver that registered thread-exit destructors
+/// on threads that called into it crashes the process when such a thread ends later: seen as a
+/// SIGSEGV at thread exit on NVIDIA's driver (580, on an H200) after a supervisor's shutdown.
+/// One idle `VkInstance` costs next to nothing; on a machine without a Vulkan loader it is an
+/// instance without backends.
+fn keep_vulkan_driver_loaded() {
+    static KEPT: OnceLock<wgpu::Instance> = OnceLock::new();
+    KEPT.get_or_init(|| {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = wgpu::Backends::VULKAN;
+        wgpu::Instance::new(desc)
+    });
 }
 
 impl GpuPool {
