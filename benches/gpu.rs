@@ -23,9 +23,14 @@
 //!   jobs do exactly the floor's job (on the floor's device, queue and buffer of their slot, the
 //!   wait in `ctx.spawn_blocking`): what leasehold's job lifecycle costs without its GPU slot, so
 //!   that the table can tell the lifecycle's share from the GPU slot's.
+//! - `direct_polled`: the floor with a busy-polling fence (non-blocking polls until the queue's
+//!   work-done callback fires) instead of the blocking wait (context: on a hardware GPU a
+//!   blocking wait issued while the work still runs pays the driver's wake-up latency).
 //!
 //! Two work sizes: `fill` (next to no GPU work) and `spin` (about 3 ms per job on lavapipe with
-//! 2 cores). The last "benchmark", `summary`, prints the ratio table from the samples criterion
+//! 2 cores; `LEASEHOLD_BENCH_SPIN_STEPS=N` sets its LCG steps per invocation, and
+//! `LEASEHOLD_BENCH_SPIN_MS=3` calibrates them to about 3 ms per job on the adapter at hand;
+//! the table prints the per-job time it came to). The last "benchmark", `summary`, prints the ratio table from the samples criterion
 //! took above. `cargo bench --bench gpu -- --test` (CI) runs every benchmark once and prints the
 //! table labelled as such. Without an adapter the suite prints a loud skip line and measures
 //! nothing, unless `LEASEHOLD_REQUIRE_GPU=1` (CI), which makes that a panic. `WGPU_BACKEND`
@@ -41,6 +46,8 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::io;
 use std::path::Path;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -53,6 +60,7 @@ const LEASEHOLD: &str = "leasehold_run";
 const LEASEHOLD_REUSED: &str = "leasehold_run_scratch_reused";
 const LEASEHOLD_RECORDED: &str = "leasehold_run_recorded_fence";
 const LEASEHOLD_NO_GPU: &str = "leasehold_run_without_gpu_slot";
+const FLOOR_POLLED: &str = "direct_polled";
 /// Slot-gated throughput ≥ 0.9× the floor's, i.e. time ≤ 1/0.9 of it.
 const TARGET_THROUGHPUT: f64 = 0.9;
 /// GPU slots (one device, that many sub-slots) and floor streams.
@@ -64,6 +72,10 @@ const SAMPLES: usize = 20;
 const WORK: [(&str, u32); 2] = [("fill", 4), ("spin", 64)];
 /// Bytes of each floor stream's scratch buffer (leasehold's default scratch size).
 const SCRATCH: u64 = 1 << 20;
+/// LCG steps per invocation of `spin` (default 2000: about 3 ms per job on lavapipe with 2
+/// cores). A hardware GPU needs far more for ~3 ms jobs (the table prints the per-job time).
+const SPIN_STEPS_ENV: &str = "LEASEHOLD_BENCH_SPIN_STEPS";
+const SPIN_STEPS_DEFAULT: u32 = 2000;
 /// Set to `1` (CI does) to make a missing GPU adapter a failure instead of a skip.
 const REQUIRE_GPU_ENV: &str = "LEASEHOLD_REQUIRE_GPU";
 
@@ -76,16 +88,51 @@ fn fill(@builtin(global_invocation_id) gid: vec3<u32>) {
     data[gid.x] = gid.x * 2u + 1u;
 }
 
-// 4096 invocations, 2000 LCG steps each: about 3 ms of work on lavapipe with 2 cores.
+// 4096 invocations, SPIN_STEPS (see `spin_steps`) LCG steps each.
 @compute @workgroup_size(64)
 fn spin(@builtin(global_invocation_id) gid: vec3<u32>) {
     var x = gid.x;
-    for (var i = 0u; i < 2000u; i = i + 1u) {
+    for (var i = 0u; i < SPIN_STEPSu; i = i + 1u) {
         x = x * 1664525u + 1013904223u;
     }
     data[gid.x] = x;
 }
 "#;
+
+/// Or: calibrate `spin` to this many milliseconds per job on the floor's device (one job
+/// alone, fenced), before anything is timed.
+const SPIN_MS_ENV: &str = "LEASEHOLD_BENCH_SPIN_MS";
+
+/// `spin`'s steps per invocation, once chosen (0: not yet).
+static SPIN_STEPS: AtomicU32 = AtomicU32::new(0);
+
+/// `spin`'s steps per invocation: calibrated, else `LEASEHOLD_BENCH_SPIN_STEPS`, else 2000.
+fn spin_steps() -> u32 {
+    match SPIN_STEPS.load(Relaxed) {
+        0 => std::env::var(SPIN_STEPS_ENV)
+            .ok()
+            .map(|v| {
+                v.parse()
+                    .unwrap_or_else(|e| panic!("{SPIN_STEPS_ENV}={v:?} is not a step count: {e}"))
+            })
+            .unwrap_or(SPIN_STEPS_DEFAULT),
+        steps => steps,
+    }
+}
+
+/// The per-job time `spin` is to be calibrated to, if asked.
+fn spin_target() -> Option<Duration> {
+    let v = std::env::var(SPIN_MS_ENV).ok()?;
+    let ms: f64 = v
+        .parse()
+        .unwrap_or_else(|e| panic!("{SPIN_MS_ENV}={v:?} is not milliseconds: {e}"));
+    Some(Duration::from_secs_f64(ms / 1e3))
+}
+
+/// The bench's WGSL, with `spin`'s step count filled in.
+fn shader(steps: u32) -> String {
+    SHADER.replace("SPIN_STEPS", &steps.to_string())
+}
 
 // ---------------------------------------------------------------------------------------------
 // Samples, for the ratio table
@@ -210,9 +257,13 @@ mod jobs {
 
     impl Kernel {
         pub(crate) fn new(device: &wgpu::Device, entry: &str, groups: u32) -> Self {
+            Self::with_steps(device, entry, groups, spin_steps())
+        }
+
+        fn with_steps(device: &wgpu::Device, entry: &str, groups: u32, steps: u32) -> Self {
             let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
                 label: Some("bench"),
-                source: wgpu::ShaderSource::Wgsl(SHADER.into()),
+                source: wgpu::ShaderSource::Wgsl(shader(steps).into()),
             });
             let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                 label: Some(entry),
@@ -248,6 +299,21 @@ mod jobs {
                 pass.dispatch_workgroups(self.groups, 1, 1);
             }
             encoder.finish()
+        }
+
+        /// The floor's job with a busy-polling fence: submitted, then non-blocking polls until
+        /// the queue says the work is done (burns a core; context only).
+        fn run_polled(&self, queue: &wgpu::Queue, buffer: &wgpu::Buffer) {
+            queue.submit([self.encode(buffer)]);
+            let done = Arc::new(AtomicBool::new(false));
+            let flag = Arc::clone(&done);
+            queue.on_submitted_work_done(move || flag.store(true, Release));
+            while !done.load(Acquire) {
+                self.device
+                    .poll(wgpu::PollType::Poll)
+                    .expect("the GPU work completes");
+                std::hint::spin_loop();
+            }
         }
 
         /// The floor's job: the command buffer, submitted, and a blocking wait for it.
@@ -314,6 +380,9 @@ mod jobs {
         WithoutGpuSlot(Supervisor, Direct),
         /// The floor.
         Direct(Direct),
+        /// The floor's jobs with a busy-polling fence instead of a blocking wait (context: what
+        /// the driver's blocking wait costs on a hardware GPU).
+        DirectPolled(Direct),
     }
 
     impl Direct {
@@ -349,6 +418,37 @@ mod jobs {
             };
             (direct, device, info)
         }
+
+        /// Finds the `spin` step count for which one fenced job alone takes about `target` on
+        /// `device` (the fastest of three, a few rounds of scaling), and keeps it for the run.
+        pub(crate) fn calibrate_spin(&self, device: &wgpu::Device, target: Duration) -> u32 {
+            let groups = WORK
+                .iter()
+                .find(|(entry, _)| *entry == "spin")
+                .map(|&(_, groups)| groups)
+                .expect("a spin work size");
+            let mut steps = SPIN_STEPS_DEFAULT;
+            for _ in 0..8 {
+                let kernel = Kernel::with_steps(device, "spin", groups, steps);
+                kernel.run_fenced(&self.queue, &self.buffers[0]);
+                let took = (0..3)
+                    .map(|_| {
+                        let start = Instant::now();
+                        kernel.run_fenced(&self.queue, &self.buffers[0]);
+                        start.elapsed()
+                    })
+                    .min()
+                    .expect("three runs");
+                let scale = target.as_secs_f64() / took.as_secs_f64().max(1e-9);
+                println!("spin calibration: {steps} steps took {took:?} (scale {scale:.2})");
+                if (0.9..=1.1).contains(&scale) {
+                    break;
+                }
+                steps = ((f64::from(steps) * scale.clamp(0.05, 50.0)) as u32).max(1);
+            }
+            SPIN_STEPS.store(steps, Relaxed);
+            steps
+        }
     }
 
     impl Side {
@@ -376,7 +476,8 @@ mod jobs {
                         job.await.expect("job task");
                     }
                 }
-                Self::Direct(direct) => {
+                Self::Direct(direct) | Self::DirectPolled(direct) => {
+                    let polled = matches!(self, Self::DirectPolled(_));
                     let streams: Vec<_> = (0..SLOTS as usize)
                         .map(|s| {
                             let (direct, kernel) = (direct.clone(), Arc::clone(kernel));
@@ -384,7 +485,11 @@ mod jobs {
                                 for _ in 0..JOBS / SLOTS as usize {
                                     let (direct, kernel) = (direct.clone(), Arc::clone(&kernel));
                                     tokio::task::spawn_blocking(move || {
-                                        kernel.run_fenced(&direct.queue, &direct.buffers[s]);
+                                        if polled {
+                                            kernel.run_polled(&direct.queue, &direct.buffers[s]);
+                                        } else {
+                                            kernel.run_fenced(&direct.queue, &direct.buffers[s]);
+                                        }
                                     })
                                     .await
                                     .expect("GPU closure");
@@ -468,9 +573,18 @@ mod jobs {
             info.name, info.device_type, info.backend, info.driver, info.driver_info
         );
         println!("gpu benchmarks on {adapter}");
+        if let Some(target) = spin_target() {
+            let steps = direct.calibrate_spin(&direct_device, target);
+            println!("spin: {steps} steps per invocation, for about {target:?} per job");
+        }
         *ADAPTER.lock().expect("adapter lock") = Some(adapter);
         let mut sides: Vec<(&str, Side, wgpu::Device)> = vec![
             (FLOOR, Side::Direct(direct.clone()), direct_device.clone()),
+            (
+                FLOOR_POLLED,
+                Side::DirectPolled(direct.clone()),
+                direct_device.clone(),
+            ),
             (
                 LEASEHOLD_NO_GPU,
                 Side::WithoutGpuSlot(plain.clone(), direct),
@@ -586,6 +700,14 @@ fn summary(_c: &mut Criterion) {
     } else {
         println!("Medians of the criterion samples taken above (time per batch of {JOBS} jobs).");
     }
+    let steps = spin_steps();
+    match median(&key(FLOOR, "spin")) {
+        Some(floor) => println!(
+            "`spin`: {steps} LCG steps per invocation; one floor stream spends {} per job.",
+            fmt_ns(floor * f64::from(SLOTS) / JOBS as f64)
+        ),
+        None => println!("`spin`: {steps} LCG steps per invocation."),
+    }
     println!();
     println!(
         "| work | {FLOOR} (floor) | leasehold_run | throughput ratio, criterion medians | throughput ratio, paired rounds | target |"
@@ -630,6 +752,10 @@ fn summary(_c: &mut Criterion) {
             (
                 LEASEHOLD_NO_GPU,
                 "no GPU slot: the floor's job in a plain `run`",
+            ),
+            (
+                FLOOR_POLLED,
+                "the floor with a busy-polling fence (no blocking wait)",
             ),
         ] {
             if let Some(t) = median(&key(name, entry)) {
