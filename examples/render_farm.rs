@@ -66,7 +66,8 @@ mod app {
 
     use clap::Parser;
     use leasehold::{
-        CancellationToken, GpuOptions, JobError, JobSpec, StartError, Supervisor, WorkerContext,
+        CancellationToken, GpuError, GpuOptions, JobError, JobSpec, StartError, Supervisor,
+        WorkerContext,
     };
     use tokio::sync::{oneshot, watch};
 
@@ -467,11 +468,19 @@ mod app {
             Ok(sup) => sup,
             Err(StartError::Gpu(e)) => {
                 farm.progress().finish();
-                eprintln!(
-                    "\n*** SKIPPED: no usable GPU adapter ({e}); install a Vulkan or GL driver, \
-                     e.g. Mesa's software ones: apt-get install mesa-vulkan-drivers libvulkan1 \
-                     (Vulkan) or libegl1 libegl-mesa0 libgl1-mesa-dri (GL) ***\n"
-                );
+                let advice = match e {
+                    // An adapter was there, its device would not open: a driver or backend
+                    // problem, not a missing driver (e.g. GL on NVIDIA's EGL).
+                    GpuError::CreateFailed(_) => {
+                        "another backend may work: try WGPU_BACKEND=vulkan (or gl)"
+                    }
+                    _ => {
+                        "install a Vulkan or GL driver, e.g. Mesa's software ones: apt-get \
+                         install mesa-vulkan-drivers libvulkan1 (Vulkan) or libegl1 libegl-mesa0 \
+                         libgl1-mesa-dri (GL)"
+                    }
+                };
+                eprintln!("\n*** SKIPPED: no usable GPU adapter ({e}); {advice} ***\n");
                 return Ok(ExitCode::SUCCESS);
             }
             Err(e) => {
