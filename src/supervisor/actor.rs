@@ -367,6 +367,11 @@ impl Shell {
             shrink(&mut self.workers);
             shrink(&mut self.explicit);
             shrink(&mut self.acquires);
+            shrink(&mut self.renewals);
+            shrink(&mut self.evidence);
+            // A flood's first batch can bring tens of thousands of waiters at once.
+            self.fresh.shrink_to(BATCH_KEEP);
+            self.late_replies.shrink_to(BATCH_KEEP);
             self.outbox.shrink_to(BATCH_KEEP);
             self.inbox.shrink();
         }

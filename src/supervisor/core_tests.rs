@@ -29,6 +29,32 @@ fn token(slot: u32, lease: u64) -> SlotToken {
     SlotToken::new(slot, lease)
 }
 
+#[test]
+fn a_queued_waiter_keeps_its_id_and_what_it_wants_in_eight_bytes() {
+    assert_eq!(std::mem::size_of::<Queued>(), 8);
+    for waiter in [0, 1, 2, 0x1234_5678_9abc, (1 << 63) - 1] {
+        for want in [Want::Lease, Want::Job] {
+            let q = Queued::new(waiter, want);
+            assert_eq!((q.waiter(), q.want()), (waiter, want));
+        }
+    }
+}
+
+#[test]
+fn waiters_of_both_kinds_are_popped_in_queue_order_with_what_they_want() {
+    let mut queue = WaitQueue::default();
+    queue.push(7, Want::Job);
+    queue.push(3, Want::Lease);
+    queue.push(9, Want::Job);
+    assert!(queue.remove(3));
+    queue.push(4, Want::Lease);
+    assert_eq!(queue.head(), Some(7));
+    assert_eq!(queue.pop(), Some((7, Want::Job)));
+    assert_eq!(queue.pop(), Some((9, Want::Job)));
+    assert_eq!(queue.pop(), Some((4, Want::Lease)));
+    assert_eq!(queue.pop(), None);
+}
+
 /// A core with one job granted and started on `token`; returns its key.
 fn started_job(core: &mut Core, t: SlotToken, device: Option<usize>) -> LeaseKey {
     core.apply(Input::Enqueue {
