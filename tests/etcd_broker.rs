@@ -561,11 +561,24 @@ async fn an_acquire_dropped_while_waiting_leaves_no_queue_place_and_no_slot_behi
             .unwrap(),
     );
     let holder = broker.acquire(request(1)).await.unwrap();
+    assert_eq!(broker.queue_key_for(&request(1)), None, "granted: no place");
+    assert_eq!(broker.queue_key_for(&request(2)), None, "not asked yet");
     let waiting = {
         let broker = Arc::clone(&broker);
         tokio::spawn(async move { broker.acquire(request(2)).await })
     };
     wait_for_key(&mut c, &broker.request_key_for(&request(2))).await;
+    // The broker names the waiter's place, and it is the one key in the queue.
+    let place = broker
+        .queue_key_for(&request(2))
+        .expect("a waiting acquire has a place");
+    wait_for_key(&mut c, &place).await;
+    let queued: Vec<String> = keys_under(&mut c, "leasehold/drop/queue/")
+        .await
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(queued, vec![place]);
 
     // The supervisor drops acquires still in flight at shutdown: the waiter's place goes at
     // once (its session lives on, so no TTL would ever remove it).
@@ -577,6 +590,16 @@ async fn an_acquire_dropped_while_waiting_leaves_no_queue_place_and_no_slot_behi
         || {
             let mut c = c.clone();
             async move { keys_under(&mut c, "leasehold/drop/queue/").await.is_empty() }
+        },
+    )
+    .await;
+    // Its place is given up once its cleanup's answer is back (just after the key went).
+    wait_until(
+        Duration::from_secs(10),
+        "the withdrawn place is given up",
+        || {
+            let place = broker.queue_key_for(&request(2));
+            async move { place.is_none() }
         },
     )
     .await;

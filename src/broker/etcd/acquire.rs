@@ -145,7 +145,7 @@ impl Inner {
     }
 
     /// Request `rk`'s queue place, if it has one.
-    fn place_if_any(&self, rk: u64) -> Option<u64> {
+    pub(super) fn place_if_any(&self, rk: u64) -> Option<u64> {
         let places = self.places.lock();
         places
             .by_request

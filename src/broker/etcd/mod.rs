@@ -316,9 +316,14 @@ impl EtcdBroker {
             .map(|s| s.id)
     }
 
-    /// The queue key an acquire with this request waits under (for tools and tests).
-    pub fn queue_key_for(&self, request: &AcquireRequest) -> String {
-        self.inner.layout.queue_key(self.inner.request_key(request))
+    /// The queue key an acquire with this request waits under (for tools and tests): `None`
+    /// while the acquire is not in flight. Its place is chosen at its first transaction and
+    /// given up once it is granted or withdrawn; the key exists in etcd while it waits.
+    pub fn queue_key_for(&self, request: &AcquireRequest) -> Option<String> {
+        let rk = self.inner.request_key(request);
+        self.inner
+            .place_if_any(rk)
+            .map(|place| self.inner.layout.queue_key(place))
     }
 
     /// The request marker an acquire with this request writes first (for tools and tests): it
