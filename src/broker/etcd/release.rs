@@ -7,9 +7,13 @@
 //! queue key and writes the grant into the head's marker, all at one revision: the new token.
 //! A slot never sits free while someone waits.
 //!
-//! Uncontended, a release is one write. Under contention the broker first reads the head
-//! (a read, not a consensus write) and then hands off; which of the two it starts with follows
-//! what the last release or acquire saw.
+//! Uncontended, a release is one write. Under contention the chain starts from the oldest
+//! waiters this broker has cached (refreshed in the background after its hand-offs) and
+//! usually hands off in that one transaction. When it knows of no live waiter but one waits,
+//! the transaction's last link reads the slot and the oldest waiters instead, and a second
+//! transaction hands off: two consensus rounds, since etcd sends every transaction that could
+//! write through raft, whichever branch it takes (measured: a cold hand-off between two
+//! brokers on an idle 3-member cluster takes 2.2–2.6 ms on the 2-vCPU VM, both rounds).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
