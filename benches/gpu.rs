@@ -32,9 +32,9 @@
 //! `LEASEHOLD_BENCH_SPIN_MS=3` calibrates them to about 3 ms per job on the adapter at hand;
 //! the table prints the per-job time it came to). The last "benchmark", `summary`, prints the
 //! ratio table from the samples criterion took above. `cargo bench --bench gpu -- --test` (CI)
-//! runs every benchmark once and prints the table labelled as such. Without an adapter the suite prints a loud skip line and measures
-//! nothing, unless `LEASEHOLD_REQUIRE_GPU=1` (CI), which makes that a panic. `WGPU_BACKEND`
-//! picks the backend (`WGPU_BACKEND=gl` for GL).
+//! runs every benchmark once and prints the table labelled as such. Without an adapter the
+//! suite prints a loud skip line and measures nothing, unless `LEASEHOLD_REQUIRE_GPU=1` (CI),
+//! which makes that a panic. `WGPU_BACKEND` picks the backend (`WGPU_BACKEND=gl` for GL).
 //!
 //! Every figure is taken on a worker thread of a 2-worker multi-thread runtime: each routine
 //! spawns its timed loop onto the runtime and returns the time the loop measured itself
