@@ -121,12 +121,14 @@ impl Inbox {
         drop(queued);
     }
 
-    /// Gives back the queue's memory after a flood.
+    /// Gives back the queue's memory after a flood: also when a message or two arrived since
+    /// the drain (a late proof, a timer), which would otherwise keep a flood's worth of capacity
+    /// until the next flood.
     pub(crate) fn shrink(&self) {
         let mut state = self.state.lock();
-        let cap = state.queue.capacity();
-        if cap > 64 && state.queue.is_empty() {
-            state.queue.shrink_to(64);
+        let (len, cap) = (state.queue.len(), state.queue.capacity());
+        if cap > 64 && len <= cap / 4 {
+            state.queue.shrink_to((len * 2).max(64));
         }
     }
 }
