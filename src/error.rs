@@ -50,6 +50,14 @@ pub mod codes {
     pub const LEASE_LOST: &str = "LEASE_LOST";
     /// A fencing token older than one already accepted was refused.
     pub const LEASE_FENCED: &str = "LEASE_FENCED";
+    /// A request for 0 slots, or for more slots than the capacity (a multi-slot lease, a
+    /// resize to 0); nothing was acquired.
+    pub const LEASE_SLOT_COUNT_INVALID: &str = "LEASE_SLOT_COUNT_INVALID";
+    /// `try_acquire` found no slot free (or callers waiting ahead); nothing was acquired.
+    pub const LEASE_NO_SLOT_FREE: &str = "LEASE_NO_SLOT_FREE";
+    /// The broker cannot serve this request (a multi-slot lease, `try_acquire` or a resize on a
+    /// broker other than the supervisor's in-process pool); nothing was acquired.
+    pub const LEASE_BROKER_UNSUPPORTED: &str = "LEASE_BROKER_UNSUPPORTED";
 }
 
 /// Why [`Supervisor::acquire`](crate::Supervisor::acquire) (or the acquire step of a job) ended
@@ -70,6 +78,19 @@ pub enum AcquireError {
     Scratch(Arc<io::Error>),
     /// The supervisor has shut down or its runtime is gone.
     Stopped,
+    /// 0 slots asked for, or more than the capacity (at the request, or after a resize lowered
+    /// the capacity below it).
+    SlotCount {
+        /// The slots asked for.
+        wanted: u32,
+        /// The capacity then.
+        capacity: u32,
+    },
+    /// [`try_acquire`](crate::Supervisor::try_acquire): no slot was free, or callers were
+    /// waiting ahead.
+    NoSlotFree,
+    /// The broker cannot serve this request: what was asked.
+    Unsupported(&'static str),
     /// A slot was granted but its GPU device could not be made usable; the slot was released
     /// and no body ran.
     #[cfg(feature = "gpu")]
@@ -77,10 +98,14 @@ pub enum AcquireError {
 }
 
 impl AcquireError {
-    /// `LEASE_ACQUIRE_CANCELLED`, `LEASE_ACQUIRE_TIMEOUT`, `LEASE_ACQUIRE_FAILED` or
-    /// `SUPERVISOR_STOPPED`.
+    /// `LEASE_ACQUIRE_CANCELLED`, `LEASE_ACQUIRE_TIMEOUT`, `LEASE_ACQUIRE_FAILED`,
+    /// `SUPERVISOR_STOPPED`, `LEASE_SLOT_COUNT_INVALID`, `LEASE_NO_SLOT_FREE` or
+    /// `LEASE_BROKER_UNSUPPORTED`.
     pub fn code(&self) -> &'static str {
         match self {
+            Self::SlotCount { .. } => codes::LEASE_SLOT_COUNT_INVALID,
+            Self::NoSlotFree => codes::LEASE_NO_SLOT_FREE,
+            Self::Unsupported(_) => codes::LEASE_BROKER_UNSUPPORTED,
             Self::Cancelled => codes::LEASE_ACQUIRE_CANCELLED,
             Self::TimedOut { .. } => codes::LEASE_ACQUIRE_TIMEOUT,
             Self::Failed(_) | Self::Scratch(_) => codes::LEASE_ACQUIRE_FAILED,
@@ -99,6 +124,12 @@ impl fmt::Display for AcquireError {
             Self::Failed(_) => f.write_str("slot acquire failed"),
             Self::Scratch(_) => f.write_str("could not create the job's temp dir"),
             Self::Stopped => f.write_str("supervisor stopped"),
+            Self::SlotCount { wanted, capacity } => write!(
+                f,
+                "{wanted} slots asked for; a lease takes 1 to {capacity} slots here"
+            ),
+            Self::NoSlotFree => f.write_str("no slot free"),
+            Self::Unsupported(what) => write!(f, "the broker does not support {what}"),
             #[cfg(feature = "gpu")]
             Self::Gpu(_) => f.write_str("the slot's gpu device is unavailable"),
         }
@@ -588,6 +619,44 @@ impl fmt::Display for ShutdownError {
 }
 
 impl std::error::Error for ShutdownError {}
+
+/// Why [`Supervisor::resize`](crate::Supervisor::resize) changed nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ResizeError {
+    /// A capacity of 0 slots (code `LEASE_SLOT_COUNT_INVALID`).
+    Zero,
+    /// The supervisor's slots come from a broker other than its in-process pool (code
+    /// `LEASE_BROKER_UNSUPPORTED`).
+    Unsupported,
+    /// The supervisor has shut down or is unreachable (code `SUPERVISOR_STOPPED`).
+    Stopped,
+}
+
+impl ResizeError {
+    /// `LEASE_SLOT_COUNT_INVALID`, `LEASE_BROKER_UNSUPPORTED` or `SUPERVISOR_STOPPED`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::Zero => codes::LEASE_SLOT_COUNT_INVALID,
+            Self::Unsupported => codes::LEASE_BROKER_UNSUPPORTED,
+            Self::Stopped => codes::SUPERVISOR_STOPPED,
+        }
+    }
+}
+
+impl fmt::Display for ResizeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Zero => f.write_str("a pool needs at least one slot"),
+            Self::Unsupported => {
+                f.write_str("only the supervisor's in-process pool can be resized")
+            }
+            Self::Stopped => f.write_str("supervisor stopped"),
+        }
+    }
+}
+
+impl std::error::Error for ResizeError {}
 
 /// Use-after-release: the lease's release has begun, its token may belong to someone else.
 #[derive(Debug, Clone, PartialEq, Eq)]

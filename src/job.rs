@@ -7,7 +7,8 @@ use tokio_util::sync::CancellationToken;
 /// Longest job id accepted by [`JobSpec::new`].
 pub const MAX_JOB_ID_LEN: usize = 128;
 
-/// A validated description of one job: its id and, optionally, a cancellation token.
+/// A validated description of one job: its id and, optionally, a cancellation token, a
+/// [`Priority`] and a number of slots.
 ///
 /// The id must match `^[A-Za-z0-9_.:-]{1,128}$`. It names the job in traces and metrics and
 /// prefixes its temp dir, which is always a fresh directory strictly inside the work root
@@ -27,6 +28,63 @@ pub const MAX_JOB_ID_LEN: usize = 128;
 pub struct JobSpec {
     id: String,
     cancel: Option<CancellationToken>,
+    priority: Priority,
+    slots: u32,
+}
+
+/// How many grants a waiter of one class lets pass to higher classes that arrived after it,
+/// per class between them, before it is served (see [`Priority`]).
+pub const PRIORITY_AGING_GRANTS: u64 = 8;
+
+/// A waiter's priority class: [`High`](Self::High), [`Normal`](Self::Normal) (the default) or
+/// [`Low`](Self::Low).
+///
+/// Waiters are served FIFO within a class. Across classes, a waiter that joins the queue when
+/// the supervisor has made `g` grants gets the deadline `g + rank × PRIORITY_AGING_GRANTS`
+/// (rank 0 for `High`, 1 for `Normal`, 2 for `Low`), and the waiter with the earliest deadline
+/// is served next (the earlier caller on a tie). So a higher class overtakes a lower one, but
+/// starvation is bounded: a `Low` waiter is overtaken only by waiters already queued when it
+/// arrived and by those that arrive within the next `2 × PRIORITY_AGING_GRANTS` grants (a
+/// `Normal` waiter: within the next `PRIORITY_AGING_GRANTS`). With one class in use the queue
+/// is plain FIFO.
+///
+/// A waiter that needs several slots (see [`JobSpec::with_slots`]) holds the head of the queue
+/// once it is chosen: the slots freed while it gathers go to it, whatever arrives meanwhile.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::{JobSpec, Priority};
+///
+/// let preview = JobSpec::new("preview-7")?.with_priority(Priority::High);
+/// assert_eq!(preview.priority(), Priority::High);
+/// assert_eq!(JobSpec::new("bake")?.priority(), Priority::Normal);
+/// # Ok::<(), leasehold::InvalidJob>(())
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Priority {
+    /// Served first (interactive work: the frame the player waits for).
+    High,
+    /// The default.
+    #[default]
+    Normal,
+    /// Served last, within the aging bound (background bakes).
+    Low,
+}
+
+impl Priority {
+    /// How many classes there are.
+    pub(crate) const COUNT: usize = 3;
+
+    /// 0 for the highest class.
+    pub(crate) fn rank(self) -> usize {
+        match self {
+            Self::High => 0,
+            Self::Normal => 1,
+            Self::Low => 2,
+        }
+    }
 }
 
 impl JobSpec {
@@ -39,7 +97,12 @@ impl JobSpec {
     pub fn new(id: impl Into<String>) -> Result<Self, InvalidJob> {
         let id = id.into();
         validate_id(&id)?;
-        Ok(Self { id, cancel: None })
+        Ok(Self {
+            id,
+            cancel: None,
+            priority: Priority::Normal,
+            slots: 1,
+        })
     }
 
     /// Attaches a cancellation token. Cancelling it is a *request*: the body sees it through
@@ -51,9 +114,39 @@ impl JobSpec {
         self
     }
 
+    /// Sets the job's priority class (default [`Priority::Normal`]).
+    #[must_use]
+    pub fn with_priority(mut self, priority: Priority) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// Asks for `slots` slots at once (default 1): the job starts only when it holds all of
+    /// them, and releases them together once it has physically finished. While it waits at the
+    /// head of the queue, the slots freed go to it (head-of-line blocking, as with tokio's
+    /// `Semaphore::acquire_many`). Supported by the supervisor's in-process pool; a job asking
+    /// for 0 slots or for more than the capacity is refused with `LEASE_SLOT_COUNT_INVALID`,
+    /// and one asking for more than 1 from another broker with `LEASE_BROKER_UNSUPPORTED`.
+    /// The job's context lists every token ([`WorkerContext::tokens`](crate::WorkerContext::tokens)).
+    #[must_use]
+    pub fn with_slots(mut self, slots: u32) -> Self {
+        self.slots = slots;
+        self
+    }
+
     /// The job id.
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// The job's priority class.
+    pub fn priority(&self) -> Priority {
+        self.priority
+    }
+
+    /// How many slots the job asks for.
+    pub fn slots(&self) -> u32 {
+        self.slots
     }
 
     /// The caller's cancellation token, if one was attached.
@@ -61,9 +154,22 @@ impl JobSpec {
         self.cancel.as_ref()
     }
 
-    pub(crate) fn into_parts(self) -> (String, Option<CancellationToken>) {
-        (self.id, self.cancel)
+    pub(crate) fn into_parts(self) -> JobParts {
+        JobParts {
+            id: self.id,
+            cancel: self.cancel,
+            priority: self.priority,
+            slots: self.slots,
+        }
     }
+}
+
+/// A spec taken apart by `run`.
+pub(crate) struct JobParts {
+    pub(crate) id: String,
+    pub(crate) cancel: Option<CancellationToken>,
+    pub(crate) priority: Priority,
+    pub(crate) slots: u32,
 }
 
 fn validate_id(id: &str) -> Result<(), InvalidJob> {

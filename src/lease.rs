@@ -14,7 +14,8 @@ use crate::supervisor::core::LeaseKey;
 use crate::supervisor::inbox::Inbox;
 use crate::supervisor::messages::SupMsg;
 
-/// One slot, held until [`release`](Self::release) or drop.
+/// One slot (or several, from [`Supervisor::acquire_many`]), held until
+/// [`release`](Self::release) or drop.
 ///
 /// Prefer [`Supervisor::run`], which also tracks the work done under the slot. A `Lease` only
 /// guarantees the bookkeeping: exactly one broker release, awaited by `release`, refused use
@@ -49,6 +50,8 @@ use crate::supervisor::messages::SupMsg;
 pub struct Lease {
     key: LeaseKey,
     token: SlotToken,
+    /// The other tokens of a multi-slot lease (empty for one slot).
+    more: Vec<SlotToken>,
     inbox: Arc<Inbox>,
     state: State,
     /// Keeps the supervisor from shutting down (last handle dropped) while this lease lives.
@@ -109,12 +112,14 @@ impl Lease {
     pub(crate) fn new(
         key: LeaseKey,
         token: SlotToken,
+        more: Vec<SlotToken>,
         inbox: Arc<Inbox>,
         cell: Arc<LeaseCell>,
     ) -> Self {
         Self {
             key,
             token,
+            more,
             inbox,
             state: State::Held,
             keepalive: None,
@@ -157,7 +162,7 @@ impl Lease {
         self.state = State::Defused;
     }
 
-    /// The slot held.
+    /// The slot held (the first one, for a multi-slot lease).
     ///
     /// # Errors
     ///
@@ -186,6 +191,23 @@ impl Lease {
             State::Held if !self.is_lost() => Ok(self.token),
             _ => Err(LeaseReleased::new()),
         }
+    }
+
+    /// Every token held, the first one first (one for a single-slot lease).
+    ///
+    /// # Errors
+    ///
+    /// [`LeaseReleased`] once release has begun, or once the lease ended under its holder.
+    pub fn tokens(&self) -> Result<Vec<SlotToken>, LeaseReleased> {
+        let first = self.token()?;
+        Ok(std::iter::once(first)
+            .chain(self.more.iter().copied())
+            .collect())
+    }
+
+    /// How many slots the lease holds (whether or not it still holds them).
+    pub fn slot_count(&self) -> usize {
+        1 + self.more.len()
     }
 
     /// Whether release has begun (by this holder, or by a shutdown on its behalf).

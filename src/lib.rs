@@ -28,7 +28,7 @@ pub use broker::{
 };
 pub use error::{
     AcquireError, BodyError, BodyErrorKind, CleanupError, CleanupErrorKind, JobError,
-    LeaseReleased, ShutdownError, StartError, codes,
+    LeaseReleased, ResizeError, ShutdownError, StartError, codes,
 };
 pub use fencing::{FencingGuard, StaleToken};
 #[cfg(feature = "gpu")]
@@ -36,15 +36,16 @@ pub use fencing::{FencingGuard, StaleToken};
 pub use gpu::BackendCall;
 #[cfg(feature = "gpu")]
 pub use gpu::{FencePolicy, GpuError, GpuOptions, JobGpu, ScratchPolicy, SlotScratch};
-pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN};
+pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN, PRIORITY_AGING_GRANTS, Priority};
 pub use job_handle::JobHandle;
 pub use lease::Lease;
 pub use process::{JobProcess, ProcessError, ProcessSpec};
 pub use sink::OrphanedFailure;
 pub use supervisor::{
     DEFAULT_CANCEL_GRACE, DEFAULT_CLEANUP_TIMEOUT, DEFAULT_PROCESS_GRACE,
-    DEFAULT_PROCESS_PROOF_BOUND, DEFAULT_SHUTDOWN_TIMEOUT, QuarantinedSlot, ReclaimReport,
-    ShutdownReport, Stats, Supervisor, SupervisorBuilder, UnclosedDevice, metric_names,
+    DEFAULT_PROCESS_PROOF_BOUND, DEFAULT_SHUTDOWN_TIMEOUT, LeaseInfo, LeaseKind, LeasePhase,
+    QuarantinedSlot, ReclaimReport, ShutdownReport, Stats, Supervisor, SupervisorBuilder,
+    UnclosedDevice, WaitingFor, metric_names,
 };
 /// Re-exported (feature `gpu`) so that jobs use exactly the wgpu the supervisor was built with.
 #[cfg(feature = "gpu")]

@@ -15,6 +15,10 @@ use super::{AcquireRequest, BrokerError, SlotBroker, SlotToken};
 /// [`BrokerErrorKind::Unavailable`](crate::BrokerErrorKind::Unavailable). `release` refuses a token
 /// that is not held under exactly that lease id.
 ///
+/// The pool can be resized while it is in use ([`Supervisor::resize`](crate::Supervisor::resize)):
+/// new slots are numbered on from the highest ever had; when the pool shrinks, no held slot is
+/// taken away, and the slots above the new size are retired as they come back.
+///
 /// # Examples
 ///
 /// ```
@@ -30,11 +34,11 @@ use super::{AcquireRequest, BrokerError, SlotBroker, SlotToken};
 /// # }).unwrap();
 /// ```
 pub struct LocalBroker {
-    capacity: u32,
     state: Mutex<LocalState>,
 }
 
 struct LocalState {
+    capacity: u32,
     free: VecDeque<u32>,
     /// Per slot, the lease id holding it (0: free; lease ids start at 1).
     holder: Vec<u64>,
@@ -46,8 +50,8 @@ impl LocalBroker {
     /// A pool of `slots` slots. A pool of zero slots is refused when a supervisor starts on it.
     pub fn new(slots: u32) -> Self {
         Self {
-            capacity: slots,
             state: Mutex::new(LocalState {
+                capacity: slots,
                 free: (0..slots).collect(),
                 holder: vec![0; slots as usize],
                 held: 0,
@@ -62,18 +66,46 @@ impl LocalBroker {
     }
 
     pub(crate) fn slots(&self) -> u32 {
-        self.capacity
+        self.state.lock().capacity
+    }
+
+    /// Sets the number of slots. Raising it frees the new slots at once; lowering it takes no
+    /// held slot away: `acquire` refuses while `held() >= slots`, and the slots numbered at or
+    /// above `slots` are retired as they are released (the free ones at once). A pool resized
+    /// to 0 grants nothing until it is raised again.
+    pub fn resize(&self, slots: u32) {
+        let mut state = self.state.lock();
+        state.capacity = slots;
+        if state.holder.len() < slots as usize {
+            state.holder.resize(slots as usize, 0);
+        }
+        // Free now: the free slots below the new size, in the order they were freed, then those
+        // not free before (retired, or new) that nobody holds.
+        let LocalState { free, holder, .. } = &mut *state;
+        free.retain(|s| *s < slots);
+        let known: std::collections::HashSet<u32> = free.iter().copied().collect();
+        for slot in 0..slots {
+            if holder[slot as usize] == 0 && !known.contains(&slot) {
+                free.push_back(slot);
+            }
+        }
     }
 
     /// Takes a free slot, at once: what `acquire` does, without a future (the supervisor's
     /// fast path for its own in-process broker).
     pub(crate) fn take(&self) -> Result<SlotToken, BrokerError> {
         let mut state = self.state.lock();
-        let Some(slot) = state.free.pop_front() else {
-            return Err(BrokerError::unavailable(format!(
-                "all {} slots are held",
-                self.capacity
-            )));
+        let slot = match state.free.pop_front() {
+            Some(slot) if state.held < state.capacity as usize => slot,
+            other => {
+                if let Some(slot) = other {
+                    state.free.push_front(slot);
+                }
+                return Err(BrokerError::unavailable(format!(
+                    "all {} slots are held",
+                    state.capacity
+                )));
+            }
         };
         let lease_id = state.next_lease_id;
         state.next_lease_id += 1;
@@ -90,7 +122,10 @@ impl LocalBroker {
             Some(&lease) if lease == token.lease_id() && lease != 0 => {
                 state.holder[slot] = 0;
                 state.held -= 1;
-                state.free.push_back(token.slot_id());
+                // A slot above a lowered size is retired.
+                if token.slot_id() < state.capacity {
+                    state.free.push_back(token.slot_id());
+                }
                 Ok(())
             }
             _ => Err(BrokerError::invalid_response(format!(
@@ -103,7 +138,7 @@ impl LocalBroker {
 impl fmt::Debug for LocalBroker {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LocalBroker")
-            .field("capacity", &self.capacity)
+            .field("capacity", &self.slots())
             .field("held", &self.held())
             .finish()
     }
@@ -119,6 +154,6 @@ impl SlotBroker for LocalBroker {
     }
 
     fn capacity(&self) -> Option<u32> {
-        Some(self.capacity)
+        Some(self.slots())
     }
 }

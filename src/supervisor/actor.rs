@@ -36,10 +36,12 @@ use super::hosts::Hosts;
 use super::inbox::{Inbox, Ring};
 use super::messages::{PendingJob, ReleaseReply, RunOutcome, SupMsg, WaiterKind};
 use super::stats::{Metrics, Published, SharedStats};
+use super::table::{Extra, LeaseTable};
 use super::{QuarantinedSlot, ReclaimReport, Reporter, ShutdownReport, UnclosedDevice};
 use crate::broker::{
     AcquireRequest, BrokerError, BrokerEvent, DynBroker, LocalBroker, SlotToken, poll_once,
 };
+use crate::error::ResizeError;
 use crate::error::{AcquireError, CleanupError};
 use crate::lease::{Lease, LeaseCell};
 use crate::process::{Evidence, ProcessPolicy};
@@ -63,6 +65,8 @@ pub(crate) struct Config {
     pub(crate) error_sink: Option<ErrorSink>,
     pub(crate) process_policy: ProcessPolicy,
     pub(crate) hosts: Hosts,
+    /// Warn once about a lease held at least this long.
+    pub(crate) held_warning: Option<Duration>,
 }
 
 pub(crate) struct SupervisorActor;
@@ -74,6 +78,7 @@ pub(crate) struct SupArgs {
     pub(crate) config: Arc<Config>,
     pub(crate) stats: Arc<SharedStats>,
     pub(crate) inbox: Arc<Inbox>,
+    pub(crate) table: Arc<LeaseTable>,
     pub(crate) owned_root: Option<tempfile::TempDir>,
     /// Random per supervisor (see `AcquireRequest::origin`).
     pub(crate) origin: u64,
@@ -170,6 +175,12 @@ pub(crate) struct Shell {
     origin: u64,
     /// The batch being handled (kept for its capacity).
     batch: Vec<SupMsg>,
+    /// The live lease table (this actor is its only writer).
+    table: Arc<LeaseTable>,
+    /// Leases whose row is brought up to date at the end of the batch (kept for its capacity).
+    touched: Vec<LeaseKey>,
+    /// Leader pid of each process group a live job started, by process key.
+    pids: FxHashMap<u64, u32>,
 }
 
 /// A flood this large (leases and waiters at once) is worth giving memory back after.
@@ -203,6 +214,9 @@ impl Actor for SupervisorActor {
         let gpu = args.config.hosts.gpu.is_some();
         #[cfg(not(feature = "gpu"))]
         let gpu = false;
+        if let Some(threshold) = args.config.held_warning {
+            spawn_held_ticker(Arc::clone(&args.inbox), threshold);
+        }
         Ok(Shell {
             core: match &args.broker {
                 BrokerPort::Local(_) => Core::new(args.capacity, false, gpu).trusting_tokens(),
@@ -234,6 +248,9 @@ impl Actor for SupervisorActor {
             owned_root: args.owned_root,
             origin: args.origin,
             batch: Vec::new(),
+            table: args.table,
+            touched: Vec::new(),
+            pids: FxHashMap::default(),
         })
     }
 
@@ -351,6 +368,7 @@ impl Shell {
             }
             self.perform_all().await;
         }
+        self.sync_table();
         self.publish();
         self.metrics.publish_gauges(&self.core);
         // Every freed slot has been handed on: the callers hear now.
@@ -369,6 +387,9 @@ impl Shell {
             shrink(&mut self.acquires);
             shrink(&mut self.renewals);
             shrink(&mut self.evidence);
+            shrink(&mut self.pids);
+            self.table.shrink();
+            self.touched.shrink_to(BATCH_KEEP);
             // A flood's first batch can bring tens of thousands of waiters at once.
             self.fresh.shrink_to(BATCH_KEEP);
             self.late_replies.shrink_to(BATCH_KEEP);
@@ -383,11 +404,14 @@ impl Shell {
 
     async fn on_message(&mut self, msg: SupMsg) {
         let input = match msg {
-            SupMsg::Acquire { waiter, kind } => {
-                let want = match kind {
-                    WaiterKind::Lease { .. } => Want::Lease,
-                    WaiterKind::Job(_) => Want::Job,
-                };
+            SupMsg::Acquire { waiter, kind, ask } => {
+                debug_assert_eq!(
+                    ask.want,
+                    match kind {
+                        WaiterKind::Lease { .. } => Want::Lease,
+                        WaiterKind::Job(_) => Want::Job,
+                    }
+                );
                 self.waiters.insert(
                     waiter,
                     Waiter {
@@ -396,7 +420,21 @@ impl Shell {
                     },
                 );
                 self.fresh.push(waiter);
-                Input::Enqueue { waiter, want }
+                Input::Enqueue { waiter, ask }
+            }
+            SupMsg::CancelJob { job_id, reply } => {
+                let found = self.cancel_by_id(&job_id).await;
+                let _ = reply.send(found);
+                return;
+            }
+            SupMsg::Resize { slots, reply } => {
+                let result = self.resize(slots).await;
+                let _ = reply.send(result);
+                return;
+            }
+            SupMsg::HeldTick => {
+                self.report_held_too_long();
+                return;
             }
             SupMsg::Withdraw { waiter, why } => Input::Withdraw { waiter, why },
             SupMsg::Release { key, reply } => {
@@ -449,16 +487,22 @@ impl Shell {
             }
             SupMsg::Proven { key, proofs } => Input::Proven { key, proofs },
             SupMsg::Late { key, proof, detail } => Input::Late { key, proof, detail },
-            SupMsg::ProcessStarted { key, process } => Input::ProcessStarted { key, process },
+            SupMsg::ProcessStarted { key, process, pid } => {
+                self.pids.insert(process, pid);
+                Input::ProcessStarted { key, process }
+            }
             SupMsg::ProcessEnded {
                 key,
                 process,
                 unproven,
             } => match unproven {
-                None => Input::ProvenOne {
-                    key,
-                    proof: Proof::Process(process),
-                },
+                None => {
+                    self.pids.remove(&process);
+                    Input::ProvenOne {
+                        key,
+                        proof: Proof::Process(process),
+                    }
+                }
                 Some(evidence) => {
                     let detail = evidence.reason().to_owned();
                     self.evidence.insert((key, process), evidence);
@@ -602,6 +646,11 @@ impl Shell {
                     return None;
                 }
                 self.record_grant(span.get(), since, token);
+                let more = self
+                    .core
+                    .lease(key)
+                    .map(|l| l.more_tokens().to_vec())
+                    .unwrap_or_default();
                 let cell = Arc::new(LeaseCell::new());
                 self.explicit.insert(
                     key,
@@ -611,7 +660,7 @@ impl Shell {
                     },
                 );
                 self.publish();
-                let lease = Lease::new(key, token, Arc::clone(&self.inbox), cell);
+                let lease = Lease::new(key, token, more, Arc::clone(&self.inbox), cell);
                 if let Err(Ok(lease)) = reply.send(Ok(lease)) {
                     // The caller left between the check and the send: nobody saw it.
                     lease.defuse();
@@ -778,7 +827,122 @@ impl Shell {
         if let Some(task) = self.renewals.remove(&key) {
             task.abort();
         }
-        self.evidence.retain(|(k, _), _| *k != key);
+        if !self.evidence.is_empty() {
+            self.evidence.retain(|(k, _), _| *k != key);
+        }
+    }
+
+    /// Brings the rows of the leases the core touched in this batch up to date.
+    fn sync_table(&mut self) {
+        self.core.take_touched(&mut self.touched);
+        if self.touched.is_empty() {
+            return;
+        }
+        let mut touched = mem::take(&mut self.touched);
+        for key in touched.drain(..) {
+            let lease = self.core.lease(key);
+            let job = self.jobs.get(&key);
+            let pids = &self.pids;
+            let extra = Extra {
+                job_id: job.map(|j| &j.job_id),
+                pid: &|p| pids.get(&p).copied(),
+            };
+            self.table
+                .update(key, lease, extra, tokio::time::Instant::now);
+        }
+        self.touched = touched;
+    }
+
+    /// `Supervisor::cancel`: every job with that id that waits, or holds a lease not yet
+    /// releasing.
+    async fn cancel_by_id(&mut self, job_id: &str) -> bool {
+        let mut found = false;
+        let waiting: Vec<WaiterId> = self
+            .waiters
+            .iter()
+            .filter_map(|(w, waiter)| match &waiter.kind {
+                WaiterKind::Job(job) if &*job.job_id == job_id => {
+                    job.shared.cancel.cancel();
+                    Some(*w)
+                }
+                _ => None,
+            })
+            .collect();
+        for waiter in waiting {
+            found = true;
+            self.apply(Input::Withdraw {
+                waiter,
+                why: super::core::Withdrawal::Cancelled,
+            })
+            .await;
+        }
+        let running: Vec<LeaseKey> = self
+            .jobs
+            .iter()
+            .filter(|(key, job)| {
+                &*job.job_id == job_id && self.core.lease(**key).is_some_and(|l| !l.is_releasing())
+            })
+            .map(|(key, _)| *key)
+            .collect();
+        for key in running {
+            found = true;
+            self.apply(Input::CancelJob { key }).await;
+        }
+        self.settle().await;
+        self.end_batch();
+        found
+    }
+
+    /// `Supervisor::resize`: the in-process pool's capacity (capped by the GPU sub-slots).
+    async fn resize(&mut self, slots: u32) -> Result<u32, ResizeError> {
+        if !self.core.is_serving() {
+            return Err(ResizeError::Stopped);
+        }
+        if slots == 0 {
+            return Err(ResizeError::Zero);
+        }
+        let BrokerPort::Local(pool) = &self.broker else {
+            return Err(ResizeError::Unsupported);
+        };
+        pool.resize(slots);
+        #[cfg(feature = "gpu")]
+        let capacity = match &self.config.hosts.gpu {
+            Some(gpu) => slots.min(gpu.capacity()),
+            None => slots,
+        };
+        #[cfg(not(feature = "gpu"))]
+        let capacity = slots;
+        self.apply(Input::Resize { capacity }).await;
+        self.settle().await;
+        self.end_batch();
+        Ok(capacity)
+    }
+
+    /// Warns once about each lease held past the threshold, naming what it waits for.
+    fn report_held_too_long(&mut self) {
+        let Some(threshold) = self.config.held_warning else {
+            return;
+        };
+        for info in self
+            .table
+            .newly_held_too_long(threshold, tokio::time::Instant::now())
+        {
+            self.metrics.held_too_long.increment(1);
+            let waiting_for = info
+                .waiting_for
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ");
+            tracing::warn!(
+                job_id = info.job_id.as_deref().unwrap_or("(explicit lease)"),
+                slot_id = info.slot_id,
+                held_ms = info.held_for.as_millis() as u64,
+                phase = ?info.phase,
+                waiting_for = %if waiting_for.is_empty() { "its holder".to_owned() } else { waiting_for },
+                "a lease has been held too long"
+            );
+        }
     }
 
     fn recheck(&mut self, key: LeaseKey, proof: Proof) {
@@ -791,6 +955,7 @@ impl Shell {
         match evidence.recheck() {
             None => {
                 self.evidence.remove(&(key, process));
+                self.pids.remove(&process);
                 self.core.apply(Input::ProvenOne { key, proof });
             }
             Some(detail) => self.core.apply(Input::Unproven { key, proof, detail }),
@@ -849,6 +1014,21 @@ impl Shell {
     fn sink(&self, job_id: Option<String>, error: CleanupError) {
         crate::sink::report_orphaned(self.config.error_sink.as_ref(), job_id, error);
     }
+}
+
+/// Rings the held-too-long check a few times per threshold, for as long as the supervisor lives.
+fn spawn_held_ticker(inbox: Arc<Inbox>, threshold: Duration) {
+    let period = (threshold / 4).max(Duration::from_millis(1));
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(period);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            if inbox.send(SupMsg::HeldTick).is_err() {
+                return;
+            }
+        }
+    });
 }
 
 fn shrink<K: Eq + std::hash::Hash, V>(map: &mut FxHashMap<K, V>) {

@@ -13,6 +13,7 @@ use super::hosts::Hosts;
 use super::inbox::Inbox;
 use super::messages::SupMsg;
 use super::stats::SharedStats;
+use super::table::LeaseTable;
 use crate::broker::{BrokerEvents, DynBroker, LocalBroker, SlotBroker};
 use crate::error::StartError;
 use crate::process::ProcessPolicy;
@@ -32,6 +33,8 @@ pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 enum Source {
     None,
     Slots(u32),
+    /// A `LocalBroker` given through `.broker(..)`: still the supervisor's own pool.
+    Local(LocalBroker),
     Broker(Arc<dyn DynBroker>),
 }
 
@@ -49,6 +52,7 @@ pub struct SupervisorBuilder {
     process_proof_bound: Duration,
     child_subreaper: bool,
     shutdown_timeout: Duration,
+    held_warning: Option<Duration>,
     #[cfg(feature = "gpu")]
     gpu: Option<crate::gpu::GpuOptions>,
     /// Fakes in place of the file system, processes and GPU (the simulation test).
@@ -70,6 +74,7 @@ impl SupervisorBuilder {
             process_proof_bound: DEFAULT_PROCESS_PROOF_BOUND,
             child_subreaper: true,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            held_warning: None,
             #[cfg(feature = "gpu")]
             gpu: None,
             #[cfg(test)]
@@ -84,8 +89,24 @@ impl SupervisorBuilder {
     }
 
     /// Uses any [`SlotBroker`] (replaces any `.slots(..)`); the broker alone decides capacity.
+    /// A [`LocalBroker`] given here is the supervisor's own pool, exactly as with
+    /// [`slots`](Self::slots): multi-slot leases, `try_acquire` and `resize` work on it.
     pub fn broker<B: SlotBroker>(mut self, broker: B) -> Self {
-        self.source = Source::Broker(Arc::new(broker));
+        let mut slot = Some(broker);
+        self.source =
+            match (&mut slot as &mut dyn std::any::Any).downcast_mut::<Option<LocalBroker>>() {
+                Some(local) => Source::Local(local.take().expect("just set")),
+                None => Source::Broker(Arc::new(slot.take().expect("just set"))),
+            };
+        self
+    }
+
+    /// Warns once about each lease held at least this long (default: never): a `tracing`
+    /// warning naming the job, its slot and what its release still waits for, and one count of
+    /// `render_slot.held_too_long.count`. Checked a few times per threshold (every quarter of
+    /// it), so a warning comes at most a quarter of the threshold late.
+    pub fn held_warning(mut self, threshold: Duration) -> Self {
+        self.held_warning = Some(threshold);
         self
     }
 
@@ -231,6 +252,8 @@ impl SupervisorBuilder {
             Source::None => return Err(StartError::NoBroker),
             Source::Slots(0) => return Err(StartError::ZeroCapacity),
             Source::Slots(n) => BrokerPort::Local(Arc::new(LocalBroker::new(n))),
+            Source::Local(pool) if pool.slots() == 0 => return Err(StartError::ZeroCapacity),
+            Source::Local(pool) => BrokerPort::Local(Arc::new(pool)),
             Source::Broker(b) if b.capacity() == Some(0) => return Err(StartError::ZeroCapacity),
             Source::Broker(b) => BrokerPort::Dyn(b),
         };
@@ -266,6 +289,7 @@ impl SupervisorBuilder {
             work_root: Arc::new(work_root.clone()),
             error_sink: self.error_sink.clone(),
             hosts,
+            held_warning: self.held_warning,
             process_policy: ProcessPolicy {
                 grace: self.process_grace,
                 proof_bound: self.process_proof_bound,
@@ -277,6 +301,8 @@ impl SupervisorBuilder {
             (Some(b), Some(g)) => Some(b.min(g)),
             (b, g) => b.or(g),
         };
+        stats.set_capacity(capacity);
+        let table = Arc::new(LeaseTable::default());
         let attach_to = broker.as_dyn();
         let origin = {
             use std::hash::{BuildHasher, Hasher};
@@ -292,6 +318,7 @@ impl SupervisorBuilder {
             config,
             stats: Arc::clone(&stats),
             inbox: Arc::clone(&inbox),
+            table: Arc::clone(&table),
             owned_root,
         };
         let (actor, join) = Actor::spawn(None, SupervisorActor, args)
@@ -309,7 +336,7 @@ impl SupervisorBuilder {
         Ok(Supervisor::from_parts(
             inbox,
             join,
-            stats,
+            (stats, table),
             self.acquire_timeout,
             work_root,
             self.error_sink,
@@ -339,6 +366,7 @@ impl fmt::Debug for SupervisorBuilder {
         let source = match &self.source {
             Source::None => "none".to_owned(),
             Source::Slots(n) => format!("LocalBroker({n})"),
+            Source::Local(pool) => format!("{pool:?}"),
             Source::Broker(_) => "custom broker".to_owned(),
         };
         f.debug_struct("SupervisorBuilder")
@@ -353,6 +381,7 @@ impl fmt::Debug for SupervisorBuilder {
             .field("process_proof_bound", &self.process_proof_bound)
             .field("child_subreaper", &self.child_subreaper)
             .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("held_warning", &self.held_warning)
             .finish()
     }
 }

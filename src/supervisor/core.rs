@@ -32,11 +32,13 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::io;
+use std::mem;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::broker::{BrokerError, SlotToken};
 use crate::error::{AcquireError, CleanupError, CleanupErrorKind};
+use crate::job::{PRIORITY_AGING_GRANTS, Priority};
 
 /// Supervisor-internal key of one lease (not the broker's lease id).
 pub(crate) type LeaseKey = u64;
@@ -65,6 +67,28 @@ pub(crate) enum Want {
     Lease,
     /// A slot for a job.
     Job,
+}
+
+/// A waiter's request: what for, how many slots, its class, and whether it may wait at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ask {
+    pub(crate) want: Want,
+    pub(crate) slots: u32,
+    pub(crate) priority: Priority,
+    /// `try_acquire`: served at once or refused, never queued.
+    pub(crate) now_only: bool,
+}
+
+impl Ask {
+    /// One slot, normal priority, may wait.
+    pub(crate) fn one(want: Want) -> Self {
+        Self {
+            want,
+            slots: 1,
+            priority: Priority::Normal,
+            now_only: false,
+        }
+    }
 }
 
 /// One proof the release of a lease waits for.
@@ -114,6 +138,17 @@ impl Proof {
 pub(crate) struct Proofs(u8);
 
 impl Proofs {
+    /// The proofs other than process groups, each with its bit in
+    /// [`Lease::owed_bits`], in pipeline order (process groups come after the GPU fence).
+    pub(crate) const WAITING_ORDER: [(Proof, u8); 5] = [
+        (Proof::WorkerJoined, Owed::JOINED),
+        (Proof::EventHandled, Owed::EVENT),
+        (Proof::TasksJoined, Owed::TASKS),
+        (Proof::GpuFence, Owed::GPU),
+        (Proof::Scratch, Owed::SCRATCH),
+    ];
+    /// The temp dir's bit in [`Lease::owed_bits`].
+    pub(crate) const SCRATCH_BIT: u8 = Owed::SCRATCH;
     pub(crate) const JOINED: Self = Self(Owed::JOINED);
     pub(crate) const TASKS: Self = Self(Owed::TASKS);
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
@@ -198,7 +233,11 @@ enum Scratch {
 #[derive(Debug)]
 pub(crate) struct Lease {
     token: SlotToken,
+    /// The other tokens of a multi-slot lease (empty for one slot).
+    more: Vec<SlotToken>,
     holder: Holder,
+    /// The class it was granted under.
+    priority: Priority,
     owed: Owed,
     /// Process groups not yet proven empty.
     processes: Vec<ProcessKey>,
@@ -206,6 +245,10 @@ pub(crate) struct Lease {
     reasons: Vec<Reason>,
     scratch: Scratch,
     release: Release,
+    /// Broker releases still to answer (one per token) once the release is in flight.
+    releasing: u32,
+    /// The first failure among them.
+    release_error: Option<CleanupError>,
     renewing: bool,
     /// The caller has its answer (the final one, or an early one on quarantine).
     answered: bool,
@@ -219,6 +262,34 @@ pub(crate) struct Lease {
 impl Lease {
     pub(crate) fn token(&self) -> SlotToken {
         self.token
+    }
+
+    /// Every token, the first one first.
+    #[cfg(test)]
+    pub(crate) fn tokens(&self) -> impl Iterator<Item = SlotToken> + '_ {
+        std::iter::once(self.token).chain(self.more.iter().copied())
+    }
+
+    /// The other tokens of a multi-slot lease.
+    pub(crate) fn more_tokens(&self) -> &[SlotToken] {
+        &self.more
+    }
+
+    pub(crate) fn holder(&self) -> Holder {
+        self.holder
+    }
+
+    pub(crate) fn priority(&self) -> Priority {
+        self.priority
+    }
+
+    pub(crate) fn device(&self) -> Option<usize> {
+        self.device
+    }
+
+    /// The broker release is in flight.
+    pub(crate) fn is_releasing(&self) -> bool {
+        self.release == Release::InFlight
     }
 
     pub(crate) fn reasons(&self) -> &[Reason] {
@@ -240,6 +311,16 @@ impl Lease {
     /// Either proof of the worker's end means its body has ended.
     fn body_ended(&self) -> bool {
         !self.owed.has(Owed::JOINED) || !self.owed.has(Owed::EVENT)
+    }
+
+    /// The proofs still owed, as bits (see [`Proofs::WAITING_ORDER`]); process groups apart.
+    pub(crate) fn owed_bits(&self) -> u8 {
+        self.owed.0
+    }
+
+    /// The process groups not yet proven empty.
+    pub(crate) fn processes(&self) -> &[ProcessKey] {
+        &self.processes
     }
 
     /// What the lease still waits for, in pipeline order.
@@ -315,8 +396,13 @@ impl Withdrawal {
 /// Everything that can happen to the supervisor, as the core sees it.
 #[derive(Debug)]
 pub(crate) enum Input {
-    /// A caller joins the FIFO queue.
-    Enqueue { waiter: WaiterId, want: Want },
+    /// A caller joins the queue (or, asking `now_only`, is served at once or refused).
+    Enqueue { waiter: WaiterId, ask: Ask },
+    /// The in-process pool's capacity changed (`resize`): waiters asking for more slots than
+    /// it now has are refused; lowering it never revokes a lease.
+    Resize { capacity: u32 },
+    /// Cancel that job (`Supervisor::cancel`): it goes through the pipeline as any cancel.
+    CancelJob { key: LeaseKey },
     /// A caller stops waiting (cancelled, timed out). Ignored once it has been served.
     Withdraw { waiter: WaiterId, why: Withdrawal },
     /// A broker acquire ended.
@@ -555,60 +641,172 @@ impl Queued {
     }
 }
 
-/// FIFO of waiters with O(1) withdrawal (lazy deletion).
+/// A queued waiter and its deadline under the aging rule (see [`Priority`]).
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    queued: Queued,
+    deadline: u64,
+}
+
+/// The waiters: FIFO within each priority class, the earliest deadline first across classes,
+/// with O(1) withdrawal (lazy deletion).
 #[derive(Debug, Default)]
 struct WaitQueue {
-    order: VecDeque<Queued>,
+    classes: [VecDeque<Entry>; Priority::COUNT],
     live: FxHashSet<WaiterId>,
+    /// The slots of the waiters that want more than one (absent: one).
+    multi: FxHashMap<WaiterId, u32>,
+    /// Slots wanted by the live waiters, all together.
+    wanted: usize,
+    /// Waiters served so far: the clock of the aging rule.
+    served: u64,
 }
 
 impl WaitQueue {
-    fn push(&mut self, waiter: WaiterId, want: Want) {
-        if self.live.insert(waiter) {
-            self.order.push_back(Queued::new(waiter, want));
+    fn push(&mut self, waiter: WaiterId, ask: Ask) {
+        if !self.live.insert(waiter) {
+            return;
         }
+        if ask.slots > 1 {
+            self.multi.insert(waiter, ask.slots);
+        }
+        self.wanted += ask.slots as usize;
+        let rank = ask.priority.rank();
+        let deadline = self.served + rank as u64 * PRIORITY_AGING_GRANTS;
+        self.classes[rank].push_back(Entry {
+            queued: Queued::new(waiter, ask.want),
+            deadline,
+        });
     }
 
-    fn remove(&mut self, waiter: WaiterId) -> bool {
-        let removed = self.live.remove(&waiter);
-        // Withdrawn ids stay in `order` until popped; compact when they dominate, so that a
+    /// Takes a waiter out of the queue; its slots, if it was in it.
+    fn remove(&mut self, waiter: WaiterId) -> Option<u32> {
+        if !self.live.remove(&waiter) {
+            return None;
+        }
+        let slots = self.slots_of(waiter);
+        self.wanted -= slots as usize;
+        // Withdrawn ids stay queued until popped; compact when they dominate, so that a
         // long-lived head with many withdrawn waiters behind it cannot grow the queue without
         // bound (amortised O(1) per withdrawal).
-        if self.order.len() > 2 * self.live.len() + 16 {
+        let queued: usize = self.classes.iter().map(VecDeque::len).sum();
+        if queued > 2 * self.live.len() + 16 {
             let live = &self.live;
-            self.order.retain(|q| live.contains(&q.waiter()));
-        }
-        removed
-    }
-
-    fn pop(&mut self) -> Option<(WaiterId, Want)> {
-        while let Some(q) = self.order.pop_front() {
-            if self.live.remove(&q.waiter()) {
-                return Some((q.waiter(), q.want()));
+            for class in &mut self.classes {
+                class.retain(|e| live.contains(&e.queued.waiter()));
             }
         }
-        None
+        Some(slots)
     }
 
-    /// The longest-waiting live waiter, without removing it.
+    /// The class whose live front is served next: the earliest deadline, then the earliest
+    /// caller. Drops withdrawn entries from the fronts.
+    fn next_class(&mut self) -> Option<usize> {
+        let live = &self.live;
+        let mut best: Option<(u64, WaiterId, usize)> = None;
+        for (rank, class) in self.classes.iter_mut().enumerate() {
+            while let Some(e) = class.front() {
+                if live.contains(&e.queued.waiter()) {
+                    break;
+                }
+                class.pop_front();
+            }
+            if let Some(e) = class.front() {
+                let key = (e.deadline, e.queued.waiter(), rank);
+                if best.is_none_or(|b| key < b) {
+                    best = Some(key);
+                }
+            }
+        }
+        best.map(|(_, _, rank)| rank)
+    }
+
+    /// Serves the next waiter: who, what it wants, its slots, its class.
+    fn pop(&mut self) -> Option<Served> {
+        loop {
+            // One class in use (the common case): its front, withdrawn entries skipped here.
+            let rank = match self.classes.iter().filter(|c| !c.is_empty()).count() {
+                0 => return None,
+                1 => self.classes.iter().position(|c| !c.is_empty())?,
+                _ => self.next_class()?,
+            };
+            let entry = self.classes[rank].pop_front()?;
+            let waiter = entry.queued.waiter();
+            if !self.live.remove(&waiter) {
+                continue;
+            }
+            let slots = self.slots_of(waiter);
+            self.wanted -= slots as usize;
+            self.served += 1;
+            return Some(Served {
+                waiter,
+                want: entry.queued.want(),
+                slots,
+                priority: PRIORITIES[rank],
+            });
+        }
+    }
+
+    /// Takes a leaving waiter's slot count out of `multi` (one when it is not there).
+    fn slots_of(&mut self, waiter: WaiterId) -> u32 {
+        if self.multi.is_empty() {
+            return 1;
+        }
+        self.multi.remove(&waiter).unwrap_or(1)
+    }
+
+    /// The waiter served next, without removing it.
     fn head(&mut self) -> Option<WaiterId> {
-        while let Some(&q) = self.order.front() {
-            if self.live.contains(&q.waiter()) {
-                return Some(q.waiter());
-            }
-            self.order.pop_front();
-        }
-        None
+        let rank = self.next_class()?;
+        self.classes[rank].front().map(|e| e.queued.waiter())
+    }
+
+    /// Waiters asking for more slots than `capacity`, in id order.
+    fn over(&self, capacity: u32) -> Vec<(WaiterId, u32)> {
+        let mut over: Vec<(WaiterId, u32)> = self
+            .multi
+            .iter()
+            .filter(|(_, slots)| **slots > capacity)
+            .map(|(w, s)| (*w, *s))
+            .collect();
+        over.sort_unstable();
+        over
     }
 
     fn len(&self) -> usize {
         self.live.len()
     }
 
-    fn shrink(&mut self) {
-        shrink_deque(&mut self.order);
-        shrink_set(&mut self.live);
+    fn wanted(&self) -> usize {
+        self.wanted
     }
+
+    fn shrink(&mut self) {
+        for class in &mut self.classes {
+            shrink_deque(class);
+        }
+        shrink_set(&mut self.live);
+        shrink_map(&mut self.multi);
+    }
+}
+
+/// The classes by rank.
+const PRIORITIES: [Priority; Priority::COUNT] = [Priority::High, Priority::Normal, Priority::Low];
+
+/// A waiter taken from the queue to be served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Served {
+    waiter: WaiterId,
+    want: Want,
+    slots: u32,
+    priority: Priority,
+}
+
+/// A multi-slot waiter at the head of the queue, gathering its tokens.
+#[derive(Debug)]
+struct Gather {
+    served: Served,
+    tokens: Vec<SlotToken>,
 }
 
 /// The core: the slot table, the waiter queue, the proofs each lease owes, shutdown.
@@ -622,11 +820,22 @@ pub(crate) struct Core {
     /// Check every token against the live leases (invariant 2). Off only for the supervisor's
     /// own in-process broker, which cannot hand out a live slot or lease id.
     check_tokens: bool,
+    /// The broker is the supervisor's own in-process pool: its capacity is exact and nobody
+    /// else takes from it, so multi-slot leases, `try_acquire` and resizing are possible.
+    exact: bool,
     leases: FxHashMap<LeaseKey, Lease>,
+    /// Tokens held from the broker: every lease's, and those a multi-slot waiter has gathered.
+    held: usize,
     /// Slot id → the newest lease on it; lease id → its lease (to refuse duplicates).
     by_slot: FxHashMap<u32, LeaseKey>,
     by_lease_id: FxHashMap<u64, LeaseKey>,
     queue: WaitQueue,
+    /// The multi-slot waiter at the head, gathering its tokens.
+    gather: Option<Gather>,
+    /// `try_acquire` callers admitted in this batch: served before the queue.
+    pinned: VecDeque<Served>,
+    /// Leases whose table row may have changed since the shell last looked.
+    touched: Vec<LeaseKey>,
     /// Broker acquires in flight.
     acquiring: FxHashSet<RequestId>,
     next_request: RequestId,
@@ -649,10 +858,15 @@ impl Core {
             renews,
             gpu,
             check_tokens: true,
+            exact: false,
             leases: FxHashMap::default(),
+            held: 0,
             by_slot: FxHashMap::default(),
             by_lease_id: FxHashMap::default(),
             queue: WaitQueue::default(),
+            gather: None,
+            pinned: VecDeque::new(),
+            touched: Vec::new(),
             acquiring: FxHashSet::default(),
             next_request: 1,
             next_key: 1,
@@ -676,7 +890,25 @@ impl Core {
     /// and strictly increasing lease ids make a collision impossible by construction.
     pub(crate) fn trusting_tokens(mut self) -> Self {
         self.check_tokens = false;
+        self.exact = true;
         self
+    }
+
+    /// Moves the keys of the leases touched since the last call into `into` (sorted, once
+    /// each).
+    pub(crate) fn take_touched(&mut self, into: &mut Vec<LeaseKey>) {
+        into.append(&mut self.touched);
+        if into.len() > 1 {
+            into.sort_unstable();
+            into.dedup();
+        }
+    }
+
+    fn touch(&mut self, key: LeaseKey) {
+        // Consecutive touches of one lease (the common case: a release and its answer) are one.
+        if self.touched.last() != Some(&key) {
+            self.touched.push(key);
+        }
     }
 
     pub(crate) fn has_effects(&self) -> bool {
@@ -694,15 +926,10 @@ impl Core {
     /// Applies one input.
     pub(crate) fn apply(&mut self, input: Input) {
         match input {
-            Input::Enqueue { waiter, want } => self.enqueue(waiter, want),
-            Input::Withdraw { waiter, why } => {
-                if self.queue.remove(waiter) {
-                    self.emit(Effect::Refuse {
-                        waiter,
-                        error: why.into_error(),
-                    });
-                }
-            }
+            Input::Enqueue { waiter, ask } => self.enqueue(waiter, ask),
+            Input::Withdraw { waiter, why } => self.withdraw(waiter, why.into_error()),
+            Input::Resize { capacity } => self.resize(capacity),
+            Input::CancelJob { key } => self.cancel_job(key),
             Input::Acquired { request, result } => self.acquired(request, result),
             Input::Undelivered { key } => self.undelivered(key),
             Input::NotStarted { key } => self.not_started(key),
@@ -714,7 +941,8 @@ impl Core {
             },
             Input::ProcessStarted { key, process } => match self.leases.get_mut(&key) {
                 Some(lease) if lease.holder == Holder::Job && lease.owed.has(Owed::TASKS) => {
-                    lease.processes.push(process)
+                    lease.processes.push(process);
+                    self.touched.push(key);
                 }
                 _ => self.illegal(format_args!("process {process} started for lease {key}")),
             },
@@ -766,14 +994,19 @@ impl Core {
     /// shutdown that has nothing left to wait for.
     pub(crate) fn settle(&mut self) {
         if self.stop == Stop::Serving {
-            let uncovered = self.queue.len().saturating_sub(self.acquiring.len());
-            let room = match self.capacity {
-                Some(cap) => cap.saturating_sub(self.leases.len() + self.acquiring.len()),
-                None => usize::MAX,
+            let uncovered = self.demand().saturating_sub(self.acquiring.len());
+            let n = uncovered.min(self.room());
+            // The head's id travels with each request, as a hint (tokens are fungible); the
+            // supervisor's own pool has no use for it.
+            let for_waiter = match (n, &self.gather) {
+                (0, _) => None,
+                _ if self.exact => None,
+                (_, Some(g)) => Some(g.served.waiter),
+                _ => match self.pinned.front() {
+                    Some(p) => Some(p.waiter),
+                    None => self.queue.head(),
+                },
             };
-            let n = uncovered.min(room);
-            // The head's id travels with each request, as a hint (tokens are fungible).
-            let for_waiter = if n > 0 { self.queue.head() } else { None };
             for _ in 0..n {
                 let request = self.next_request;
                 self.next_request += 1;
@@ -787,14 +1020,137 @@ impl Core {
         self.maybe_stopped();
     }
 
-    fn enqueue(&mut self, waiter: WaiterId, want: Want) {
-        if self.stop == Stop::Serving {
-            self.queue.push(waiter, want);
+    /// Slots the waiters still need: the queue's, the admitted `try_acquire` callers', and what
+    /// the gathering head lacks.
+    fn demand(&self) -> usize {
+        let pinned: usize = self.pinned.iter().map(|p| p.slots as usize).sum();
+        let gathering = self
+            .gather
+            .as_ref()
+            .map_or(0, |g| g.served.slots as usize - g.tokens.len());
+        self.queue.wanted() + pinned + gathering
+    }
+
+    /// Tokens that may still be asked for without passing the capacity.
+    fn room(&self) -> usize {
+        match self.capacity {
+            Some(cap) => cap.saturating_sub(self.held + self.acquiring.len()),
+            None => usize::MAX,
+        }
+    }
+
+    fn enqueue(&mut self, waiter: WaiterId, ask: Ask) {
+        let refuse = if self.stop != Stop::Serving {
+            Some(AcquireError::Stopped)
+        } else if (ask.slots > 1 || ask.now_only) && !self.exact {
+            Some(AcquireError::Unsupported(if ask.now_only {
+                "try_acquire"
+            } else {
+                "multi-slot leases"
+            }))
+        } else if ask.slots == 0 || self.capacity.is_some_and(|c| ask.slots as usize > c) {
+            Some(AcquireError::SlotCount {
+                wanted: ask.slots,
+                capacity: self.capacity.map_or(u32::MAX, |c| c as u32),
+            })
+        } else if ask.now_only
+            && (self.queue.len() > 0
+                || self.gather.is_some()
+                || self.demand() + ask.slots as usize > self.room() + self.acquiring.len())
+        {
+            // Nobody may be overtaken, and the slots must be free now.
+            Some(AcquireError::NoSlotFree)
         } else {
+            None
+        };
+        match refuse {
+            Some(error) => self.emit(Effect::Refuse { waiter, error }),
+            None if ask.now_only => self.pinned.push_back(Served {
+                waiter,
+                want: ask.want,
+                slots: ask.slots,
+                priority: ask.priority,
+            }),
+            None => self.queue.push(waiter, ask),
+        }
+    }
+
+    /// A waiter leaves without a slot (cancelled, timed out): from the queue, from the admitted
+    /// `try_acquire` callers, or from the head while gathering (its tokens go on to the next
+    /// waiters). Ignored once it has been served.
+    fn withdraw(&mut self, waiter: WaiterId, error: AcquireError) {
+        if self.queue.remove(waiter).is_some() {
+            return self.emit(Effect::Refuse { waiter, error });
+        }
+        if let Some(i) = self.pinned.iter().position(|p| p.waiter == waiter) {
+            self.pinned.remove(i);
+            return self.emit(Effect::Refuse { waiter, error });
+        }
+        if self
+            .gather
+            .as_ref()
+            .is_some_and(|g| g.served.waiter == waiter)
+        {
+            let gather = self.gather.take().expect("checked");
+            self.emit(Effect::Refuse { waiter, error });
+            self.held -= gather.tokens.len();
+            for token in gather.tokens {
+                self.hand_to_next(token);
+            }
+        }
+    }
+
+    fn resize(&mut self, capacity: u32) {
+        if !self.exact {
+            return self.illegal(format_args!("resize of a broker that is not the pool"));
+        }
+        self.capacity = Some(capacity as usize);
+        // Lowering never revokes a lease: it takes effect as leases return (`room`). Waiters
+        // that can no longer ever be served hear it now.
+        let error = |wanted| AcquireError::SlotCount { wanted, capacity };
+        for (waiter, slots) in self.queue.over(capacity) {
+            self.queue.remove(waiter);
             self.emit(Effect::Refuse {
                 waiter,
-                error: AcquireError::Stopped,
+                error: error(slots),
             });
+        }
+        if let Some(g) = &self.gather
+            && g.served.slots > capacity
+        {
+            let Served { waiter, slots, .. } = g.served;
+            self.withdraw(waiter, error(slots));
+        }
+    }
+
+    fn cancel_job(&mut self, key: LeaseKey) {
+        if let Some(lease) = self.leases.get_mut(&key)
+            && lease.holder == Holder::Job
+            && !lease.cancelled
+            && lease.release == Release::NotStarted
+        {
+            lease.cancelled = true;
+            self.emit(Effect::Cancel {
+                key,
+                holder: Holder::Job,
+                lost: None,
+            });
+        }
+    }
+
+    /// The waiter that hears a broker's failure: the longest waiter (the gathering head first,
+    /// whose tokens then go on).
+    fn refuse_longest(&mut self, error: AcquireError) {
+        if let Some(g) = &self.gather {
+            let waiter = g.served.waiter;
+            return self.withdraw(waiter, error);
+        }
+        let next = match self.pinned.pop_front() {
+            Some(p) => Some(p.waiter),
+            None => self.queue.pop().map(|s| s.waiter),
+        };
+        if let Some(waiter) = next {
+            self.emit(Effect::Refuse { waiter, error });
         }
     }
 
@@ -804,11 +1160,8 @@ impl Core {
             Ok(token) => token,
             Err(err) => {
                 // Tokens are fungible and so are failures: the longest waiter hears it.
-                if expected && let Some((waiter, _)) = self.queue.pop() {
-                    self.emit(Effect::Refuse {
-                        waiter,
-                        error: AcquireError::Failed(err),
-                    });
+                if expected {
+                    self.refuse_longest(AcquireError::Failed(err));
                 }
                 return;
             }
@@ -816,40 +1169,67 @@ impl Core {
         if let Err(refused) = self.check_token(token) {
             // Not released: releasing a duplicate could free the live holder's slot.
             self.emit(Effect::TokenRefused(refused.clone()));
-            if expected && let Some((waiter, _)) = self.queue.pop() {
+            if expected {
                 let err = BrokerError::invalid_response(refused);
-                self.emit(Effect::Refuse {
-                    waiter,
-                    error: AcquireError::Failed(err),
-                });
+                self.refuse_longest(AcquireError::Failed(err));
             }
             return;
         }
         if !expected && self.stop != Stop::Serving {
             // An acquire aborted at shutdown answered anyway: it goes straight back.
-            let key = self.grant(token, Holder::Surplus);
+            let key = self.grant(token, Vec::new(), Holder::Surplus);
             self.start_release(key);
             return;
         }
         self.hand_to_next(token);
     }
 
-    /// Grants `token` to the longest live waiter, or releases it when nobody waits.
+    /// Grants `token` to the waiter served next (the gathering head first, then admitted
+    /// `try_acquire` callers, then the queue), or releases it when nobody waits.
     fn hand_to_next(&mut self, token: SlotToken) {
-        match self.queue.pop() {
-            Some((waiter, want)) => {
-                let holder = match want {
-                    Want::Lease => Holder::Explicit,
-                    Want::Job => Holder::Job,
-                };
-                let key = self.grant(token, holder);
-                self.emit(Effect::Deliver { waiter, key, token });
+        if let Some(g) = &mut self.gather {
+            g.tokens.push(token);
+            self.held += 1;
+            if g.tokens.len() == g.served.slots as usize {
+                let g = self.gather.take().expect("checked");
+                self.held -= g.tokens.len();
+                let mut tokens = g.tokens.into_iter();
+                let first = tokens.next().expect("a multi-slot waiter has tokens");
+                self.deliver(g.served, first, tokens.collect());
+            }
+            return;
+        }
+        let next = self.pinned.pop_front().or_else(|| self.queue.pop());
+        match next {
+            Some(served) if served.slots == 1 => self.deliver(served, token, Vec::new()),
+            Some(served) => {
+                self.held += 1;
+                self.gather = Some(Gather {
+                    served,
+                    tokens: vec![token],
+                });
             }
             None => {
-                let key = self.grant(token, Holder::Surplus);
+                let key = self.grant(token, Vec::new(), Holder::Surplus);
                 self.start_release(key);
             }
         }
+    }
+
+    fn deliver(&mut self, served: Served, token: SlotToken, more: Vec<SlotToken>) {
+        let holder = match served.want {
+            Want::Lease => Holder::Explicit,
+            Want::Job => Holder::Job,
+        };
+        let key = self.grant(token, more, holder);
+        if let Some(lease) = self.leases.get_mut(&key) {
+            lease.priority = served.priority;
+        }
+        self.emit(Effect::Deliver {
+            waiter: served.waiter,
+            key,
+            token,
+        });
     }
 
     /// Checks a broker's token against every live lease. A lease whose broker release is in
@@ -879,7 +1259,7 @@ impl Core {
         Ok(())
     }
 
-    fn grant(&mut self, token: SlotToken, holder: Holder) -> LeaseKey {
+    fn grant(&mut self, token: SlotToken, more: Vec<SlotToken>, holder: Holder) -> LeaseKey {
         let key = self.next_key;
         self.next_key += 1;
         // A job owes its worker's physical end from the start; what it does not start (GPU
@@ -892,13 +1272,17 @@ impl Core {
             key,
             Lease {
                 token,
+                more,
                 holder,
+                priority: Priority::Normal,
                 owed,
                 processes: Vec::new(),
                 device: None,
                 reasons: Vec::new(),
                 scratch: Scratch::Waiting,
                 release: Release::NotStarted,
+                releasing: 0,
+                release_error: None,
                 renewing: false,
                 answered: false,
                 io: None,
@@ -906,10 +1290,14 @@ impl Core {
                 counted: None,
             },
         );
+        let lease = &self.leases[&key];
+        self.held += 1 + lease.more.len();
         if self.check_tokens {
+            // Multi-slot leases come only from the pool, whose tokens are trusted.
             self.by_slot.insert(token.slot_id(), key);
             self.by_lease_id.insert(token.lease_id(), key);
         }
+        self.touch(key);
         self.counters.acquired_total += 1;
         if self.renews && holder != Holder::Surplus {
             self.leases.get_mut(&key).expect("just inserted").renewing = true;
@@ -927,17 +1315,18 @@ impl Core {
                 "undelivered lease {key} was not being delivered"
             ));
         }
-        // Nobody ever saw it: forget the grant (it is not counted twice) and pass the token on.
-        let token = lease.token;
-        self.remove(key);
+        // Nobody ever saw it: forget the grant (it is not counted twice) and pass the tokens on.
+        let lease = self.remove(key);
         self.counters.acquired_total -= 1;
         self.emit(Effect::StopRenewal { key });
         self.emit(Effect::Forget { key });
-        if self.stop == Stop::Serving {
-            self.hand_to_next(token);
-        } else {
-            let key = self.grant(token, Holder::Surplus);
-            self.start_release(key);
+        for token in std::iter::once(lease.token).chain(lease.more) {
+            if self.stop == Stop::Serving {
+                self.hand_to_next(token);
+            } else {
+                let key = self.grant(token, Vec::new(), Holder::Surplus);
+                self.start_release(key);
+            }
         }
     }
 
@@ -959,7 +1348,11 @@ impl Core {
             lease.owed.0 |= Owed::GPU;
             lease.device = device;
         }
-        if self.stop != Stop::Serving && !lease.cancelled {
+        let cancelled = lease.cancelled;
+        if device.is_some() {
+            self.touch(key);
+        }
+        if self.stop != Stop::Serving && !cancelled {
             // Granted just as shutdown began: cancel it with the rest.
             self.cancel_job_for_shutdown(key);
         }
@@ -1161,25 +1554,48 @@ impl Core {
     fn start_release(&mut self, key: LeaseKey) {
         let lease = self.leases.get_mut(&key).expect("checked by the caller");
         lease.release = Release::InFlight;
+        lease.releasing = 1 + lease.more.len() as u32;
         lease.reasons.clear();
         let (token, renewing) = (lease.token, lease.renewing);
         lease.renewing = false;
+        // Kept on the lease too: its table row shows every token until the last is back.
+        let more = lease.more.clone();
         if renewing {
             self.emit(Effect::StopRenewal { key });
         }
         self.refresh(key);
         self.emit(Effect::Release { key, token });
+        for token in more {
+            self.emit(Effect::Release { key, token });
+        }
     }
 
     fn released(&mut self, key: LeaseKey, result: Result<(), CleanupError>) {
-        match self.leases.get(&key) {
-            Some(l) if l.release == Release::InFlight => {}
+        let lease = match self.leases.get_mut(&key) {
+            Some(l) if l.release == Release::InFlight && l.releasing > 0 => l,
             _ => {
                 return self.illegal(format_args!(
                     "release of lease {key}, which was not releasing"
                 ));
             }
+        };
+        // A multi-slot lease ends when every token's release has answered; the first failure
+        // is its result.
+        lease.releasing -= 1;
+        if let Err(err) = result
+            && lease.release_error.is_none()
+        {
+            lease.release_error = Some(err);
         }
+        if lease.releasing > 0 {
+            // Its tokens came back one by one: each freed slot counts now.
+            self.held -= 1;
+            return;
+        }
+        let result = match lease.release_error.take() {
+            Some(err) => Err(err),
+            None => Ok(()),
+        };
         let lease = self.remove(key);
         match &result {
             Ok(()) => self.counters.released_total += 1,
@@ -1200,6 +1616,13 @@ impl Core {
 
     fn remove(&mut self, key: LeaseKey) -> Lease {
         let lease = self.leases.remove(&key).expect("checked by the caller");
+        // Of a releasing multi-slot lease, only the last token is still counted here.
+        self.held -= if lease.release == Release::InFlight {
+            1
+        } else {
+            1 + lease.more.len()
+        };
+        self.touch(key);
         match lease.counted {
             Some(Phase::Quarantined) => self.quarantined -= 1,
             Some(Phase::Draining) => self.draining -= 1,
@@ -1217,8 +1640,9 @@ impl Core {
         lease
     }
 
-    /// Keeps the phase counts in step with one lease.
+    /// Keeps the phase counts in step with one lease (and marks its table row for update).
     fn refresh(&mut self, key: LeaseKey) {
+        self.touch(key);
         let lease = self.leases.get_mut(&key).expect("checked by the caller");
         let now = match lease.phase() {
             phase @ (Phase::Quarantined | Phase::Draining) => Some(phase),
@@ -1302,7 +1726,26 @@ impl Core {
             },
             deadline_passed: false,
         };
-        while let Some((waiter, _)) = self.queue.pop() {
+        if let Some(g) = self.gather.take() {
+            self.stop_tally.refused_waiters += 1;
+            self.emit(Effect::Refuse {
+                waiter: g.served.waiter,
+                error: AcquireError::Stopped,
+            });
+            // Nobody will use them: straight back to the broker.
+            self.held -= g.tokens.len();
+            for token in g.tokens {
+                let key = self.grant(token, Vec::new(), Holder::Surplus);
+                self.start_release(key);
+            }
+        }
+        let pinned = mem::take(&mut self.pinned);
+        let queued = std::iter::from_fn(|| self.queue.pop().map(|s| s.waiter));
+        for waiter in pinned
+            .into_iter()
+            .map(|p| p.waiter)
+            .chain(queued.collect::<Vec<_>>())
+        {
             self.stop_tally.refused_waiters += 1;
             self.emit(Effect::Refuse {
                 waiter,
@@ -1449,7 +1892,23 @@ impl Core {
     }
 
     pub(crate) fn waiting(&self) -> usize {
-        self.queue.len()
+        self.queue.len() + self.pinned.len() + usize::from(self.gather.is_some())
+    }
+
+    /// Tokens held from the broker (every lease's, and a gathering waiter's).
+    pub(crate) fn held_slots(&self) -> usize {
+        self.held
+    }
+
+    /// The capacity the core grants up to (`None`: the broker's is unknown).
+    pub(crate) fn capacity(&self) -> Option<usize> {
+        self.capacity
+    }
+
+    /// Waiters served from the queue so far: the aging rule's clock.
+    #[cfg(test)]
+    pub(crate) fn served(&self) -> u64 {
+        self.queue.served
     }
 
     pub(crate) fn counters(&self) -> Counters {

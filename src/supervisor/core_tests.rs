@@ -43,15 +43,24 @@ fn a_queued_waiter_keeps_its_id_and_what_it_wants_in_eight_bytes() {
 #[test]
 fn waiters_of_both_kinds_are_popped_in_queue_order_with_what_they_want() {
     let mut queue = WaitQueue::default();
-    queue.push(7, Want::Job);
-    queue.push(3, Want::Lease);
-    queue.push(9, Want::Job);
-    assert!(queue.remove(3));
-    queue.push(4, Want::Lease);
+    queue.push(7, Ask::one(Want::Job));
+    queue.push(3, Ask::one(Want::Lease));
+    queue.push(9, Ask::one(Want::Job));
+    assert_eq!(queue.remove(3), Some(1));
+    queue.push(4, Ask::one(Want::Lease));
     assert_eq!(queue.head(), Some(7));
-    assert_eq!(queue.pop(), Some((7, Want::Job)));
-    assert_eq!(queue.pop(), Some((9, Want::Job)));
-    assert_eq!(queue.pop(), Some((4, Want::Lease)));
+    assert_eq!(
+        queue.pop().map(|s| (s.waiter, s.want, s.slots)),
+        Some((7, Want::Job, 1))
+    );
+    assert_eq!(
+        queue.pop().map(|s| (s.waiter, s.want, s.slots)),
+        Some((9, Want::Job, 1))
+    );
+    assert_eq!(
+        queue.pop().map(|s| (s.waiter, s.want, s.slots)),
+        Some((4, Want::Lease, 1))
+    );
     assert_eq!(queue.pop(), None);
 }
 
@@ -59,7 +68,7 @@ fn waiters_of_both_kinds_are_popped_in_queue_order_with_what_they_want() {
 fn started_job(core: &mut Core, t: SlotToken, device: Option<usize>) -> LeaseKey {
     core.apply(Input::Enqueue {
         waiter: 1,
-        want: Want::Job,
+        ask: Ask::one(Want::Job),
     });
     core.settle();
     let request = match drain(core).as_slice() {
@@ -322,7 +331,7 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
     for i in 0..3u32 {
         core.apply(Input::Enqueue {
             waiter: u64::from(i) + 1,
-            want: Want::Job,
+            ask: Ask::one(Want::Job),
         });
     }
     core.settle();
@@ -393,7 +402,7 @@ fn an_explicit_lease_held_at_shutdown_is_revoked_then_released_once() {
     let mut core = Core::new(Some(1), false, false);
     core.apply(Input::Enqueue {
         waiter: 1,
-        want: Want::Lease,
+        ask: Ask::one(Want::Lease),
     });
     core.settle();
     let Effect::Acquire { request, .. } = drain(&mut core).remove(0) else {
@@ -438,7 +447,7 @@ fn a_token_for_a_slot_held_by_a_live_lease_is_refused_and_not_released() {
     let _key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::Enqueue {
         waiter: 2,
-        want: Want::Lease,
+        ask: Ask::one(Want::Lease),
     });
     core.settle();
     let Effect::Acquire { request, .. } = drain(&mut core).remove(0) else {
@@ -821,7 +830,10 @@ impl World {
                 self.next_waiter += 1;
                 self.wants.insert(waiter, want);
                 self.waiting.push(waiter);
-                self.input(Input::Enqueue { waiter, want });
+                self.input(Input::Enqueue {
+                    waiter,
+                    ask: Ask::one(want),
+                });
             }
             Op::Withdraw(i) => {
                 if let Some(waiter) = pick(&self.waiting, i) {
@@ -1215,5 +1227,519 @@ proptest! {
             world.step(op);
         }
         world.finish();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Priorities, multi-slot leases, try_acquire and resize on the in-process pool
+// ---------------------------------------------------------------------------------------------
+
+/// A core over the supervisor's own pool (trusted tokens, exact capacity).
+fn pool_core(capacity: u32) -> Core {
+    Core::new(Some(capacity), false, false).trusting_tokens()
+}
+
+fn ask(slots: u32, priority: Priority) -> Ask {
+    Ask {
+        want: Want::Lease,
+        slots,
+        priority,
+        now_only: false,
+    }
+}
+
+/// Answers every acquire at once from a pool of numbered slots; returns what was delivered
+/// (waiter, key, slots) and refused (waiter, code), in order.
+#[derive(Default)]
+struct Pool {
+    free: Vec<u32>,
+    next_lease: u64,
+    delivered: Vec<(WaiterId, LeaseKey, usize)>,
+    refused: Vec<(WaiterId, &'static str)>,
+}
+
+impl Pool {
+    fn new(slots: u32) -> Self {
+        Self {
+            free: (0..slots).rev().collect(),
+            next_lease: 1,
+            ..Self::default()
+        }
+    }
+
+    fn run(&mut self, core: &mut Core) {
+        loop {
+            core.settle();
+            let effects = drain(core);
+            if effects.is_empty() {
+                return;
+            }
+            for effect in effects {
+                match effect {
+                    Effect::Acquire { request, .. } => {
+                        let slot = self.free.pop().expect("the core asked past the capacity");
+                        self.next_lease += 1;
+                        core.apply(Input::Acquired {
+                            request,
+                            result: Ok(token(slot, self.next_lease)),
+                        });
+                    }
+                    Effect::Deliver { waiter, key, .. } => {
+                        let n = core.lease(key).unwrap().tokens().count();
+                        self.delivered.push((waiter, key, n));
+                    }
+                    Effect::Refuse { waiter, error } => self.refused.push((waiter, error.code())),
+                    Effect::Release { key, token } => {
+                        self.free.push(token.slot_id());
+                        core.apply(Input::Released {
+                            key,
+                            result: Ok(()),
+                        });
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_higher_class_is_served_first_and_fifo_holds_within_a_class() {
+    let mut core = pool_core(1);
+    let mut pool = Pool::new(1);
+    core.apply(Input::Enqueue {
+        waiter: 1,
+        ask: ask(1, Priority::Normal),
+    });
+    pool.run(&mut core);
+    let held = pool.delivered[0].1;
+    for (waiter, priority) in [
+        (2, Priority::Low),
+        (3, Priority::Normal),
+        (4, Priority::High),
+        (5, Priority::Normal),
+        (6, Priority::High),
+    ] {
+        core.apply(Input::Enqueue {
+            waiter,
+            ask: ask(1, priority),
+        });
+    }
+    pool.run(&mut core);
+    // Each grant is released at once, so the next one is served.
+    let mut order = Vec::new();
+    let mut key = held;
+    for _ in 0..5 {
+        core.apply(Input::ReleaseRequested { key });
+        pool.run(&mut core);
+        let (waiter, next, _) = *pool.delivered.last().unwrap();
+        order.push(waiter);
+        key = next;
+    }
+    assert_eq!(order, [4, 6, 3, 5, 2]);
+}
+
+#[test]
+fn a_low_waiter_is_overtaken_by_later_high_waiters_only_within_the_aging_bound() {
+    let mut core = pool_core(1);
+    let mut pool = Pool::new(1);
+    core.apply(Input::Enqueue {
+        waiter: 1,
+        ask: ask(1, Priority::High),
+    });
+    pool.run(&mut core);
+    core.apply(Input::Enqueue {
+        waiter: 2,
+        ask: ask(1, Priority::Low),
+    });
+    // A steady stream of high-priority work: one new High waiter per grant, for ever.
+    let mut low_served_after = None;
+    for grant in 0..(4 * PRIORITY_AGING_GRANTS) {
+        core.apply(Input::Enqueue {
+            waiter: 3 + grant,
+            ask: ask(1, Priority::High),
+        });
+        let key = pool.delivered.last().unwrap().1;
+        core.apply(Input::ReleaseRequested { key });
+        pool.run(&mut core);
+        if pool.delivered.last().unwrap().0 == 2 {
+            low_served_after = Some(grant);
+            break;
+        }
+    }
+    let after = low_served_after.expect("the low waiter starved");
+    assert!(
+        after <= 2 * PRIORITY_AGING_GRANTS,
+        "the low waiter let {after} later high waiters pass"
+    );
+    assert!(
+        after >= 2 * PRIORITY_AGING_GRANTS - 1,
+        "it was not overtaken at all: {after}"
+    );
+}
+
+#[test]
+fn a_multi_slot_waiter_gets_all_its_slots_at_once_and_blocks_the_queue_while_it_gathers() {
+    let mut core = pool_core(3);
+    let mut pool = Pool::new(3);
+    for waiter in 1..=2 {
+        core.apply(Input::Enqueue {
+            waiter,
+            ask: ask(1, Priority::Normal),
+        });
+    }
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.len(), 2);
+    // Needs all three; one is free, two are held. A single-slot waiter behind it must wait.
+    core.apply(Input::Enqueue {
+        waiter: 3,
+        ask: ask(3, Priority::Normal),
+    });
+    core.apply(Input::Enqueue {
+        waiter: 4,
+        ask: ask(1, Priority::Normal),
+    });
+    pool.run(&mut core);
+    assert_eq!(
+        pool.delivered.len(),
+        2,
+        "nothing granted while the head gathers"
+    );
+    assert_eq!(
+        core.held_slots(),
+        3,
+        "the free slot is gathered, not left idle"
+    );
+    let first = pool.delivered[0].1;
+    core.apply(Input::ReleaseRequested { key: first });
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.len(), 2);
+    let second = pool.delivered[1].1;
+    core.apply(Input::ReleaseRequested { key: second });
+    pool.run(&mut core);
+    assert_eq!(pool.delivered[2].0, 3);
+    assert_eq!(pool.delivered[2].2, 3, "all three slots in one lease");
+    // Its release gives all three back, as one lease.
+    let released_before = core.counters().released_total;
+    core.apply(Input::ReleaseRequested {
+        key: pool.delivered[2].1,
+    });
+    pool.run(&mut core);
+    assert_eq!(core.counters().released_total, released_before + 1);
+    assert_eq!(pool.delivered[3].0, 4);
+    assert_eq!(core.held_slots(), 1);
+}
+
+#[test]
+fn a_multi_slot_waiter_that_leaves_while_gathering_hands_its_slots_on() {
+    let mut core = pool_core(2);
+    let mut pool = Pool::new(2);
+    core.apply(Input::Enqueue {
+        waiter: 1,
+        ask: ask(1, Priority::Normal),
+    });
+    pool.run(&mut core);
+    core.apply(Input::Enqueue {
+        waiter: 2,
+        ask: ask(2, Priority::Normal),
+    });
+    core.apply(Input::Enqueue {
+        waiter: 3,
+        ask: ask(1, Priority::Normal),
+    });
+    pool.run(&mut core);
+    assert_eq!(core.held_slots(), 2);
+    core.apply(Input::Withdraw {
+        waiter: 2,
+        why: Withdrawal::Cancelled,
+    });
+    pool.run(&mut core);
+    assert_eq!(pool.refused, [(2, "LEASE_ACQUIRE_CANCELLED")]);
+    assert_eq!(pool.delivered.last().unwrap().0, 3);
+    assert_eq!(core.held_slots(), 2);
+    assert_eq!(core.waiting(), 0);
+}
+
+#[test]
+fn try_is_served_only_when_a_slot_is_free_and_nobody_waits_ahead() {
+    let now = |waiter| Input::Enqueue {
+        waiter,
+        ask: Ask {
+            now_only: true,
+            ..ask(1, Priority::Normal)
+        },
+    };
+    let mut core = pool_core(2);
+    let mut pool = Pool::new(2);
+    core.apply(now(1));
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.len(), 1);
+    core.apply(Input::Enqueue {
+        waiter: 2,
+        ask: ask(2, Priority::Normal),
+    });
+    pool.run(&mut core);
+    // One slot is free, but a waiter gathers ahead: refused, and the slot is not taken.
+    core.apply(now(3));
+    pool.run(&mut core);
+    assert_eq!(pool.refused, [(3, "LEASE_NO_SLOT_FREE")]);
+    // A broker that is not the pool refuses it outright.
+    let mut remote = Core::new(Some(2), false, false);
+    remote.apply(now(4));
+    assert!(matches!(
+        drain(&mut remote).as_slice(),
+        [Effect::Refuse {
+            waiter: 4,
+            error: AcquireError::Unsupported(_)
+        }]
+    ));
+}
+
+#[test]
+fn a_resize_wakes_waiters_when_raised_and_revokes_nothing_when_lowered() {
+    let mut core = pool_core(1);
+    let mut pool = Pool::new(3);
+    for waiter in 1..=3 {
+        core.apply(Input::Enqueue {
+            waiter,
+            ask: ask(1, Priority::Normal),
+        });
+    }
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.len(), 1);
+    core.apply(Input::Resize { capacity: 3 });
+    pool.run(&mut core);
+    assert_eq!(
+        pool.delivered.len(),
+        3,
+        "raising the capacity woke both waiters"
+    );
+    core.apply(Input::Enqueue {
+        waiter: 4,
+        ask: ask(1, Priority::Normal),
+    });
+    core.apply(Input::Enqueue {
+        waiter: 5,
+        ask: ask(3, Priority::Normal),
+    });
+    core.apply(Input::Resize { capacity: 1 });
+    pool.run(&mut core);
+    // Nothing revoked; the 3-slot waiter can never be served now.
+    assert_eq!(core.held_slots(), 3);
+    assert_eq!(pool.refused, [(5, "LEASE_SLOT_COUNT_INVALID")]);
+    for i in 0..2 {
+        let key = pool.delivered[i].1;
+        core.apply(Input::ReleaseRequested { key });
+        pool.run(&mut core);
+    }
+    assert_eq!(
+        pool.delivered.len(),
+        3,
+        "still two held against a capacity of one"
+    );
+    let key = pool.delivered[2].1;
+    core.apply(Input::ReleaseRequested { key });
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.last().unwrap().0, 4);
+    assert_eq!(core.held_slots(), 1);
+}
+
+#[test]
+fn zero_slots_more_than_the_capacity_and_multi_slot_on_a_remote_broker_are_refused() {
+    let mut core = pool_core(2);
+    core.apply(Input::Enqueue {
+        waiter: 1,
+        ask: ask(0, Priority::Normal),
+    });
+    core.apply(Input::Enqueue {
+        waiter: 2,
+        ask: ask(3, Priority::Normal),
+    });
+    let codes: Vec<_> = drain(&mut core)
+        .into_iter()
+        .map(|e| match e {
+            Effect::Refuse { error, .. } => error.code(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(codes, ["LEASE_SLOT_COUNT_INVALID"; 2]);
+    let mut remote = Core::new(None, false, false);
+    remote.apply(Input::Enqueue {
+        waiter: 3,
+        ask: ask(2, Priority::Normal),
+    });
+    assert!(matches!(
+        drain(&mut remote).as_slice(),
+        [Effect::Refuse {
+            error: AcquireError::Unsupported(_),
+            ..
+        }]
+    ));
+}
+
+#[test]
+fn cancelling_a_job_by_key_cancels_it_once_and_only_before_its_release() {
+    let mut core = Core::new(Some(1), false, false);
+    let key = started_job(&mut core, token(0, 1), None);
+    core.apply(Input::CancelJob { key });
+    core.apply(Input::CancelJob { key });
+    let cancels = drain(&mut core)
+        .into_iter()
+        .filter(|e| matches!(e, Effect::Cancel { .. }))
+        .count();
+    assert_eq!(cancels, 1);
+}
+
+/// One step of the pool world.
+#[derive(Debug, Clone)]
+enum PoolOp {
+    /// Join: class rank, slots (1–3), try.
+    Enqueue(usize, u32, bool),
+    Withdraw(usize),
+    Release(usize),
+    Resize(u32),
+}
+
+fn pool_op() -> impl Strategy<Value = PoolOp> {
+    prop_oneof![
+        5 => (0usize..3, prop_oneof![6 => Just(1u32), 1 => Just(2), 1 => Just(3)], prop::bool::weighted(0.15))
+            .prop_map(|(r, k, t)| PoolOp::Enqueue(r, k, t)),
+        1 => any::<usize>().prop_map(PoolOp::Withdraw),
+        4 => any::<usize>().prop_map(PoolOp::Release),
+        1 => (1u32..5).prop_map(PoolOp::Resize),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// The real core over the in-process pool, with random classes, multi-slot requests, tries,
+    /// withdrawals, releases and resizes. After every step: the pool never lends past the
+    /// capacity in force when it was asked; no slot is held twice; every lease holds exactly
+    /// the slots asked for; FIFO holds within a class; a waiter is overtaken by one that
+    /// arrived later only within the documented aging bound; a try is answered at once. At the
+    /// end every slot is back.
+    #[test]
+    fn the_pool_keeps_its_queueing_promises(capacity in 1u32..4, ops in prop::collection::vec(pool_op(), 1..150)) {
+        let ranks = [Priority::High, Priority::Normal, Priority::Low];
+        let mut core = pool_core(capacity);
+        let mut cap = capacity;
+        let mut free: Vec<u32> = (0..8).rev().collect();
+        let mut lease_ids = 1u64;
+        // Live slots, for no double grant.
+        let mut holding: BTreeSet<u32> = BTreeSet::new();
+        // waiter → (rank, slots, the aging clock at arrival)
+        let mut waiting: BTreeMap<WaiterId, (usize, u32, u64)> = BTreeMap::new();
+        let mut leases: Vec<(LeaseKey, usize)> = Vec::new();
+        let mut next_waiter = 1;
+        for op in ops {
+            let mut tried = None;
+            match op {
+                PoolOp::Enqueue(rank, slots, now_only) => {
+                    let waiter = next_waiter;
+                    next_waiter += 1;
+                    waiting.insert(waiter, (rank, slots, core.served()));
+                    if now_only { tried = Some(waiter); }
+                    core.apply(Input::Enqueue { waiter, ask: Ask { want: Want::Lease, slots, priority: ranks[rank], now_only } });
+                }
+                PoolOp::Withdraw(i) => {
+                    if let Some(&waiter) = waiting.keys().nth(i % waiting.len().max(1)) {
+                        core.apply(Input::Withdraw { waiter, why: Withdrawal::Cancelled });
+                    }
+                }
+                PoolOp::Release(i) => {
+                    if !leases.is_empty() {
+                        let (key, _) = leases.remove(i % leases.len());
+                        core.apply(Input::ReleaseRequested { key });
+                    }
+                }
+                PoolOp::Resize(n) => {
+                    cap = n;
+                    core.apply(Input::Resize { capacity: n });
+                }
+            }
+            loop {
+                core.settle();
+                let effects = drain(&mut core);
+                if effects.is_empty() { break; }
+                for effect in effects {
+                    match effect {
+                        Effect::Acquire { request, .. } => {
+                            prop_assert!(core.held_slots() < cap as usize,
+                                "asked past the capacity {} with {} held", cap, core.held_slots());
+                            let slot = free.pop().expect("slots");
+                            lease_ids += 1;
+                            prop_assert!(holding.insert(slot), "slot {} lent twice", slot);
+                            core.apply(Input::Acquired { request, result: Ok(token(slot, lease_ids)) });
+                        }
+                        Effect::Deliver { waiter, key, .. } => {
+                            let (rank, slots, arrived) = waiting.remove(&waiter).expect("a waiter");
+                            let n = core.lease(key).unwrap().tokens().count();
+                            prop_assert_eq!(n, slots as usize, "all or none");
+                            // The documented order: the earliest deadline (arrival on the aging
+                            // clock + rank × N) first, the earlier caller on a tie. So FIFO
+                            // within a class, and a later waiter passes an earlier one of a
+                            // lower class only if it arrived within (rank gap) × N grants.
+                            let deadline = arrived + rank as u64 * PRIORITY_AGING_GRANTS;
+                            for (other, (orank, _, oarrived)) in &waiting {
+                                if *other < waiter && tried != Some(waiter) {
+                                    let odeadline = oarrived + *orank as u64 * PRIORITY_AGING_GRANTS;
+                                    prop_assert!(deadline < odeadline,
+                                        "waiter {} (rank {}, arrived at {}) passed {} (rank {}, arrived at {})",
+                                        waiter, rank, arrived, other, orank, oarrived);
+                                }
+                            }
+                            leases.push((key, n));
+                        }
+                        Effect::Refuse { waiter, .. } => { waiting.remove(&waiter); }
+                        Effect::Release { key, token } => {
+                            prop_assert!(holding.remove(&token.slot_id()));
+                            free.push(token.slot_id());
+                            core.apply(Input::Released { key, result: Ok(()) });
+                        }
+                        Effect::Illegal(what) => prop_assert!(false, "illegal: {what}"),
+                        _ => {}
+                    }
+                }
+            }
+            if let Some(waiter) = tried {
+                prop_assert!(!waiting.contains_key(&waiter), "a try was left waiting");
+            }
+            prop_assert_eq!(core.held_slots(), holding.len());
+        }
+        // Everything back: release every lease, and those granted meanwhile, until none is left.
+        while let Some((key, _)) = leases.pop() {
+            core.apply(Input::ReleaseRequested { key });
+            loop {
+                core.settle();
+                let effects = drain(&mut core);
+                if effects.is_empty() { break; }
+                for effect in effects {
+                    match effect {
+                        Effect::Acquire { request, .. } => {
+                            let slot = free.pop().expect("slots");
+                            lease_ids += 1;
+                            holding.insert(slot);
+                            core.apply(Input::Acquired { request, result: Ok(token(slot, lease_ids)) });
+                        }
+                        Effect::Deliver { waiter, key, .. } => {
+                            waiting.remove(&waiter);
+                            leases.push((key, 0));
+                        }
+                        Effect::Refuse { waiter, .. } => { waiting.remove(&waiter); }
+                        Effect::Release { key, token } => {
+                            holding.remove(&token.slot_id());
+                            free.push(token.slot_id());
+                            core.apply(Input::Released { key, result: Ok(()) });
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        // Only waiters the pool can never serve (more slots than the capacity now) may be left,
+        // and only if nothing is held.
+        prop_assert_eq!(core.held_slots(), holding.len());
+        prop_assert!(waiting.is_empty() || holding.is_empty(), "waiters left with slots free: {:?}", waiting);
     }
 }

@@ -8,9 +8,9 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 use tracing::Span;
 
-use super::core::{LeaseKey, Proof, Proofs, RequestId, WaiterId, Withdrawal};
+use super::core::{Ask, LeaseKey, Proof, Proofs, RequestId, WaiterId, Withdrawal};
 use crate::broker::{BrokerError, BrokerEvent, SlotToken};
-use crate::error::{AcquireError, CleanupError};
+use crate::error::{AcquireError, CleanupError, ResizeError};
 use crate::lease::Lease;
 use crate::process::Evidence;
 use crate::supervisor::{QuarantinedSlot, ReclaimReport, ShutdownReport};
@@ -18,10 +18,22 @@ use crate::worker::{BoxedBody, JobShared};
 
 pub(crate) enum SupMsg {
     // --- from handles ---
-    /// Join the FIFO queue.
+    /// Join the queue (or, `ask.now_only`, be served at once or refused).
     Acquire {
         waiter: WaiterId,
         kind: WaiterKind,
+        ask: Ask,
+    },
+    /// Cancel every job with this id that waits or holds a lease not yet releasing; the
+    /// answer says whether there was one.
+    CancelJob {
+        job_id: Box<str>,
+        reply: oneshot::Sender<bool>,
+    },
+    /// Set the in-process pool's capacity; the answer is the capacity now in force.
+    Resize {
+        slots: u32,
+        reply: oneshot::Sender<Result<u32, ResizeError>>,
     },
     /// The caller stopped waiting. Ignored once the waiter has been served.
     Withdraw {
@@ -79,10 +91,11 @@ pub(crate) enum SupMsg {
         proof: Proof,
         detail: String,
     },
-    /// A job started a process group.
+    /// A job started a process group (its leader's pid, which is also the group id).
     ProcessStarted {
         key: LeaseKey,
         process: u64,
+        pid: u32,
     },
     /// A process group's keeper ended: proven empty (`None`), or not (what it knows).
     ProcessEnded {
@@ -111,6 +124,8 @@ pub(crate) enum SupMsg {
     },
 
     // --- timers ---
+    /// Time to look for leases held past the held-too-long threshold.
+    HeldTick,
     ShutdownGraceOver,
     ShutdownDeadline,
     /// The GPU devices were closed at shutdown (`unclosed`: those not proven idle), or their

@@ -10,6 +10,7 @@ pub(crate) mod messages;
 #[cfg(test)]
 mod sim_tests;
 mod stats;
+mod table;
 
 use std::fmt;
 use std::future::{Future, poll_fn};
@@ -31,15 +32,17 @@ pub use builder::{
     DEFAULT_PROCESS_PROOF_BOUND, DEFAULT_SHUTDOWN_TIMEOUT, SupervisorBuilder,
 };
 pub use stats::{Stats, metric_names};
+pub use table::{LeaseInfo, LeaseKind, LeasePhase, WaitingFor};
 
-use self::core::{LeaseKey, WaiterId, Withdrawal};
+use self::core::{Ask, LeaseKey, WaiterId, Want, Withdrawal};
 use inbox::Inbox;
 use messages::{KeptSpan, PendingJob, RunOutcome, SupMsg, WaiterKind};
 use stats::SharedStats;
+use table::LeaseTable;
 
 use crate::broker::SlotToken;
-use crate::error::{AcquireError, BodyError, CleanupError, JobError, ShutdownError};
-use crate::job::JobSpec;
+use crate::error::{AcquireError, BodyError, CleanupError, JobError, ResizeError, ShutdownError};
+use crate::job::{JobParts, JobSpec};
 use crate::job_handle::JobHandle;
 use crate::lease::Lease;
 use crate::worker::{BoxedBody, JobShared, WorkerContext};
@@ -76,6 +79,7 @@ struct Inner {
     inbox: Arc<Inbox>,
     join: Mutex<Option<JoinHandle<()>>>,
     stats: Arc<SharedStats>,
+    table: Arc<LeaseTable>,
     acquire_timeout: Option<Duration>,
     next_waiter: AtomicU64,
     work_root: PathBuf,
@@ -173,7 +177,7 @@ impl Supervisor {
     fn from_parts(
         inbox: Arc<Inbox>,
         join: JoinHandle<()>,
-        stats: Arc<SharedStats>,
+        (stats, table): (Arc<SharedStats>, Arc<LeaseTable>),
         acquire_timeout: Option<Duration>,
         work_root: PathBuf,
         error_sink: Option<crate::sink::ErrorSink>,
@@ -184,6 +188,7 @@ impl Supervisor {
                 inbox,
                 join: Mutex::new(Some(join)),
                 stats,
+                table,
                 acquire_timeout,
                 next_waiter: AtomicU64::new(1),
                 work_root,
@@ -222,6 +227,87 @@ impl Supervisor {
     /// Cancel safe. Dropping the future withdraws the request; a slot granted in the same
     /// instant is released by the supervisor (or goes to the next waiter), never leaked.
     pub async fn acquire(&self) -> Result<Lease, AcquireError> {
+        self.acquire_with(Ask::one(Want::Lease)).await
+    }
+
+    /// Waits for `slots` slots at once and returns them as one explicit [`Lease`] (all or none):
+    /// FIFO with head-of-line blocking, as tokio's `Semaphore::acquire_many`: once this request
+    /// is at the head of the queue, the slots freed go to it until it has them all, and the
+    /// callers behind it wait. The lease's [`tokens`](Lease::tokens) lists them; its release
+    /// gives them all back.
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire`](Self::acquire), and: `LEASE_SLOT_COUNT_INVALID` for 0 slots or more than
+    /// the capacity (also when a [`resize`](Self::resize) lowers the capacity below it while
+    /// it waits); `LEASE_BROKER_UNSUPPORTED` for more than one slot from a broker other than
+    /// the supervisor's in-process pool (several supervisors gathering slots from one shared
+    /// broker could each hold part of what the other needs, for ever).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// use leasehold::Supervisor;
+    ///
+    /// let sup = Supervisor::builder().slots(4).start().await?;
+    /// let mut lease = sup.acquire_many(3).await?;
+    /// assert_eq!(lease.tokens()?.len(), 3);
+    /// assert_eq!(sup.stats().held_slots, 3);
+    /// lease.release().await?;
+    /// assert_eq!(sup.acquire_many(5).await.unwrap_err().code(), "LEASE_SLOT_COUNT_INVALID");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`acquire`](Self::acquire): the slots gathered so far go on to the next
+    /// waiters.
+    pub async fn acquire_many(&self, slots: u32) -> Result<Lease, AcquireError> {
+        self.acquire_with(Ask {
+            slots,
+            ..Ask::one(Want::Lease)
+        })
+        .await
+    }
+
+    /// Takes a slot only if one is free now and nobody waits ahead: never waits for a slot.
+    /// The answer is one round trip to the supervisor.
+    ///
+    /// # Errors
+    ///
+    /// `LEASE_NO_SLOT_FREE` when every slot is held (or callers wait ahead);
+    /// `LEASE_BROKER_UNSUPPORTED` on a broker other than the supervisor's in-process pool (a
+    /// remote broker cannot say whether a slot is free without queueing for it);
+    /// `SUPERVISOR_STOPPED` after shutdown.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// use leasehold::Supervisor;
+    ///
+    /// let sup = Supervisor::builder().slots(1).start().await?;
+    /// let held = sup.try_acquire().await?;
+    /// assert_eq!(sup.try_acquire().await.unwrap_err().code(), "LEASE_NO_SLOT_FREE");
+    /// drop(held);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`acquire`](Self::acquire).
+    pub async fn try_acquire(&self) -> Result<Lease, AcquireError> {
+        self.acquire_with(Ask {
+            now_only: true,
+            ..Ask::one(Want::Lease)
+        })
+        .await
+    }
+
+    async fn acquire_with(&self, ask: Ask) -> Result<Lease, AcquireError> {
         let waiter = self.next_waiter();
         let (tx, rx) = oneshot::channel();
         let msg = SupMsg::Acquire {
@@ -230,6 +316,7 @@ impl Supervisor {
                 reply: tx,
                 span: KeptSpan::new(Span::current()),
             },
+            ask,
         };
         if self.inner.inbox.send(msg).is_err() {
             return Err(AcquireError::Stopped);
@@ -280,7 +367,12 @@ impl Supervisor {
         T: Send + 'static,
         E: Send + 'static,
     {
-        let (job_id, caller_token) = job.into_parts();
+        let JobParts {
+            id: job_id,
+            cancel: caller_token,
+            priority,
+            slots,
+        } = job.into_parts();
         // A child token: cancelling the job (drop, shutdown) never cancels the caller's token.
         let cancel = caller_token.map_or_else(CancellationToken::new, |t| t.child_token());
         if cancel.is_cancelled() {
@@ -312,6 +404,12 @@ impl Supervisor {
         let msg = SupMsg::Acquire {
             waiter,
             kind: WaiterKind::Job(Box::new(pending)),
+            ask: Ask {
+                want: Want::Job,
+                slots,
+                priority,
+                now_only: false,
+            },
         };
         if self.inner.inbox.send(msg).is_err() {
             return Err(JobError::Acquire(AcquireError::Stopped));
@@ -392,6 +490,91 @@ impl Supervisor {
     #[cfg(feature = "gpu")]
     pub fn gpu_device_count(&self) -> usize {
         self.inner.gpu.as_ref().map_or(0, |g| g.device_count())
+    }
+
+    /// Every lease held now, by slot: its job, slot, phase, how long it has been held, what its
+    /// release still waits for, its GPU device and child processes. A snapshot of a table the
+    /// supervisor keeps up to date after each batch of messages: no message to the actor, cheap
+    /// enough for a debug overlay every frame (one short lock per shard of a concurrent map).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// use leasehold::{LeaseKind, LeasePhase, Supervisor};
+    ///
+    /// let sup = Supervisor::builder().slots(2).start().await?;
+    /// let lease = sup.acquire().await?;
+    /// let table = sup.leases();
+    /// assert_eq!(table.len(), 1);
+    /// assert_eq!(table[0].kind, LeaseKind::Explicit);
+    /// assert_eq!(table[0].phase, LeasePhase::Running);
+    /// assert_eq!(table[0].slot_id, lease.slot_id()?);
+    /// drop(lease);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn leases(&self) -> Vec<LeaseInfo> {
+        self.inner.table.snapshot()
+    }
+
+    /// Cancels every job with this id that waits for a slot or holds one (running, or draining
+    /// its tracked tasks and processes): `true` when there was one. Cancelling is a request,
+    /// as with the job's own token: a waiting job leaves the queue (`LEASE_ACQUIRE_CANCELLED`);
+    /// a running one sees [`WorkerContext::cancelled`] resolve, and its slot returns only
+    /// through the release pipeline, once the worker has physically finished. A job whose
+    /// release has begun is not counted.
+    ///
+    /// # Errors
+    ///
+    /// [`ShutdownError`] (code `SUPERVISOR_STOPPED`) when the supervisor is gone.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future after the message is sent does not undo the cancellation.
+    pub async fn cancel(&self, job_id: &str) -> Result<bool, ShutdownError> {
+        self.ask(|reply| SupMsg::CancelJob {
+            job_id: job_id.into(),
+            reply,
+        })
+        .await
+    }
+
+    /// Sets the capacity of the supervisor's in-process pool, live: raising it wakes waiters at
+    /// once; lowering it never revokes a held lease, it takes effect as leases return (and a
+    /// waiting multi-slot request larger than the new capacity is refused with
+    /// `LEASE_SLOT_COUNT_INVALID`). Returns the capacity now in force: `slots`, capped by the
+    /// GPU sub-slots when the supervisor owns GPU devices. [`Stats::capacity`] shows it.
+    ///
+    /// # Errors
+    ///
+    /// [`ResizeError`]: 0 slots (`LEASE_SLOT_COUNT_INVALID`), a broker other than the in-process
+    /// pool (`LEASE_BROKER_UNSUPPORTED`), a supervisor that has shut down
+    /// (`SUPERVISOR_STOPPED`).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// use leasehold::Supervisor;
+    ///
+    /// let sup = Supervisor::builder().slots(1).start().await?;
+    /// let first = sup.acquire().await?;
+    /// sup.resize(2).await?;
+    /// let second = sup.try_acquire().await?; // the new slot is free at once
+    /// assert_eq!(sup.stats().capacity, Some(2));
+    /// drop((first, second));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future after the message is sent does not undo the resize.
+    pub async fn resize(&self, slots: u32) -> Result<u32, ResizeError> {
+        self.ask(|reply| SupMsg::Resize { slots, reply })
+            .await
+            .map_err(|_| ResizeError::Stopped)?
     }
 
     /// The quarantined slots, with the reason each could not be declared clean.

@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::hosts::{Hosts, ScratchHost};
 use crate::broker::{AcquireRequest, BrokerError, SlotBroker, SlotToken};
-use crate::job::JobSpec;
+use crate::job::{JobSpec, Priority};
 use crate::process::{
     Evidence, JobProcess, Keeper, ProcessError, ProcessHost, ProcessPolicy, ProcessSpec,
 };
@@ -657,6 +657,9 @@ struct JobScript {
     process: Option<String>,
     /// Cancel after this long (with the token, or by dropping the future).
     cancel: Option<(Duration, bool)>,
+    /// A cancel with the token goes through `Supervisor::cancel(job_id)` instead.
+    cancel_by_id: bool,
+    priority: Priority,
     hold: Duration,
 }
 
@@ -684,6 +687,12 @@ fn script(rng: &mut Rng, n: usize) -> Vec<JobScript> {
                 tracked: rng.chance(30).then(|| (rng.ms(800), rng.chance(30))),
                 process,
                 cancel: rng.chance(25).then(|| (rng.ms(800), rng.chance(50))),
+                cancel_by_id: rng.chance(50),
+                priority: match rng.below(4) {
+                    0 => Priority::High,
+                    1 => Priority::Low,
+                    _ => Priority::Normal,
+                },
                 hold: rng.ms(300),
             }
         })
@@ -740,7 +749,8 @@ async fn run_job(sup: Supervisor, s: JobScript, ledger: Shared, out: Arc<Mutex<O
     let token = CancellationToken::new();
     let job = JobSpec::new(s.id.clone())
         .unwrap()
-        .with_cancel(token.clone());
+        .with_cancel(token.clone())
+        .with_priority(s.priority);
     let (l2, s2) = (Arc::clone(&ledger), s.clone());
     let fut = sup.run(job, move |ctx: WorkerContext| async move {
         let _body = Alive::new(&l2, &s2.id, "body");
@@ -783,7 +793,14 @@ async fn run_job(sup: Supervisor, s: JobScript, ledger: Shared, out: Arc<Mutex<O
         Some((after, true)) => {
             let cancel_in = async {
                 tokio::time::sleep(after).await;
-                token.cancel();
+                if s.cancel_by_id {
+                    let found = sup.cancel(&s.id).await;
+                    ledger
+                        .lock()
+                        .note(format!("{}: cancel by id: {found:?}", s.id));
+                } else {
+                    token.cancel();
+                }
                 std::future::pending::<()>().await
             };
             tokio::select! { biased; r = fut => Some(r), () = cancel_in => None }

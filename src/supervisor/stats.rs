@@ -24,6 +24,10 @@ pub mod metric_names {
     pub const QUARANTINED_COUNT: &str = "render_slot.quarantined.count";
     /// Gauge: callers waiting for a slot.
     pub const WAITING_COUNT: &str = "render_slot.waiting.count";
+    /// Counter: leases held past the held-too-long threshold
+    /// ([`SupervisorBuilder::held_warning`](crate::SupervisorBuilder::held_warning)), each
+    /// counted once.
+    pub const HELD_TOO_LONG_COUNT: &str = "render_slot.held_too_long.count";
 }
 
 /// A cheap snapshot of a supervisor's counters. Fields are read independently (each is exact,
@@ -49,6 +53,14 @@ pub struct Stats {
     /// Of `active`, the jobs whose body has ended and whose physical end (tracked tasks,
     /// processes, GPU work) or temp dir removal is still being proven.
     pub draining: usize,
+    /// Slots held from the broker now: every lease's (a multi-slot lease counts each of its
+    /// slots; quarantined ones included), and those a multi-slot waiter has gathered.
+    pub held_slots: usize,
+    /// How many slots the supervisor grants up to (the broker's capacity capped by the GPU
+    /// sub-slots, as changed by [`Supervisor::resize`](crate::Supervisor::resize)); `None` when
+    /// the broker does not say. After a resize lowered it, `held_slots` may exceed it until
+    /// leases return.
+    pub capacity: Option<usize>,
 }
 
 /// Atomics the actor publishes into after each message; `Supervisor::stats` reads them.
@@ -62,6 +74,9 @@ pub(crate) struct SharedStats {
     orphan_expired_total: AtomicU64,
     quarantined: AtomicU64,
     draining: AtomicU64,
+    held_slots: AtomicU64,
+    /// `u64::MAX`: unknown.
+    capacity: AtomicU64,
     shut_down: AtomicBool,
 }
 
@@ -72,6 +87,8 @@ struct Figures {
     waiting: usize,
     quarantined: usize,
     draining: usize,
+    held_slots: usize,
+    capacity: Option<usize>,
     counters: Counters,
 }
 
@@ -82,6 +99,8 @@ impl Figures {
             waiting: table.waiting(),
             quarantined: table.quarantined(),
             draining: table.draining(),
+            held_slots: table.held_slots(),
+            capacity: table.capacity(),
             counters: table.counters(),
         }
     }
@@ -115,7 +134,15 @@ impl SharedStats {
         set(&self.orphan_expired_total, c.orphan_expired_total);
         set(&self.quarantined, now.quarantined as u64);
         set(&self.draining, now.draining as u64);
+        set(&self.held_slots, now.held_slots as u64);
+        set(&self.capacity, now.capacity.map_or(u64::MAX, |c| c as u64));
         last.stored = Some(now);
+    }
+
+    /// The capacity at start, before the actor's first publication.
+    pub(crate) fn set_capacity(&self, capacity: Option<u32>) {
+        let c = capacity.map_or(u64::MAX, u64::from);
+        self.capacity.store(c, Ordering::Relaxed);
     }
 
     /// Set by the actor right before it stops after a completed shutdown.
@@ -138,6 +165,11 @@ impl SharedStats {
             orphan_expired_total: get(&self.orphan_expired_total),
             quarantined: get(&self.quarantined) as usize,
             draining: get(&self.draining) as usize,
+            held_slots: get(&self.held_slots) as usize,
+            capacity: match get(&self.capacity) {
+                u64::MAX => None,
+                c => Some(c as usize),
+            },
         }
     }
 }
@@ -152,6 +184,7 @@ pub(crate) struct Metrics {
     pub(crate) release_ms: metrics::Histogram,
     pub(crate) release_failed: metrics::Counter,
     pub(crate) orphan_expired: metrics::Counter,
+    pub(crate) held_too_long: metrics::Counter,
     active: metrics::Gauge,
     waiting: metrics::Gauge,
     quarantined: metrics::Gauge,
@@ -166,6 +199,7 @@ impl Metrics {
             release_ms: metrics::histogram!(metric_names::RELEASE_DURATION_MS),
             release_failed: metrics::counter!(metric_names::RELEASE_FAILED_COUNT),
             orphan_expired: metrics::counter!(metric_names::ORPHAN_EXPIRED_COUNT),
+            held_too_long: metrics::counter!(metric_names::HELD_TOO_LONG_COUNT),
             active: metrics::gauge!(metric_names::ACTIVE_COUNT),
             waiting: metrics::gauge!(metric_names::WAITING_COUNT),
             quarantined: metrics::gauge!(metric_names::QUARANTINED_COUNT),

@@ -28,6 +28,8 @@ pub(crate) struct WorkerActor;
 pub(crate) struct WorkerArgs {
     pub(crate) body: BoxedBody,
     pub(crate) token: SlotToken,
+    /// The other tokens of a multi-slot job (empty: no allocation).
+    pub(crate) more_tokens: Box<[SlotToken]>,
     pub(crate) job_id: Arc<str>,
     pub(crate) work_root: Arc<PathBuf>,
     pub(crate) shared: Arc<JobShared>,
@@ -82,6 +84,7 @@ async fn run_job(args: WorkerArgs) {
     let WorkerArgs {
         body,
         token,
+        more_tokens,
         job_id,
         work_root,
         shared,
@@ -106,7 +109,7 @@ async fn run_job(args: WorkerArgs) {
     };
     shared.set_temp_dir(temp_dir.clone());
     let ctx = WorkerContext::new(
-        token,
+        (token, more_tokens),
         job_id,
         temp_dir,
         Arc::clone(&shared),

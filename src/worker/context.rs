@@ -31,6 +31,8 @@ pub struct WorkerContext {
 
 struct Inner {
     token: SlotToken,
+    /// The other tokens of a multi-slot job.
+    more_tokens: Box<[SlotToken]>,
     job_id: Arc<str>,
     temp_dir: PathBuf,
     shared: Arc<JobShared>,
@@ -46,7 +48,7 @@ struct Inner {
 impl WorkerContext {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
-        token: SlotToken,
+        (token, more_tokens): (SlotToken, Box<[SlotToken]>),
         job_id: Arc<str>,
         temp_dir: PathBuf,
         shared: Arc<JobShared>,
@@ -59,6 +61,7 @@ impl WorkerContext {
         Self {
             inner: Arc::new(Inner {
                 token,
+                more_tokens,
                 job_id,
                 temp_dir,
                 shared,
@@ -73,7 +76,15 @@ impl WorkerContext {
         }
     }
 
-    /// The slot this job holds.
+    /// Every token this job holds, the first one (its [`token`](Self::token)) first: more than
+    /// one for a job given [`JobSpec::with_slots`](crate::JobSpec::with_slots).
+    pub fn tokens(&self) -> Vec<SlotToken> {
+        std::iter::once(self.inner.token)
+            .chain(self.inner.more_tokens.iter().copied())
+            .collect()
+    }
+
+    /// The slot this job holds (the first one, for a multi-slot job).
     pub fn slot_id(&self) -> u32 {
         self.inner.token.slot_id()
     }
@@ -151,7 +162,7 @@ impl WorkerContext {
         )?;
         // Reported before the keeper runs, and the keeper is a tracked task: the supervisor
         // hears of the group before it hears that the job's tasks have all ended.
-        let id = inner.reporter.process_started();
+        let id = inner.reporter.process_started(process.pid());
         let reporter = inner.reporter.clone();
         inner.tracker.spawn(
             async move {

@@ -31,16 +31,17 @@ impl BrokerPort {
 
 impl Shell {
     pub(super) fn broker_acquire(&mut self, request: RequestId, for_waiter: Option<WaiterId>) {
-        let job_id = for_waiter
-            .and_then(|w| self.waiters.get(&w))
-            .and_then(|w| match &w.kind {
-                WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
-                WaiterKind::Lease { .. } => None,
-            });
         let result = match &self.broker {
             // Answers at once (the core asks only while a slot is free).
             BrokerPort::Local(local) => local.take(),
             BrokerPort::Dyn(broker) => {
+                let job_id =
+                    for_waiter
+                        .and_then(|w| self.waiters.get(&w))
+                        .and_then(|w| match &w.kind {
+                            WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
+                            WaiterKind::Lease { .. } => None,
+                        });
                 let req = AcquireRequest::for_job(request, job_id).with_origin(self.origin);
                 let mut fut = Arc::clone(broker).acquire_boxed(req);
                 match poll_once(&mut fut) {

@@ -72,6 +72,8 @@ impl Shell {
         }
         // Waiters still queued hear SUPERVISOR_STOPPED when their reply senders drop.
         self.waiters.clear();
+        // Nobody keeps the table up to date any more.
+        self.table.clear();
         if let Some(root) = self.owned_root.take()
             && self.core.quarantined() > 0
         {

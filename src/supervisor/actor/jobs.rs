@@ -34,6 +34,10 @@ impl Shell {
             reply,
             span,
         } = *job;
+        let more_tokens: Box<[SlotToken]> = self
+            .core
+            .lease(key)
+            .map_or_else(Box::default, |l| l.more_tokens().into());
         let span = span.into_span();
         span.record("slot_id", token.slot_id());
         span.record("lease_id", token.lease_id());
@@ -56,6 +60,7 @@ impl Shell {
         let args = WorkerArgs {
             body,
             token,
+            more_tokens,
             job_id: Arc::clone(&job_id),
             work_root: Arc::clone(&self.config.work_root),
             shared: Arc::clone(&shared),
@@ -186,11 +191,12 @@ impl Reporter {
     }
 
     /// A job started a process group: its slot now waits for it too.
-    pub(crate) fn process_started(&self) -> u64 {
+    pub(crate) fn process_started(&self, pid: u32) -> u64 {
         let process = NEXT_PROCESS.fetch_add(1, Ordering::Relaxed);
         self.send(SupMsg::ProcessStarted {
             key: self.key,
             process,
+            pid,
         });
         process
     }
