@@ -414,6 +414,51 @@ async fn a_supervisor_runs_jobs_on_etcd_slots_and_the_fencing_guard_refuses_old_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_slot_leases_try_acquire_and_resize_are_refused_on_etcd_with_a_typed_error() {
+    let Some(bin) = etcd_binary("multi_slot_leases_try_acquire_and_resize_are_refused") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let broker = EtcdBroker::connect(config(&etcd.endpoint(), "unsupported", 2))
+        .await
+        .unwrap();
+    let sup = Supervisor::builder().broker(broker).start().await.unwrap();
+    assert_eq!(
+        sup.acquire_many(2).await.unwrap_err().code(),
+        "LEASE_BROKER_UNSUPPORTED"
+    );
+    let err = sup
+        .run(JobSpec::new("wide").unwrap().with_slots(2), |_ctx| async {
+            Ok::<_, std::io::Error>(())
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "LEASE_BROKER_UNSUPPORTED");
+    assert_eq!(
+        sup.try_acquire().await.unwrap_err().code(),
+        "LEASE_BROKER_UNSUPPORTED"
+    );
+    assert_eq!(
+        sup.resize(4).await.unwrap_err().code(),
+        "LEASE_BROKER_UNSUPPORTED"
+    );
+    // Nothing was asked of etcd, and single-slot leases still work, with priorities.
+    let mut c = client(&etcd).await;
+    assert!(slot_keys(&mut c, "unsupported").await.is_empty());
+    sup.run(
+        JobSpec::new("one")
+            .unwrap()
+            .with_priority(leasehold::Priority::High),
+        |_ctx| async { Ok::<_, std::io::Error>(()) },
+    )
+    .await
+    .unwrap();
+    assert_eq!(sup.stats().acquired_total, 1);
+    sup.shutdown().await.unwrap();
+    assert!(slot_keys(&mut c, "unsupported").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_broker_shared_by_two_supervisors_never_gives_both_the_same_grant() {
     let Some(bin) = etcd_binary("one_broker_shared_by_two_supervisors") else {
         return;
