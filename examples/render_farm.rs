@@ -577,8 +577,21 @@ mod app {
                 let _ = finished.send(true);
             }));
         }
+        // The live slot lines, from the supervisor's lease table: a read of a concurrent map,
+        // no message to the supervisor, as a game's overlay would do every frame.
+        let overlay = {
+            let (sup, farm) = (sup.clone(), Arc::clone(&farm));
+            tokio::spawn(async move {
+                let mut frame = tokio::time::interval(Duration::from_millis(100));
+                loop {
+                    frame.tick().await;
+                    farm.progress().show_leases(&sup.leases());
+                }
+            })
+        };
         // Polled in job order from this task, so the jobs queue for slots in that order.
         join_in_order(jobs).await;
+        overlay.abort();
         let elapsed = started.elapsed();
         farm.progress().finish();
 

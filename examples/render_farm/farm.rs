@@ -5,7 +5,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use leasehold::{AcquireRequest, BrokerError, LocalBroker, SlotBroker, SlotToken};
+use leasehold::{
+    AcquireRequest, BrokerError, LeaseInfo, LeasePhase, LocalBroker, SlotBroker, SlotToken,
+};
 
 /// The instants of one job, from the caller's `run` to the broker's release.
 #[derive(Debug, Clone, Default)]
@@ -261,9 +263,16 @@ impl Farm {
 
 /// One line per slot, a line for the queue and an overall bar; all hidden (and plain log lines
 /// instead) when stdout is not a terminal.
+///
+/// The slot lines are drawn from the supervisor's lease table (`Supervisor::leases`), read every
+/// 100 ms as a game's debug overlay would read it every frame: who holds the slot, for how long,
+/// and, once the body has ended, what the slot's release still waits for. While the body runs,
+/// the line shows the body's own progress, which only the job knows.
 pub struct Progress {
     multi: Option<MultiProgress>,
     slots: Vec<ProgressBar>,
+    /// The body's own progress per slot (reported by the job).
+    body: Mutex<Vec<String>>,
     queue: ProgressBar,
     overall: ProgressBar,
 }
@@ -274,6 +283,7 @@ impl Progress {
             return Self {
                 multi: None,
                 slots: (0..slots).map(|_| ProgressBar::hidden()).collect(),
+                body: Mutex::new(vec![String::new(); slots as usize]),
                 queue: ProgressBar::hidden(),
                 overall: ProgressBar::hidden(),
             };
@@ -282,7 +292,7 @@ impl Progress {
         let line = ProgressStyle::with_template("{spinner} {prefix:<8} {wide_msg}")
             .expect("a valid template")
             .tick_chars("-\\|/ ");
-        let slots = (0..slots)
+        let slots: Vec<ProgressBar> = (0..slots)
             .map(|s| {
                 let pb = multi.add(ProgressBar::new_spinner().with_style(line.clone()));
                 pb.set_prefix(format!("slot {s}"));
@@ -309,21 +319,48 @@ impl Progress {
         overall.enable_steady_tick(Duration::from_millis(250));
         Self {
             multi: Some(multi),
+            body: Mutex::new(vec![String::new(); slots.len()]),
             slots,
             queue,
             overall,
         }
     }
 
-    fn slot(&self, slot: u32, job: &str, phase: &str) {
-        if let Some(pb) = self.slots.get(slot as usize) {
-            pb.set_message(format!("{job:<22} {phase}"));
+    fn slot(&self, slot: u32, _job: &str, phase: &str) {
+        if let Some(text) = lock(&self.body).get_mut(slot as usize) {
+            phase.clone_into(text);
         }
     }
 
     fn idle(&self, slot: u32) {
-        if let Some(pb) = self.slots.get(slot as usize) {
-            pb.set_message("idle");
+        if let Some(text) = lock(&self.body).get_mut(slot as usize) {
+            text.clear();
+        }
+    }
+
+    /// Redraws the slot lines from a snapshot of the lease table.
+    pub fn show_leases(&self, leases: &[LeaseInfo]) {
+        if self.multi.is_none() {
+            return;
+        }
+        let body = lock(&self.body);
+        for (slot, pb) in self.slots.iter().enumerate() {
+            let Some(lease) = leases.iter().find(|l| l.slot_id as usize == slot) else {
+                pb.set_message("idle");
+                continue;
+            };
+            let job = lease.job_id.as_deref().unwrap_or("(lease)");
+            let held = lease.held_for.as_secs_f64();
+            let what = match lease.phase {
+                LeasePhase::Running => body[slot].clone(),
+                phase => {
+                    let waits: Vec<String> =
+                        lease.waiting_for.iter().map(ToString::to_string).collect();
+                    format!("{phase:?}: waiting for {}", waits.join(", ")).to_lowercase()
+                }
+            };
+            let line = format!("{job:<22} {held:5.1} s  {what}");
+            pb.set_message(line);
         }
     }
 
