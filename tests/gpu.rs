@@ -125,6 +125,20 @@ async fn a_cancelled_job_keeps_its_slot_until_its_gpu_work_has_completed() {
         })
     };
     submitted_rx.await.unwrap();
+    // The lease table names the job's GPU device while it runs (written at the end of the
+    // supervisor's turn that started it: polled, never slept for).
+    let mut row = None;
+    for _ in 0..100_000 {
+        row = sup.leases().into_iter().find(|l| l.gpu_device.is_some());
+        if row.is_some() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    let row = row.expect("the running GPU job shows its device in the lease table");
+    assert_eq!(row.job_id.as_deref(), Some("long"));
+    assert_eq!(row.gpu_device, Some(0));
+    assert!(row.waiting_for.contains(&leasehold::WaitingFor::GpuFence));
     let second = {
         let (sup, log) = (sup.clone(), log.clone());
         tokio::spawn(async move {
