@@ -1239,6 +1239,14 @@ fn pool_core(capacity: u32) -> Core {
     Core::new(Some(capacity), false, false).trusting_tokens()
 }
 
+/// A waiter joins the queue of a test core.
+fn join(core: &mut Core, waiter: WaiterId, slots: u32, priority: Priority) {
+    core.apply(Input::Enqueue {
+        waiter,
+        ask: ask(slots, priority),
+    });
+}
+
 fn ask(slots: u32, priority: Priority) -> Ask {
     Ask {
         want: Want::Lease,
@@ -1307,10 +1315,7 @@ impl Pool {
 fn a_higher_class_is_served_first_and_fifo_holds_within_a_class() {
     let mut core = pool_core(1);
     let mut pool = Pool::new(1);
-    core.apply(Input::Enqueue {
-        waiter: 1,
-        ask: ask(1, Priority::Normal),
-    });
+    join(&mut core, 1, 1, Priority::Normal);
     pool.run(&mut core);
     let held = pool.delivered[0].1;
     for (waiter, priority) in [
@@ -1343,22 +1348,13 @@ fn a_higher_class_is_served_first_and_fifo_holds_within_a_class() {
 fn a_low_waiter_is_overtaken_by_later_high_waiters_only_within_the_aging_bound() {
     let mut core = pool_core(1);
     let mut pool = Pool::new(1);
-    core.apply(Input::Enqueue {
-        waiter: 1,
-        ask: ask(1, Priority::High),
-    });
+    join(&mut core, 1, 1, Priority::High);
     pool.run(&mut core);
-    core.apply(Input::Enqueue {
-        waiter: 2,
-        ask: ask(1, Priority::Low),
-    });
+    join(&mut core, 2, 1, Priority::Low);
     // A steady stream of high-priority work: one new High waiter per grant, for ever.
     let mut low_served_after = None;
     for grant in 0..(4 * PRIORITY_AGING_GRANTS) {
-        core.apply(Input::Enqueue {
-            waiter: 3 + grant,
-            ask: ask(1, Priority::High),
-        });
+        join(&mut core, 3 + grant, 1, Priority::High);
         let key = pool.delivered.last().unwrap().1;
         core.apply(Input::ReleaseRequested { key });
         pool.run(&mut core);
@@ -1383,22 +1379,13 @@ fn a_multi_slot_waiter_gets_all_its_slots_at_once_and_blocks_the_queue_while_it_
     let mut core = pool_core(3);
     let mut pool = Pool::new(3);
     for waiter in 1..=2 {
-        core.apply(Input::Enqueue {
-            waiter,
-            ask: ask(1, Priority::Normal),
-        });
+        join(&mut core, waiter, 1, Priority::Normal);
     }
     pool.run(&mut core);
     assert_eq!(pool.delivered.len(), 2);
     // Needs all three; one is free, two are held. A single-slot waiter behind it must wait.
-    core.apply(Input::Enqueue {
-        waiter: 3,
-        ask: ask(3, Priority::Normal),
-    });
-    core.apply(Input::Enqueue {
-        waiter: 4,
-        ask: ask(1, Priority::Normal),
-    });
+    join(&mut core, 3, 3, Priority::Normal);
+    join(&mut core, 4, 1, Priority::Normal);
     pool.run(&mut core);
     assert_eq!(
         pool.delivered.len(),
@@ -1434,19 +1421,10 @@ fn a_multi_slot_waiter_gets_all_its_slots_at_once_and_blocks_the_queue_while_it_
 fn a_multi_slot_waiter_that_leaves_while_gathering_hands_its_slots_on() {
     let mut core = pool_core(2);
     let mut pool = Pool::new(2);
-    core.apply(Input::Enqueue {
-        waiter: 1,
-        ask: ask(1, Priority::Normal),
-    });
+    join(&mut core, 1, 1, Priority::Normal);
     pool.run(&mut core);
-    core.apply(Input::Enqueue {
-        waiter: 2,
-        ask: ask(2, Priority::Normal),
-    });
-    core.apply(Input::Enqueue {
-        waiter: 3,
-        ask: ask(1, Priority::Normal),
-    });
+    join(&mut core, 2, 2, Priority::Normal);
+    join(&mut core, 3, 1, Priority::Normal);
     pool.run(&mut core);
     assert_eq!(core.held_slots(), 2);
     core.apply(Input::Withdraw {
@@ -1474,10 +1452,7 @@ fn try_is_served_only_when_a_slot_is_free_and_nobody_waits_ahead() {
     core.apply(now(1));
     pool.run(&mut core);
     assert_eq!(pool.delivered.len(), 1);
-    core.apply(Input::Enqueue {
-        waiter: 2,
-        ask: ask(2, Priority::Normal),
-    });
+    join(&mut core, 2, 2, Priority::Normal);
     pool.run(&mut core);
     // One slot is free, but a waiter gathers ahead: refused, and the slot is not taken.
     core.apply(now(3));
@@ -1500,10 +1475,7 @@ fn a_resize_wakes_waiters_when_raised_and_revokes_nothing_when_lowered() {
     let mut core = pool_core(1);
     let mut pool = Pool::new(3);
     for waiter in 1..=3 {
-        core.apply(Input::Enqueue {
-            waiter,
-            ask: ask(1, Priority::Normal),
-        });
+        join(&mut core, waiter, 1, Priority::Normal);
     }
     pool.run(&mut core);
     assert_eq!(pool.delivered.len(), 1);
@@ -1514,14 +1486,8 @@ fn a_resize_wakes_waiters_when_raised_and_revokes_nothing_when_lowered() {
         3,
         "raising the capacity woke both waiters"
     );
-    core.apply(Input::Enqueue {
-        waiter: 4,
-        ask: ask(1, Priority::Normal),
-    });
-    core.apply(Input::Enqueue {
-        waiter: 5,
-        ask: ask(3, Priority::Normal),
-    });
+    join(&mut core, 4, 1, Priority::Normal);
+    join(&mut core, 5, 3, Priority::Normal);
     core.apply(Input::Resize { capacity: 1 });
     pool.run(&mut core);
     // Nothing revoked; the 3-slot waiter can never be served now.
@@ -1547,14 +1513,8 @@ fn a_resize_wakes_waiters_when_raised_and_revokes_nothing_when_lowered() {
 #[test]
 fn zero_slots_more_than_the_capacity_and_multi_slot_on_a_remote_broker_are_refused() {
     let mut core = pool_core(2);
-    core.apply(Input::Enqueue {
-        waiter: 1,
-        ask: ask(0, Priority::Normal),
-    });
-    core.apply(Input::Enqueue {
-        waiter: 2,
-        ask: ask(3, Priority::Normal),
-    });
+    join(&mut core, 1, 0, Priority::Normal);
+    join(&mut core, 2, 3, Priority::Normal);
     let codes: Vec<_> = drain(&mut core)
         .into_iter()
         .map(|e| match e {
