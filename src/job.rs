@@ -128,6 +128,8 @@ impl JobSpec {
     /// for 0 slots or for more than the capacity is refused with `LEASE_SLOT_COUNT_INVALID`,
     /// and one asking for more than 1 from another broker with `LEASE_BROKER_UNSUPPORTED`.
     /// The job's context lists every token ([`WorkerContext::tokens`](crate::WorkerContext::tokens)).
+    /// With GPU devices the job still gets one GPU placement: its other slots count against the
+    /// capacity (so nothing is over-subscribed) but carry no device of their own.
     #[must_use]
     pub fn with_slots(mut self, slots: u32) -> Self {
         self.slots = slots;
