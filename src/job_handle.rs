@@ -7,6 +7,7 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{AcquireError, JobError};
+use crate::sink::ErrorSink;
 
 /// A job submitted with [`Supervisor::submit`](crate::Supervisor::submit). Poll it without
 /// blocking; cancel it; or drop it, which cancels the job (as dropping a `run` future does).
@@ -19,6 +20,8 @@ pub struct JobHandle<T, E> {
     result: oneshot::Receiver<Result<T, JobError<E>>>,
     taken: bool,
     detached: bool,
+    /// Where a cleanup failure goes when the handle is dropped with the result unread.
+    sink: Option<ErrorSink>,
 }
 
 impl<T, E> JobHandle<T, E> {
@@ -26,6 +29,7 @@ impl<T, E> JobHandle<T, E> {
         job_id: String,
         cancel: CancellationToken,
         result: oneshot::Receiver<Result<T, JobError<E>>>,
+        sink: Option<ErrorSink>,
     ) -> Self {
         Self {
             job_id,
@@ -33,6 +37,7 @@ impl<T, E> JobHandle<T, E> {
             result,
             taken: false,
             detached: false,
+            sink,
         }
     }
 
@@ -104,8 +109,24 @@ impl<T, E> JobHandle<T, E> {
 
 impl<T, E> Drop for JobHandle<T, E> {
     fn drop(&mut self) {
-        if !self.taken && !self.detached {
+        if self.taken {
+            return;
+        }
+        if !self.detached {
             self.cancel.cancel();
+        }
+        // The job may have finished before the handle went away, its result unread: a cleanup
+        // failure in it has nobody else to reach (invariant 7). Otherwise the receiver closes
+        // here and the job's own task reports it when its result cannot be delivered: exactly
+        // one of the two sees it.
+        if let Ok(Err(err)) = self.result.try_recv()
+            && let Some(cleanup) = err.cleanup_error()
+        {
+            crate::sink::report_orphaned(
+                self.sink.as_ref(),
+                Some(self.job_id.clone()),
+                cleanup.clone(),
+            );
         }
     }
 }

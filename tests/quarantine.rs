@@ -193,6 +193,46 @@ async fn a_cleanup_failure_of_a_submitted_job_nobody_waits_for_reaches_the_error
     }
 }
 
+/// The same when the job has finished before its handle goes away: its result, with the
+/// cleanup failure, is already in the handle and would be dropped unread. It reaches the sink,
+/// once. (Found by CI: the test above raced into this order on a loaded machine.)
+#[tokio::test]
+async fn a_cleanup_failure_already_in_a_dropped_or_detached_handle_reaches_the_error_sink_once() {
+    for detach in [true, false] {
+        let broker = TestBroker::new(1);
+        broker.on_release(|_| Plan::Fail);
+        let (sink, mut failures) = sink_channel();
+        let sup = Supervisor::builder()
+            .broker(broker.clone())
+            .error_sink(sink)
+            .start()
+            .await
+            .unwrap();
+        let handle = sup.submit(JobSpec::new("finished-early").unwrap(), |_ctx| async {
+            Ok::<_, std::io::Error>(())
+        });
+        // Gated on the handle itself: the whole pipeline has run and the result is in it.
+        while !handle.is_finished() {
+            tokio::task::yield_now().await;
+        }
+        if detach {
+            handle.detach();
+        } else {
+            drop(handle);
+        }
+        let report = sup.shutdown().await.unwrap();
+        drop(sup);
+        let failure = failures.recv().await.expect("the failure reached the sink");
+        assert_eq!(failure.job_id.as_deref(), Some("finished-early"));
+        assert_eq!(failure.error.code(), "LEASE_CLEANUP_FAILED");
+        assert!(
+            failures.recv().await.is_none(),
+            "more than one sink call (detach={detach})"
+        );
+        assert_eq!(report.stats.release_failed_total, 1);
+    }
+}
+
 /// A GPU device loss and processes that cannot be proven gone, on one lease: replacing the
 /// device says nothing about the processes. The slot stays quarantined (its temp dir kept)
 /// until a reclaim proves the group gone; it used to be released once the device was replaced.

@@ -670,7 +670,7 @@ impl Supervisor {
                 crate::sink::report_orphaned(sink.as_ref(), Some(job_id), cleanup.clone());
             }
         }));
-        JobHandle::new(job_id, cancel, rx)
+        JobHandle::new(job_id, cancel, rx, self.inner.error_sink.clone())
     }
 
     /// Refuses new work, fails every waiter with `SUPERVISOR_STOPPED`, cancels every job not yet
