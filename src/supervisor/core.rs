@@ -138,17 +138,6 @@ impl Proof {
 pub(crate) struct Proofs(u8);
 
 impl Proofs {
-    /// The proofs other than process groups, each with its bit in
-    /// [`Lease::owed_bits`], in pipeline order (process groups come after the GPU fence).
-    pub(crate) const WAITING_ORDER: [(Proof, u8); 5] = [
-        (Proof::WorkerJoined, Owed::JOINED),
-        (Proof::EventHandled, Owed::EVENT),
-        (Proof::TasksJoined, Owed::TASKS),
-        (Proof::GpuFence, Owed::GPU),
-        (Proof::Scratch, Owed::SCRATCH),
-    ];
-    /// The temp dir's bit in [`Lease::owed_bits`].
-    pub(crate) const SCRATCH_BIT: u8 = Owed::SCRATCH;
     pub(crate) const JOINED: Self = Self(Owed::JOINED);
     pub(crate) const TASKS: Self = Self(Owed::TASKS);
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
@@ -313,34 +302,25 @@ impl Lease {
         !self.owed.has(Owed::JOINED) || !self.owed.has(Owed::EVENT)
     }
 
-    /// The proofs still owed, as bits (see [`Proofs::WAITING_ORDER`]); process groups apart.
-    pub(crate) fn owed_bits(&self) -> u8 {
-        self.owed.0
-    }
-
-    /// The process groups not yet proven empty.
-    pub(crate) fn processes(&self) -> &[ProcessKey] {
-        &self.processes
-    }
-
-    /// What the lease still waits for, in pipeline order.
-    pub(crate) fn waiting_for(&self) -> Vec<Proof> {
-        let mut out = Vec::new();
-        for proof in [
+    /// What the lease still waits for, in pipeline order (no allocation: the lease table
+    /// reads it on the actor's hot path).
+    pub(crate) fn owing(&self) -> impl Iterator<Item = Proof> + '_ {
+        let physical = [
             Proof::WorkerJoined,
             Proof::EventHandled,
             Proof::TasksJoined,
             Proof::GpuFence,
-        ] {
-            if self.owed.has(proof.bit()) {
-                out.push(proof);
-            }
-        }
-        out.extend(self.processes.iter().map(|p| Proof::Process(*p)));
-        if self.owed.has(Owed::SCRATCH) {
-            out.push(Proof::Scratch);
-        }
-        out
+        ];
+        physical
+            .into_iter()
+            .filter(|p| self.owed.has(p.bit()))
+            .chain(self.processes.iter().map(|p| Proof::Process(*p)))
+            .chain(self.owed.has(Owed::SCRATCH).then_some(Proof::Scratch))
+    }
+
+    /// [`owing`](Self::owing), collected.
+    pub(crate) fn waiting_for(&self) -> Vec<Proof> {
+        self.owing().collect()
     }
 
     fn physically_done(&self) -> bool {
@@ -942,7 +922,7 @@ impl Core {
             Input::ProcessStarted { key, process } => match self.leases.get_mut(&key) {
                 Some(lease) if lease.holder == Holder::Job && lease.owed.has(Owed::TASKS) => {
                     lease.processes.push(process);
-                    self.touched.push(key);
+                    self.touch(key);
                 }
                 _ => self.illegal(format_args!("process {process} started for lease {key}")),
             },
@@ -1177,8 +1157,7 @@ impl Core {
         }
         if !expected && self.stop != Stop::Serving {
             // An acquire aborted at shutdown answered anyway: it goes straight back.
-            let key = self.grant(token, Vec::new(), Holder::Surplus);
-            self.start_release(key);
+            self.return_surplus(token);
             return;
         }
         self.hand_to_next(token);
@@ -1210,8 +1189,7 @@ impl Core {
                 });
             }
             None => {
-                let key = self.grant(token, Vec::new(), Holder::Surplus);
-                self.start_release(key);
+                self.return_surplus(token);
             }
         }
     }
@@ -1221,10 +1199,7 @@ impl Core {
             Want::Lease => Holder::Explicit,
             Want::Job => Holder::Job,
         };
-        let key = self.grant(token, more, holder);
-        if let Some(lease) = self.leases.get_mut(&key) {
-            lease.priority = served.priority;
-        }
+        let key = self.grant(token, more, holder, served.priority);
         self.emit(Effect::Deliver {
             waiter: served.waiter,
             key,
@@ -1259,9 +1234,23 @@ impl Core {
         Ok(())
     }
 
-    fn grant(&mut self, token: SlotToken, more: Vec<SlotToken>, holder: Holder) -> LeaseKey {
+    /// A token nobody waits for (any more): held as a surplus lease while it goes straight back
+    /// to the broker.
+    fn return_surplus(&mut self, token: SlotToken) {
+        let key = self.grant(token, Vec::new(), Holder::Surplus, Priority::Normal);
+        self.start_release(key);
+    }
+
+    fn grant(
+        &mut self,
+        token: SlotToken,
+        more: Vec<SlotToken>,
+        holder: Holder,
+        priority: Priority,
+    ) -> LeaseKey {
         let key = self.next_key;
         self.next_key += 1;
+        self.held += 1 + more.len();
         // A job owes its worker's physical end from the start; what it does not start (GPU
         // work, processes) is added or cleared as it is learnt.
         let owed = match holder {
@@ -1274,7 +1263,7 @@ impl Core {
                 token,
                 more,
                 holder,
-                priority: Priority::Normal,
+                priority,
                 owed,
                 processes: Vec::new(),
                 device: None,
@@ -1290,8 +1279,6 @@ impl Core {
                 counted: None,
             },
         );
-        let lease = &self.leases[&key];
-        self.held += 1 + lease.more.len();
         if self.check_tokens {
             // Multi-slot leases come only from the pool, whose tokens are trusted.
             self.by_slot.insert(token.slot_id(), key);
@@ -1324,8 +1311,7 @@ impl Core {
             if self.stop == Stop::Serving {
                 self.hand_to_next(token);
             } else {
-                let key = self.grant(token, Vec::new(), Holder::Surplus);
-                self.start_release(key);
+                self.return_surplus(token);
             }
         }
     }
@@ -1587,9 +1573,9 @@ impl Core {
         {
             lease.release_error = Some(err);
         }
+        // Each token stops counting when its own release has answered.
+        self.held -= 1;
         if lease.releasing > 0 {
-            // Its tokens came back one by one: each freed slot counts now.
-            self.held -= 1;
             return;
         }
         let result = match lease.release_error.take() {
@@ -1616,12 +1602,10 @@ impl Core {
 
     fn remove(&mut self, key: LeaseKey) -> Lease {
         let lease = self.leases.remove(&key).expect("checked by the caller");
-        // Of a releasing multi-slot lease, only the last token is still counted here.
-        self.held -= if lease.release == Release::InFlight {
-            1
-        } else {
-            1 + lease.more.len()
-        };
+        // A releasing lease's tokens stopped counting as their releases answered (`released`).
+        if lease.release == Release::NotStarted {
+            self.held -= 1 + lease.more.len();
+        }
         self.touch(key);
         match lease.counted {
             Some(Phase::Quarantined) => self.quarantined -= 1,
@@ -1735,8 +1719,7 @@ impl Core {
             // Nobody will use them: straight back to the broker.
             self.held -= g.tokens.len();
             for token in g.tokens {
-                let key = self.grant(token, Vec::new(), Holder::Surplus);
-                self.start_release(key);
+                self.return_surplus(token);
             }
         }
         let pinned = mem::take(&mut self.pinned);

@@ -17,7 +17,7 @@ use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 use rustc_hash::FxHasher;
 
-use super::core::{self, Holder, LeaseKey, Proof, Proofs};
+use super::core::{self, Holder, LeaseKey, Proof};
 use crate::broker::SlotToken;
 use crate::job::Priority;
 
@@ -108,8 +108,8 @@ impl std::fmt::Display for WaitingFor {
     }
 }
 
-/// A row: what the lease table keeps of one lease, compact (the actor writes one at each
-/// grant and phase change, on its hot path); [`LeaseInfo`] is built from it when read.
+/// A row: what the lease table keeps of one lease (the actor writes one at each grant and
+/// phase change, on its hot path); [`LeaseInfo`] is built from it when read.
 #[derive(Debug)]
 pub(crate) struct Row {
     job_id: Option<Arc<str>>,
@@ -118,11 +118,9 @@ pub(crate) struct Row {
     phase: LeasePhase,
     token: SlotToken,
     more: Box<[SlotToken]>,
-    /// The core's owed-proof bits, and whether the broker release is in flight.
-    owed: u8,
-    releasing: bool,
-    /// Leader pids of the process groups still owed (0: not known).
-    pids: Vec<u32>,
+    /// Rewritten in place at each refresh (its capacity is kept: no allocation for a lease
+    /// that owes nothing, an explicit one).
+    waiting_for: Vec<WaitingFor>,
     device: Option<usize>,
     granted_at: Instant,
     warned: bool,
@@ -130,33 +128,6 @@ pub(crate) struct Row {
 
 impl Row {
     fn info(&self, now: Instant) -> LeaseInfo {
-        let mut waiting_for = Vec::new();
-        for (proof, bit) in Proofs::WAITING_ORDER {
-            if self.owed & bit == 0 {
-                continue;
-            }
-            if proof == Proof::Scratch {
-                // Process groups come before the temp dir, in pipeline order.
-                waiting_for.extend(self.pids.iter().map(|p| WaitingFor::ProcessGroup(*p)));
-            }
-            waiting_for.push(match proof {
-                Proof::WorkerJoined => WaitingFor::Worker,
-                Proof::EventHandled => WaitingFor::SupervisionEvent,
-                Proof::TasksJoined => WaitingFor::Tasks,
-                Proof::GpuFence => WaitingFor::GpuFence,
-                Proof::Scratch | Proof::Process(_) => WaitingFor::TempDir,
-            });
-        }
-        if self.owed & Proofs::SCRATCH_BIT == 0 {
-            waiting_for.extend(self.pids.iter().map(|p| WaitingFor::ProcessGroup(*p)));
-        }
-        // The worker's two proofs name one thing for a reader: its end.
-        if waiting_for.contains(&WaitingFor::Worker) {
-            waiting_for.retain(|w| *w != WaitingFor::SupervisionEvent);
-        }
-        if self.releasing {
-            waiting_for.push(WaitingFor::BrokerRelease);
-        }
         LeaseInfo {
             job_id: self.job_id.clone(),
             kind: self.kind,
@@ -166,9 +137,16 @@ impl Row {
                 .collect(),
             phase: self.phase,
             held_for: now.saturating_duration_since(self.granted_at),
-            waiting_for,
+            waiting_for: self.waiting_for.clone(),
             gpu_device: self.device,
-            child_pids: self.pids.clone(),
+            child_pids: self
+                .waiting_for
+                .iter()
+                .filter_map(|w| match w {
+                    WaitingFor::ProcessGroup(pid) => Some(*pid),
+                    _ => None,
+                })
+                .collect(),
             priority: self.priority,
         }
     }
@@ -176,12 +154,24 @@ impl Row {
     /// Copies what may have changed since the row was made.
     fn refresh(&mut self, lease: &core::Lease, pid: &dyn Fn(u64) -> Option<u32>) {
         self.phase = phase(lease);
-        self.owed = lease.owed_bits();
-        self.releasing = lease.is_releasing();
         self.device = lease.device();
-        self.pids.clear();
-        self.pids
-            .extend(lease.processes().iter().map(|p| pid(*p).unwrap_or(0)));
+        self.waiting_for.clear();
+        let owes_worker = lease.owing().any(|p| p == Proof::WorkerJoined);
+        self.waiting_for.extend(lease.owing().filter_map(|proof| {
+            Some(match proof {
+                Proof::WorkerJoined => WaitingFor::Worker,
+                // The worker's two proofs name one thing for a reader: its end.
+                Proof::EventHandled if owes_worker => return None,
+                Proof::EventHandled => WaitingFor::SupervisionEvent,
+                Proof::TasksJoined => WaitingFor::Tasks,
+                Proof::Process(p) => WaitingFor::ProcessGroup(pid(p).unwrap_or(0)),
+                Proof::GpuFence => WaitingFor::GpuFence,
+                Proof::Scratch => WaitingFor::TempDir,
+            })
+        }));
+        if lease.is_releasing() {
+            self.waiting_for.push(WaitingFor::BrokerRelease);
+        }
     }
 }
 
@@ -236,9 +226,7 @@ impl LeaseTable {
                     phase: LeasePhase::Running,
                     token: lease.token(),
                     more: lease.more_tokens().into(),
-                    owed: 0,
-                    releasing: false,
-                    pids: Vec::new(),
+                    waiting_for: Vec::new(),
                     device: None,
                     granted_at: now(),
                     warned: false,
