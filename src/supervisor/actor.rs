@@ -888,8 +888,8 @@ impl Shell {
             found = true;
             self.apply(Input::CancelJob { key }).await;
         }
-        self.settle().await;
-        self.end_batch();
+        // The batch this message came in settles (and answers the withdrawn callers) when it
+        // ends.
         found
     }
 
@@ -912,9 +912,8 @@ impl Shell {
         };
         #[cfg(not(feature = "gpu"))]
         let capacity = slots;
+        // Waiters are served when the batch this message came in settles.
         self.apply(Input::Resize { capacity }).await;
-        self.settle().await;
-        self.end_batch();
         Ok(capacity)
     }
 
