@@ -318,6 +318,11 @@ impl Lease {
             .chain(self.owed.has(Owed::SCRATCH).then_some(Proof::Scratch))
     }
 
+    /// Nothing is owed (an explicit lease, or one whose release has begun).
+    pub(crate) fn owes_nothing(&self) -> bool {
+        self.owed.0 == 0 && self.processes.is_empty()
+    }
+
     /// [`owing`](Self::owing), collected.
     pub(crate) fn waiting_for(&self) -> Vec<Proof> {
         self.owing().collect()

@@ -156,19 +156,23 @@ impl Row {
         self.phase = phase(lease);
         self.device = lease.device();
         self.waiting_for.clear();
-        let owes_worker = lease.owing().any(|p| p == Proof::WorkerJoined);
-        self.waiting_for.extend(lease.owing().filter_map(|proof| {
-            Some(match proof {
-                Proof::WorkerJoined => WaitingFor::Worker,
-                // The worker's two proofs name one thing for a reader: its end.
-                Proof::EventHandled if owes_worker => return None,
-                Proof::EventHandled => WaitingFor::SupervisionEvent,
-                Proof::TasksJoined => WaitingFor::Tasks,
-                Proof::Process(p) => WaitingFor::ProcessGroup(pid(p).unwrap_or(0)),
-                Proof::GpuFence => WaitingFor::GpuFence,
-                Proof::Scratch => WaitingFor::TempDir,
-            })
-        }));
+        // The hot path (an explicit lease, a release) owes nothing: no iterator to run.
+        if !lease.owes_nothing() {
+            // Pipeline order: the worker's end comes first when it is owed.
+            let owes_worker = lease.owing().next() == Some(Proof::WorkerJoined);
+            self.waiting_for.extend(lease.owing().filter_map(|proof| {
+                Some(match proof {
+                    Proof::WorkerJoined => WaitingFor::Worker,
+                    // The worker's two proofs name one thing for a reader: its end.
+                    Proof::EventHandled if owes_worker => return None,
+                    Proof::EventHandled => WaitingFor::SupervisionEvent,
+                    Proof::TasksJoined => WaitingFor::Tasks,
+                    Proof::Process(p) => WaitingFor::ProcessGroup(pid(p).unwrap_or(0)),
+                    Proof::GpuFence => WaitingFor::GpuFence,
+                    Proof::Scratch => WaitingFor::TempDir,
+                })
+            }));
+        }
         if lease.is_releasing() {
             self.waiting_for.push(WaitingFor::BrokerRelease);
         }
