@@ -58,6 +58,9 @@ pub mod codes {
     /// The broker cannot serve this request (a multi-slot lease, `try_acquire` or a resize on a
     /// broker other than the supervisor's in-process pool); nothing was acquired.
     pub const LEASE_BROKER_UNSUPPORTED: &str = "LEASE_BROKER_UNSUPPORTED";
+    /// A release by message named a lease that actor does not hold through the lease desk;
+    /// nothing was released.
+    pub const LEASE_NOT_HELD: &str = "LEASE_NOT_HELD";
 }
 
 /// Why [`Supervisor::acquire`](crate::Supervisor::acquire) (or the acquire step of a job) ended

@@ -7,7 +7,9 @@
 )]
 #![deny(unused_must_use)]
 
+mod actor_job;
 mod broker;
+mod desk;
 mod error;
 mod fencing;
 #[cfg(feature = "gpu")]
@@ -20,12 +22,14 @@ mod sink;
 mod supervisor;
 mod worker;
 
+pub use actor_job::{ActorExit, ActorJobError, CANCEL_STOP_REASON};
 #[cfg(feature = "etcd")]
 pub use broker::etcd::{EtcdBroker, EtcdConfig, EtcdError, EtcdErrorKind};
 pub use broker::{
     AcquireRequest, BrokerError, BrokerErrorKind, BrokerEvent, BrokerEvents, LocalBroker,
     SlotBroker, SlotToken,
 };
+pub use desk::{ActorLease, LeaseMsg, ReleaseError};
 pub use error::{
     AcquireError, BodyError, BodyErrorKind, CleanupError, CleanupErrorKind, JobError,
     LeaseReleased, ResizeError, ShutdownError, StartError, codes,
@@ -52,6 +56,9 @@ pub use supervisor::{
 pub use wgpu;
 pub use worker::{PathRefused, PathRefusedReason, WorkerContext};
 
+/// Re-exported so that job actors ([`Supervisor::spawn_job`]) and lease desk callers
+/// ([`LeaseMsg`]) implement and call exactly the ractor the supervisor was built with.
+pub use ractor;
 /// Re-exported so that callers can build the token [`JobSpec::with_cancel`] takes.
 pub use tokio_util::sync::CancellationToken;
 

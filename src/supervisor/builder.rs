@@ -337,7 +337,7 @@ impl SupervisorBuilder {
             inbox,
             join,
             (stats, table),
-            self.acquire_timeout,
+            (self.acquire_timeout, self.cancel_grace),
             work_root,
             self.error_sink,
             #[cfg(feature = "gpu")]

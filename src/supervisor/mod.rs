@@ -40,7 +40,9 @@ use messages::{KeptSpan, PendingJob, RunOutcome, SupMsg, WaiterKind};
 use stats::SharedStats;
 use table::LeaseTable;
 
+use crate::actor_job::{ActorExit, ActorJobError};
 use crate::broker::SlotToken;
+use crate::desk::{Desk, LeaseMsg};
 use crate::error::{AcquireError, BodyError, CleanupError, JobError, ResizeError, ShutdownError};
 use crate::job::{JobParts, JobSpec};
 use crate::job_handle::JobHandle;
@@ -75,7 +77,7 @@ pub struct Supervisor {
     inner: Arc<Inner>,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     inbox: Arc<Inbox>,
     join: Mutex<Option<JoinHandle<()>>>,
     stats: Arc<SharedStats>,
@@ -87,6 +89,10 @@ struct Inner {
     runtime: tokio::runtime::Handle,
     /// Where `submit` reports a cleanup failure whose handle is gone.
     error_sink: Option<crate::sink::ErrorSink>,
+    /// How long a cancelled job actor may take to stop before it is killed.
+    cancel_grace: Duration,
+    /// The lease desk, spawned on first use.
+    desk: tokio::sync::OnceCell<ractor::ActorRef<LeaseMsg>>,
     #[cfg(feature = "gpu")]
     gpu: Option<Arc<crate::gpu::GpuPool>>,
 }
@@ -95,6 +101,9 @@ impl Drop for Inner {
     fn drop(&mut self) {
         // Last handle gone: shut down, so that the actor does not outlive every way to reach it.
         let _ = self.inbox.send(SupMsg::Shutdown { reply: None });
+        if let Some(desk) = self.desk.get() {
+            desk.stop(None);
+        }
     }
 }
 
@@ -178,7 +187,7 @@ impl Supervisor {
         inbox: Arc<Inbox>,
         join: JoinHandle<()>,
         (stats, table): (Arc<SharedStats>, Arc<LeaseTable>),
-        acquire_timeout: Option<Duration>,
+        (acquire_timeout, cancel_grace): (Option<Duration>, Duration),
         work_root: PathBuf,
         error_sink: Option<crate::sink::ErrorSink>,
         #[cfg(feature = "gpu")] gpu: Option<Arc<crate::gpu::GpuPool>>,
@@ -194,10 +203,17 @@ impl Supervisor {
                 work_root,
                 runtime: tokio::runtime::Handle::current(),
                 error_sink,
+                cancel_grace,
+                desk: tokio::sync::OnceCell::new(),
                 #[cfg(feature = "gpu")]
                 gpu,
             }),
         }
+    }
+
+    /// A handle from the desk's weak reference, while any other handle lives.
+    pub(crate) fn upgrade(inner: &std::sync::Weak<Inner>) -> Option<Self> {
+        inner.upgrade().map(|inner| Self { inner })
     }
 
     /// A cheap snapshot of the counters (atomics; no message to the actor).
@@ -671,6 +687,148 @@ impl Supervisor {
             }
         }));
         JobHandle::new(job_id, cancel, rx, self.inner.error_sink.clone())
+    }
+
+    /// Spawns `actor` as a job: waits for a slot (FIFO in the one queue shared with `run`,
+    /// cancellable, with the job's priority and slot count), makes the job's temp dir (and
+    /// checks out its GPU), calls `args` with the job's [`WorkerContext`] (slot, token, temp
+    /// dir, tracked `spawn` / `spawn_blocking`, child processes, GPU) to build the actor's
+    /// arguments, then spawns the actor under the job's worker, which is linked to the
+    /// supervisor. It answers once the actor has started, with its `ActorRef` and a
+    /// [`JobHandle`] for the outcome.
+    ///
+    /// The slot goes through the same release pipeline as any job's: released only after the
+    /// actor's task has ended and its state has been dropped (also when a panic's
+    /// `ActorFailed` arrives first, and when a normal stop moves the state into its supervision
+    /// event), after every task and process it started through the context has ended, its GPU
+    /// work has completed and its temp dir is gone.
+    ///
+    /// Outcomes: the actor stopped on its own is a success ([`ActorExit`], with the stop
+    /// reason); a panic in any callback is `LEASE_BODY_PANICKED` with the message; a callback's
+    /// error is `LEASE_BODY_FAILED`; cancellation (the job's token, [`cancel`](Self::cancel),
+    /// dropping the handle, shutdown) stops the actor with [`CANCEL_STOP_REASON`], kills it if
+    /// it is still running a cancel grace later, and ends `LEASE_BODY_CANCELLED`. Cleanup
+    /// failures reach the handle, or the error sink once it is dropped or detached.
+    ///
+    /// Actors the job actor spawns itself are not part of its lease: link them to it and stop
+    /// them in its `post_stop`, or give each its own job.
+    ///
+    /// [`CANCEL_STOP_REASON`]: crate::CANCEL_STOP_REASON
+    ///
+    /// # Errors
+    ///
+    /// The job's [`JobError`] when the actor never started: no slot (an acquire code, or
+    /// `SUPERVISOR_STOPPED`), or its arguments closure or `pre_start` failed
+    /// (`LEASE_BODY_FAILED`, or `LEASE_BODY_PANICKED` for a panic, with
+    /// [`ActorJobError::StartFailed`]), returned after its slot has gone through the pipeline.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future cancels the job, as dropping its [`JobHandle`] would: a waiting job
+    /// withdraws, a started actor is stopped, and the pipeline completes on its own.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// use leasehold::{JobSpec, Supervisor, WorkerContext};
+    /// use ractor::{Actor, ActorProcessingErr, ActorRef};
+    ///
+    /// struct Loader;
+    ///
+    /// impl Actor for Loader {
+    ///     type Msg = String;
+    ///     type State = WorkerContext;
+    ///     type Arguments = WorkerContext;
+    ///
+    ///     async fn pre_start(
+    ///         &self,
+    ///         _myself: ActorRef<String>,
+    ///         ctx: WorkerContext,
+    ///     ) -> Result<WorkerContext, ActorProcessingErr> {
+    ///         Ok(ctx)
+    ///     }
+    ///
+    ///     async fn handle(
+    ///         &self,
+    ///         myself: ActorRef<String>,
+    ///         asset: String,
+    ///         ctx: &mut WorkerContext,
+    ///     ) -> Result<(), ActorProcessingErr> {
+    ///         std::fs::write(ctx.temp_dir().join("asset"), asset)?;
+    ///         myself.stop(Some("loaded".into()));
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// let sup = Supervisor::builder().slots(2).start().await?;
+    /// let (loader, outcome) = sup
+    ///     .spawn_job(JobSpec::new("load-0")?, Loader, |ctx| ctx)
+    ///     .await?;
+    /// loader.cast("rock.mesh".to_owned())?;
+    /// let exit = outcome.join().await?;
+    /// assert_eq!(exit.reason(), Some("loaded"));
+    /// sup.shutdown().await?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub async fn spawn_job<A, F>(
+        &self,
+        job: JobSpec,
+        actor: A,
+        args: F,
+    ) -> Result<
+        (
+            ractor::ActorRef<A::Msg>,
+            JobHandle<ActorExit, ActorJobError>,
+        ),
+        JobError<ActorJobError>,
+    >
+    where
+        A: ractor::Actor,
+        F: FnOnce(WorkerContext) -> A::Arguments + Send + 'static,
+    {
+        let (started_tx, started_rx) = oneshot::channel();
+        let body = crate::actor_job::body(actor, args, started_tx, self.inner.cancel_grace);
+        let handle = self.submit(job, body);
+        match started_rx.await {
+            Ok(actor) => Ok((actor, handle)),
+            // The actor never started: the job's result says why, after its pipeline.
+            Err(_) => match handle.join().await {
+                Err(err) => Err(err),
+                // Unreachable: the body answers `Ok` only after it has sent the actor.
+                Ok(_) => Err(JobError::Acquire(AcquireError::Stopped)),
+            },
+        }
+    }
+
+    /// The lease desk: the supervisor's message interface for actors. An actor `call!`s
+    /// [`LeaseMsg::Acquire`] with its own cell for a slot tied to it: the slot goes back
+    /// through the pipeline once the holder has exited and the [`ActorLease`] has been dropped,
+    /// with no explicit release; [`LeaseMsg::Release`] releases it earlier. Spawned on first
+    /// use; every call returns the same actor.
+    ///
+    /// [`ActorLease`]: crate::ActorLease
+    ///
+    /// # Errors
+    ///
+    /// `SUPERVISOR_STOPPED` when the desk could not be spawned.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a desk spawned by a dropped call is kept for the next.
+    pub async fn lease_desk(&self) -> Result<ractor::ActorRef<LeaseMsg>, AcquireError> {
+        let weak = Arc::downgrade(&self.inner);
+        self.inner
+            .desk
+            .get_or_try_init(|| async move {
+                ractor::Actor::spawn(None, Desk, weak)
+                    .await
+                    .map(|(desk, _join)| desk)
+                    .map_err(|_| AcquireError::Stopped)
+            })
+            .await
+            .cloned()
     }
 
     /// Refuses new work, fails every waiter with `SUPERVISOR_STOPPED`, cancels every job not yet

@@ -158,6 +158,10 @@ async fn run_body(body: BoxedBody, ctx: WorkerContext, shared: &JobShared, grace
     let grace_over = async {
         shared.cancel.cancelled().await;
         tokio::time::sleep(grace).await;
+        if shared.stops_itself() {
+            // A job actor's host: it kills the actor at the grace and waits for its end.
+            std::future::pending::<()>().await;
+        }
     };
     tokio::select! {
         biased;

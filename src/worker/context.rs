@@ -99,6 +99,11 @@ impl WorkerContext {
         self.inner.token
     }
 
+    /// The job's record (for a job actor's host).
+    pub(crate) fn shared(&self) -> &Arc<JobShared> {
+        &self.inner.shared
+    }
+
     /// The job id given to [`JobSpec::new`](crate::JobSpec::new).
     pub fn job_id(&self) -> &str {
         &self.inner.job_id

@@ -41,6 +41,9 @@ struct Records {
     scratch_failed: Option<io::Error>,
     /// Tracked async tasks, aborted at shutdown once the cancel grace has passed.
     tasks: Vec<AbortHandle>,
+    /// The body applies the cancel-then-grace rule itself (a job actor's host, which stops
+    /// then kills the actor): the worker must not drop it after the grace.
+    stops_itself: bool,
     /// The job's GPU, once checked out (read by the driver for the release fence).
     #[cfg(feature = "gpu")]
     gpu: Option<crate::gpu::JobGpu>,
@@ -96,6 +99,15 @@ impl JobShared {
         self.write(|r| {
             r.lease_lost.get_or_insert(reason);
         });
+    }
+
+    /// The body stops its own work on cancellation, within the grace (a job actor's host).
+    pub(crate) fn set_stops_itself(&self) {
+        self.write(|r| r.stops_itself = true);
+    }
+
+    pub(crate) fn stops_itself(&self) -> bool {
+        self.read(|r| r.stops_itself)
     }
 
     pub(crate) fn take_lease_lost(&self) -> Option<String> {
