@@ -3,7 +3,8 @@
 //!
 //! A job actor is an ordinary job whose body hosts the actor: the slot goes through the same
 //! queue and the same release pipeline as a closure job. The body spawns a `Watch` (a tiny
-//! actor that is the job actor's supervisor), spawns the user's actor linked under it (wrapped
+//! actor that is the job actor's supervisor) linked under the job's worker, which is linked to
+//! the supervisor, and spawns the user's actor linked under the watch (wrapped
 //! in `Guarded`, which records a panic in any callback before ractor turns it into
 //! `ActorFailed`), and then waits for the actor's task to end (its ractor join handle resolves
 //! only once the task is gone, state dropped) and for the watch to have handled the terminal
@@ -239,7 +240,9 @@ where
     // it the wait for the actor) when the grace is over.
     shared.set_stops_itself();
     let (exit_tx, exit_rx) = oneshot::channel();
-    let (watch, watch_join) = Actor::spawn(None, Watch, exit_tx)
+    // Linked under the job's worker (linked to the supervisor): supervisor → worker → watch →
+    // job actor.
+    let (watch, watch_join) = Actor::spawn_linked(None, Watch, exit_tx, ctx.worker().clone())
         .await
         .map_err(|e| ActorJobError::StartFailed(e.to_string()))?;
     let made = std::panic::catch_unwind(AssertUnwindSafe(|| args(ctx.clone())));

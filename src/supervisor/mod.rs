@@ -693,9 +693,9 @@ impl Supervisor {
     /// cancellable, with the job's priority and slot count), makes the job's temp dir (and
     /// checks out its GPU), calls `args` with the job's [`WorkerContext`] (slot, token, temp
     /// dir, tracked `spawn` / `spawn_blocking`, child processes, GPU) to build the actor's
-    /// arguments, then spawns the actor under the job's worker, which is linked to the
-    /// supervisor. It answers once the actor has started, with its `ActorRef` and a
-    /// [`JobHandle`] for the outcome.
+    /// arguments, then spawns the actor in the supervision tree supervisor → the job's worker →
+    /// a per-job watch → the actor. It answers once the actor has started, with its `ActorRef`
+    /// and a [`JobHandle`] for the outcome.
     ///
     /// The slot goes through the same release pipeline as any job's: released only after the
     /// actor's task has ended and its state has been dropped (also when a panic's

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span};
 
@@ -69,7 +69,7 @@ impl Actor for WorkerActor {
     ) -> Result<(), ActorProcessingErr> {
         if let Some(args) = state.args.take() {
             let span = args.span.clone();
-            run_job(args).instrument(span).await;
+            run_job(args, myself.get_cell()).instrument(span).await;
         }
         // The body (and everything it owned) has been dropped inside this task, before the
         // stop: nothing of the job travels inside the supervision event.
@@ -80,7 +80,7 @@ impl Actor for WorkerActor {
 
 /// Prepares the job (temp dir, GPU) and runs its body; every failure is recorded in
 /// `JobShared`, never propagated (the worker always ends normally).
-async fn run_job(args: WorkerArgs) {
+async fn run_job(args: WorkerArgs, worker: ActorCell) {
     let WorkerArgs {
         body,
         token,
@@ -117,7 +117,7 @@ async fn run_job(args: WorkerArgs) {
         span,
         policy,
         hosts.processes.clone(),
-        reporter,
+        (reporter, worker),
     );
     #[cfg(feature = "gpu")]
     if let (Some(placement), Some(host)) = (gpu, &hosts.gpu) {

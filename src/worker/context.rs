@@ -41,6 +41,8 @@ struct Inner {
     process_policy: ProcessPolicy,
     processes: Arc<dyn ProcessHost>,
     reporter: Reporter,
+    /// The job's worker actor (a job actor's watch is linked under it).
+    worker: ractor::ActorCell,
     #[cfg(feature = "gpu")]
     gpu: std::sync::OnceLock<crate::gpu::JobGpu>,
 }
@@ -56,7 +58,7 @@ impl WorkerContext {
         span: Span,
         process_policy: ProcessPolicy,
         processes: Arc<dyn ProcessHost>,
-        reporter: Reporter,
+        (reporter, worker): (Reporter, ractor::ActorCell),
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -70,6 +72,7 @@ impl WorkerContext {
                 process_policy,
                 processes,
                 reporter,
+                worker,
                 #[cfg(feature = "gpu")]
                 gpu: std::sync::OnceLock::new(),
             }),
@@ -102,6 +105,11 @@ impl WorkerContext {
     /// The job's record (for a job actor's host).
     pub(crate) fn shared(&self) -> &Arc<JobShared> {
         &self.inner.shared
+    }
+
+    /// The job's worker actor (for a job actor's host).
+    pub(crate) fn worker(&self) -> &ractor::ActorCell {
+        &self.inner.worker
     }
 
     /// The job id given to [`JobSpec::new`](crate::JobSpec::new).
