@@ -1,8 +1,9 @@
 //! Deterministic simulation of the real supervisor.
 //!
 //! Each seed builds a world: a broker that answers, fails, hangs, is slow or loses its answer;
-//! job bodies that return, fail, panic, ignore cancellation or leave a tracked task running;
-//! child processes that exit, ignore `SIGTERM`, escape their group or get stuck; GPU work that
+//! job bodies (closures, or job actors through `spawn_job`, whose state marks the body) that
+//! return, fail, panic, ignore cancellation or leave a tracked task running; child processes
+//! that exit, ignore `SIGTERM`, escape their group or get stuck; GPU work that
 //! completes, is slow or is lost with its device; a file system whose temp dir removal fails or
 //! hangs; callers that cancel, drop their futures or give explicit leases back; shutdown and
 //! reclaim at random points. The *real* supervisor (actor, core, driver, worker) runs against
@@ -77,6 +78,8 @@ impl Rng {
 struct Physical {
     lease_id: Option<u64>,
     body: bool,
+    /// When the body (a job actor: its state) began.
+    body_since: Option<Instant>,
     tasks: u32,
     processes: u32,
     scratch: bool,
@@ -651,6 +654,8 @@ struct JobScript {
     id: String,
     arrival: Duration,
     explicit: bool,
+    /// A job actor (`Supervisor::spawn_job`) instead of a closure body.
+    actor: bool,
     body: Body,
     /// A tracked task that outlives the body (and whether it ignores cancellation).
     tracked: Option<(Duration, bool)>,
@@ -683,6 +688,7 @@ fn script(rng: &mut Rng, n: usize) -> Vec<JobScript> {
                 id: format!("job-{i}"),
                 arrival: rng.ms(1500),
                 explicit: rng.chance(20),
+                actor: rng.chance(30),
                 body,
                 tracked: rng.chance(30).then(|| (rng.ms(800), rng.chance(30))),
                 process,
@@ -710,7 +716,11 @@ impl Alive {
     fn new(ledger: &Shared, job: &str, what: &'static str) -> Self {
         let mut l = ledger.lock();
         match what {
-            "body" => l.job(job).body = true,
+            "body" => {
+                let p = l.job(job);
+                p.body = true;
+                p.body_since = Some(Instant::now());
+            }
             _ => l.job(job).tasks += 1,
         }
         drop(l);
@@ -743,6 +753,95 @@ struct Outcomes {
     hung: Vec<String>,
 }
 
+/// What a script starts beside its body: a tracked task that may outlive it, a process.
+fn start_side_work(ctx: &WorkerContext, s: &JobScript, ledger: &Shared) {
+    ledger.lock().job(&s.id).lease_id = Some(ctx.lease_id());
+    if let Some((d, ignore)) = s.tracked {
+        let (l3, id, c) = (Arc::clone(ledger), s.id.clone(), ctx.clone());
+        drop(ctx.spawn(async move {
+            let _task = Alive::new(&l3, &id, "task");
+            if ignore {
+                tokio::time::sleep(d).await;
+            } else {
+                tokio::select! { biased; () = c.cancelled() => {}, () = tokio::time::sleep(d) => {} }
+            }
+        }));
+    }
+    if let Some(p) = &s.process {
+        let spec = ProcessSpec::new(format!("{p}@{}", s.id));
+        let _ = ctx.spawn_process(spec);
+    }
+}
+
+/// A job actor playing a script: its state holds the job's "body" mark, so the ledger sees the
+/// body end only when ractor drops the state (in its task on a panic or kill, in the job's
+/// watch on a stop).
+struct SimActor {
+    ledger: Shared,
+    script: JobScript,
+}
+
+struct SimActorState {
+    ctx: WorkerContext,
+    _body: Alive,
+}
+
+impl ractor::Actor for SimActor {
+    type Msg = ();
+    type State = SimActorState;
+    type Arguments = WorkerContext;
+
+    async fn pre_start(
+        &self,
+        myself: ractor::ActorRef<()>,
+        ctx: WorkerContext,
+    ) -> Result<SimActorState, ractor::ActorProcessingErr> {
+        let body = Alive::new(&self.ledger, &self.script.id, "body");
+        start_side_work(&ctx, &self.script, &self.ledger);
+        myself.cast(())?;
+        Ok(SimActorState { ctx, _body: body })
+    }
+
+    async fn handle(
+        &self,
+        myself: ractor::ActorRef<()>,
+        (): (),
+        state: &mut SimActorState,
+    ) -> Result<(), ractor::ActorProcessingErr> {
+        match self.script.body {
+            Body::Return(d) => {
+                tokio::select! { biased; () = state.ctx.cancelled() => {}, () = tokio::time::sleep(d) => {} }
+                myself.stop(Some("sim: done".into()));
+                Ok(())
+            }
+            Body::Fail(d) => {
+                tokio::time::sleep(d).await;
+                Err("sim: actor failed".into())
+            }
+            Body::Panic(d) => {
+                tokio::time::sleep(d).await;
+                panic!("sim: actor panicked")
+            }
+            Body::IgnoreCancel(d) => {
+                // A stop cannot reach a handler that never returns: only the kill after the
+                // cancel grace ends it.
+                tokio::time::sleep(d * 10).await;
+                myself.stop(None);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// What a caller heard: its code and the cleanup failure's code, if any.
+type Heard = Result<(), (&'static str, Option<&'static str>)>;
+
+fn heard<T, E>(result: Result<T, crate::error::JobError<E>>) -> Heard {
+    result
+        .map(|_| ())
+        .map_err(|e| (e.code(), e.cleanup_error().map(|c| c.code())))
+}
+
 async fn run_job(sup: Supervisor, s: JobScript, ledger: Shared, out: Arc<Mutex<Outcomes>>) {
     tokio::time::sleep(s.arrival).await;
     ledger.lock().note(format!("{}: run {:?}", s.id, s));
@@ -752,43 +851,47 @@ async fn run_job(sup: Supervisor, s: JobScript, ledger: Shared, out: Arc<Mutex<O
         .with_cancel(token.clone())
         .with_priority(s.priority);
     let (l2, s2) = (Arc::clone(&ledger), s.clone());
-    let fut = sup.run(job, move |ctx: WorkerContext| async move {
-        let _body = Alive::new(&l2, &s2.id, "body");
-        l2.lock().job(&s2.id).lease_id = Some(ctx.lease_id());
-        if let Some((d, ignore)) = s2.tracked {
-            let (l3, id, c) = (Arc::clone(&l2), s2.id.clone(), ctx.clone());
-            drop(ctx.spawn(async move {
-                let _task = Alive::new(&l3, &id, "task");
-                if ignore {
-                    tokio::time::sleep(d).await;
-                } else {
-                    tokio::select! { biased; () = c.cancelled() => {}, () = tokio::time::sleep(d) => {} }
-                }
-            }));
-        }
-        if let Some(p) = &s2.process {
-            let spec = ProcessSpec::new(format!("{p}@{}", s2.id));
-            let _ = ctx.spawn_process(spec);
-        }
-        match s2.body {
-            Body::Return(d) => {
-                tokio::select! { biased; () = ctx.cancelled() => {}, () = tokio::time::sleep(d) => {} }
-                Ok(())
+    let sup = &sup;
+    let fut: BoxFuture<'_, Heard> = if s.actor {
+        let actor = SimActor {
+            ledger: Arc::clone(&ledger),
+            script: s.clone(),
+        };
+        Box::pin(async move {
+            match sup.spawn_job(job, actor, |ctx| ctx).await {
+                Ok((_actor, outcome)) => heard(outcome.join().await),
+                Err(err) => heard::<(), _>(Err(err)),
             }
-            Body::Fail(d) => {
-                tokio::time::sleep(d).await;
-                Err(io::Error::other("sim: body failed"))
-            }
-            Body::Panic(d) => {
-                tokio::time::sleep(d).await;
-                panic!("sim: body panicked")
-            }
-            Body::IgnoreCancel(d) => {
-                tokio::time::sleep(d * 10).await;
-                Ok(())
-            }
-        }
-    });
+        })
+    } else {
+        Box::pin(async move {
+            heard(
+                sup.run(job, move |ctx: WorkerContext| async move {
+                    let _body = Alive::new(&l2, &s2.id, "body");
+                    start_side_work(&ctx, &s2, &l2);
+                    match s2.body {
+                        Body::Return(d) => {
+                            tokio::select! { biased; () = ctx.cancelled() => {}, () = tokio::time::sleep(d) => {} }
+                            Ok(())
+                        }
+                        Body::Fail(d) => {
+                            tokio::time::sleep(d).await;
+                            Err(io::Error::other("sim: body failed"))
+                        }
+                        Body::Panic(d) => {
+                            tokio::time::sleep(d).await;
+                            panic!("sim: body panicked")
+                        }
+                        Body::IgnoreCancel(d) => {
+                            tokio::time::sleep(d * 10).await;
+                            Ok(())
+                        }
+                    }
+                })
+                .await,
+            )
+        })
+    };
     let result = match s.cancel {
         Some((after, true)) => {
             let cancel_in = async {
@@ -808,18 +911,16 @@ async fn run_job(sup: Supervisor, s: JobScript, ledger: Shared, out: Arc<Mutex<O
         Some((after, false)) => tokio::time::timeout(after, fut).await.ok(),
         None => Some(fut.await),
     };
-    match &result {
+    match result {
         None => ledger.lock().note(format!("{}: caller left", s.id)),
         Some(Ok(())) => ledger.lock().note(format!("{}: caller heard ok", s.id)),
-        Some(Err(err)) => {
-            let cleanup = err.cleanup_error().map(|c| c.code());
+        Some(Err((code, cleanup))) => {
             if let Some(code) = cleanup {
                 out.lock().heard.push(code.to_owned());
             }
             ledger.lock().note(format!(
-                "{}: caller heard {} (cleanup {cleanup:?})",
+                "{}: caller heard {code} (cleanup {cleanup:?})",
                 s.id,
-                err.code()
             ));
         }
     }
@@ -863,6 +964,27 @@ async fn hold_lease(sup: Supervisor, s: JobScript, ledger: Shared, out: Arc<Mute
 // ---------------------------------------------------------------------------------------------
 // One seed
 // ---------------------------------------------------------------------------------------------
+
+/// The simulation's cancel grace.
+const GRACE: Duration = Duration::from_millis(200);
+
+/// Invariant 8: a shutdown that began at `t0` cancelled every job, and a body that ignored the
+/// cancellation was dropped (a closure) or its actor killed (a job actor) one cancel grace
+/// later. Bodies that started after `t0` (their worker was still preparing) are not concerned.
+fn bodies_ended(ledger: &Shared, t0: Instant) {
+    let mut l = ledger.lock();
+    let running: Vec<String> = l
+        .jobs
+        .iter()
+        .filter(|(_, p)| p.body && p.body_since.is_some_and(|since| since <= t0))
+        .map(|(id, _)| id.clone())
+        .collect();
+    for id in running {
+        l.violate(format!(
+            "invariant 8: job {id}'s body outlived the cancel grace after shutdown began"
+        ));
+    }
+}
 
 /// Runs one seed; returns its trace, or the violations with the trace.
 fn simulate(seed: u64) -> Result<Vec<String>, (Vec<String>, Vec<String>)> {
@@ -919,7 +1041,7 @@ fn simulate(seed: u64) -> Result<Vec<String>, (Vec<String>, Vec<String>)> {
         let mut builder = Supervisor::builder()
             .broker(broker)
             .cleanup_timeout(Duration::from_millis(500))
-            .cancel_grace(Duration::from_millis(200))
+            .cancel_grace(GRACE)
             .process_grace(Duration::from_millis(100))
             .process_proof_bound(Duration::from_millis(100))
             .shutdown_timeout(Duration::from_secs(2))
@@ -956,11 +1078,19 @@ fn simulate(seed: u64) -> Result<Vec<String>, (Vec<String>, Vec<String>)> {
         }
         let shutdown_at = rng.chance(50).then(|| rng.ms(2500));
         let shutdown = shutdown_at.map(|at| {
-            let sup = sup.clone();
+            let (sup, ledger) = (sup.clone(), Arc::clone(&ledger));
             tokio::spawn(async move {
                 tokio::time::sleep(at).await;
                 let t0 = Instant::now();
+                let check = {
+                    let ledger = Arc::clone(&ledger);
+                    tokio::spawn(async move {
+                        tokio::time::sleep(GRACE + Duration::from_millis(1)).await;
+                        bodies_ended(&ledger, t0);
+                    })
+                };
                 let report = sup.shutdown().await;
+                let _ = check.await;
                 (t0.elapsed(), report)
             })
         });
