@@ -8,7 +8,10 @@
 //!   `post_start` and stops itself, its `JoinHandle` awaited, the dir removed, the permit
 //!   dropped: the shape of `run`, without its guarantees;
 //! - `hand_written_task` (context): the same with the body spawned as a tokio task and joined
-//!   instead of an actor.
+//!   instead of an actor;
+//! - `leasehold_spawn_job` (issue 15): `sup.spawn_job(..)` of an actor that stops itself in
+//!   `post_start`, its outcome joined: a job actor's whole lifecycle (slot, temp dir, the
+//!   worker, the job's watch and the actor spawned and joined, the pipeline), next to `run`'s.
 //!
 //! criterion ids are `job_lifecycle/<function>/noop_body`. The last "benchmark", `summary`,
 //! prints the ratio rows from the samples criterion took above. `-- --test` runs each once.
@@ -31,6 +34,33 @@ const SLOTS: u32 = 8;
 const LEASEHOLD: &str = "leasehold_run";
 const RACTOR_WORKER: &str = "hand_written_ractor_worker";
 const TASK: &str = "hand_written_task";
+const ACTOR_JOB: &str = "leasehold_spawn_job";
+
+/// A job actor that stops as soon as it has started.
+struct NoopActor;
+
+impl ractor::Actor for NoopActor {
+    type Msg = ();
+    type State = ();
+    type Arguments = ();
+
+    async fn pre_start(
+        &self,
+        _myself: ractor::ActorRef<()>,
+        (): (),
+    ) -> Result<(), ractor::ActorProcessingErr> {
+        Ok(())
+    }
+
+    async fn post_start(
+        &self,
+        myself: ractor::ActorRef<()>,
+        (): &mut (),
+    ) -> Result<(), ractor::ActorProcessingErr> {
+        myself.stop(None);
+        Ok(())
+    }
+}
 /// `run` with a no-op body ≤ 1.5× the hand-written equivalent with a per-job ractor worker
 /// (issue 11, point 6).
 const TARGET: f64 = 1.5;
@@ -62,6 +92,25 @@ fn job_lifecycle(c: &mut Criterion) {
                 let start = Instant::now();
                 for _ in 0..iters {
                     floor::noop_run(&sup).await;
+                }
+                start.elapsed()
+            }
+        });
+    });
+
+    let k = key(GROUP, ACTOR_JOB, PARAM);
+    group.bench_function(BenchmarkId::new(ACTOR_JOB, PARAM), |b| {
+        timed(b, &rt, &k, SAMPLES, |iters| {
+            let sup = sup.clone();
+            async move {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let job = leasehold::JobSpec::new("bench-actor").expect("valid id");
+                    let (_actor, outcome) = sup
+                        .spawn_job(job, NoopActor, |_ctx| ())
+                        .await
+                        .expect("spawned");
+                    outcome.join().await.expect("stopped");
                 }
                 start.elapsed()
             }
@@ -116,6 +165,20 @@ fn summary(_c: &mut Criterion) {
         "`run` no-op / hand-written with a tokio task (permit + tempdir + spawn + join + remove)",
         &k(LEASEHOLD),
         &k(TASK),
+        1,
+        None,
+    );
+    ratio_row(
+        "`spawn_job` (a job actor that stops in `post_start`) / `run` no-op",
+        &k(ACTOR_JOB),
+        &k(LEASEHOLD),
+        1,
+        None,
+    );
+    ratio_row(
+        "`spawn_job` / hand-written with a per-job ractor worker",
+        &k(ACTOR_JOB),
+        &k(RACTOR_WORKER),
         1,
         None,
     );
