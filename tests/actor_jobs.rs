@@ -601,11 +601,13 @@ async fn dropping_a_waiting_spawn_job_withdraws_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cleanup_failure_of_an_actor_job_reaches_its_handle() {
+async fn a_cleanup_failure_of_an_actor_job_reaches_its_handle_or_once_detached_the_error_sink() {
     let broker = TestBroker::new(1);
     broker.on_release(|_| Plan::Fail);
+    let (sink, mut failures) = sink_channel();
     let sup = Supervisor::builder()
         .broker(broker.clone())
+        .error_sink(sink)
         .start()
         .await
         .unwrap();
@@ -618,7 +620,57 @@ async fn a_cleanup_failure_of_an_actor_job_reaches_its_handle() {
         .unwrap();
     let err = outcome.join().await.unwrap_err();
     assert_eq!(err.code(), codes::LEASE_CLEANUP_FAILED);
+    assert!(
+        failures.try_recv().is_err(),
+        "the handle heard it: not the sink"
+    );
+
+    // Nobody waits for this one: its failure reaches the sink, once.
+    let gate = Arc::new(Notify::new());
+    let waiter = Waiter {
+        gate: Arc::clone(&gate),
+    };
+    let (actor, outcome) = sup
+        .spawn_job(JobSpec::new("detached").unwrap(), waiter, |_| ())
+        .await
+        .unwrap();
+    outcome.detach();
+    actor.cast(()).unwrap();
+    gate.notify_one();
+    let failure = tokio::time::timeout(Duration::from_secs(20), failures.recv())
+        .await
+        .expect("the failure never reached the sink")
+        .unwrap();
+    assert_eq!(failure.job_id.as_deref(), Some("detached"));
+    assert_eq!(failure.error.code(), codes::LEASE_CLEANUP_FAILED);
     sup.shutdown().await.unwrap();
+    assert!(failures.try_recv().is_err(), "reported once");
+}
+
+/// Stops after its first message, once the gate opens.
+struct Waiter {
+    gate: Arc<Notify>,
+}
+
+impl Actor for Waiter {
+    type Msg = ();
+    type State = ();
+    type Arguments = ();
+
+    async fn pre_start(&self, _myself: ActorRef<()>, _: ()) -> Result<(), ActorProcessingErr> {
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<()>,
+        (): (),
+        (): &mut (),
+    ) -> Result<(), ActorProcessingErr> {
+        self.gate.notified().await;
+        myself.stop(None);
+        Ok(())
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -495,3 +495,96 @@ async fn the_fence_policy_decides_whether_a_release_waits_for_other_slots_work()
         broker.assert_quiescent(report.stats);
     }
 }
+
+/// A job actor (`spawn_job`) that submits GPU work in a handler and stops at once, without
+/// waiting for it: its slot goes back only after that work has completed (the GPU's own
+/// completion callback) and after the actor's state was dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_actor_keeps_its_slot_until_the_gpu_work_it_submitted_has_completed() {
+    use leasehold::WorkerContext;
+    use leasehold::ractor::{Actor, ActorProcessingErr, ActorRef};
+
+    struct Shader {
+        log: EventLog,
+    }
+
+    struct ShaderState {
+        ctx: WorkerContext,
+        log: EventLog,
+    }
+
+    impl Drop for ShaderState {
+        fn drop(&mut self) {
+            self.log.push("state-dropped");
+        }
+    }
+
+    impl Actor for Shader {
+        type Msg = ();
+        type State = ShaderState;
+        type Arguments = WorkerContext;
+
+        async fn pre_start(
+            &self,
+            _myself: ActorRef<()>,
+            ctx: WorkerContext,
+        ) -> Result<ShaderState, ActorProcessingErr> {
+            Ok(ShaderState {
+                ctx,
+                log: self.log.clone(),
+            })
+        }
+
+        async fn handle(
+            &self,
+            myself: ActorRef<()>,
+            (): (),
+            state: &mut ShaderState,
+        ) -> Result<(), ActorProcessingErr> {
+            let gpu = state.ctx.gpu().expect("a GPU slot").clone();
+            gpu.submit([dispatch(&gpu, "long", 1024)]);
+            let log = self.log.clone();
+            gpu.queue()
+                .on_submitted_work_done(move || log.push("gpu-done"));
+            myself.stop(Some("submitted".into()));
+            Ok(())
+        }
+    }
+
+    let log = EventLog::default();
+    let broker = TestBroker::new(1);
+    {
+        let log = log.clone();
+        broker.on_release(move |_| {
+            log.push("release");
+            Plan::Ok
+        });
+    }
+    let Some(sup) = start(
+        Supervisor::builder().broker(broker.clone()),
+        GpuOptions::new(),
+    )
+    .await
+    else {
+        return;
+    };
+    let shader = Shader { log: log.clone() };
+    let (actor, outcome) = sup
+        .spawn_job(JobSpec::new("shader-actor").unwrap(), shader, |ctx| ctx)
+        .await
+        .unwrap();
+    actor.cast(()).unwrap();
+    let exit = outcome.join().await.unwrap();
+    assert_eq!(exit.reason(), Some("submitted"));
+    let events = log.events();
+    assert!(
+        log.position("state-dropped") < log.position("release"),
+        "{events:?}"
+    );
+    assert!(
+        log.position("gpu-done") < log.position("release"),
+        "the slot was released before the actor's GPU work completed: {events:?}"
+    );
+    let report = sup.shutdown().await.unwrap();
+    broker.assert_quiescent(report.stats);
+}
