@@ -10,7 +10,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{EventLog, Plan, TestBroker, ThreadGate, sink_channel};
+use common::{EventLog, Plan, TestBroker, ThreadGate};
 use leasehold::ractor::{Actor, ActorProcessingErr, ActorRef, call};
 use leasehold::{
     ActorExit, ActorJobError, ActorLease, BodyErrorKind, JobSpec, LeaseMsg, Supervisor,
@@ -496,12 +496,14 @@ async fn actor_jobs_and_closure_jobs_share_one_fifo_queue() {
     broker.assert_quiescent(sup.stats());
 }
 
-/// Its handler never returns on its own: a stop cannot reach it, only a kill.
-struct Stuck {
+/// Its first handler waits for the gate (one that never opens: a stop cannot reach it, only a
+/// kill), then it stops.
+struct Gated {
     log: EventLog,
+    gate: Arc<Notify>,
 }
 
-impl Actor for Stuck {
+impl Actor for Gated {
     type Msg = ();
     type State = ();
     type Arguments = ();
@@ -512,17 +514,18 @@ impl Actor for Stuck {
 
     async fn handle(
         &self,
-        _myself: ActorRef<()>,
-        _msg: (),
-        _state: &mut (),
+        myself: ActorRef<()>,
+        (): (),
+        (): &mut (),
     ) -> Result<(), ActorProcessingErr> {
-        self.log.push("stuck handler entered");
-        std::future::pending::<()>().await;
+        self.log.push("gated handler entered");
+        self.gate.notified().await;
+        myself.stop(None);
         Ok(())
     }
 
     async fn post_stop(&self, _myself: ActorRef<()>, _: &mut ()) -> Result<(), ActorProcessingErr> {
-        self.log.push("stuck post_stop");
+        self.log.push("gated post_stop");
         Ok(())
     }
 }
@@ -544,14 +547,17 @@ async fn shutdown_stops_job_actors_and_kills_those_still_running_after_the_grace
         .spawn_job(JobSpec::new("polite").unwrap(), polite, |ctx| (ctx, None))
         .await
         .unwrap();
-    let stuck = Stuck { log: log.clone() };
+    let stuck = Gated {
+        log: log.clone(),
+        gate: Arc::new(Notify::new()),
+    };
     let (stuck_ref, stuck_outcome) = sup
         .spawn_job(JobSpec::new("stuck").unwrap(), stuck, |_| ())
         .await
         .unwrap();
     stuck_ref.cast(()).unwrap();
     until("the stuck handler runs", || {
-        log.events().contains(&"stuck handler entered".to_owned())
+        log.events().contains(&"gated handler entered".to_owned())
     })
     .await;
     let t0 = tokio::time::Instant::now();
@@ -575,7 +581,7 @@ async fn shutdown_stops_job_actors_and_kills_those_still_running_after_the_grace
         Some(&ActorJobError::Cancelled { killed: true })
     );
     assert!(log.events().contains(&"polite post_stop".to_owned()));
-    assert!(!log.events().contains(&"stuck post_stop".to_owned()));
+    assert!(!log.events().contains(&"gated post_stop".to_owned()));
     broker.assert_quiescent(sup.stats());
 }
 
@@ -602,15 +608,7 @@ async fn dropping_a_waiting_spawn_job_withdraws_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cleanup_failure_of_an_actor_job_reaches_its_handle_or_once_detached_the_error_sink() {
-    let broker = TestBroker::new(1);
-    broker.on_release(|_| Plan::Fail);
-    let (sink, mut failures) = sink_channel();
-    let sup = Supervisor::builder()
-        .broker(broker.clone())
-        .error_sink(sink)
-        .start()
-        .await
-        .unwrap();
+    let (sup, mut failures) = common::supervisor_whose_releases_fail().await;
     let quick = Quick {
         log: EventLog::default(),
     };
@@ -627,7 +625,8 @@ async fn a_cleanup_failure_of_an_actor_job_reaches_its_handle_or_once_detached_t
 
     // Nobody waits for this one: its failure reaches the sink, once.
     let gate = Arc::new(Notify::new());
-    let waiter = Waiter {
+    let waiter = Gated {
+        log: EventLog::default(),
         gate: Arc::clone(&gate),
     };
     let (actor, outcome) = sup
@@ -645,32 +644,6 @@ async fn a_cleanup_failure_of_an_actor_job_reaches_its_handle_or_once_detached_t
     assert_eq!(failure.error.code(), codes::LEASE_CLEANUP_FAILED);
     sup.shutdown().await.unwrap();
     assert!(failures.try_recv().is_err(), "reported once");
-}
-
-/// Stops after its first message, once the gate opens.
-struct Waiter {
-    gate: Arc<Notify>,
-}
-
-impl Actor for Waiter {
-    type Msg = ();
-    type State = ();
-    type Arguments = ();
-
-    async fn pre_start(&self, _myself: ActorRef<()>, _: ()) -> Result<(), ActorProcessingErr> {
-        Ok(())
-    }
-
-    async fn handle(
-        &self,
-        myself: ActorRef<()>,
-        (): (),
-        (): &mut (),
-    ) -> Result<(), ActorProcessingErr> {
-        self.gate.notified().await;
-        myself.stop(None);
-        Ok(())
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -836,15 +809,7 @@ async fn a_requester_that_exits_before_its_grant_withdraws_and_nothing_leaks() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_requesters_cleanup_failure_reaches_the_error_sink() {
-    let broker = TestBroker::new(1);
-    broker.on_release(|_| Plan::Fail);
-    let (sink, mut failures) = sink_channel();
-    let sup = Supervisor::builder()
-        .broker(broker.clone())
-        .error_sink(sink)
-        .start()
-        .await
-        .unwrap();
+    let (sup, mut failures) = common::supervisor_whose_releases_fail().await;
     let desk = sup.lease_desk().await.unwrap();
     let (holder, holder_join) = Actor::spawn(None, Idle, ()).await.unwrap();
     let lease = call!(desk, LeaseMsg::Acquire, holder.get_cell())

@@ -10,7 +10,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Plan, TestBroker, first_line, sink_channel};
+use common::{Plan, TestBroker, first_line};
 use leasehold::{JobSpec, ProcessSpec, Supervisor};
 use tokio::sync::{Notify, oneshot};
 
@@ -149,29 +149,12 @@ async fn two_reclaims_back_to_back_reclaim_a_slot_once_and_the_supervisor_keeps_
     assert_eq!(broker.release_calls(), 2);
 }
 
-/// One slot whose broker release always fails, and the receiving end of the error sink.
-async fn supervisor_whose_releases_fail() -> (
-    Supervisor,
-    tokio::sync::mpsc::UnboundedReceiver<leasehold::OrphanedFailure>,
-) {
-    let broker = TestBroker::new(1);
-    broker.on_release(|_| Plan::Fail);
-    let (sink, failures) = sink_channel();
-    let sup = Supervisor::builder()
-        .broker(broker)
-        .error_sink(sink)
-        .start()
-        .await
-        .unwrap();
-    (sup, failures)
-}
-
 /// A job submitted without waiting, whose handle was detached (or dropped): when its release
 /// fails, the failure reaches the error sink, exactly once.
 #[tokio::test]
 async fn a_cleanup_failure_of_a_submitted_job_nobody_waits_for_reaches_the_error_sink_once() {
     for detach in [true, false] {
-        let (sup, mut failures) = supervisor_whose_releases_fail().await;
+        let (sup, mut failures) = common::supervisor_whose_releases_fail().await;
         let (ran_tx, ran_rx) = oneshot::channel();
         let handle = sup.submit(
             JobSpec::new("fire-and-forget").unwrap(),
@@ -208,7 +191,7 @@ async fn a_cleanup_failure_of_a_submitted_job_nobody_waits_for_reaches_the_error
 #[tokio::test]
 async fn a_cleanup_failure_already_in_a_dropped_or_detached_handle_reaches_the_error_sink_once() {
     for detach in [true, false] {
-        let (sup, mut failures) = supervisor_whose_releases_fail().await;
+        let (sup, mut failures) = common::supervisor_whose_releases_fail().await;
         let handle = sup.submit(JobSpec::new("finished-early").unwrap(), |_ctx| async {
             Ok::<_, std::io::Error>(())
         });

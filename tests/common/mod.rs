@@ -311,3 +311,20 @@ pub async fn first_line(stdout: tokio::process::ChildStdout) -> i32 {
         .parse()
         .unwrap()
 }
+
+/// One slot whose broker release always fails, and the receiving end of the error sink.
+pub async fn supervisor_whose_releases_fail() -> (
+    leasehold::Supervisor,
+    tokio::sync::mpsc::UnboundedReceiver<leasehold::OrphanedFailure>,
+) {
+    let broker = TestBroker::new(1);
+    broker.on_release(|_| Plan::Fail);
+    let (sink, failures) = sink_channel();
+    let sup = leasehold::Supervisor::builder()
+        .broker(broker)
+        .error_sink(sink)
+        .start()
+        .await
+        .unwrap();
+    (sup, failures)
+}
