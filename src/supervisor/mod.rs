@@ -816,7 +816,8 @@ impl Supervisor {
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe: a desk spawned by a dropped call is kept for the next.
+    /// Cancel safe: a call dropped before the desk has started leaves none behind (the next
+    /// call starts it); once started, the desk is kept for every later call.
     pub async fn lease_desk(&self) -> Result<ractor::ActorRef<LeaseMsg>, AcquireError> {
         let weak = Arc::downgrade(&self.inner);
         self.inner
