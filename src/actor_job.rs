@@ -207,24 +207,7 @@ impl Actor for Watch {
 }
 
 /// The body of a job actor's job: see the module docs.
-pub(crate) fn body<A, F>(
-    actor: A,
-    args: F,
-    started: oneshot::Sender<ActorRef<A::Msg>>,
-    grace: Duration,
-) -> impl FnOnce(
-    WorkerContext,
-) -> futures_util::future::BoxFuture<'static, Result<ActorExit, ActorJobError>>
-+ Send
-+ 'static
-where
-    A: Actor,
-    F: FnOnce(WorkerContext) -> A::Arguments + Send + 'static,
-{
-    move |ctx: WorkerContext| Box::pin(host(actor, args, started, grace, ctx))
-}
-
-async fn host<A, F>(
+pub(crate) async fn host<A, F>(
     actor: A,
     args: F,
     started: oneshot::Sender<ActorRef<A::Msg>>,

@@ -272,8 +272,7 @@ async fn hold(
     let exited = async {
         let _ = holder.wait(None).await;
         // Resolves when the `ActorLease` is dropped (its sender closes).
-        let mut held_rx = held_rx;
-        let _ = (&mut held_rx).await;
+        let _ = held_rx.await;
     };
     tokio::select! {
         biased;

@@ -789,8 +789,10 @@ impl Supervisor {
         F: FnOnce(WorkerContext) -> A::Arguments + Send + 'static,
     {
         let (started_tx, started_rx) = oneshot::channel();
-        let body = crate::actor_job::body(actor, args, started_tx, self.inner.cancel_grace);
-        let handle = self.submit(job, body);
+        let grace = self.inner.cancel_grace;
+        let handle = self.submit(job, move |ctx| {
+            crate::actor_job::host(actor, args, started_tx, grace, ctx)
+        });
         match started_rx.await {
             Ok(actor) => Ok((actor, handle)),
             // The actor never started: the job's result says why, after its pipeline.
