@@ -115,11 +115,7 @@ async fn run_case(case: Case) {
             });
         }
         _ => {
-            let log = log.clone();
-            broker.on_release(move |_| {
-                log.push("release");
-                Plan::Ok
-            });
+            broker.log_releases(&log);
         }
     }
 

@@ -86,13 +86,7 @@ async fn the_device_runs_on_a_backend_that_wgpu_backend_names() {
 async fn a_cancelled_job_keeps_its_slot_until_its_gpu_work_has_completed() {
     let log = EventLog::default();
     let broker = TestBroker::new(1);
-    {
-        let log = log.clone();
-        broker.on_release(move |_| {
-            log.push("release");
-            Plan::Ok
-        });
-    }
+    broker.log_releases(&log);
     let Some(sup) = start(
         Supervisor::builder().broker(broker.clone()),
         GpuOptions::new(),
@@ -553,13 +547,7 @@ async fn a_job_actor_keeps_its_slot_until_the_gpu_work_it_submitted_has_complete
 
     let log = EventLog::default();
     let broker = TestBroker::new(1);
-    {
-        let log = log.clone();
-        broker.on_release(move |_| {
-            log.push("release");
-            Plan::Ok
-        });
-    }
+    broker.log_releases(&log);
     let Some(sup) = start(
         Supervisor::builder().broker(broker.clone()),
         GpuOptions::new(),

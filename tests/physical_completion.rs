@@ -183,13 +183,7 @@ async fn a_body_that_ignores_cancellation_is_dropped_after_the_grace_and_its_thr
     }
     let broker = TestBroker::new(1);
     let log = EventLog::default();
-    {
-        let log = log.clone();
-        broker.on_release(move |_| {
-            log.push("release");
-            Plan::Ok
-        });
-    }
+    broker.log_releases(&log);
     let sup = Supervisor::builder()
         .broker(broker.clone())
         .cancel_grace(Duration::from_millis(20))

@@ -75,6 +75,16 @@ impl TestBroker {
     }
 
     /// `plan(lease_id)` decides the release of that lease.
+    /// Answers every release `Ok` and logs it in `log` as `"release"` (to order it against the
+    /// pipeline's other events).
+    pub fn log_releases(&self, log: &EventLog) -> &Self {
+        let log = log.clone();
+        self.on_release(move |_| {
+            log.push("release");
+            Plan::Ok
+        })
+    }
+
     pub fn on_release(&self, plan: impl Fn(u64) -> Plan + Send + Sync + 'static) -> &Self {
         *self.0.release_plan.lock() = Box::new(plan);
         self
