@@ -237,8 +237,10 @@ where
                 shared: Arc::clone(&shared),
                 stopped: Arc::clone(&stopped),
             };
-            Actor::spawn_linked(None, guarded, args, watch.get_cell())
-                .await
+            // Spawned without waiting for `pre_start`, so that a cancellation reaches an actor
+            // still starting: ractor handles a stop only once the actor runs, but a kill ends
+            // `pre_start` (its future, and the arguments in it, are dropped in the start task).
+            ractor::ActorRuntime::spawn_linked_instant(None, guarded, args, watch.get_cell())
                 .map_err(|e| e.to_string())
         }
         Err(payload) => {
@@ -246,7 +248,7 @@ where
             Err("the arguments closure panicked".to_owned())
         }
     };
-    let (actor_ref, mut join) = match spawned {
+    let (actor_ref, mut starting) = match spawned {
         Ok(spawned) => spawned,
         Err(why) => {
             // Nothing was linked to the watch: it ends now.
@@ -255,17 +257,59 @@ where
             return Err(ActorJobError::StartFailed(why));
         }
     };
+    // Cancellation: stop at once, kill at the grace. One deadline, however far the actor got.
+    let mut kill_at: Option<tokio::time::Instant> = None;
+    let mut killed = false;
+    let start = tokio::select! {
+        biased;
+        start = &mut starting => start,
+        () = ctx.cancelled() => {
+            let deadline = tokio::time::Instant::now() + grace;
+            kill_at = Some(deadline);
+            actor_ref.stop(Some(CANCEL_STOP_REASON.to_owned()));
+            match tokio::time::timeout_at(deadline, &mut starting).await {
+                Ok(start) => start,
+                Err(_) => {
+                    tracing::warn!(?grace, "job actor still starting a cancel grace after its stop; killing it");
+                    actor_ref.kill();
+                    killed = true;
+                    (&mut starting).await
+                }
+            }
+        }
+    };
+    let mut join = match start {
+        Ok(Ok(join)) => join,
+        // `pre_start` failed, or was killed: the actor never linked to the watch, and its
+        // start task (with whatever `pre_start` held) has ended.
+        failed => {
+            watch.stop(None);
+            let _ = watch_join.await;
+            drop(actor_ref);
+            let why = match failed {
+                Ok(Err(err)) => err.to_string(),
+                Err(err) => err.to_string(),
+                Ok(Ok(_)) => unreachable!("matched above"),
+            };
+            return Err(if kill_at.is_some() {
+                ActorJobError::Cancelled { killed }
+            } else {
+                ActorJobError::StartFailed(why)
+            });
+        }
+    };
     drop(watch);
     let _ = started.send(actor_ref.clone());
-    let mut killed = false;
-    let cancelled = tokio::select! {
-        biased;
-        _ = &mut join => false,
-        () = ctx.cancelled() => true,
-    };
+    let cancelled = kill_at.is_some()
+        || tokio::select! {
+            biased;
+            _ = &mut join => false,
+            () = ctx.cancelled() => true,
+        };
     if cancelled {
+        let deadline = *kill_at.get_or_insert_with(|| tokio::time::Instant::now() + grace);
         actor_ref.stop(Some(CANCEL_STOP_REASON.to_owned()));
-        if tokio::time::timeout(grace, &mut join).await.is_err() {
+        if tokio::time::timeout_at(deadline, &mut join).await.is_err() {
             tracing::warn!(
                 ?grace,
                 "job actor still running a cancel grace after its stop; killing it"

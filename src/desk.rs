@@ -17,8 +17,10 @@ use rustc_hash::FxHashMap;
 use tokio::sync::oneshot;
 
 use crate::broker::SlotToken;
-use crate::error::{AcquireError, CleanupError, codes};
+use crate::error::{AcquireError, CleanupError, SupervisorStopped, codes};
+use crate::lease::LeaseCell;
 use crate::supervisor::Supervisor;
+use crate::supervisor::core::{Ask, Want};
 
 /// What the lease desk understands. Shaped for ractor's `call!`:
 ///
@@ -75,6 +77,8 @@ pub enum LeaseMsg {
 pub struct ActorLease {
     token: SlotToken,
     holder: ActorId,
+    /// What the supervisor says of the lease: revoked by shutdown, or lost at the broker.
+    cell: Arc<LeaseCell>,
     /// Dropped with the `ActorLease`: the desk's task sees its receiver close.
     _held: oneshot::Sender<()>,
 }
@@ -99,6 +103,24 @@ impl ActorLease {
     /// The actor the lease is tied to.
     pub fn holder(&self) -> ActorId {
         self.holder
+    }
+
+    /// Whether the lease has ended under its holder: the broker reported it lost (it could not
+    /// be kept alive), or a shutdown released it on the holder's behalf. The slot may then
+    /// already belong to someone else, and writes under [`lease_id`](Self::lease_id) may be
+    /// fenced off. As [`Lease::is_lost`](crate::Lease::is_lost).
+    pub fn is_lost(&self) -> bool {
+        self.cell.is_ended()
+    }
+
+    /// Resolves when the lease ends under its holder (see [`is_lost`](Self::is_lost)): select
+    /// on it next to the work done under the lease.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only waits.
+    pub async fn lost(&self) {
+        self.cell.ended().await;
     }
 }
 
@@ -221,6 +243,37 @@ impl Actor for Desk {
     }
 }
 
+impl Supervisor {
+    /// The lease desk: the supervisor's message interface for actors. An actor `call!`s
+    /// [`LeaseMsg::Acquire`] with its own cell for a slot tied to it: the slot goes back
+    /// through the pipeline once the holder has exited and the [`ActorLease`] has been dropped,
+    /// with no explicit release; [`LeaseMsg::Release`] releases it earlier. Spawned on first
+    /// use; every call returns the same actor. The lease table names each desk lease's holder
+    /// ([`LeaseInfo::holder`](crate::LeaseInfo::holder)).
+    ///
+    /// # Errors
+    ///
+    /// [`SupervisorStopped`] when the desk could not be spawned.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a call dropped before the desk has started leaves none behind (the next
+    /// call starts it); once started, the desk is kept for every later call.
+    pub async fn lease_desk(&self) -> Result<ActorRef<LeaseMsg>, SupervisorStopped> {
+        let weak = Arc::downgrade(self.inner());
+        self.inner()
+            .desk
+            .get_or_try_init(|| async move {
+                Actor::spawn(None, Desk, weak)
+                    .await
+                    .map(|(desk, _join)| desk.get_cell())
+                    .map_err(|_| SupervisorStopped::new())
+            })
+            .await
+            .map(|cell| ActorRef::from(cell.clone()))
+    }
+}
+
 /// Acquires a slot for `holder` and keeps it until the holder has exited and its
 /// [`ActorLease`] is dropped, or until released by message.
 async fn hold(
@@ -231,10 +284,12 @@ async fn hold(
 ) {
     let acquired = tokio::select! {
         biased;
-        acquired = sup.acquire() => acquired,
+        acquired = sup.acquire_for(Ask::one(Want::Lease), Some(holder.get_id())) => acquired,
         // The holder ended before the grant: `acquire` is cancel safe, dropping it withdraws.
         _ = holder.wait(None) => return,
     };
+    // Nobody may be left to hear a release's failure: it goes to the error sink then.
+    let sink = sup.error_sink();
     drop(sup);
     let mut lease = match acquired {
         Ok(lease) => lease,
@@ -261,6 +316,7 @@ async fn hold(
     let granted = ActorLease {
         token,
         holder: holder.get_id(),
+        cell: lease.cell(),
         _held: held_tx,
     };
     if reply.send(Ok(granted)).is_err() {
@@ -278,7 +334,13 @@ async fn hold(
         biased;
         Ok(reply) = release_rx => {
             let result = lease.release().await.map_err(ReleaseError::Cleanup);
-            let _ = reply.send(result);
+            if let Err(ractor::MessagingErr::SendErr(Err(ReleaseError::Cleanup(cleanup)))) =
+                reply.send(result)
+            {
+                // The caller gave up (its `call!` timed out): the failure still reaches someone
+                // (invariant 7), once.
+                crate::sink::report_orphaned(sink.as_ref(), None, cleanup);
+            }
         }
         () = exited => {
             table.lock().remove(&lease_id);

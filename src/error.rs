@@ -61,6 +61,9 @@ pub mod codes {
     /// A release by message named a lease that actor does not hold through the lease desk;
     /// nothing was released.
     pub const LEASE_NOT_HELD: &str = "LEASE_NOT_HELD";
+    /// A job was granted its slot but could not be prepared to run (its temp dir, its GPU
+    /// device, its worker); no body ran and the slot went back through the release pipeline.
+    pub const LEASE_PREPARE_FAILED: &str = "LEASE_PREPARE_FAILED";
 }
 
 /// Why [`Supervisor::acquire`](crate::Supervisor::acquire) (or the acquire step of a job) ended
@@ -77,8 +80,6 @@ pub enum AcquireError {
     },
     /// The broker refused or failed, or returned a token the supervisor refuses.
     Failed(BrokerError),
-    /// A slot was granted but the job's temp dir could not be made; the slot was released.
-    Scratch(Arc<io::Error>),
     /// The supervisor has shut down or its runtime is gone.
     Stopped,
     /// 0 slots asked for, or more than the capacity (at the request, or after a resize lowered
@@ -94,10 +95,6 @@ pub enum AcquireError {
     NoSlotFree,
     /// The broker cannot serve this request: what was asked.
     Unsupported(&'static str),
-    /// A slot was granted but its GPU device could not be made usable; the slot was released
-    /// and no body ran.
-    #[cfg(feature = "gpu")]
-    Gpu(crate::gpu::GpuError),
 }
 
 impl AcquireError {
@@ -111,9 +108,7 @@ impl AcquireError {
             Self::Unsupported(_) => codes::LEASE_BROKER_UNSUPPORTED,
             Self::Cancelled => codes::LEASE_ACQUIRE_CANCELLED,
             Self::TimedOut { .. } => codes::LEASE_ACQUIRE_TIMEOUT,
-            Self::Failed(_) | Self::Scratch(_) => codes::LEASE_ACQUIRE_FAILED,
-            #[cfg(feature = "gpu")]
-            Self::Gpu(_) => codes::LEASE_ACQUIRE_FAILED,
+            Self::Failed(_) => codes::LEASE_ACQUIRE_FAILED,
             Self::Stopped => codes::SUPERVISOR_STOPPED,
         }
     }
@@ -125,7 +120,6 @@ impl fmt::Display for AcquireError {
             Self::Cancelled => f.write_str("acquire cancelled while waiting for a slot"),
             Self::TimedOut { after } => write!(f, "no slot within {after:?}"),
             Self::Failed(_) => f.write_str("slot acquire failed"),
-            Self::Scratch(_) => f.write_str("could not create the job's temp dir"),
             Self::Stopped => f.write_str("supervisor stopped"),
             Self::SlotCount { wanted, capacity } => write!(
                 f,
@@ -133,8 +127,6 @@ impl fmt::Display for AcquireError {
             ),
             Self::NoSlotFree => f.write_str("no slot free"),
             Self::Unsupported(what) => write!(f, "the broker does not support {what}"),
-            #[cfg(feature = "gpu")]
-            Self::Gpu(_) => f.write_str("the slot's gpu device is unavailable"),
         }
     }
 }
@@ -143,10 +135,53 @@ impl std::error::Error for AcquireError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Failed(e) => Some(e),
-            Self::Scratch(e) => Some(&**e),
+            _ => None,
+        }
+    }
+}
+
+/// Why a job that was granted its slot could not be prepared to run. No body ran; the slot
+/// went back through the release pipeline. Code: `LEASE_PREPARE_FAILED`.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum PrepareError {
+    /// The job's temp dir could not be made under the work root.
+    TempDir(Arc<io::Error>),
+    /// The job's GPU device could not be made usable (feature `gpu`).
+    #[cfg(feature = "gpu")]
+    Gpu(crate::gpu::GpuError),
+    /// No GPU sub-slot was usable for the job (every device lost or given up).
+    NoGpuSlot,
+    /// The job's worker actor could not be spawned.
+    WorkerSpawn(String),
+}
+
+impl PrepareError {
+    /// Always `LEASE_PREPARE_FAILED`.
+    pub fn code(&self) -> &'static str {
+        codes::LEASE_PREPARE_FAILED
+    }
+}
+
+impl fmt::Display for PrepareError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::TempDir(_) => f.write_str("could not create the job's temp dir"),
+            #[cfg(feature = "gpu")]
+            Self::Gpu(_) => f.write_str("the slot's gpu device is unavailable"),
+            Self::NoGpuSlot => f.write_str("no usable gpu sub-slot"),
+            Self::WorkerSpawn(why) => write!(f, "could not spawn the job's worker: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for PrepareError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::TempDir(e) => Some(&**e),
             #[cfg(feature = "gpu")]
             Self::Gpu(e) => Some(e),
-            _ => None,
+            Self::NoGpuSlot | Self::WorkerSpawn(_) => None,
         }
     }
 }
@@ -463,6 +498,15 @@ pub enum JobError<E> {
     Invalid(InvalidJob),
     /// No slot was acquired; no body ran.
     Acquire(AcquireError),
+    /// A slot was granted, but the job could not be prepared to run (`LEASE_PREPARE_FAILED`);
+    /// no body ran, and the slot went back through the release pipeline, whose own failure,
+    /// if any, is kept too.
+    Unprepared {
+        /// What could not be prepared.
+        why: PrepareError,
+        /// The release's failure, if it failed too.
+        cleanup: Option<CleanupError>,
+    },
     /// The job's own work failed; cleanup succeeded.
     Body(BodyError<E>),
     /// The job's own work succeeded; cleanup did not.
@@ -482,6 +526,7 @@ impl<E> JobError<E> {
         match self {
             Self::Invalid(e) => e.code(),
             Self::Acquire(e) => e.code(),
+            Self::Unprepared { why, .. } => why.code(),
             Self::Body(e) => e.code(),
             Self::Cleanup(e) => e.code(),
             Self::BodyAndCleanup { .. } => codes::LEASE_BODY_AND_CLEANUP_FAILED,
@@ -499,7 +544,11 @@ impl<E> JobError<E> {
     /// The cleanup failure, if any.
     pub fn cleanup_error(&self) -> Option<&CleanupError> {
         match self {
-            Self::Cleanup(c) | Self::BodyAndCleanup { cleanup: c, .. } => Some(c),
+            Self::Cleanup(c)
+            | Self::BodyAndCleanup { cleanup: c, .. }
+            | Self::Unprepared {
+                cleanup: Some(c), ..
+            } => Some(c),
             _ => None,
         }
     }
@@ -511,6 +560,14 @@ impl<E> JobError<E> {
             _ => None,
         }
     }
+
+    /// What could not be prepared, if the job got a slot but no body ran.
+    pub fn prepare_error(&self) -> Option<&PrepareError> {
+        match self {
+            Self::Unprepared { why, .. } => Some(why),
+            _ => None,
+        }
+    }
 }
 
 impl<E> fmt::Display for JobError<E> {
@@ -518,6 +575,15 @@ impl<E> fmt::Display for JobError<E> {
         match self {
             Self::Invalid(_) => f.write_str("job refused"),
             Self::Acquire(_) => f.write_str("job got no slot"),
+            Self::Unprepared { cleanup: None, .. } => f.write_str("job could not be prepared"),
+            // Two causes: `source()` can return one, so both are named here.
+            Self::Unprepared {
+                why,
+                cleanup: Some(cleanup),
+            } => write!(
+                f,
+                "job could not be prepared ({why}) and its cleanup failed ({cleanup})"
+            ),
             Self::Body(_) => f.write_str("job failed"),
             Self::Cleanup(_) => f.write_str("job succeeded but its cleanup failed"),
             // Two causes: `source()` can return one, so both are named here.
@@ -533,9 +599,10 @@ impl<E: std::error::Error + 'static> std::error::Error for JobError<E> {
         match self {
             Self::Invalid(e) => Some(e),
             Self::Acquire(e) => Some(e),
+            Self::Unprepared { why, cleanup: None } => Some(why),
             Self::Body(e) => Some(e),
             Self::Cleanup(e) => Some(e),
-            Self::BodyAndCleanup { .. } => None,
+            Self::BodyAndCleanup { .. } | Self::Unprepared { .. } => None,
         }
     }
 }
@@ -623,6 +690,35 @@ impl fmt::Display for ShutdownError {
 
 impl std::error::Error for ShutdownError {}
 
+/// A control call ([`cancel`](crate::Supervisor::cancel),
+/// [`quarantined`](crate::Supervisor::quarantined),
+/// [`reclaim_quarantined`](crate::Supervisor::reclaim_quarantined),
+/// [`lease_desk`](crate::Supervisor::lease_desk)) found the supervisor stopped: it has shut
+/// down, or its runtime is gone. Code: `SUPERVISOR_STOPPED`.
+#[derive(Debug, Clone)]
+pub struct SupervisorStopped {
+    _priv: (),
+}
+
+impl SupervisorStopped {
+    pub(crate) fn new() -> Self {
+        Self { _priv: () }
+    }
+
+    /// Always `SUPERVISOR_STOPPED`.
+    pub fn code(&self) -> &'static str {
+        codes::SUPERVISOR_STOPPED
+    }
+}
+
+impl fmt::Display for SupervisorStopped {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("supervisor stopped")
+    }
+}
+
+impl std::error::Error for SupervisorStopped {}
+
 /// Why [`Supervisor::resize`](crate::Supervisor::resize) changed nothing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -695,6 +791,8 @@ const _: fn() = || {
     assert::<BrokerError>();
     assert::<StartError>();
     assert::<ShutdownError>();
+    assert::<SupervisorStopped>();
+    assert::<PrepareError>();
     assert::<LeaseReleased>();
     assert::<BodyError<io::Error>>();
     assert::<JobError<io::Error>>();

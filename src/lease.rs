@@ -1,5 +1,6 @@
 //! The explicit lease, for code that cannot put its work in a closure.
 
+use std::any::Any;
 use std::fmt;
 use std::pin::pin;
 use std::sync::Arc;
@@ -9,10 +10,17 @@ use tokio::sync::{Notify, oneshot};
 
 use crate::broker::SlotToken;
 use crate::error::{CleanupError, LeaseReleased};
-use crate::supervisor::Supervisor;
-use crate::supervisor::core::LeaseKey;
-use crate::supervisor::inbox::Inbox;
-use crate::supervisor::messages::SupMsg;
+
+/// Where a `release` call hears the broker's answer.
+pub(crate) type ReleaseReply = oneshot::Sender<Result<(), CleanupError>>;
+
+/// Where a lease goes back: the supervisor's inbox implements it. A lease knows only this, not
+/// the supervisor.
+pub(crate) trait LeaseReturn: Send + Sync + 'static {
+    /// Asks for the release of the lease of that key (`reply`: the caller waiting for the
+    /// broker's answer; `None` for a dropped lease). `false` when the supervisor is gone.
+    fn give_back(&self, key: u64, reply: Option<ReleaseReply>) -> bool;
+}
 
 /// One slot (or several, from [`Supervisor::acquire_many`]), held until
 /// [`release`](Self::release) or drop.
@@ -48,14 +56,14 @@ use crate::supervisor::messages::SupMsg;
 /// ```
 #[must_use = "a Lease holds a slot: dropping it releases the slot at once"]
 pub struct Lease {
-    key: LeaseKey,
+    key: u64,
     token: SlotToken,
-    /// The other tokens of a multi-slot lease (empty for one slot).
-    more: Vec<SlotToken>,
-    inbox: Arc<Inbox>,
+    /// The other tokens of a multi-slot lease (empty for one slot: no allocation).
+    more: Box<[SlotToken]>,
+    home: Arc<dyn LeaseReturn>,
     state: State,
     /// Keeps the supervisor from shutting down (last handle dropped) while this lease lives.
-    keepalive: Option<Supervisor>,
+    keepalive: Option<Arc<dyn Any + Send + Sync>>,
     /// What the supervisor says of the lease while it is held.
     cell: Arc<LeaseCell>,
 }
@@ -106,21 +114,38 @@ impl LeaseCell {
     fn get(&self) -> u8 {
         self.ended.load(Ordering::Acquire)
     }
+
+    /// The lease has ended under its holder (revoked or lost).
+    pub(crate) fn is_ended(&self) -> bool {
+        self.get() != HELD
+    }
+
+    /// Resolves once the lease has ended under its holder. Cancel safe: it only waits.
+    pub(crate) async fn ended(&self) {
+        loop {
+            let mut notified = pin!(self.notify.notified());
+            // Registered before the check: a revoke between the two still wakes this.
+            notified.as_mut().enable();
+            if self.is_ended() {
+                return;
+            }
+            notified.await;
+        }
+    }
 }
 
 impl Lease {
     pub(crate) fn new(
-        key: LeaseKey,
-        token: SlotToken,
-        more: Vec<SlotToken>,
-        inbox: Arc<Inbox>,
+        key: u64,
+        (token, more): (SlotToken, Box<[SlotToken]>),
+        home: Arc<dyn LeaseReturn>,
         cell: Arc<LeaseCell>,
     ) -> Self {
         Self {
             key,
             token,
             more,
-            inbox,
+            home,
             state: State::Held,
             keepalive: None,
             cell,
@@ -133,7 +158,7 @@ impl Lease {
     /// under [`lease_id`](Self::lease_id) may be fenced off. A lost lease must still be
     /// released (a no-op after a shutdown released it).
     pub fn is_lost(&self) -> bool {
-        self.cell.get() != HELD
+        self.cell.is_ended()
     }
 
     /// Resolves when the lease ends under its holder (see [`is_lost`](Self::is_lost)). Select
@@ -143,23 +168,21 @@ impl Lease {
     ///
     /// Cancel safe: it only waits.
     pub async fn lost(&self) {
-        loop {
-            let mut notified = pin!(self.cell.notify.notified());
-            // Registered before the check: a revoke between the two still wakes this.
-            notified.as_mut().enable();
-            if self.is_lost() {
-                return;
-            }
-            notified.await;
-        }
+        self.cell.ended().await;
     }
 
-    pub(crate) fn keep_supervisor(&mut self, sup: Supervisor) {
-        self.keepalive = Some(sup);
+    /// Keeps `owner` (the supervisor's handle state) alive for as long as the lease is held.
+    pub(crate) fn keep_alive(&mut self, owner: Arc<dyn Any + Send + Sync>) {
+        self.keepalive = Some(owner);
     }
 
     pub(crate) fn defuse(mut self) {
         self.state = State::Defused;
+    }
+
+    /// What the supervisor says of the lease, shared (the lease desk hands it to the holder).
+    pub(crate) fn cell(&self) -> Arc<LeaseCell> {
+        Arc::clone(&self.cell)
     }
 
     /// The slot held (the first one, for a multi-slot lease).
@@ -236,11 +259,7 @@ impl Lease {
         }
         self.state = State::Releasing;
         let (tx, rx) = oneshot::channel();
-        let msg = SupMsg::Release {
-            key: self.key,
-            reply: Some(tx),
-        };
-        let result = if self.inbox.send(msg).is_err() {
+        let result = if !self.home.give_back(self.key, Some(tx)) {
             if self.cell.get() == REVOKED {
                 Ok(())
             } else {
@@ -266,11 +285,7 @@ impl Drop for Lease {
         if self.state != State::Held || self.cell.get() == REVOKED {
             return;
         }
-        let msg = SupMsg::Release {
-            key: self.key,
-            reply: None,
-        };
-        if self.inbox.send(msg).is_err() {
+        if !self.home.give_back(self.key, None) {
             // The supervisor died (its runtime is gone); nothing is left to release to.
             tracing::error!(token = %self.token, "lease dropped after its supervisor died");
         }

@@ -32,7 +32,7 @@ pub use broker::{
 pub use desk::{ActorLease, LeaseMsg, ReleaseError};
 pub use error::{
     AcquireError, BodyError, BodyErrorKind, CleanupError, CleanupErrorKind, JobError,
-    LeaseReleased, ResizeError, ShutdownError, StartError, codes,
+    LeaseReleased, PrepareError, ResizeError, ShutdownError, StartError, SupervisorStopped, codes,
 };
 pub use fencing::{FencingGuard, StaleToken};
 #[cfg(feature = "gpu")]
@@ -46,10 +46,8 @@ pub use lease::Lease;
 pub use process::{JobProcess, ProcessError, ProcessSpec};
 pub use sink::OrphanedFailure;
 pub use supervisor::{
-    DEFAULT_CANCEL_GRACE, DEFAULT_CLEANUP_TIMEOUT, DEFAULT_PROCESS_GRACE,
-    DEFAULT_PROCESS_PROOF_BOUND, DEFAULT_SHUTDOWN_TIMEOUT, LeaseInfo, LeaseKind, LeasePhase,
-    QuarantinedSlot, ReclaimReport, ShutdownReport, Stats, Supervisor, SupervisorBuilder,
-    UnclosedDevice, WaitingFor, metric_names,
+    LeaseInfo, LeaseKind, LeasePhase, QuarantinedSlot, ReclaimReport, ShutdownReport, Stats,
+    Supervisor, SupervisorBuilder, UnclosedDevice, WaitingFor, metric_names,
 };
 /// Re-exported (feature `gpu`) so that jobs use exactly the wgpu the supervisor was built with.
 #[cfg(feature = "gpu")]

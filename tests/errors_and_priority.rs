@@ -13,8 +13,8 @@ use std::time::Duration;
 use common::{Plan, TestBroker};
 use leasehold::{
     AcquireError, BodyErrorKind, BrokerError, BrokerErrorKind, CancellationToken, CleanupError,
-    CleanupErrorKind, InvalidJob, JobError, JobSpec, Lease, LeaseReleased, ShutdownError,
-    StartError, Supervisor, WorkerContext, codes,
+    CleanupErrorKind, InvalidJob, JobError, JobSpec, Lease, LeaseReleased, PrepareError,
+    ShutdownError, StartError, Supervisor, SupervisorStopped, WorkerContext, codes,
 };
 use tokio::sync::oneshot;
 
@@ -623,6 +623,7 @@ struct Produced {
     cleanup_unconfirmed: JobError<io::Error>,
     lease_released: LeaseReleased,
     shutdown: ShutdownError,
+    stopped: SupervisorStopped,
     start_work_root: StartError,
 }
 
@@ -708,8 +709,10 @@ async fn produce() -> Produced {
         })
         .await
         .unwrap();
-        gone.shutdown().await.unwrap_err()
+        let stopped = gone.quarantined().await.unwrap_err();
+        (gone.shutdown().await.unwrap_err(), stopped)
     };
+    let (shutdown, stopped) = shutdown;
 
     let file = tempfile::NamedTempFile::new().unwrap();
     let start_work_root = Supervisor::builder()
@@ -730,6 +733,7 @@ async fn produce() -> Produced {
         cleanup_unconfirmed,
         lease_released,
         shutdown,
+        stopped,
         start_work_root,
     }
 }
@@ -772,15 +776,39 @@ async fn every_error_display_is_lowercase_without_a_trailing_full_stop() {
             "AcquireError::Failed",
             AcquireError::Failed(BrokerError::new("x")),
         ),
-        (
-            "AcquireError::Scratch",
-            AcquireError::Scratch(Arc::new(io::Error::other("x"))),
-        ),
         ("AcquireError::Stopped", AcquireError::Stopped),
     ] {
         push(what, &e);
         push(what, &JobError::<io::Error>::Acquire(e));
     }
+    for (what, e) in [
+        (
+            "PrepareError::TempDir",
+            PrepareError::TempDir(Arc::new(io::Error::other("x"))),
+        ),
+        ("PrepareError::NoGpuSlot", PrepareError::NoGpuSlot),
+        (
+            "PrepareError::WorkerSpawn",
+            PrepareError::WorkerSpawn("refused".into()),
+        ),
+    ] {
+        push(what, &e);
+        push(
+            what,
+            &JobError::<io::Error>::Unprepared {
+                why: e.clone(),
+                cleanup: None,
+            },
+        );
+        push(
+            what,
+            &JobError::<io::Error>::Unprepared {
+                why: e,
+                cleanup: Some(p.cleanup_timeout.clone()),
+            },
+        );
+    }
+    push("SupervisorStopped", &p.stopped);
     push("StartError::NoBroker", &StartError::NoBroker);
     push("StartError::ZeroCapacity", &StartError::ZeroCapacity);
     push(
@@ -878,8 +906,14 @@ async fn source_chains_lead_to_the_underlying_cause() {
         .downcast_ref::<BrokerError>()
         .unwrap();
     assert_eq!(cause.kind(), BrokerErrorKind::Unavailable);
-    let scratch = AcquireError::Scratch(Arc::new(io::Error::other("no space")));
+    let scratch = PrepareError::TempDir(Arc::new(io::Error::other("no space")));
     assert_eq!(scratch.source().unwrap().to_string(), "no space");
+    assert_eq!(scratch.code(), "LEASE_PREPARE_FAILED");
+    let unprepared = JobError::<io::Error>::Unprepared {
+        why: scratch,
+        cleanup: None,
+    };
+    assert_eq!(chain(&unprepared).last().unwrap(), "no space");
     assert!(AcquireError::Cancelled.source().is_none());
     assert!(AcquireError::Stopped.source().is_none());
     let job = JobError::<io::Error>::Acquire(failed);
@@ -925,6 +959,8 @@ fn errors_are_send_sync_static_and_handles_contexts_and_futures_are_send() {
     is_error::<BrokerError>();
     is_error::<InvalidJob>();
     is_error::<ShutdownError>();
+    is_error::<SupervisorStopped>();
+    is_error::<PrepareError>();
     is_error::<LeaseReleased>();
     is_error::<leasehold::BodyError<io::Error>>();
     is_send_sync::<Supervisor>();

@@ -154,7 +154,7 @@ async fn a_backend_panic_while_a_job_gpu_is_dropped_is_contained() {
 }
 
 /// A device that cannot be re-created (every attempt panics) is given up: its quarantined slot
-/// goes back, new jobs are refused with `LEASE_ACQUIRE_FAILED`, and the supervisor keeps
+/// goes back, new jobs are refused with `LEASE_PREPARE_FAILED`, and the supervisor keeps
 /// answering.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_device_whose_re_creation_keeps_panicking_is_given_up() {
@@ -201,7 +201,8 @@ async fn a_device_whose_re_creation_keeps_panicking_is_given_up() {
         })
         .await
         .unwrap_err();
-    assert_eq!(refused.code(), "LEASE_ACQUIRE_FAILED", "{refused}");
+    assert_eq!(refused.code(), "LEASE_PREPARE_FAILED", "{refused}");
+    assert!(refused.prepare_error().is_some(), "{refused:?}");
     assert_eq!(sup.gpu_device_generation(0), Some(1));
     assert_eq!(sup.stats().active, 0);
     let report = sup.shutdown().await.unwrap();

@@ -2,22 +2,25 @@
 //!
 //! It turns each message into an [`Input`], applies it, and performs the [`Effect`]s the core
 //! returns, in order. It keeps only what the core cannot hold (reply channels, bodies, task
-//! handles, the process evidence to re-check) and decides nothing. It never awaits a broker,
-//! the file system or a GPU inside its mailbox: a broker future gets one inline poll (the
-//! in-process broker is called directly) and otherwise runs in a task that reports back by
-//! message; temp dirs are made by the worker and removed by a task of their own when the core asks; GPU fences run in
-//! the driver and the devices are closed on a thread of their own. The one await in a handler is
-//! a worker actor's spawn, which returns once its `pre_start` (a move of its arguments) is done.
+//! handles, the process evidence to re-check, job ids) and decides nothing: it never reads the
+//! core's state to choose what to do (`tests/architecture.rs` checks that no file of the shell
+//! does). It never awaits a broker, the file system or a GPU inside its mailbox: a broker
+//! future gets one inline poll (the in-process broker is called directly) and otherwise runs
+//! in a task that reports back by message; temp dirs are made by the worker and removed by a
+//! task of their own when the core asks; GPU fences run in the driver and the devices are
+//! closed on a thread of their own. The one await in a handler is a worker actor's spawn,
+//! which returns once its `pre_start` (a move of its arguments) is done.
 //!
 //! This file is the shell itself: the actor's handlers, each message turned into an input, and
 //! the dispatch of each effect. The effects that reach outside live beside it, one concern each:
 //! [`brokerage`] (broker acquires, releases and renewals), [`jobs`] (a worker's start, the
-//! driver that reports its physical end, temp dir removal, process reports) and [`ending`]
-//! (shutdown's timers, the GPU close, the report).
+//! driver that reports its physical end, temp dir removal) and [`ending`] (shutdown's timers,
+//! the GPU close, the report, what is dropped at the end).
 
 use std::mem;
 use std::path::PathBuf;
 use std::sync::Arc;
+#[cfg(test)]
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -30,20 +33,19 @@ use tokio_util::task::TaskTracker;
 use tracing::Span;
 
 use super::core::{
-    Core, Effect, Holder, Input, LeaseKey, Proof, Proofs, RequestId, WaiterId, Want,
+    Answer, ControlId, Core, CoreConfig, Effect, Holder, Input, LeaseKey, Proof, Proofs,
+    QuarantineEntry, RecheckFor, Rechecked, Reply, RequestId, WaiterId, Want,
 };
 use super::hosts::Hosts;
 use super::inbox::{Inbox, Ring};
-use super::messages::{PendingJob, ReleaseReply, RunOutcome, SupMsg, WaiterKind};
+use super::messages::{Control, PendingJob, RunOutcome, SupMsg, WaiterKind};
+use super::reporter::Reporter;
+use super::reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice};
 use super::stats::{Metrics, Published, SharedStats};
 use super::table::{Extra, LeaseTable};
-use super::{QuarantinedSlot, ReclaimReport, Reporter, ShutdownReport, UnclosedDevice};
-use crate::broker::{
-    AcquireRequest, BrokerError, BrokerEvent, DynBroker, LocalBroker, SlotToken, poll_once,
-};
-use crate::error::ResizeError;
-use crate::error::{AcquireError, CleanupError};
-use crate::lease::{Lease, LeaseCell};
+use crate::broker::{AcquireRequest, BrokerEvent, DynBroker, LocalBroker, SlotToken, poll_once};
+use crate::error::{AcquireError, CleanupError, PrepareError};
+use crate::lease::{Lease, LeaseCell, ReleaseReply};
 use crate::process::{Evidence, ProcessPolicy};
 use crate::sink::ErrorSink;
 use crate::worker::{JobShared, WorkerActor, WorkerArgs};
@@ -72,8 +74,9 @@ pub(crate) struct Config {
 pub(crate) struct SupervisorActor;
 
 pub(crate) struct SupArgs {
-    /// The table's capacity: the broker's, capped by the GPU pool's sub-slots.
-    pub(crate) capacity: Option<u32>,
+    /// The core's setup: capacity (the broker's, capped by the GPU pool's sub-slots), pool,
+    /// renewals.
+    pub(crate) core: CoreConfig,
     pub(crate) broker: BrokerPort,
     pub(crate) config: Arc<Config>,
     pub(crate) stats: Arc<SharedStats>,
@@ -113,9 +116,9 @@ impl Since {
     }
 }
 
-/// An answer to a caller, held until the end of the turn: DESIGN.md section 2 hands the freed
-/// slot to the next waiter (step 6) before the caller hears (step 7), and the grant is made by
-/// the same turn's `settle`.
+/// An answer to a caller, held until the end of the turn: the pipeline hands the freed slot
+/// to the next waiter (step 6) before the caller hears (step 7), and a control call is
+/// answered only once `Stats` and the lease table show its effect (invariant 11).
 enum Outgoing {
     /// A job's `run`.
     Job {
@@ -128,6 +131,8 @@ enum Outgoing {
         replies: Vec<ReleaseReply>,
         result: Result<(), CleanupError>,
     },
+    /// A control call's answer.
+    Control(Box<dyn FnOnce() + Send>),
 }
 
 /// What the shell keeps for an explicit lease.
@@ -136,6 +141,16 @@ struct Explicit {
     cell: Arc<LeaseCell>,
     /// `release` calls waiting for the broker's answer (usually one).
     replies: Vec<ReleaseReply>,
+    /// The actor a lease desk lease is tied to.
+    holder: Option<ActorId>,
+}
+
+/// Where a control call's answer goes.
+enum ControlReply {
+    Cancel(oneshot::Sender<bool>),
+    Resize(oneshot::Sender<Result<u32, crate::error::ResizeError>>),
+    Quarantined(oneshot::Sender<Vec<QuarantinedSlot>>),
+    Reclaim(oneshot::Sender<ReclaimReport>),
 }
 
 pub(crate) struct Shell {
@@ -166,12 +181,15 @@ pub(crate) struct Shell {
     acquires: FxHashMap<RequestId, AbortHandle>,
     evidence: FxHashMap<(LeaseKey, u64), Box<dyn Evidence>>,
     shutdown_replies: Vec<oneshot::Sender<ShutdownReport>>,
+    controls: FxHashMap<ControlId, ControlReply>,
+    next_control: ControlId,
     /// This turn's answers, sent by `send_answers`.
     outbox: Vec<Outgoing>,
     /// GPU devices the shutdown could not prove idle.
     unclosed: Vec<UnclosedDevice>,
-    reclaim_reply: Option<oneshot::Sender<ReclaimReport>>,
     owned_root: Option<tempfile::TempDir>,
+    /// Whether the owned work root is kept, as the core said when it stopped.
+    keep_root: Option<bool>,
     origin: u64,
     /// The batch being handled (kept for its capacity).
     batch: Vec<SupMsg>,
@@ -207,21 +225,14 @@ impl Actor for SupervisorActor {
         if let Some(gpu) = &args.config.hosts.gpu {
             let inbox = Arc::clone(&args.inbox);
             gpu.on_replaced(Box::new(move |device, generation| {
-                let _ = inbox.send(SupMsg::DeviceReplaced { device, generation });
+                let _ = inbox.send(SupMsg::Input(Input::DeviceReplaced { device, generation }));
             }));
         }
-        #[cfg(feature = "gpu")]
-        let gpu = args.config.hosts.gpu.is_some();
-        #[cfg(not(feature = "gpu"))]
-        let gpu = false;
         if let Some(threshold) = args.config.held_warning {
             spawn_held_ticker(Arc::clone(&args.inbox), threshold);
         }
         Ok(Shell {
-            core: match &args.broker {
-                BrokerPort::Local(_) => Core::new(args.capacity, false, gpu).trusting_tokens(),
-                BrokerPort::Dyn(b) => Core::new(args.capacity, b.renews(), gpu),
-            },
+            core: Core::with(args.core),
             inbox: args.inbox,
             myself,
             broker: args.broker,
@@ -242,10 +253,12 @@ impl Actor for SupervisorActor {
             acquires: FxHashMap::default(),
             evidence: FxHashMap::default(),
             shutdown_replies: Vec::new(),
+            controls: FxHashMap::default(),
+            next_control: 1,
             outbox: Vec::new(),
             unclosed: Vec::new(),
-            reclaim_reply: None,
             owned_root: args.owned_root,
+            keep_root: None,
             origin: args.origin,
             batch: Vec::new(),
             table: args.table,
@@ -345,8 +358,11 @@ impl Shell {
         self.perform_all().await;
     }
 
-    async fn perform_all(&mut self) {
+    /// Performs every effect queued; whether there was one.
+    async fn perform_all(&mut self) -> bool {
+        let mut any = false;
         while let Some(effect) = self.core.pop_effect() {
+            any = true;
             // Only a job's start awaits (its worker's spawn); every other effect is immediate.
             if let Some(start) = self.perform(effect) {
                 // Boxed: the worker's spawn is a large future, and the rare one; every other
@@ -354,28 +370,25 @@ impl Shell {
                 Box::pin(self.start_job(start)).await;
             }
         }
+        any
     }
 
-    /// After each batch: the broker acquires the queue needs, stats and gauges, memory a flood
-    /// left behind, the end of a shutdown.
+    /// After each batch: a shutdown that has nothing left to wait for ends, then stats, gauges
+    /// and the lease table are brought up to date, and only then do this turn's callers hear.
     async fn settle(&mut self) {
-        // Performing effects can free a slot (a job that could not start releases its token):
-        // settle again until the core asks for nothing more.
         loop {
             self.core.settle();
-            if !self.core.has_effects() {
+            if !self.perform_all().await {
                 break;
             }
-            self.perform_all().await;
         }
         self.sync_table();
         self.publish();
-        self.metrics.publish_gauges(&self.core);
-        // Every freed slot has been handed on: the callers hear now.
+        // Every freed slot has been handed on, and every effect is visible: the callers hear.
         self.send_answers();
         // Memory a flood left behind goes back once it has drained (nothing waits, nothing is
         // held): checked then, not after every batch.
-        let load = self.core.waiting() + self.core.active();
+        let load = self.waiters.len() + self.jobs.len() + self.explicit.len();
         self.peak = self.peak.max(load);
         if load == 0 && self.peak > SHRINK_AFTER {
             self.peak = 0;
@@ -388,6 +401,7 @@ impl Shell {
             shrink(&mut self.renewals);
             shrink(&mut self.evidence);
             shrink(&mut self.pids);
+            shrink(&mut self.controls);
             self.table.shrink();
             self.touched.shrink_to(BATCH_KEEP);
             // A flood's first batch can bring tens of thousands of waiters at once.
@@ -399,7 +413,16 @@ impl Shell {
     }
 
     fn publish(&mut self) {
-        self.stats.publish(&self.core, &mut self.published);
+        let figures = self.core.figures();
+        self.stats.publish(figures, &mut self.published);
+        self.metrics.publish_gauges(&figures);
+    }
+
+    fn control(&mut self, reply: ControlReply) -> ControlId {
+        let control = self.next_control;
+        self.next_control += 1;
+        self.controls.insert(control, reply);
+        control
     }
 
     async fn on_message(&mut self, msg: SupMsg) {
@@ -422,16 +445,7 @@ impl Shell {
                 self.fresh.push(waiter);
                 Input::Enqueue { waiter, ask }
             }
-            SupMsg::CancelJob { job_id, reply } => {
-                let found = self.cancel_by_id(&job_id).await;
-                let _ = reply.send(found);
-                return;
-            }
-            SupMsg::Resize { slots, reply } => {
-                let result = self.resize(slots).await;
-                let _ = reply.send(result);
-                return;
-            }
+            SupMsg::Control(control) => self.control_input(control),
             SupMsg::HeldTick => {
                 self.report_held_too_long();
                 return;
@@ -448,24 +462,7 @@ impl Shell {
             }
             SupMsg::Shutdown { reply } => {
                 self.shutdown_replies.extend(reply);
-                if self.core.is_serving() {
-                    // A shutdown first re-checks the quarantined slots, as a reclaim does: what
-                    // can be proven clean now is released, the rest is reported.
-                    self.apply(Input::ReclaimBegin).await;
-                    self.apply(Input::ReclaimEnd).await;
-                }
                 Input::Shutdown
-            }
-            SupMsg::Quarantined { reply } => {
-                let _ = reply.send(self.list_quarantine());
-                return;
-            }
-            SupMsg::Reclaim { reply } => {
-                self.reclaim_reply = Some(reply);
-                // The core asks for each re-check (performed inline: non-blocking system
-                // calls), then concludes.
-                self.apply(Input::ReclaimBegin).await;
-                Input::ReclaimEnd
             }
             SupMsg::Acquired { request, result } => {
                 self.acquires.remove(&request);
@@ -480,13 +477,11 @@ impl Shell {
                 self.record_release(took, &result);
                 Input::Released { key, result }
             }
-            SupMsg::LeaseLost { key, reason } => Input::LeaseLost { key, reason },
             SupMsg::Broker(BrokerEvent::OrphanExpired { lease_id }) => {
                 tracing::warn!(lease_id, "an orphaned lease expired at the broker");
                 Input::OrphanExpired
             }
-            SupMsg::Proven { key, proofs } => Input::Proven { key, proofs },
-            SupMsg::Late { key, proof, detail } => Input::Late { key, proof, detail },
+            SupMsg::Input(input) => input,
             SupMsg::ProcessStarted { key, process, pid } => {
                 self.pids.insert(process, pid);
                 Input::ProcessStarted { key, process }
@@ -532,22 +527,6 @@ impl Shell {
                     }
                 }
             },
-            SupMsg::DeviceLost {
-                key,
-                device,
-                generation,
-                reason,
-            } => Input::DeviceLost {
-                key,
-                device,
-                generation,
-                reason,
-            },
-            SupMsg::DeviceReplaced { device, generation } => {
-                Input::DeviceReplaced { device, generation }
-            }
-            SupMsg::ShutdownGraceOver => Input::ShutdownGraceOver,
-            SupMsg::ShutdownDeadline => Input::ShutdownDeadline,
             SupMsg::GpuClosed { unclosed } => {
                 let unclosed = unclosed.unwrap_or_else(|| {
                     vec![(
@@ -565,6 +544,46 @@ impl Shell {
         self.apply(input).await;
     }
 
+    /// A control call as an input; its reply channel is kept until the core answers.
+    fn control_input(&mut self, control: Control) -> Input {
+        match control {
+            Control::Cancel { job_id, reply } => {
+                // The shell's look-up of what it alone knows (job ids); the core decides.
+                let mut waiters: Vec<WaiterId> = self
+                    .waiters
+                    .iter()
+                    .filter(
+                        |(_, w)| matches!(&w.kind, WaiterKind::Job(job) if *job.job_id == *job_id),
+                    )
+                    .map(|(id, _)| *id)
+                    .collect();
+                waiters.sort_unstable();
+                let mut leases: Vec<LeaseKey> = self
+                    .jobs
+                    .iter()
+                    .filter(|(_, job)| *job.job_id == *job_id)
+                    .map(|(key, _)| *key)
+                    .collect();
+                leases.sort_unstable();
+                Input::CancelById {
+                    control: self.control(ControlReply::Cancel(reply)),
+                    waiters,
+                    leases,
+                }
+            }
+            Control::Resize { slots, reply } => Input::Resize {
+                control: self.control(ControlReply::Resize(reply)),
+                slots,
+            },
+            Control::Quarantined { reply } => Input::ListQuarantine {
+                control: self.control(ControlReply::Quarantined(reply)),
+            },
+            Control::Reclaim { reply } => Input::Reclaim {
+                control: self.control(ControlReply::Reclaim(reply)),
+            },
+        }
+    }
+
     /// Performs one effect; a job to start is handed back (its worker's spawn is awaited).
     fn perform(&mut self, effect: Effect) -> Option<JobStart> {
         match effect {
@@ -572,13 +591,23 @@ impl Shell {
                 request,
                 for_waiter,
             } => self.broker_acquire(request, for_waiter),
-            Effect::AbortAcquires => {
-                for (_, task) in self.acquires.drain() {
+            Effect::AbortAcquire { request } => {
+                if let Some(task) = self.acquires.remove(&request) {
                     task.abort();
                 }
             }
-            Effect::Deliver { waiter, key, token } => return self.deliver(waiter, key, token),
+            Effect::Deliver {
+                waiter,
+                key,
+                token,
+                more,
+            } => return self.deliver(waiter, key, token, more),
             Effect::Refuse { waiter, error } => self.refuse(waiter, error),
+            Effect::ResizePool { slots } => {
+                if let BrokerPort::Local(pool) = &self.broker {
+                    pool.resize(slots);
+                }
+            }
             Effect::StartRenewal { key, token } => self.start_renewal(key, token),
             Effect::StopRenewal { key } => {
                 if let Some(task) = self.renewals.remove(&key) {
@@ -594,31 +623,31 @@ impl Shell {
                 if let Some(job) = self.jobs.get(&key) {
                     let n = job.shared.abort_tasks();
                     if n > 0 {
-                        tracing::warn!(job_id = %job.job_id, tasks = n, "shutdown aborted tracked tasks still running after the cancel grace");
+                        tracing::warn!(job_id = %job.job_id, tasks = n, "shutdown aborted tracked tasks still running");
                     }
                 }
             }
             Effect::RemoveScratch { key } => self.remove_scratch(key),
             Effect::Release { key, token } => self.broker_release(key, token),
-            Effect::Answer { key, result } => self.answer(key, result),
+            Effect::Answer { key, answer } => self.answer(key, answer),
             Effect::Sink { key, error } => {
                 let job_id = self.jobs.get(&key).map(|j| j.job_id.to_string());
                 self.sink(job_id, error);
             }
             Effect::Forget { key } => self.forget(key),
-            Effect::Recheck { key, proof } => self.recheck(key, proof),
-            Effect::Reclaimed { reclaimed, still } => {
-                let report = ReclaimReport {
-                    reclaimed,
-                    still_quarantined: still.into_iter().filter_map(|k| self.describe(k)).collect(),
-                };
-                if let Some(reply) = self.reclaim_reply.take() {
-                    let _ = reply.send(report);
-                }
-            }
+            Effect::Recheck {
+                checks,
+                leases,
+                purpose,
+            } => self.recheck(checks, leases, purpose),
+            Effect::Reply { control, reply } => self.reply(control, reply),
             Effect::ArmShutdownTimers => self.arm_shutdown_timers(),
             Effect::CloseGpu => self.close_gpu(),
-            Effect::Stopped => self.stopped(),
+            Effect::Stopped {
+                tally,
+                quarantine,
+                keep_work_root,
+            } => self.stopped(tally, quarantine, keep_work_root),
             Effect::OrphanCounted => self.metrics.orphan_expired.increment(1),
             Effect::TokenRefused(detail) => {
                 tracing::error!(%detail, "refusing a token from the broker");
@@ -633,34 +662,41 @@ impl Shell {
         None
     }
 
-    fn deliver(&mut self, waiter: WaiterId, key: LeaseKey, token: SlotToken) -> Option<JobStart> {
+    fn deliver(
+        &mut self,
+        waiter: WaiterId,
+        key: LeaseKey,
+        token: SlotToken,
+        more: Box<[SlotToken]>,
+    ) -> Option<JobStart> {
         let Some(Waiter { kind, since }) = self.waiters.remove(&waiter) else {
             tracing::error!(waiter, "a grant for a waiter the shell does not know");
             self.core.apply(Input::Undelivered { key });
             return None;
         };
         match kind {
-            WaiterKind::Lease { reply, span } => {
+            WaiterKind::Lease {
+                reply,
+                span,
+                holder,
+            } => {
                 if reply.is_closed() {
                     self.core.apply(Input::Undelivered { key });
                     return None;
                 }
-                self.record_grant(span.get(), since, token);
-                let more = self
-                    .core
-                    .lease(key)
-                    .map(|l| l.more_tokens().to_vec())
-                    .unwrap_or_default();
+                self.record_grant(span.get(), since, token, 1 + more.len());
                 let cell = Arc::new(LeaseCell::new());
                 self.explicit.insert(
                     key,
                     Explicit {
                         cell: Arc::clone(&cell),
                         replies: Vec::new(),
+                        holder,
                     },
                 );
                 self.publish();
-                let lease = Lease::new(key, token, more, Arc::clone(&self.inbox), cell);
+                let home = Arc::clone(&self.inbox) as Arc<dyn crate::lease::LeaseReturn>;
+                let lease = Lease::new(key, (token, more), home, cell);
                 if let Err(Ok(lease)) = reply.send(Ok(lease)) {
                     // The caller left between the check and the send: nobody saw it.
                     lease.defuse();
@@ -670,16 +706,21 @@ impl Shell {
                 None
             }
             WaiterKind::Job(job) => {
-                // A grant racing with the caller's cancellation goes to the next waiter.
+                // A grant racing with the caller's cancellation: the caller has left.
                 if job.shared.cancel.is_cancelled() || job.reply.is_closed() {
                     let _ = job
                         .reply
-                        .send(RunOutcome::NotStarted(Box::new(AcquireError::Cancelled)));
+                        .send(RunOutcome::NotGranted(Box::new(AcquireError::Cancelled)));
                     self.core.apply(Input::Undelivered { key });
                     return None;
                 }
-                self.record_grant(job.span.get(), since, token);
-                Some(JobStart { key, token, job })
+                self.record_grant(job.span.get(), since, token, 1 + more.len());
+                Some(JobStart {
+                    key,
+                    token,
+                    more,
+                    job,
+                })
             }
         }
     }
@@ -689,27 +730,20 @@ impl Shell {
             return;
         };
         self.publish();
+        let span = match &kind {
+            WaiterKind::Lease { span, .. } => span.get(),
+            WaiterKind::Job(job) => job.span.get(),
+        };
+        if let AcquireError::Failed(err) = &error {
+            let _e = span.enter();
+            tracing::warn!(error = %err, "slot acquire failed");
+        }
         match kind {
-            WaiterKind::Lease { reply, span } => {
-                if let AcquireError::Failed(err) = &error {
-                    let _e = span.get().enter();
-                    tracing::warn!(error = %err, "slot acquire failed");
-                }
+            WaiterKind::Lease { reply, .. } => {
                 let _ = reply.send(Err(error));
             }
             WaiterKind::Job(job) => {
-                let error = match error {
-                    // A failure that races the job's cancellation: the job was cancelled.
-                    AcquireError::Failed(_) if job.shared.cancel.is_cancelled() => {
-                        AcquireError::Cancelled
-                    }
-                    other => other,
-                };
-                if let AcquireError::Failed(err) = &error {
-                    let _e = job.span.get().enter();
-                    tracing::warn!(error = %err, "slot acquire failed");
-                }
-                let _ = job.reply.send(RunOutcome::NotStarted(Box::new(error)));
+                let _ = job.reply.send(RunOutcome::NotGranted(Box::new(error)));
             }
         }
     }
@@ -738,53 +772,100 @@ impl Shell {
     }
 
     /// Answers the caller (sent once the turn has handed freed slots on: see [`Outgoing`]).
-    fn answer(&mut self, key: LeaseKey, result: Result<(), CleanupError>) {
-        if let Some(job) = self.jobs.get_mut(&key) {
-            let job_id = Arc::clone(&job.job_id);
-            match (job.reply.take(), job.not_started.take()) {
-                // The caller hears why its job did not start; a failed release of the token it
-                // never used has nobody else to go to.
-                (Some(reply), Some(why)) => {
-                    self.outbox.push(Outgoing::Job {
-                        job_id: Arc::clone(&job_id),
+    fn answer(&mut self, key: LeaseKey, answer: Answer) {
+        match answer {
+            Answer::Job {
+                unprepared,
+                cleanup,
+            } => {
+                let Some(job) = self.jobs.get_mut(&key) else {
+                    return;
+                };
+                let job_id = Arc::clone(&job.job_id);
+                match job.reply.take() {
+                    Some(reply) => self.outbox.push(Outgoing::Job {
+                        job_id,
                         reply,
-                        outcome: RunOutcome::NotStarted(Box::new(why)),
-                    });
-                    if let Err(err) = result {
-                        self.sink(Some(job_id.to_string()), err);
-                    }
-                }
-                (Some(reply), None) => self.outbox.push(Outgoing::Job {
-                    job_id,
-                    reply,
-                    outcome: RunOutcome::Finished { cleanup: result },
-                }),
-                (None, _) => {
-                    if let Err(err) = result {
-                        self.sink(Some(job_id.to_string()), err);
+                        outcome: RunOutcome::Finished {
+                            unprepared: unprepared.map(Box::new),
+                            cleanup,
+                        },
+                    }),
+                    None => {
+                        if let Err(err) = cleanup {
+                            self.sink(Some(job_id.to_string()), err);
+                        }
                     }
                 }
             }
+            Answer::Released(result) => {
+                let mut replies = self
+                    .explicit
+                    .get_mut(&key)
+                    .map(|lease| mem::take(&mut lease.replies))
+                    .unwrap_or_default();
+                if !self.late_replies.is_empty() {
+                    let (late, rest) = mem::take(&mut self.late_replies)
+                        .into_iter()
+                        .partition(|(k, _)| *k == key);
+                    self.late_replies = rest;
+                    replies.extend(late.into_iter().map(|(_, r): (LeaseKey, ReleaseReply)| r));
+                }
+                self.outbox.push(Outgoing::Release { replies, result });
+            }
+        }
+    }
+
+    /// A control call's answer, in the public types (with what the shell alone knows: job ids).
+    fn reply(&mut self, control: ControlId, reply: Reply) {
+        let Some(to) = self.controls.remove(&control) else {
             return;
-        }
-        let mut replies = self
-            .explicit
-            .get_mut(&key)
-            .map(|lease| mem::take(&mut lease.replies))
-            .unwrap_or_default();
-        if !self.late_replies.is_empty() {
-            let (late, rest) = mem::take(&mut self.late_replies)
-                .into_iter()
-                .partition(|(k, _)| *k == key);
-            self.late_replies = rest;
-            replies.extend(late.into_iter().map(|(_, r): (LeaseKey, ReleaseReply)| r));
-        }
-        self.outbox.push(Outgoing::Release { replies, result });
+        };
+        let send: Box<dyn FnOnce() + Send> = match (to, reply) {
+            (ControlReply::Cancel(tx), Reply::Cancelled(found)) => Box::new(move || {
+                let _ = tx.send(found);
+            }),
+            (ControlReply::Resize(tx), Reply::Resized(result)) => Box::new(move || {
+                let _ = tx.send(result);
+            }),
+            (ControlReply::Quarantined(tx), Reply::Quarantine(entries)) => {
+                let list = self.describe(entries);
+                Box::new(move || {
+                    let _ = tx.send(list);
+                })
+            }
+            (ControlReply::Reclaim(tx), Reply::Reclaimed { reclaimed, still }) => {
+                let report = ReclaimReport {
+                    reclaimed,
+                    still_quarantined: self.describe(still),
+                };
+                Box::new(move || {
+                    let _ = tx.send(report);
+                })
+            }
+            (_, reply) => {
+                tracing::error!(?reply, "a control answer of the wrong kind");
+                return;
+            }
+        };
+        self.outbox.push(Outgoing::Control(send));
+    }
+
+    /// The quarantined slots, as users see them.
+    fn describe(&self, entries: Vec<QuarantineEntry>) -> Vec<QuarantinedSlot> {
+        entries
+            .into_iter()
+            .map(|e| QuarantinedSlot {
+                token: e.token,
+                job_id: self.jobs.get(&e.key).map(|j| j.job_id.to_string()),
+                reason: e.reason,
+            })
+            .collect()
     }
 
     /// Sends the answers of this turn. Called at the end of [`settle`](Self::settle), once every
-    /// freed slot has gone to the next waiter (or back to the broker), and before a shutdown's
-    /// report.
+    /// freed slot has gone to the next waiter (or back to the broker) and the stats and the
+    /// lease table show every effect, and before a shutdown's report.
     pub(super) fn send_answers(&mut self) {
         // Taken and put back: the vector keeps its capacity (no allocation per answer).
         let mut outbox = mem::take(&mut self.outbox);
@@ -795,7 +876,10 @@ impl Shell {
                     reply,
                     outcome,
                 } => {
-                    if let Err(RunOutcome::Finished { cleanup: Err(err) }) = reply.send(outcome) {
+                    if let Err(RunOutcome::Finished {
+                        cleanup: Err(err), ..
+                    }) = reply.send(outcome)
+                    {
                         self.sink(Some(job_id.to_string()), err);
                     }
                 }
@@ -809,6 +893,7 @@ impl Shell {
                         self.sink(None, err);
                     }
                 }
+                Outgoing::Control(send) => send(),
             }
         }
         self.outbox = outbox;
@@ -840,81 +925,17 @@ impl Shell {
         }
         let mut touched = mem::take(&mut self.touched);
         for key in touched.drain(..) {
-            let lease = self.core.lease(key);
-            let job = self.jobs.get(&key);
+            let lease = self.core.view(key);
             let pids = &self.pids;
             let extra = Extra {
-                job_id: job.map(|j| &j.job_id),
+                job_id: self.jobs.get(&key).map(|j| &j.job_id),
+                holder: self.explicit.get(&key).and_then(|e| e.holder),
                 pid: &|p| pids.get(&p).copied(),
             };
             self.table
                 .update(key, lease, extra, tokio::time::Instant::now);
         }
         self.touched = touched;
-    }
-
-    /// `Supervisor::cancel`: every job with that id that waits, or holds a lease not yet
-    /// releasing.
-    async fn cancel_by_id(&mut self, job_id: &str) -> bool {
-        let mut found = false;
-        let waiting: Vec<WaiterId> = self
-            .waiters
-            .iter()
-            .filter_map(|(w, waiter)| match &waiter.kind {
-                WaiterKind::Job(job) if &*job.job_id == job_id => {
-                    job.shared.cancel.cancel();
-                    Some(*w)
-                }
-                _ => None,
-            })
-            .collect();
-        for waiter in waiting {
-            found = true;
-            self.apply(Input::Withdraw {
-                waiter,
-                why: super::core::Withdrawal::Cancelled,
-            })
-            .await;
-        }
-        let running: Vec<LeaseKey> = self
-            .jobs
-            .iter()
-            .filter(|(key, job)| {
-                &*job.job_id == job_id && self.core.lease(**key).is_some_and(|l| !l.is_releasing())
-            })
-            .map(|(key, _)| *key)
-            .collect();
-        for key in running {
-            found = true;
-            self.apply(Input::CancelJob { key }).await;
-        }
-        // The batch this message came in settles (and answers the withdrawn callers) when it
-        // ends.
-        found
-    }
-
-    /// `Supervisor::resize`: the in-process pool's capacity (capped by the GPU sub-slots).
-    async fn resize(&mut self, slots: u32) -> Result<u32, ResizeError> {
-        if !self.core.is_serving() {
-            return Err(ResizeError::Stopped);
-        }
-        if slots == 0 {
-            return Err(ResizeError::Zero);
-        }
-        let BrokerPort::Local(pool) = &self.broker else {
-            return Err(ResizeError::Unsupported);
-        };
-        pool.resize(slots);
-        #[cfg(feature = "gpu")]
-        let capacity = match &self.config.hosts.gpu {
-            Some(gpu) => slots.min(gpu.capacity()),
-            None => slots,
-        };
-        #[cfg(not(feature = "gpu"))]
-        let capacity = slots;
-        // Waiters are served when the batch this message came in settles.
-        self.apply(Input::Resize { capacity }).await;
-        Ok(capacity)
     }
 
     /// Warns once about each lease held past the threshold, naming what it waits for.
@@ -944,21 +965,37 @@ impl Shell {
         }
     }
 
-    fn recheck(&mut self, key: LeaseKey, proof: Proof) {
-        let Proof::Process(process) = proof else {
-            return;
-        };
-        let Some(evidence) = self.evidence.get_mut(&(key, process)) else {
-            return;
-        };
-        match evidence.recheck() {
-            None => {
-                self.evidence.remove(&(key, process));
-                self.pids.remove(&process);
-                self.core.apply(Input::ProvenOne { key, proof });
-            }
-            Some(detail) => self.core.apply(Input::Unproven { key, proof, detail }),
-        }
+    /// Re-checks what the core asked for (non-blocking system calls, inline) and reports every
+    /// outcome at once.
+    fn recheck(
+        &mut self,
+        checks: Vec<(LeaseKey, Proof)>,
+        leases: Vec<LeaseKey>,
+        purpose: RecheckFor,
+    ) {
+        let results = checks
+            .into_iter()
+            .map(|(key, proof)| {
+                let process = match proof {
+                    Proof::Process(p) => p,
+                    _ => u64::MAX,
+                };
+                let still = match self.evidence.get_mut(&(key, process)) {
+                    Some(evidence) => evidence.recheck(),
+                    None => Some(format!("no evidence kept for {}", proof.describe())),
+                };
+                if still.is_none() {
+                    self.evidence.remove(&(key, process));
+                    self.pids.remove(&process);
+                }
+                Rechecked { key, proof, still }
+            })
+            .collect();
+        self.core.apply(Input::Rechecked {
+            results,
+            leases,
+            purpose,
+        });
     }
 
     /// The batch's time, read once per batch when first needed.
@@ -970,31 +1007,35 @@ impl Shell {
     /// time (read only now, and only if there are any).
     fn end_batch(&mut self) {
         if !self.fresh.is_empty() {
-            if self.core.waiting() > 0 {
+            let mut fresh = mem::take(&mut self.fresh);
+            if fresh.iter().any(|w| self.waiters.contains_key(w)) {
                 let since = Since::at(self.now(), self.epoch);
-                for waiter in self.fresh.drain(..) {
-                    if let Some(w) = self.waiters.get_mut(&waiter) {
+                for waiter in &fresh {
+                    if let Some(w) = self.waiters.get_mut(waiter) {
                         w.since = since;
                     }
                 }
             }
-            self.fresh.clear();
+            fresh.clear();
+            self.fresh = fresh;
         }
         self.clock = None;
     }
 
-    fn record_grant(&mut self, span: &Span, since: Since, token: SlotToken) {
+    fn record_grant(&mut self, span: &Span, since: Since, token: SlotToken, slots: usize) {
         let waited_ms = match since.0 {
             0 => 0.0,
             _ => since.waited(self.now(), self.epoch).as_secs_f64() * 1e3,
         };
-        self.metrics.acquire_count.increment(1);
+        // Counted in slots, as `Stats::acquired_total` is.
+        self.metrics.acquire_count.increment(slots as u64);
         self.metrics.acquire_ms.record(waited_ms);
         if tracing::enabled!(tracing::Level::DEBUG) {
             let _e = span.enter();
             tracing::debug!(
                 slot_id = token.slot_id(),
                 lease_id = token.lease_id(),
+                slots,
                 waited_ms,
                 "slot granted"
             );

@@ -9,6 +9,7 @@ use ractor::Actor;
 
 use super::Supervisor;
 use super::actor::{BrokerPort, Config, SupArgs, SupervisorActor};
+use super::core::CoreConfig;
 use super::hosts::Hosts;
 use super::inbox::Inbox;
 use super::messages::SupMsg;
@@ -20,15 +21,15 @@ use crate::process::ProcessPolicy;
 use crate::sink::{ErrorSink, OrphanedFailure};
 
 /// Default bound for each release.
-pub const DEFAULT_CLEANUP_TIMEOUT: Duration = Duration::from_secs(5);
+const DEFAULT_CLEANUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default time a cancelled body may keep running before its future is dropped.
-pub const DEFAULT_CANCEL_GRACE: Duration = Duration::from_secs(5);
+const DEFAULT_CANCEL_GRACE: Duration = Duration::from_secs(5);
 /// Default time between `SIGTERM` and `SIGKILL` for a job's process group.
-pub const DEFAULT_PROCESS_GRACE: Duration = Duration::from_secs(5);
+const DEFAULT_PROCESS_GRACE: Duration = Duration::from_secs(5);
 /// Default bound for proving a job's process group empty.
-pub const DEFAULT_PROCESS_PROOF_BOUND: Duration = Duration::from_secs(2);
+const DEFAULT_PROCESS_PROOF_BOUND: Duration = Duration::from_secs(2);
 /// Default bound for a shutdown's wait for the jobs it cancelled.
-pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 
 enum Source {
     None,
@@ -302,6 +303,18 @@ impl SupervisorBuilder {
             (b, g) => b.or(g),
         };
         stats.set_capacity(capacity);
+        let core = CoreConfig {
+            capacity,
+            pool: match &broker {
+                BrokerPort::Local(pool) => Some(pool.slots()),
+                BrokerPort::Dyn(_) => None,
+            },
+            gpu_slots: gpu_capacity,
+            renews: match &broker {
+                BrokerPort::Local(_) => false,
+                BrokerPort::Dyn(b) => b.renews(),
+            },
+        };
         let table = Arc::new(LeaseTable::default());
         let attach_to = broker.as_dyn();
         let origin = {
@@ -313,7 +326,7 @@ impl SupervisorBuilder {
         let inbox = Arc::new(Inbox::new());
         let args = SupArgs {
             origin,
-            capacity,
+            core,
             broker,
             config,
             stats: Arc::clone(&stats),

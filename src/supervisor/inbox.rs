@@ -27,6 +27,7 @@ use parking_lot::Mutex;
 use ractor::ActorRef;
 
 use super::messages::SupMsg;
+use crate::lease::{LeaseReturn, ReleaseReply};
 
 /// The only ractor message the supervisor actor receives: "the inbox has mail".
 #[derive(Debug, Clone, Copy)]
@@ -130,5 +131,11 @@ impl Inbox {
         if cap > 64 && len <= cap / 4 {
             state.queue.shrink_to((len * 2).max(64));
         }
+    }
+}
+
+impl LeaseReturn for Inbox {
+    fn give_back(&self, key: u64, reply: Option<ReleaseReply>) -> bool {
+        self.send(SupMsg::Release { key, reply }).is_ok()
     }
 }

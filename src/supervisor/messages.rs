@@ -8,55 +8,35 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 use tracing::Span;
 
-use super::core::{Ask, LeaseKey, Proof, Proofs, RequestId, WaiterId, Withdrawal};
+use super::core::{Ask, Input, LeaseKey, RequestId, WaiterId, Withdrawal};
+use super::reports::{QuarantinedSlot, ReclaimReport, ShutdownReport};
 use crate::broker::{BrokerError, BrokerEvent, SlotToken};
-use crate::error::{AcquireError, CleanupError, ResizeError};
-use crate::lease::Lease;
+use crate::error::{AcquireError, CleanupError, PrepareError, ResizeError};
+use crate::lease::{Lease, ReleaseReply};
 use crate::process::Evidence;
-use crate::supervisor::{QuarantinedSlot, ReclaimReport, ShutdownReport};
 use crate::worker::{BoxedBody, JobShared};
 
 pub(crate) enum SupMsg {
     // --- from handles ---
-    /// Join the queue (or, `ask.now_only`, be served at once or refused).
+    /// Join the queue (or, `ask.now_only`, be served in this turn or refused).
     Acquire {
         waiter: WaiterId,
         kind: WaiterKind,
         ask: Ask,
     },
-    /// Cancel every job with this id that waits or holds a lease not yet releasing; the
-    /// answer says whether there was one.
-    CancelJob {
-        job_id: Box<str>,
-        reply: oneshot::Sender<bool>,
-    },
-    /// Set the in-process pool's capacity; the answer is the capacity now in force.
-    Resize {
-        slots: u32,
-        reply: oneshot::Sender<Result<u32, ResizeError>>,
-    },
     /// The caller stopped waiting. Ignored once the waiter has been served.
-    Withdraw {
-        waiter: WaiterId,
-        why: Withdrawal,
-    },
+    Withdraw { waiter: WaiterId, why: Withdrawal },
     /// An explicit lease is given back (`reply` is `None` when it was dropped).
     Release {
         key: LeaseKey,
         reply: Option<ReleaseReply>,
     },
+    /// A control call, answered once its effect is visible.
+    Control(Control),
     /// Stop: refuse new work, cancel jobs, wait (bounded), release everything (`None`: the last
     /// handle was dropped).
     Shutdown {
         reply: Option<oneshot::Sender<ShutdownReport>>,
-    },
-    /// List the quarantined slots.
-    Quarantined {
-        reply: oneshot::Sender<Vec<QuarantinedSlot>>,
-    },
-    /// Re-check the quarantined slots and release those now proven clean.
-    Reclaim {
-        reply: oneshot::Sender<ReclaimReport>,
     },
 
     // --- from broker tasks ---
@@ -71,26 +51,13 @@ pub(crate) enum SupMsg {
         result: Result<(), CleanupError>,
         started: Instant,
     },
-    /// A lease's keep-alive resolved: the broker could not keep it alive.
-    LeaseLost {
-        key: LeaseKey,
-        reason: String,
-    },
     /// Something the broker reported on its own (see `SlotBroker::attach`).
     Broker(BrokerEvent),
 
-    // --- from the job machinery (worker, driver, keepers, temp dir removal, GPU) ---
-    /// Proofs of the worker's physical end.
-    Proven {
-        key: LeaseKey,
-        proofs: Proofs,
-    },
-    /// A proof missed its bound; still expected on its own.
-    Late {
-        key: LeaseKey,
-        proof: Proof,
-        detail: String,
-    },
+    // --- from the job machinery (worker, driver, keepers, temp dir removal, GPU, timers) ---
+    /// A report the core takes as it is: proofs, late proofs, a job that could not be
+    /// prepared, a lost lease or device, a device replaced, the shutdown timers.
+    Input(Input),
     /// A job started a process group (its leader's pid, which is also the group id).
     ProcessStarted {
         key: LeaseKey,
@@ -108,26 +75,8 @@ pub(crate) enum SupMsg {
         key: LeaseKey,
         result: io::Result<()>,
     },
-    /// The lease's GPU device was lost (its fence saw it) on that generation of the device.
-    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
-    DeviceLost {
-        key: LeaseKey,
-        device: usize,
-        generation: u64,
-        reason: String,
-    },
-    /// A lost GPU device was replaced (or given up for good); `generation` is the new one.
-    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
-    DeviceReplaced {
-        device: usize,
-        generation: u64,
-    },
-
-    // --- timers ---
     /// Time to look for leases held past the held-too-long threshold.
     HeldTick,
-    ShutdownGraceOver,
-    ShutdownDeadline,
     /// The GPU devices were closed at shutdown (`unclosed`: those not proven idle), or their
     /// close ran past its bound (`None`).
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
@@ -136,12 +85,35 @@ pub(crate) enum SupMsg {
     },
 }
 
-pub(crate) type ReleaseReply = oneshot::Sender<Result<(), CleanupError>>;
+/// A control call and where its answer goes.
+pub(crate) enum Control {
+    /// Cancel every job with this id that waits or holds a lease not yet releasing; the
+    /// answer says whether there was one.
+    Cancel {
+        job_id: Box<str>,
+        reply: oneshot::Sender<bool>,
+    },
+    /// Set the in-process pool's size; the answer is the capacity now in force.
+    Resize {
+        slots: u32,
+        reply: oneshot::Sender<Result<u32, ResizeError>>,
+    },
+    /// List the quarantined slots.
+    Quarantined {
+        reply: oneshot::Sender<Vec<QuarantinedSlot>>,
+    },
+    /// Re-check the quarantined slots and release those now proven clean.
+    Reclaim {
+        reply: oneshot::Sender<ReclaimReport>,
+    },
+}
 
 pub(crate) enum WaiterKind {
     Lease {
         reply: oneshot::Sender<Result<Lease, AcquireError>>,
         span: KeptSpan,
+        /// The actor a lease desk lease is tied to (shown in the lease table).
+        holder: Option<ractor::ActorId>,
     },
     Job(Box<PendingJob>),
 }
@@ -178,9 +150,13 @@ pub(crate) struct PendingJob {
 
 /// What `run` hears back.
 pub(crate) enum RunOutcome {
-    /// No body ran and nothing is held. Boxed: the rare case, and every waiting job's reply
-    /// channel holds room for a `RunOutcome`.
-    NotStarted(Box<AcquireError>),
-    /// The release pipeline has finished (or quarantined the slot).
-    Finished { cleanup: Result<(), CleanupError> },
+    /// No slot was granted; nothing is held. Boxed: the rare case, and every waiting job's
+    /// reply channel holds room for a `RunOutcome`.
+    NotGranted(Box<AcquireError>),
+    /// The release pipeline has finished (or quarantined the slots). `unprepared`: no body ran,
+    /// because the job could not be prepared.
+    Finished {
+        unprepared: Option<Box<PrepareError>>,
+        cleanup: Result<(), CleanupError>,
+    },
 }

@@ -7,6 +7,8 @@ pub(crate) mod core;
 pub(crate) mod hosts;
 pub(crate) mod inbox;
 pub(crate) mod messages;
+mod reporter;
+mod reports;
 #[cfg(test)]
 mod sim_tests;
 mod stats;
@@ -27,23 +29,22 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Span;
 
-pub use builder::{
-    DEFAULT_CANCEL_GRACE, DEFAULT_CLEANUP_TIMEOUT, DEFAULT_PROCESS_GRACE,
-    DEFAULT_PROCESS_PROOF_BOUND, DEFAULT_SHUTDOWN_TIMEOUT, SupervisorBuilder,
-};
+pub use builder::SupervisorBuilder;
+pub(crate) use reporter::Reporter;
+pub use reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice};
 pub use stats::{Stats, metric_names};
 pub use table::{LeaseInfo, LeaseKind, LeasePhase, WaitingFor};
 
-use self::core::{Ask, LeaseKey, WaiterId, Want, Withdrawal};
+use self::core::{Ask, WaiterId, Want, Withdrawal};
 use inbox::Inbox;
-use messages::{KeptSpan, PendingJob, RunOutcome, SupMsg, WaiterKind};
+use messages::{Control, KeptSpan, PendingJob, RunOutcome, SupMsg, WaiterKind};
 use stats::SharedStats;
 use table::LeaseTable;
 
 use crate::actor_job::{ActorExit, ActorJobError};
-use crate::broker::SlotToken;
-use crate::desk::{Desk, LeaseMsg};
-use crate::error::{AcquireError, BodyError, CleanupError, JobError, ResizeError, ShutdownError};
+use crate::error::{
+    AcquireError, BodyError, CleanupError, JobError, ResizeError, ShutdownError, SupervisorStopped,
+};
 use crate::job::{JobParts, JobSpec};
 use crate::job_handle::JobHandle;
 use crate::lease::Lease;
@@ -91,8 +92,8 @@ pub(crate) struct Inner {
     error_sink: Option<crate::sink::ErrorSink>,
     /// How long a cancelled job actor may take to stop before it is killed.
     cancel_grace: Duration,
-    /// The lease desk, spawned on first use.
-    desk: tokio::sync::OnceCell<ractor::ActorRef<LeaseMsg>>,
+    /// The lease desk's actor, spawned on first use (see `desk.rs`).
+    pub(crate) desk: tokio::sync::OnceCell<ractor::ActorCell>,
     #[cfg(feature = "gpu")]
     gpu: Option<Arc<crate::gpu::GpuPool>>,
 }
@@ -105,76 +106,6 @@ impl Drop for Inner {
             desk.stop(None);
         }
     }
-}
-
-/// How a job's machinery (its context, its process keepers, its driver) reports to the
-/// supervisor about one lease.
-#[derive(Clone)]
-pub(crate) struct Reporter {
-    pub(crate) inbox: Arc<Inbox>,
-    pub(crate) key: LeaseKey,
-}
-
-/// What [`Supervisor::shutdown`] did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ShutdownReport {
-    /// Callers that were still waiting for a slot and heard `SUPERVISOR_STOPPED`.
-    pub refused_waiters: usize,
-    /// Running jobs that were cancelled (and then waited for).
-    pub cancelled_jobs: usize,
-    /// Explicit leases still held, released by the supervisor on their holders' behalf.
-    pub released_leases: usize,
-    /// Slots left in quarantine (their temp dirs are kept).
-    pub quarantined: usize,
-    /// The quarantined slots, each with what could not be proven (a task that ignored
-    /// cancellation past the shutdown bound, a process group that would not die, GPU work
-    /// that never completed, a temp dir that could not be removed).
-    pub unproven: Vec<QuarantinedSlot>,
-    /// GPU devices (feature `gpu`) whose remaining work could not be proven done when they
-    /// were closed: each was left to finish on a thread of its own.
-    pub unclosed_devices: Vec<UnclosedDevice>,
-    /// The counters at the end.
-    pub stats: Stats,
-}
-
-/// A GPU device a shutdown could not prove idle (see [`ShutdownReport::unclosed_devices`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct UnclosedDevice {
-    /// The device's index (`usize::MAX` when the close as a whole did not end in its bound).
-    pub device: usize,
-    /// Why.
-    pub reason: String,
-}
-
-impl UnclosedDevice {
-    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
-    pub(crate) fn new(device: usize, reason: String) -> Self {
-        Self { device, reason }
-    }
-}
-
-/// A quarantined slot: held, not reusable, with the reason it could not be declared clean.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct QuarantinedSlot {
-    /// The slot's token (still held from the broker).
-    pub token: SlotToken,
-    /// The job that held it.
-    pub job_id: Option<String>,
-    /// Why its physical completion is not proven.
-    pub reason: String,
-}
-
-/// What [`Supervisor::reclaim_quarantined`] found.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ReclaimReport {
-    /// Slots now proven clean: their temp dirs are being removed and their tokens released.
-    pub reclaimed: Vec<SlotToken>,
-    /// Slots still quarantined, with the reason.
-    pub still_quarantined: Vec<QuarantinedSlot>,
 }
 
 impl Supervisor {
@@ -214,6 +145,15 @@ impl Supervisor {
     /// A handle from the desk's weak reference, while any other handle lives.
     pub(crate) fn upgrade(inner: &std::sync::Weak<Inner>) -> Option<Self> {
         inner.upgrade().map(|inner| Self { inner })
+    }
+
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+
+    /// Where a cleanup failure with nobody left to hear it goes.
+    pub(crate) fn error_sink(&self) -> Option<crate::sink::ErrorSink> {
+        self.inner.error_sink.clone()
     }
 
     /// A cheap snapshot of the counters (atomics; no message to the actor).
@@ -324,6 +264,15 @@ impl Supervisor {
     }
 
     async fn acquire_with(&self, ask: Ask) -> Result<Lease, AcquireError> {
+        self.acquire_for(ask, None).await
+    }
+
+    /// An acquire, tied to the actor `holder` when it is the lease desk's.
+    pub(crate) async fn acquire_for(
+        &self,
+        ask: Ask,
+        holder: Option<ractor::ActorId>,
+    ) -> Result<Lease, AcquireError> {
         let waiter = self.next_waiter();
         let (tx, rx) = oneshot::channel();
         let msg = SupMsg::Acquire {
@@ -331,6 +280,7 @@ impl Supervisor {
             kind: WaiterKind::Lease {
                 reply: tx,
                 span: KeptSpan::new(Span::current()),
+                holder,
             },
             ask,
         };
@@ -349,7 +299,7 @@ impl Supervisor {
         guard.disarm();
         match reply {
             Ok(Ok(mut lease)) => {
-                lease.keep_supervisor(self.clone());
+                lease.keep_alive(Arc::clone(&self.inner) as Arc<dyn std::any::Any + Send + Sync>);
                 Ok(lease)
             }
             Ok(Err(err)) => Err(err),
@@ -441,26 +391,31 @@ impl Supervisor {
         .await;
         guard.disarm();
         let cleanup = match outcome {
-            Ok(RunOutcome::NotStarted(err)) => return Err(JobError::Acquire(*err)),
-            Ok(RunOutcome::Finished { cleanup }) => cleanup,
+            // A broker failure that raced the job's cancellation: the job was cancelled.
+            Ok(RunOutcome::NotGranted(err)) => {
+                return Err(JobError::Acquire(match *err {
+                    AcquireError::Failed(_) if cancel.is_cancelled() => AcquireError::Cancelled,
+                    other => other,
+                }));
+            }
+            // No body ran: the job could not be prepared, and its slots went back.
+            Ok(RunOutcome::Finished {
+                unprepared: Some(why),
+                cleanup,
+            }) => {
+                return Err(JobError::Unprepared {
+                    why: *why,
+                    cleanup: cleanup.err(),
+                });
+            }
+            Ok(RunOutcome::Finished {
+                unprepared: None,
+                cleanup,
+            }) => cleanup,
             // The supervisor died (its runtime is gone): nothing more can be proven.
             Err(_) if !shared.started() => return Err(JobError::Acquire(AcquireError::Stopped)),
             Err(_) => Err(CleanupError::stopped(None)),
         };
-        // The worker could not prepare the job (its temp dir, its GPU): no body ran, and the
-        // slot went back through the pipeline.
-        let unprepared = shared
-            .take_scratch_failed()
-            .map(|err| AcquireError::Scratch(Arc::new(err)));
-        #[cfg(feature = "gpu")]
-        let unprepared =
-            unprepared.or_else(|| shared.take_gpu_unavailable().map(AcquireError::Gpu));
-        if let Some(err) = unprepared {
-            return Err(match cleanup {
-                Ok(()) => JobError::Acquire(err),
-                Err(cleanup) => JobError::Cleanup(cleanup),
-            });
-        }
         // Every writer of `shared` and `body_rx` has ended: the worker and its tracked tasks
         // were joined before the supervisor answered (or the slot was quarantined, in which case
         // late sibling reports are not waited for).
@@ -541,15 +496,18 @@ impl Supervisor {
     /// through the release pipeline, once the worker has physically finished. A job whose
     /// release has begun is not counted.
     ///
+    /// Once it answers, [`stats`](Self::stats) and [`leases`](Self::leases) show its effect
+    /// (a waiting job is no longer counted in `waiting`).
+    ///
     /// # Errors
     ///
-    /// [`ShutdownError`] (code `SUPERVISOR_STOPPED`) when the supervisor is gone.
+    /// [`SupervisorStopped`] (code `SUPERVISOR_STOPPED`) when the supervisor is gone.
     ///
     /// # Cancel safety
     ///
     /// Dropping the future after the message is sent does not undo the cancellation.
-    pub async fn cancel(&self, job_id: &str) -> Result<bool, ShutdownError> {
-        self.ask(|reply| SupMsg::CancelJob {
+    pub async fn cancel(&self, job_id: &str) -> Result<bool, SupervisorStopped> {
+        self.ask(|reply| Control::Cancel {
             job_id: job_id.into(),
             reply,
         })
@@ -560,7 +518,9 @@ impl Supervisor {
     /// once; lowering it never revokes a held lease, it takes effect as leases return (and a
     /// waiting multi-slot request larger than the new capacity is refused with
     /// `LEASE_SLOT_COUNT_INVALID`). Returns the capacity now in force: `slots`, capped by the
-    /// GPU sub-slots when the supervisor owns GPU devices. [`Stats::capacity`] shows it.
+    /// GPU sub-slots when the supervisor owns GPU devices. [`Stats::capacity`] shows it as soon
+    /// as this answers. Slots above a lowered size are retired as they come back: no request,
+    /// however it gathered them, is handed a slot above the capacity in force.
     ///
     /// # Errors
     ///
@@ -588,22 +548,23 @@ impl Supervisor {
     ///
     /// Dropping the future after the message is sent does not undo the resize.
     pub async fn resize(&self, slots: u32) -> Result<u32, ResizeError> {
-        self.ask(|reply| SupMsg::Resize { slots, reply })
+        self.ask(|reply| Control::Resize { slots, reply })
             .await
             .map_err(|_| ResizeError::Stopped)?
     }
 
-    /// The quarantined slots, with the reason each could not be declared clean.
+    /// The quarantined slots, one entry per slot (a quarantined k-slot lease lists k), with
+    /// the reason each could not be declared clean.
     ///
     /// # Errors
     ///
-    /// [`ShutdownError`] (code `SUPERVISOR_STOPPED`) when the supervisor is gone.
+    /// [`SupervisorStopped`] (code `SUPERVISOR_STOPPED`) when the supervisor is gone.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: it only reads.
-    pub async fn quarantined(&self) -> Result<Vec<QuarantinedSlot>, ShutdownError> {
-        self.ask(|reply| SupMsg::Quarantined { reply }).await
+    pub async fn quarantined(&self) -> Result<Vec<QuarantinedSlot>, SupervisorStopped> {
+        self.ask(|reply| Control::Quarantined { reply }).await
     }
 
     /// Checks every quarantined slot again: process groups proven empty now (and escaped
@@ -614,26 +575,27 @@ impl Supervisor {
     ///
     /// # Errors
     ///
-    /// [`ShutdownError`] (code `SUPERVISOR_STOPPED`) when the supervisor is gone.
+    /// [`SupervisorStopped`] (code `SUPERVISOR_STOPPED`) when the supervisor is gone.
     ///
     /// # Cancel safety
     ///
     /// Dropping the future does not undo the check: slots found clean are released anyway.
-    pub async fn reclaim_quarantined(&self) -> Result<ReclaimReport, ShutdownError> {
-        self.ask(|reply| SupMsg::Reclaim { reply }).await
+    pub async fn reclaim_quarantined(&self) -> Result<ReclaimReport, SupervisorStopped> {
+        self.ask(|reply| Control::Reclaim { reply }).await
     }
 
-    /// One request to the actor and its answer; an unreachable actor is `SUPERVISOR_STOPPED`.
+    /// One control call to the actor and its answer, sent once its effect is visible; an
+    /// unreachable actor is `SUPERVISOR_STOPPED`.
     async fn ask<R>(
         &self,
-        msg: impl FnOnce(oneshot::Sender<R>) -> SupMsg,
-    ) -> Result<R, ShutdownError> {
+        control: impl FnOnce(oneshot::Sender<R>) -> Control,
+    ) -> Result<R, SupervisorStopped> {
         let (tx, rx) = oneshot::channel();
         self.inner
             .inbox
-            .send(msg(tx))
-            .map_err(|_| ShutdownError::new())?;
-        rx.await.map_err(|_| ShutdownError::new())
+            .send(SupMsg::Control(control(tx)))
+            .map_err(|_| SupervisorStopped::new())?;
+        rx.await.map_err(|_| SupervisorStopped::new())
     }
 
     /// Submits a job without waiting: for game and render loops that cannot `.await`. The job
@@ -802,36 +764,6 @@ impl Supervisor {
                 Ok(_) => Err(JobError::Acquire(AcquireError::Stopped)),
             },
         }
-    }
-
-    /// The lease desk: the supervisor's message interface for actors. An actor `call!`s
-    /// [`LeaseMsg::Acquire`] with its own cell for a slot tied to it: the slot goes back
-    /// through the pipeline once the holder has exited and the [`ActorLease`] has been dropped,
-    /// with no explicit release; [`LeaseMsg::Release`] releases it earlier. Spawned on first
-    /// use; every call returns the same actor.
-    ///
-    /// [`ActorLease`]: crate::ActorLease
-    ///
-    /// # Errors
-    ///
-    /// `SUPERVISOR_STOPPED` when the desk could not be spawned.
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: a call dropped before the desk has started leaves none behind (the next
-    /// call starts it); once started, the desk is kept for every later call.
-    pub async fn lease_desk(&self) -> Result<ractor::ActorRef<LeaseMsg>, AcquireError> {
-        let weak = Arc::downgrade(&self.inner);
-        self.inner
-            .desk
-            .get_or_try_init(|| async move {
-                ractor::Actor::spawn(None, Desk, weak)
-                    .await
-                    .map(|(desk, _join)| desk)
-                    .map_err(|_| AcquireError::Stopped)
-            })
-            .await
-            .cloned()
     }
 
     /// Refuses new work, fails every waiter with `SUPERVISOR_STOPPED`, cancels every job not yet

@@ -2,21 +2,21 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use super::core::{Core, Counters};
+use super::core::Figures;
 
 /// Metric names, emitted through the [`metrics`] facade (install any exporter).
 pub mod metric_names {
-    /// Counter: slots granted.
+    /// Counter: slots granted (a k-slot lease counts k).
     pub const ACQUIRE_COUNT: &str = "render_slot.acquire.count";
-    /// Histogram: milliseconds from joining the queue to the grant.
+    /// Histogram: milliseconds from joining the queue to the grant (one sample per lease).
     pub const ACQUIRE_DURATION_MS: &str = "render_slot.acquire.duration_ms";
-    /// Counter: broker releases finished (any outcome).
+    /// Counter: broker releases finished, any outcome (one per slot).
     pub const RELEASE_COUNT: &str = "render_slot.release.count";
-    /// Histogram: milliseconds a broker release took.
+    /// Histogram: milliseconds a broker release took (one sample per slot).
     pub const RELEASE_DURATION_MS: &str = "render_slot.release.duration_ms";
-    /// Counter: broker releases that failed or timed out.
+    /// Counter: broker releases that failed or timed out (one per slot).
     pub const RELEASE_FAILED_COUNT: &str = "render_slot.release.failed.count";
-    /// Gauge: leases held (granted, draining or releasing).
+    /// Gauge: slots held and not quarantined (running, draining or releasing).
     pub const ACTIVE_COUNT: &str = "render_slot.active.count";
     /// Counter: leases a distributed broker saw expire while orphaned.
     pub const ORPHAN_EXPIRED_COUNT: &str = "render_slot.orphan_expired.count";
@@ -30,37 +30,51 @@ pub mod metric_names {
     pub const HELD_TOO_LONG_COUNT: &str = "render_slot.held_too_long.count";
 }
 
-/// A cheap snapshot of a supervisor's counters. Fields are read independently (each is exact,
-/// the set is not one atomic picture while work is in flight); when nothing is in flight,
-/// `acquired_total == released_total + release_failed_total + active + quarantined`.
+/// A cheap snapshot of a supervisor's counters.
+///
+/// Every count is in slots (a k-slot lease counts k), but `waiting` (callers) and `leases`. Each
+/// broker release is counted once per slot, as its own answer comes. So, whenever no grant and
+/// no release is in flight (nobody gathering slots, no broker call unanswered):
+///
+/// ```text
+/// acquired_total == released_total + release_failed_total + active + quarantined
+/// held_slots     == active + quarantined
+/// ```
+///
+/// Fields are read independently (each is exact, the set is one picture only between the
+/// supervisor's turns); once an awaited call on the supervisor has answered, they include its
+/// effect.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Stats {
-    /// Leases held, including those draining and releasing (not quarantined ones).
+    /// Slots held and not quarantined: running, draining, or whose release is in flight.
     pub active: usize,
-    /// Callers waiting for a slot.
+    /// Callers waiting for a slot (a multi-slot request gathering its slots among them).
     pub waiting: usize,
-    /// Tokens granted by the broker, ever.
+    /// Slots granted by the broker and handed out, ever (a k-slot lease counts k; a grant
+    /// whose caller had left before it was handed over is not counted).
     pub acquired_total: u64,
-    /// Broker releases that succeeded, ever.
+    /// Slots whose broker release succeeded, ever.
     pub released_total: u64,
-    /// Broker releases that failed or timed out, ever.
+    /// Slots whose broker release failed or timed out, ever.
     pub release_failed_total: u64,
     /// Leases a distributed broker saw expire while orphaned, ever.
     pub orphan_expired_total: u64,
     /// Slots held in quarantine now.
     pub quarantined: usize,
-    /// Of `active`, the jobs whose body has ended and whose physical end (tracked tasks,
-    /// processes, GPU work) or temp dir removal is still being proven.
+    /// Of `active`, the slots of jobs whose body has ended and whose physical end (tracked
+    /// tasks, processes, GPU work) or temp dir removal is still being proven.
     pub draining: usize,
-    /// Slots held from the broker now: every lease's (a multi-slot lease counts each of its
-    /// slots; quarantined ones included), and those a multi-slot waiter has gathered.
+    /// Slots held from the broker now: `active + quarantined`, and those a multi-slot waiter
+    /// has gathered so far.
     pub held_slots: usize,
     /// How many slots the supervisor grants up to (the broker's capacity capped by the GPU
     /// sub-slots, as changed by [`Supervisor::resize`](crate::Supervisor::resize)); `None` when
     /// the broker does not say. After a resize lowered it, `held_slots` may exceed it until
-    /// leases return.
+    /// leases return; no slot is granted while it does.
     pub capacity: Option<usize>,
+    /// Leases held now, in any phase (a k-slot lease counts once).
+    pub leases: usize,
 }
 
 /// Atomics the actor publishes into after each message; `Supervisor::stats` reads them.
@@ -77,33 +91,8 @@ pub(crate) struct SharedStats {
     held_slots: AtomicU64,
     /// `u64::MAX`: unknown.
     capacity: AtomicU64,
+    leases: AtomicU64,
     shut_down: AtomicBool,
-}
-
-/// The table's figures, as `Stats` shows them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Figures {
-    active: usize,
-    waiting: usize,
-    quarantined: usize,
-    draining: usize,
-    held_slots: usize,
-    capacity: Option<usize>,
-    counters: Counters,
-}
-
-impl Figures {
-    fn of(table: &Core) -> Self {
-        Self {
-            active: table.active(),
-            waiting: table.waiting(),
-            quarantined: table.quarantined(),
-            draining: table.draining(),
-            held_slots: table.held_slots(),
-            capacity: table.capacity(),
-            counters: table.counters(),
-        }
-    }
 }
 
 /// What the actor last stored into [`SharedStats`] (owned by the actor, their only writer), so
@@ -119,8 +108,7 @@ impl SharedStats {
     /// written when they equal what was last stored (the atomics still hold exactly that: the
     /// actor is their only writer).
     // Relaxed: each field is a standalone figure; the reply's channel orders it for the caller.
-    pub(crate) fn publish(&self, table: &Core, last: &mut Published) {
-        let now = Figures::of(table);
+    pub(crate) fn publish(&self, now: Figures, last: &mut Published) {
         if last.stored == Some(now) {
             return;
         }
@@ -136,6 +124,7 @@ impl SharedStats {
         set(&self.draining, now.draining as u64);
         set(&self.held_slots, now.held_slots as u64);
         set(&self.capacity, now.capacity.map_or(u64::MAX, |c| c as u64));
+        set(&self.leases, now.leases as u64);
         last.stored = Some(now);
     }
 
@@ -170,6 +159,7 @@ impl SharedStats {
                 u64::MAX => None,
                 c => Some(c as usize),
             },
+            leases: get(&self.leases) as usize,
         }
     }
 }
@@ -209,9 +199,9 @@ impl Metrics {
     /// Sets the gauges of DESIGN.md section 5 (once per batch of messages). Every time, even
     /// unchanged: a recorder may drain gauges when it reads them (metrics-util's
     /// `DebuggingRecorder` does), and must then see them again.
-    pub(crate) fn publish_gauges(&self, core: &Core) {
-        self.active.set(core.active() as f64);
-        self.waiting.set(core.waiting() as f64);
-        self.quarantined.set(core.quarantined() as f64);
+    pub(crate) fn publish_gauges(&self, figures: &Figures) {
+        self.active.set(figures.active as f64);
+        self.waiting.set(figures.waiting as f64);
+        self.quarantined.set(figures.quarantined as f64);
     }
 }

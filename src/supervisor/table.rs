@@ -46,6 +46,9 @@ pub struct LeaseInfo {
     pub child_pids: Vec<u32>,
     /// The priority class it was granted under.
     pub priority: Priority,
+    /// The actor a lease desk lease is tied to
+    /// ([`Supervisor::lease_desk`](super::Supervisor::lease_desk)); `None` otherwise.
+    pub holder: Option<ractor::ActorId>,
 }
 
 /// Who holds a lease.
@@ -122,6 +125,7 @@ pub(crate) struct Row {
     /// that owes nothing, an explicit one).
     waiting_for: Vec<WaitingFor>,
     device: Option<usize>,
+    holder: Option<ractor::ActorId>,
     granted_at: Instant,
     warned: bool,
 }
@@ -148,16 +152,17 @@ impl Row {
                 })
                 .collect(),
             priority: self.priority,
+            holder: self.holder,
         }
     }
 
     /// Copies what may have changed since the row was made.
-    fn refresh(&mut self, lease: &core::Lease, pid: &dyn Fn(u64) -> Option<u32>) {
+    fn refresh(&mut self, lease: &core::LeaseRecord, pid: &dyn Fn(u64) -> Option<u32>) {
         self.phase = phase(lease);
-        self.device = lease.device();
+        self.device = lease.device;
         self.waiting_for.clear();
         // The hot path (an explicit lease, a release) owes nothing: no iterator to run.
-        if !lease.owes_nothing() {
+        if !lease.owed.is_empty() {
             // Pipeline order: the worker's end comes first when it is owed.
             let owes_worker = lease.owing().next() == Some(Proof::WorkerJoined);
             self.waiting_for.extend(lease.owing().filter_map(|proof| {
@@ -179,7 +184,7 @@ impl Row {
     }
 }
 
-fn phase(lease: &core::Lease) -> LeasePhase {
+fn phase(lease: &core::LeaseRecord) -> LeasePhase {
     match lease.phase() {
         core::Phase::Running => LeasePhase::Running,
         core::Phase::Draining => LeasePhase::Draining,
@@ -199,6 +204,8 @@ pub(crate) struct LeaseTable {
 /// What the shell knows of a lease beyond the core.
 pub(crate) struct Extra<'a> {
     pub(crate) job_id: Option<&'a Arc<str>>,
+    /// The actor a lease desk lease is tied to.
+    pub(crate) holder: Option<ractor::ActorId>,
     /// A process key's leader pid.
     pub(crate) pid: &'a dyn Fn(u64) -> Option<u32>,
 }
@@ -209,11 +216,11 @@ impl LeaseTable {
     pub(crate) fn update(
         &self,
         key: LeaseKey,
-        lease: Option<&core::Lease>,
+        lease: Option<&core::LeaseRecord>,
         extra: Extra<'_>,
         now: impl FnOnce() -> Instant,
     ) {
-        let Some(lease) = lease.filter(|l| l.holder() != Holder::Surplus) else {
+        let Some(lease) = lease.filter(|l| l.holder != Holder::Surplus) else {
             self.rows.remove(&key);
             return;
         };
@@ -222,16 +229,17 @@ impl LeaseTable {
             Entry::Vacant(slot) => {
                 let mut row = Row {
                     job_id: extra.job_id.cloned(),
-                    priority: lease.priority(),
-                    kind: match lease.holder() {
+                    priority: lease.priority,
+                    kind: match lease.holder {
                         Holder::Job => LeaseKind::Job,
                         _ => LeaseKind::Explicit,
                     },
                     phase: LeasePhase::Running,
-                    token: lease.token(),
-                    more: lease.more_tokens().into(),
+                    token: lease.token,
+                    more: lease.more.clone(),
                     waiting_for: Vec::new(),
                     device: None,
+                    holder: extra.holder,
                     granted_at: now(),
                     warned: false,
                 };
@@ -262,8 +270,11 @@ impl LeaseTable {
         out
     }
 
-    pub(crate) fn clear(&self) {
-        self.rows.clear();
+    /// Drops every row but the quarantined ones: after the supervisor has stopped, those slots
+    /// are still held, and the table keeps showing them.
+    pub(crate) fn retain_quarantined(&self) {
+        self.rows
+            .retain(|_, row| row.phase == LeasePhase::Quarantined);
     }
 
     pub(crate) fn shrink(&self) {

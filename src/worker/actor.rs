@@ -103,7 +103,7 @@ async fn run_job(args: WorkerArgs, worker: ActorCell) {
         Ok(dir) => dir,
         Err(err) => {
             tracing::error!(error = %err, "could not create the job's temp dir; the body does not run");
-            shared.set_scratch_failed(err);
+            reporter.unprepared(crate::error::PrepareError::TempDir(Arc::new(err)));
             return;
         }
     };
@@ -132,7 +132,8 @@ async fn run_job(args: WorkerArgs, worker: ActorCell) {
             }
             Err(err) => {
                 tracing::error!(error = %err, "the slot's gpu device is unavailable; the body does not run");
-                shared.set_gpu_unavailable(err);
+                ctx.reporter()
+                    .unprepared(crate::error::PrepareError::Gpu(err));
                 return;
             }
         }

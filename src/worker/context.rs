@@ -79,6 +79,12 @@ impl WorkerContext {
         }
     }
 
+    /// How the job's machinery reports to the supervisor.
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
+    pub(crate) fn reporter(&self) -> &Reporter {
+        &self.inner.reporter
+    }
+
     /// Every token this job holds, the first one (its [`token`](Self::token)) first: more than
     /// one for a job given [`JobSpec::with_slots`](crate::JobSpec::with_slots).
     pub fn tokens(&self) -> Vec<SlotToken> {

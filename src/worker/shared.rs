@@ -1,7 +1,6 @@
 //! What a job's body, its sibling tasks and its caller share.
 
 use std::any::Any;
-use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -37,8 +36,6 @@ struct Records {
     delivery_unknown: Option<String>,
     /// The broker could not keep the lease alive (why).
     lease_lost: Option<String>,
-    /// The temp dir could not be made; the body did not run.
-    scratch_failed: Option<io::Error>,
     /// Tracked async tasks, aborted at shutdown once the cancel grace has passed.
     tasks: Vec<AbortHandle>,
     /// The body applies the cancel-then-grace rule itself (a job actor's host, which stops
@@ -47,9 +44,6 @@ struct Records {
     /// The job's GPU, once checked out (read by the driver for the release fence).
     #[cfg(feature = "gpu")]
     gpu: Option<crate::gpu::JobGpu>,
-    /// The job's GPU device could not be made usable; the body did not run.
-    #[cfg(feature = "gpu")]
-    gpu_unavailable: Option<crate::gpu::GpuError>,
 }
 
 impl JobShared {
@@ -114,14 +108,6 @@ impl JobShared {
         self.read(|r| r.lease_lost.take())
     }
 
-    pub(crate) fn set_scratch_failed(&self, err: io::Error) {
-        self.write(|r| r.scratch_failed = Some(err));
-    }
-
-    pub(crate) fn take_scratch_failed(&self) -> Option<io::Error> {
-        self.read(|r| r.scratch_failed.take())
-    }
-
     pub(crate) fn set_temp_dir(&self, dir: PathBuf) {
         let _ = self.temp_dir.set(dir.into_boxed_path());
     }
@@ -162,16 +148,6 @@ impl JobShared {
     #[cfg(feature = "gpu")]
     pub(crate) fn take_gpu(&self) -> Option<crate::gpu::JobGpu> {
         self.read(|r| r.gpu.take())
-    }
-
-    #[cfg(feature = "gpu")]
-    pub(crate) fn set_gpu_unavailable(&self, err: crate::gpu::GpuError) {
-        self.write(|r| r.gpu_unavailable = Some(err));
-    }
-
-    #[cfg(feature = "gpu")]
-    pub(crate) fn take_gpu_unavailable(&self) -> Option<crate::gpu::GpuError> {
-        self.read(|r| r.gpu_unavailable.take())
     }
 
     pub(crate) fn take_panics(&self) -> Vec<String> {

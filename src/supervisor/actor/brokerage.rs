@@ -77,10 +77,10 @@ impl Shell {
         let task = tokio::spawn(async move {
             let err = lost.await;
             // Judged by the core: renewal may have been stopped since.
-            let _ = inbox.send(SupMsg::LeaseLost {
+            let _ = inbox.send(SupMsg::Input(Input::LeaseLost {
                 key,
                 reason: err.to_string(),
-            });
+            }));
         });
         self.renewals.insert(key, task.abort_handle());
     }

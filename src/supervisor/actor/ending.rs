@@ -11,12 +11,12 @@ impl Shell {
             let start = tokio::time::Instant::now();
             if grace < bound {
                 tokio::time::sleep(grace).await;
-                if inbox.send(SupMsg::ShutdownGraceOver).is_err() {
+                if inbox.send(SupMsg::Input(Input::ShutdownGraceOver)).is_err() {
                     return;
                 }
             }
             tokio::time::sleep_until(start + bound).await;
-            let _ = inbox.send(SupMsg::ShutdownDeadline);
+            let _ = inbox.send(SupMsg::Input(Input::ShutdownDeadline));
         });
     }
 
@@ -35,18 +35,23 @@ impl Shell {
         self.core.apply(Input::GpuClosed);
     }
 
-    pub(super) fn stopped(&mut self) {
+    pub(super) fn stopped(
+        &mut self,
+        tally: crate::supervisor::core::StopTally,
+        quarantine: Vec<QuarantineEntry>,
+        keep_work_root: bool,
+    ) {
         // The jobs' and leases' callers hear before the shutdown's caller does.
-        self.send_answers();
-        let tally = self.core.stop_tally();
-        let unproven = self.list_quarantine();
+        self.sync_table();
         self.publish();
+        self.send_answers();
+        self.keep_root = Some(keep_work_root);
         let report = ShutdownReport {
             refused_waiters: tally.refused_waiters,
             cancelled_jobs: tally.cancelled_jobs,
             released_leases: tally.released_leases,
-            quarantined: self.core.quarantined(),
-            unproven,
+            quarantined: quarantine.len(),
+            unproven: self.describe(quarantine),
             unclosed_devices: mem::take(&mut self.unclosed),
             stats: self.stats.snapshot(),
         };
@@ -72,41 +77,20 @@ impl Shell {
         }
         // Waiters still queued hear SUPERVISOR_STOPPED when their reply senders drop.
         self.waiters.clear();
-        // Nobody keeps the table up to date any more.
-        self.table.clear();
+        self.controls.clear();
+        // Nobody keeps the table up to date any more: what it still shows is what stays held,
+        // the quarantined slots.
+        self.table.retain_quarantined();
+        let keep = self
+            .keep_root
+            .unwrap_or_else(|| self.core.abandon().keep_work_root);
         if let Some(root) = self.owned_root.take()
-            && self.core.quarantined() > 0
+            && keep
         {
-            // Quarantined temp dirs are evidence: keep them.
+            // Quarantined temp dirs are evidence (and a dir a job still uses is not removed
+            // under it): keep them.
             let kept = root.keep();
             tracing::warn!(root = %kept.display(), "work root kept: it holds quarantined temp dirs");
         }
-    }
-
-    pub(super) fn describe(&self, key: LeaseKey) -> Option<QuarantinedSlot> {
-        let lease = self.core.lease(key)?;
-        Some(QuarantinedSlot {
-            token: lease.token(),
-            job_id: self.jobs.get(&key).map(|j| j.job_id.to_string()),
-            reason: lease
-                .reasons()
-                .iter()
-                .map(|r| r.detail.as_str())
-                .collect::<Vec<_>>()
-                .join("; "),
-        })
-    }
-
-    pub(super) fn list_quarantine(&self) -> Vec<QuarantinedSlot> {
-        let mut keys: Vec<LeaseKey> = self
-            .core
-            .leases()
-            .filter(|(_, l)| l.phase() == crate::supervisor::core::Phase::Quarantined)
-            .map(|(k, _)| k)
-            .collect();
-        keys.sort_unstable();
-        let mut out: Vec<_> = keys.into_iter().filter_map(|k| self.describe(k)).collect();
-        out.sort_by_key(|q| q.token.lease_id());
-        out
     }
 }

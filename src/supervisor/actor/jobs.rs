@@ -1,6 +1,6 @@
 //! A job's life off the mailbox: its worker's start, the [`Driver`] task that awaits its physical
-//! end and reports each proof as it comes, the removal of its temp dir, and the [`Reporter`] its
-//! process keepers report through. None of it decides anything: every report is an input to the
+//! end and reports each proof as it comes, and the removal of its temp dir. None of it decides
+//! anything: every report (a placement refused, a spawn failed, a proof) is an input to the
 //! core.
 
 use super::*;
@@ -9,6 +9,7 @@ use super::*;
 pub(super) struct JobStart {
     pub(super) key: LeaseKey,
     pub(super) token: SlotToken,
+    pub(super) more: Box<[SlotToken]>,
     pub(super) job: Box<PendingJob>,
 }
 
@@ -18,15 +19,18 @@ pub(super) struct JobRt {
     pub(super) shared: Arc<JobShared>,
     /// Taken when the caller has been answered (at the end, or early on quarantine).
     pub(super) reply: Option<oneshot::Sender<RunOutcome>>,
-    /// Why the job could not start (its caller hears this, once the token is back).
-    pub(super) not_started: Option<AcquireError>,
     #[cfg(feature = "gpu")]
     pub(super) placement: Option<crate::gpu::Placement>,
 }
 
 impl Shell {
     pub(super) async fn start_job(&mut self, start: JobStart) {
-        let JobStart { key, token, job } = start;
+        let JobStart {
+            key,
+            token,
+            more,
+            job,
+        } = start;
         let PendingJob {
             job_id,
             shared,
@@ -34,20 +38,16 @@ impl Shell {
             reply,
             span,
         } = *job;
-        let more_tokens: Box<[SlotToken]> = self
-            .core
-            .lease(key)
-            .map_or_else(Box::default, |l| l.more_tokens().into());
         let span = span.into_span();
         span.record("slot_id", token.slot_id());
         span.record("lease_id", token.lease_id());
         #[cfg(feature = "gpu")]
         let placement = match &self.config.hosts.gpu {
+            // The host's answer is a fact the core takes: no sub-slot, no start.
             Some(gpu) => match gpu.place() {
                 Some(p) => Some(p),
                 None => {
-                    let err = crate::gpu::GpuError::CreateFailed("no usable gpu slot".into());
-                    return self.not_started(key, job_id, shared, reply, AcquireError::Gpu(err));
+                    return self.not_started(key, job_id, shared, reply, PrepareError::NoGpuSlot);
                 }
             },
             None => None,
@@ -60,7 +60,7 @@ impl Shell {
         let args = WorkerArgs {
             body,
             token,
-            more_tokens,
+            more_tokens: more,
             job_id: Arc::clone(&job_id),
             work_root: Arc::clone(&self.config.work_root),
             shared: Arc::clone(&shared),
@@ -82,7 +82,6 @@ impl Shell {
                         job_id,
                         shared: Arc::clone(&shared),
                         reply: Some(reply),
-                        not_started: None,
                         #[cfg(feature = "gpu")]
                         placement,
                     },
@@ -112,20 +111,20 @@ impl Shell {
                 if let (Some(gpu), Some(p)) = (&self.config.hosts.gpu, placement) {
                     gpu.free(p);
                 }
-                let err = BrokerError::new(format!("worker spawn failed: {err}"));
-                self.not_started(key, job_id, shared, reply, AcquireError::Failed(err));
+                let why = PrepareError::WorkerSpawn(err.to_string());
+                self.not_started(key, job_id, shared, reply, why);
             }
         }
     }
 
-    /// A job that could not start: its token goes back, then its caller hears why.
+    /// A job that could not start: the core takes its slots back, then its caller hears why.
     pub(super) fn not_started(
         &mut self,
         key: LeaseKey,
         job_id: Arc<str>,
         shared: Arc<JobShared>,
         reply: oneshot::Sender<RunOutcome>,
-        error: AcquireError,
+        why: PrepareError,
     ) {
         self.jobs.insert(
             key,
@@ -133,12 +132,11 @@ impl Shell {
                 job_id,
                 shared,
                 reply: Some(reply),
-                not_started: Some(error),
                 #[cfg(feature = "gpu")]
                 placement: None,
             },
         );
-        self.core.apply(Input::NotStarted { key });
+        self.core.apply(Input::NotStarted { key, why });
     }
 
     #[cfg_attr(not(feature = "gpu"), allow(unused_variables))]
@@ -181,36 +179,6 @@ impl Shell {
     }
 }
 
-/// Process keys are unique in the process (any supervisor).
-static NEXT_PROCESS: AtomicU64 = AtomicU64::new(1);
-
-impl Reporter {
-    fn send(&self, msg: SupMsg) {
-        // A supervisor that is gone no longer waits for this.
-        let _ = self.inbox.send(msg);
-    }
-
-    /// A job started a process group: its slot now waits for it too.
-    pub(crate) fn process_started(&self, pid: u32) -> u64 {
-        let process = NEXT_PROCESS.fetch_add(1, Ordering::Relaxed);
-        self.send(SupMsg::ProcessStarted {
-            key: self.key,
-            process,
-            pid,
-        });
-        process
-    }
-
-    /// A process group's keeper ended.
-    pub(crate) fn process_ended(&self, process: u64, unproven: Option<Box<dyn Evidence>>) {
-        self.send(SupMsg::ProcessEnded {
-            key: self.key,
-            process,
-            unproven,
-        });
-    }
-}
-
 /// Removes a temp dir (off the mailbox) and reports; past `bound` the slot is quarantined
 /// until the removal ends.
 async fn remove_scratch(
@@ -223,7 +191,7 @@ async fn remove_scratch(
     let result = match tokio::time::timeout(bound, &mut removal).await {
         Ok(result) => result,
         Err(_) => {
-            reporter.send(SupMsg::Late {
+            reporter.input(Input::Late {
                 key: reporter.key,
                 proof: Proof::Scratch,
                 detail: format!("the temp dir was not removed within {bound:?}"),
@@ -263,12 +231,12 @@ impl Driver {
         let mut proofs = Proofs::JOINED;
         if !tracker.is_empty() {
             // Tell the supervisor the body has ended; the tasks are waited for.
-            self.reporter.send(SupMsg::Proven { key, proofs });
+            self.reporter.input(Input::Proven { key, proofs });
             proofs = Proofs::default();
             if let Some(after) = self.drain_timeout
                 && tokio::time::timeout(after, tracker.wait()).await.is_err()
             {
-                self.reporter.send(SupMsg::Late {
+                self.reporter.input(Input::Late {
                     key,
                     proof: Proof::TasksJoined,
                     detail: format!(
@@ -286,9 +254,9 @@ impl Driver {
             let job = self.shared.take_gpu();
             let mut fence = gpu.fence(placement, job).await;
             if let Fence::Late { detail, rest } = fence {
-                self.reporter.send(SupMsg::Proven { key, proofs });
+                self.reporter.input(Input::Proven { key, proofs });
                 proofs = Proofs::default();
-                self.reporter.send(SupMsg::Late {
+                self.reporter.input(Input::Late {
                     key,
                     proof: Proof::GpuFence,
                     detail,
@@ -303,10 +271,10 @@ impl Driver {
                     reason,
                 } => {
                     if !proofs.is_empty() {
-                        self.reporter.send(SupMsg::Proven { key, proofs });
+                        self.reporter.input(Input::Proven { key, proofs });
                         proofs = Proofs::default();
                     }
-                    self.reporter.send(SupMsg::DeviceLost {
+                    self.reporter.input(Input::DeviceLost {
                         key,
                         device,
                         generation,
@@ -316,7 +284,7 @@ impl Driver {
             }
         }
         if !proofs.is_empty() {
-            self.reporter.send(SupMsg::Proven { key, proofs });
+            self.reporter.input(Input::Proven { key, proofs });
         }
     }
 }

@@ -1,0 +1,742 @@
+//! Admission: who gets a slot, and when. The waiter queue (FIFO per priority class, aging
+//! across classes), the multi-slot request gathering at its head, `try_acquire` callers served
+//! in their own turn, the broker acquires in flight, and the tokens in hand.
+//!
+//! Every path that hands a slot to someone — a token from the broker, the slots of a request
+//! that withdrew or was refused while gathering, a grant nobody took, a resize, a reclaim, a
+//! `try_acquire` — puts the token in hand ([`Admission::spare`]) and calls [`Core::admit`], the
+//! one function that grants. It checks, for each token, the capacity in force and whether the
+//! slot is retired (above a lowered pool size), and gives it to whoever is next in line, or
+//! back to the broker; then it asks the broker for what the queue still lacks, within the
+//! capacity, and drops acquires nobody needs any more.
+
+use std::collections::VecDeque;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use super::Core;
+use super::protocol::{Ask, ControlId, Effect, Reply, RequestId, WaiterId, Want};
+use super::record::{Holder, LeaseRecord, Renewal};
+use crate::broker::{BrokerError, SlotToken};
+use crate::error::{AcquireError, ResizeError};
+use crate::job::{PRIORITY_AGING_GRANTS, Priority};
+
+/// A queued waiter in 8 bytes: its id shifted left once, what it wants in the low bit (waiter
+/// ids come from a counter and never reach 2^63). The flood keeps 100 000 of these in a
+/// `VecDeque`: half the size of a `(WaiterId, Want)` pair, about 10 bytes per waiting job.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Queued(u64);
+
+impl Queued {
+    pub(super) fn new(waiter: WaiterId, want: Want) -> Self {
+        debug_assert!(waiter < 1 << 63, "waiter id {waiter} out of range");
+        Self(waiter << 1 | u64::from(want == Want::Job))
+    }
+
+    pub(super) fn waiter(self) -> WaiterId {
+        self.0 >> 1
+    }
+
+    pub(super) fn want(self) -> Want {
+        if self.0 & 1 == 1 {
+            Want::Job
+        } else {
+            Want::Lease
+        }
+    }
+}
+
+/// A queued waiter and its deadline under the aging rule (see [`Priority`]).
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    queued: Queued,
+    deadline: u64,
+}
+
+/// The waiters: FIFO within each priority class, the earliest deadline first across classes,
+/// with O(1) withdrawal (lazy deletion).
+#[derive(Debug, Default)]
+pub(super) struct WaitQueue {
+    classes: [VecDeque<Entry>; Priority::COUNT],
+    live: FxHashSet<WaiterId>,
+    /// The slots of the waiters that want more than one (absent: one).
+    multi: FxHashMap<WaiterId, u32>,
+    /// Slots wanted by the live waiters, all together.
+    wanted: usize,
+    /// Waiters served so far: the clock of the aging rule.
+    pub(super) served: u64,
+}
+
+impl WaitQueue {
+    pub(super) fn push(&mut self, waiter: WaiterId, ask: Ask) {
+        if !self.live.insert(waiter) {
+            return;
+        }
+        if ask.slots > 1 {
+            self.multi.insert(waiter, ask.slots);
+        }
+        self.wanted += ask.slots as usize;
+        let rank = ask.priority.rank();
+        let deadline = self.served + rank as u64 * PRIORITY_AGING_GRANTS;
+        self.classes[rank].push_back(Entry {
+            queued: Queued::new(waiter, ask.want),
+            deadline,
+        });
+    }
+
+    /// Takes a waiter out of the queue; its slots, if it was in it.
+    pub(super) fn remove(&mut self, waiter: WaiterId) -> Option<u32> {
+        if !self.live.remove(&waiter) {
+            return None;
+        }
+        let slots = self.slots_of(waiter);
+        self.wanted -= slots as usize;
+        // Withdrawn ids stay queued until popped; compact when they dominate, so that a
+        // long-lived head with many withdrawn waiters behind it cannot grow the queue without
+        // bound (amortised O(1) per withdrawal).
+        let queued: usize = self.classes.iter().map(VecDeque::len).sum();
+        if queued > 2 * self.live.len() + 16 {
+            let live = &self.live;
+            for class in &mut self.classes {
+                class.retain(|e| live.contains(&e.queued.waiter()));
+            }
+        }
+        Some(slots)
+    }
+
+    /// The class whose live front is served next: the earliest deadline, then the earliest
+    /// caller. Drops withdrawn entries from the fronts.
+    fn next_class(&mut self) -> Option<usize> {
+        let live = &self.live;
+        let mut best: Option<(u64, WaiterId, usize)> = None;
+        for (rank, class) in self.classes.iter_mut().enumerate() {
+            while let Some(e) = class.front() {
+                if live.contains(&e.queued.waiter()) {
+                    break;
+                }
+                class.pop_front();
+            }
+            if let Some(e) = class.front() {
+                let key = (e.deadline, e.queued.waiter(), rank);
+                if best.is_none_or(|b| key < b) {
+                    best = Some(key);
+                }
+            }
+        }
+        best.map(|(_, _, rank)| rank)
+    }
+
+    /// Serves the next waiter: who, what it wants, its slots, its class.
+    pub(super) fn pop(&mut self) -> Option<Served> {
+        loop {
+            // One class in use (the common case): its front, withdrawn entries skipped here.
+            let rank = match self.classes.iter().filter(|c| !c.is_empty()).count() {
+                0 => return None,
+                1 => self.classes.iter().position(|c| !c.is_empty())?,
+                _ => self.next_class()?,
+            };
+            let entry = self.classes[rank].pop_front()?;
+            let waiter = entry.queued.waiter();
+            if !self.live.remove(&waiter) {
+                continue;
+            }
+            let slots = self.slots_of(waiter);
+            self.wanted -= slots as usize;
+            self.served += 1;
+            return Some(Served {
+                waiter,
+                want: entry.queued.want(),
+                slots,
+                priority: PRIORITIES[rank],
+            });
+        }
+    }
+
+    /// Takes a leaving waiter's slot count out of `multi` (one when it is not there).
+    fn slots_of(&mut self, waiter: WaiterId) -> u32 {
+        if self.multi.is_empty() {
+            return 1;
+        }
+        self.multi.remove(&waiter).unwrap_or(1)
+    }
+
+    /// The waiter served next, without removing it.
+    pub(super) fn head(&mut self) -> Option<WaiterId> {
+        let rank = self.next_class()?;
+        self.classes[rank].front().map(|e| e.queued.waiter())
+    }
+
+    /// Waiters asking for more slots than `capacity`, in id order.
+    fn over(&self, capacity: u32) -> Vec<(WaiterId, u32)> {
+        let mut over: Vec<(WaiterId, u32)> = self
+            .multi
+            .iter()
+            .filter(|(_, slots)| **slots > capacity)
+            .map(|(w, s)| (*w, *s))
+            .collect();
+        over.sort_unstable();
+        over
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    fn shrink(&mut self) {
+        for class in &mut self.classes {
+            super::shrink_deque(class);
+        }
+        super::shrink_set(&mut self.live);
+        super::shrink_map(&mut self.multi);
+    }
+}
+
+/// The classes by rank.
+const PRIORITIES: [Priority; Priority::COUNT] = [Priority::High, Priority::Normal, Priority::Low];
+
+/// A waiter taken from the queue (or a `try_acquire` caller) to be served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Served {
+    pub(super) waiter: WaiterId,
+    pub(super) want: Want,
+    pub(super) slots: u32,
+    pub(super) priority: Priority,
+}
+
+/// A waiter being served that gathers its tokens (a multi-slot request at the head of the
+/// queue, or a `try_acquire` caller whose tokens are on their way).
+#[derive(Debug)]
+struct Gather {
+    served: Served,
+    tokens: Vec<SlotToken>,
+}
+
+impl Gather {
+    fn missing(&self) -> usize {
+        self.served.slots as usize - self.tokens.len()
+    }
+}
+
+/// Admission's state. Its one granting function is [`Core::admit`].
+#[derive(Debug)]
+pub(super) struct Admission {
+    /// The capacity in force: the broker's (or the pool's size), capped by the GPU sub-slots.
+    pub(super) capacity: Option<usize>,
+    /// The supervisor's own in-process pool's size (its slots are numbered `0..pool`, and
+    /// those at or above it are retired): `None` for any other broker. Only the pool's
+    /// capacity is exact and nobody else takes from it, so only it serves multi-slot leases,
+    /// `try_acquire` and resizing.
+    pub(super) pool: Option<u32>,
+    /// GPU sub-slots, which cap the capacity.
+    pub(super) gpu_cap: Option<u32>,
+    pub(super) queue: WaitQueue,
+    /// The multi-slot waiter at the head, gathering its tokens.
+    gather: Option<Gather>,
+    /// `try_acquire` callers admitted in their turn, their tokens on the way.
+    tries: Vec<Gather>,
+    /// Broker acquires in flight for the queue.
+    acquiring: FxHashSet<RequestId>,
+    /// Broker acquires in flight for one `try_acquire` caller.
+    bound: FxHashMap<RequestId, WaiterId>,
+    next_request: RequestId,
+    /// Tokens in hand, not yet placed (with the `try_acquire` caller they were asked for).
+    spare: Vec<(SlotToken, Option<WaiterId>)>,
+}
+
+impl Admission {
+    pub(super) fn new(capacity: Option<u32>, pool: Option<u32>, gpu_cap: Option<u32>) -> Self {
+        Self {
+            capacity: capacity.map(|c| c as usize),
+            pool,
+            gpu_cap,
+            queue: WaitQueue::default(),
+            gather: None,
+            tries: Vec::new(),
+            acquiring: FxHashSet::default(),
+            bound: FxHashMap::default(),
+            next_request: 1,
+            spare: Vec::new(),
+        }
+    }
+
+    fn exact(&self) -> bool {
+        self.pool.is_some()
+    }
+
+    /// Above a lowered pool size: never handed on.
+    fn retired(&self, token: SlotToken) -> bool {
+        self.pool.is_some_and(|size| token.slot_id() >= size)
+    }
+
+    /// Tokens held by waiters being served, and in hand.
+    fn gathered(&self) -> usize {
+        self.gather.as_ref().map_or(0, |g| g.tokens.len())
+            + self.tries.iter().map(|t| t.tokens.len()).sum::<usize>()
+            + self.spare.len()
+    }
+
+    /// Slots the queue still lacks: its waiters', and what the gathering head misses.
+    fn queue_demand(&self) -> usize {
+        self.queue.wanted + self.gather.as_ref().map_or(0, Gather::missing)
+    }
+
+    /// Waiters that are not served yet.
+    pub(super) fn waiting(&self) -> usize {
+        self.queue.len() + self.tries.len() + usize::from(self.gather.is_some())
+    }
+
+    fn next_request(&mut self) -> RequestId {
+        let request = self.next_request;
+        self.next_request += 1;
+        request
+    }
+
+    /// Slots gathered by a waiter being served that a lowered pool size has retired go back in
+    /// hand (a `try_acquire` caller's with its id), to be returned to the broker by `admit`.
+    fn strip_retired(&mut self) {
+        let Some(size) = self.pool else {
+            return;
+        };
+        let gathering = self.gather.iter_mut().map(|g| (g, None));
+        let trying = self.tries.iter_mut().map(|t| {
+            let waiter = t.served.waiter;
+            (t, Some(waiter))
+        });
+        for (g, tried) in gathering.chain(trying) {
+            g.tokens.retain(|t| {
+                let retired = t.slot_id() >= size;
+                if retired {
+                    self.spare.push((*t, tried));
+                }
+                !retired
+            });
+        }
+    }
+
+    /// The next token in hand to place: a retired one first, so that a lowered capacity sheds
+    /// the slots above the pool's new size before any other.
+    fn next_spare(&mut self) -> Option<(SlotToken, Option<WaiterId>)> {
+        if self.spare.is_empty() {
+            return None;
+        }
+        let i = self
+            .spare
+            .iter()
+            .position(|(t, _)| self.retired(*t))
+            .unwrap_or(0);
+        Some(self.spare.remove(i))
+    }
+
+    pub(super) fn shrink(&mut self) {
+        self.queue.shrink();
+        super::shrink_set(&mut self.acquiring);
+        super::shrink_map(&mut self.bound);
+    }
+}
+
+impl Core {
+    /// Slots held or on their way: every lease's tokens not yet released, the gathering
+    /// waiters', those in hand.
+    pub(super) fn held_slots(&self) -> usize {
+        self.book.tally().held + self.admission.gathered()
+    }
+
+    /// Slots committed to callers (or in hand): those whose release is in flight no longer
+    /// count. A token may be given to a waiter only while this stays within the capacity.
+    fn committed(&self) -> usize {
+        let t = self.book.tally();
+        t.held - t.releasing + self.admission.gathered()
+    }
+
+    /// Tokens that may still be asked for without passing the capacity (a release in flight
+    /// still holds its slot at the broker).
+    fn room(&self) -> usize {
+        match self.admission.capacity {
+            Some(cap) => cap.saturating_sub(
+                self.held_slots() + self.admission.acquiring.len() + self.admission.bound.len(),
+            ),
+            None => usize::MAX,
+        }
+    }
+
+    pub(super) fn enqueue(&mut self, waiter: WaiterId, ask: Ask) {
+        let a = &self.admission;
+        let refuse = if !self.ending.is_serving() {
+            Some(AcquireError::Stopped)
+        } else if (ask.slots > 1 || ask.now_only) && !a.exact() {
+            Some(AcquireError::Unsupported(if ask.now_only {
+                "try_acquire"
+            } else {
+                "multi-slot leases"
+            }))
+        } else if ask.slots == 0 || a.capacity.is_some_and(|c| ask.slots as usize > c) {
+            Some(AcquireError::SlotCount {
+                wanted: ask.slots,
+                capacity: a.capacity.map_or(u32::MAX, |c| c as u32),
+            })
+        } else if ask.now_only
+            && (a.queue.len() > 0 || a.gather.is_some() || self.room() < ask.slots as usize)
+        {
+            // Nobody may be overtaken, and the slots must be free now.
+            Some(AcquireError::NoSlotFree)
+        } else {
+            None
+        };
+        if let Some(error) = refuse {
+            return self.fx.push(Effect::Refuse { waiter, error });
+        }
+        if !ask.now_only {
+            return self.admission.queue.push(waiter, ask);
+        }
+        // Served in this turn: its own acquires (the pool answers them at once).
+        self.admission.tries.push(Gather {
+            served: Served {
+                waiter,
+                want: ask.want,
+                slots: ask.slots,
+                priority: ask.priority,
+            },
+            tokens: Vec::with_capacity(ask.slots as usize),
+        });
+        for _ in 0..ask.slots {
+            let request = self.admission.next_request();
+            self.admission.bound.insert(request, waiter);
+            self.fx.push(Effect::Acquire {
+                request,
+                for_waiter: None,
+            });
+        }
+    }
+
+    /// A waiter leaves without a slot (cancelled, timed out, refused): from the queue, from the
+    /// `try_acquire` callers, or from the head while gathering (its tokens go back in hand).
+    /// Ignored once it has been served. Whether it was there.
+    pub(super) fn withdraw(&mut self, waiter: WaiterId, error: AcquireError) -> bool {
+        let a = &mut self.admission;
+        if a.queue.remove(waiter).is_some() {
+            self.fx.push(Effect::Refuse { waiter, error });
+            return true;
+        }
+        if let Some(i) = a.tries.iter().position(|t| t.served.waiter == waiter) {
+            let tried = a.tries.swap_remove(i);
+            // Its acquires still in flight now serve the queue (or are dropped by `admit`).
+            let orphaned: Vec<RequestId> = a
+                .bound
+                .iter()
+                .filter(|(_, w)| **w == waiter)
+                .map(|(r, _)| *r)
+                .collect();
+            for request in orphaned {
+                a.bound.remove(&request);
+                a.acquiring.insert(request);
+            }
+            a.spare.extend(tried.tokens.into_iter().map(|t| (t, None)));
+            self.fx.push(Effect::Refuse { waiter, error });
+            return true;
+        }
+        if a.gather.as_ref().is_some_and(|g| g.served.waiter == waiter) {
+            let gather = a.gather.take().expect("checked");
+            a.spare.extend(gather.tokens.into_iter().map(|t| (t, None)));
+            self.fx.push(Effect::Refuse { waiter, error });
+            return true;
+        }
+        false
+    }
+
+    /// The waiter that hears a broker's failure: the longest waiter (the gathering head first,
+    /// whose tokens then go back in hand). Tokens and failures alike are fungible.
+    fn refuse_longest(&mut self, error: AcquireError) {
+        if let Some(g) = &self.admission.gather {
+            let waiter = g.served.waiter;
+            self.withdraw(waiter, error);
+        } else if let Some(served) = self.admission.queue.pop() {
+            self.fx.push(Effect::Refuse {
+                waiter: served.waiter,
+                error,
+            });
+        }
+    }
+
+    pub(super) fn acquired(&mut self, request: RequestId, result: Result<SlotToken, BrokerError>) {
+        let queued = self.admission.acquiring.remove(&request);
+        let tried = self.admission.bound.remove(&request);
+        let failure = match result {
+            Ok(token) => match self.book.check_token(token) {
+                Ok(()) => {
+                    self.admission.spare.push((token, tried));
+                    return;
+                }
+                Err(refused) => {
+                    // Not released: releasing a duplicate could free the live holder's slot.
+                    self.fx.push(Effect::TokenRefused(refused.clone()));
+                    BrokerError::invalid_response(refused)
+                }
+            },
+            Err(err) => err,
+        };
+        let error = AcquireError::Failed(failure);
+        match tried {
+            Some(waiter) => {
+                self.withdraw(waiter, error);
+            }
+            None if queued => self.refuse_longest(error),
+            // An aborted acquire's failure: nobody waits for it.
+            None => {}
+        }
+    }
+
+    /// `resize`: validated and applied here. Lowering the capacity never revokes a lease: it
+    /// takes effect as slots come back, and those above the new size are retired.
+    pub(super) fn resize(&mut self, control: ControlId, slots: u32) {
+        let a = &mut self.admission;
+        let reply = if !self.ending.is_serving() {
+            Err(ResizeError::Stopped)
+        } else if slots == 0 {
+            Err(ResizeError::Zero)
+        } else if !a.exact() {
+            Err(ResizeError::Unsupported)
+        } else {
+            a.pool = Some(slots);
+            let capacity = a.gpu_cap.map_or(slots, |gpu| slots.min(gpu));
+            a.capacity = Some(capacity as usize);
+            a.strip_retired();
+            self.fx.push(Effect::ResizePool { slots });
+            // Waiters that can no longer ever be served hear it now.
+            let error = |wanted| AcquireError::SlotCount { wanted, capacity };
+            for (waiter, wanted) in self.admission.queue.over(capacity) {
+                self.withdraw(waiter, error(wanted));
+            }
+            if let Some(g) = &self.admission.gather
+                && g.served.slots > capacity
+            {
+                let Served { waiter, slots, .. } = g.served;
+                self.withdraw(waiter, error(slots));
+            }
+            Ok(capacity)
+        };
+        self.fx.push(Effect::Reply {
+            control,
+            reply: Reply::Resized(reply),
+        });
+    }
+
+    /// The one function that grants. Places every token in hand — a retired one, or one that
+    /// would take the slots committed past the capacity in force, goes back to the broker;
+    /// the others go to the `try_acquire` caller they were asked for, the gathering head, or
+    /// the next waiter in line (or back, when nobody waits) — then asks the broker for what the
+    /// queue still lacks, within the capacity, and drops acquires nobody needs any more.
+    pub(super) fn admit(&mut self) {
+        let serving = self.ending.is_serving();
+        while let Some((token, tried)) = self.admission.next_spare() {
+            // `committed` no longer counts this token: it is out of hand.
+            let over = self
+                .admission
+                .capacity
+                .is_some_and(|cap| self.committed() + 1 > cap);
+            #[cfg(test)]
+            let over = over && !Self::mutated(tried);
+            #[cfg(test)]
+            let retired = self.admission.retired(token) && !Self::mutated(tried);
+            #[cfg(not(test))]
+            let retired = self.admission.retired(token);
+            if !serving || over || retired {
+                if let Some(waiter) = tried {
+                    self.withdraw(waiter, AcquireError::NoSlotFree);
+                }
+                self.return_surplus(token);
+                continue;
+            }
+            if let Some(waiter) = tried
+                && let Some(i) = self
+                    .admission
+                    .tries
+                    .iter()
+                    .position(|t| t.served.waiter == waiter)
+            {
+                self.admission.tries[i].tokens.push(token);
+                if self.admission.tries[i].missing() == 0 {
+                    let done = self.admission.tries.swap_remove(i);
+                    self.deliver_gathered(done);
+                }
+                continue;
+            }
+            if let Some(g) = &mut self.admission.gather {
+                g.tokens.push(token);
+                if g.missing() == 0 {
+                    let done = self.admission.gather.take().expect("checked");
+                    self.deliver_gathered(done);
+                }
+                continue;
+            }
+            match self.admission.queue.pop() {
+                Some(served) if served.slots == 1 => self.deliver(served, token, Box::default()),
+                Some(served) => {
+                    let mut tokens = Vec::with_capacity(served.slots as usize);
+                    tokens.push(token);
+                    self.admission.gather = Some(Gather { served, tokens });
+                }
+                None => self.return_surplus(token),
+            }
+        }
+        if !serving {
+            return;
+        }
+        let a = &self.admission;
+        let (demand, asked) = (a.queue_demand(), a.acquiring.len());
+        if demand > asked {
+            let n = (demand - asked).min(self.room());
+            // The head's id travels with each request, as a hint (tokens are fungible); the
+            // supervisor's own pool has no use for it.
+            let for_waiter = match (n, &self.admission.gather) {
+                (0, _) => None,
+                _ if self.admission.exact() => None,
+                (_, Some(g)) => Some(g.served.waiter),
+                _ => self.admission.queue.head(),
+            };
+            for _ in 0..n {
+                let request = self.admission.next_request();
+                self.admission.acquiring.insert(request);
+                self.fx.push(Effect::Acquire {
+                    request,
+                    for_waiter,
+                });
+            }
+        } else if asked > demand && !self.admission.exact() {
+            // Nobody needs what these would bring: drop the newest (a broker must not keep a
+            // queue place for a dropped acquire). An answer already on its way arrives anyway
+            // and is placed like any token in hand. (The pool answers every acquire in the turn
+            // it is asked: there is never one to drop.)
+            let mut newest: Vec<RequestId> = self.admission.acquiring.iter().copied().collect();
+            newest.sort_unstable_by(|a, b| b.cmp(a));
+            for request in newest.into_iter().take(asked - demand) {
+                self.admission.acquiring.remove(&request);
+                self.fx.push(Effect::AbortAcquire { request });
+            }
+        }
+    }
+
+    /// Whether a mutant skips the checks for this token (tests only).
+    #[cfg(test)]
+    fn mutated(tried: Option<WaiterId>) -> bool {
+        match mutants::active() {
+            mutants::HAND_ON_UNCHECKED => tried.is_none(),
+            mutants::TRY_UNCHECKED => tried.is_some(),
+            _ => false,
+        }
+    }
+
+    /// Shutdown: every waiter not served yet hears `SUPERVISOR_STOPPED`, every acquire in
+    /// flight is dropped; their tokens go back. Returns how many waiters were refused.
+    pub(super) fn refuse_everyone(&mut self) -> usize {
+        let mut waiters: Vec<WaiterId> = Vec::new();
+        if let Some(g) = &self.admission.gather {
+            waiters.push(g.served.waiter);
+        }
+        waiters.extend(self.admission.tries.iter().map(|t| t.served.waiter));
+        let mut refused = 0;
+        for waiter in waiters {
+            refused += usize::from(self.withdraw(waiter, AcquireError::Stopped));
+        }
+        while let Some(served) = self.admission.queue.pop() {
+            refused += 1;
+            self.fx.push(Effect::Refuse {
+                waiter: served.waiter,
+                error: AcquireError::Stopped,
+            });
+        }
+        let mut requests: Vec<RequestId> = self.admission.acquiring.drain().collect();
+        requests.extend(self.admission.bound.drain().map(|(r, _)| r));
+        requests.sort_unstable();
+        for request in requests {
+            self.fx.push(Effect::AbortAcquire { request });
+        }
+        refused
+    }
+
+    fn deliver_gathered(&mut self, done: Gather) {
+        let mut tokens = done.tokens.into_iter();
+        let first = tokens.next().expect("a gathered waiter has tokens");
+        self.deliver(done.served, first, tokens.collect());
+    }
+
+    fn deliver(&mut self, served: Served, token: SlotToken, more: Box<[SlotToken]>) {
+        let holder = match served.want {
+            Want::Lease => Holder::Explicit,
+            Want::Job => Holder::Job,
+        };
+        let mut record = LeaseRecord::new(token, more.clone(), holder, served.priority);
+        if self.renews {
+            record.renewal = Renewal::Running;
+        }
+        self.counters.acquired_total += record.slots() as u64;
+        let key = self.book.insert(record);
+        if self.renews {
+            self.fx.push(Effect::StartRenewal { key, token });
+        }
+        self.fx.push(Effect::Deliver {
+            waiter: served.waiter,
+            key,
+            token,
+            more,
+        });
+    }
+
+    /// A token nobody may use: held as a surplus lease while it goes straight back.
+    fn return_surplus(&mut self, token: SlotToken) {
+        self.counters.acquired_total += 1;
+        let key = self.book.insert(LeaseRecord::new(
+            token,
+            Box::default(),
+            Holder::Surplus,
+            Priority::Normal,
+        ));
+        self.start_release(key);
+    }
+
+    /// A grant nobody took (its caller left): not counted, and its tokens go back in hand.
+    pub(super) fn undelivered(&mut self, key: crate::supervisor::core::LeaseKey) {
+        let fits = self
+            .book
+            .get(key)
+            .is_some_and(|r| r.holder != Holder::Surplus && !r.is_releasing());
+        if !fits {
+            return self.fx.illegal(format_args!(
+                "undelivered lease {key} was not being delivered"
+            ));
+        }
+        let record = self.book.remove(key).expect("checked");
+        self.counters.acquired_total -= record.slots() as u64;
+        if record.renewal == Renewal::Running {
+            self.fx.push(Effect::StopRenewal { key });
+        }
+        self.fx.push(Effect::Forget { key });
+        self.admission
+            .spare
+            .extend(record.tokens().map(|t| (t, None)));
+    }
+}
+
+/// Faults that can be put back into [`Core::admit`] on one thread, to show that the model tests
+/// catch them (see `tests/pool_model.rs`).
+#[cfg(test)]
+pub(crate) mod mutants {
+    use std::cell::Cell;
+
+    pub(crate) const NONE: u8 = 0;
+    /// Tokens in hand go to the gathering head or the queue without the capacity check.
+    pub(crate) const HAND_ON_UNCHECKED: u8 = 1;
+    /// A `try_acquire` caller's tokens are given to it without the capacity check.
+    pub(crate) const TRY_UNCHECKED: u8 = 2;
+
+    thread_local! {
+        static ACTIVE: Cell<u8> = const { Cell::new(NONE) };
+    }
+
+    pub(crate) fn set(mutant: u8) {
+        ACTIVE.set(mutant);
+    }
+
+    pub(super) fn active() -> u8 {
+        ACTIVE.get()
+    }
+}

@@ -1,0 +1,349 @@
+//! The pure core of the supervisor: every decision of the release pipeline, as data.
+//!
+//! No tokio, no ractor, no I/O, no clock. The actor shell turns each message it receives into
+//! an [`Input`], applies it here, and performs the [`Effect`]s this returns, in order; it
+//! decides nothing itself. The model-based tests drive this type directly, and the simulation
+//! test drives the real actor around it.
+//!
+//! The core is split by concern, one room each, and the state by field, so that a handler
+//! borrows the part it changes and the effect list at once:
+//!
+//! - [`protocol`]: the ids, [`Input`], [`Effect`] and the answers they carry;
+//! - [`admission`]: the queue, the gathering head, `try_acquire`, the broker acquires in
+//!   flight, the tokens in hand, and [`Core::admit`], the one function that grants;
+//! - [`record`]: one lease ([`LeaseRecord`]): what it owes ([`Owed`]), its reasons, its phase;
+//! - [`book`]: every record, the duplicate-token indexes, and the tallies in slots;
+//! - [`pipeline`]: a lease's proofs, its temp dir, its release token by token, its answer;
+//! - [`quarantine`]: listing, re-checks and reclaim;
+//! - [`shutdown`]: invariant 8, step by step.
+//!
+//! # A lease's life
+//!
+//! Each lease carries what is still owed before its slots may be reused (the crate's
+//! DESIGN.md, section 2): the worker's physical end (its task joined, its supervision event
+//! handled, every tracked task and blocking closure joined, every process group proven empty,
+//! every GPU submission completed); then its temp dir removed, started only once every proof
+//! above is in; then the broker release, started only once nothing else is owed.
+//!
+//! A proof that is not in within its bound does not hold the caller: the lease is
+//! *quarantined* with a [`Reason`] attached to that proof, the caller hears
+//! `LEASE_CLEANUP_UNCONFIRMED` (or `LEASE_GPU_DEVICE_LOST`) at once, and the slots stay held,
+//! counted and reported. A reason goes away only with the proof it waits for.
+//!
+//! Nothing here panics on an input that does not fit the state (a proof for a lease that is
+//! gone, a second release): such an input changes nothing and is reported as
+//! [`Effect::Illegal`] or ignored, in every build.
+
+mod admission;
+mod book;
+mod pipeline;
+pub(crate) mod protocol;
+mod quarantine;
+pub(crate) mod record;
+mod shutdown;
+
+use std::collections::VecDeque;
+use std::fmt;
+
+pub(crate) use self::protocol::{
+    Answer, Ask, ControlId, Effect, Input, LeaseKey, QuarantineEntry, RecheckFor, Rechecked, Reply,
+    RequestId, StopTally, WaiterId, Want, Withdrawal,
+};
+pub(crate) use self::record::{Holder, LeaseRecord, Phase, Proof, Proofs};
+
+use self::admission::Admission;
+use self::book::Book;
+use self::shutdown::Ending;
+
+/// Monotonic counters, in slots: every slot granted (a k-slot lease counts k) and every broker
+/// release, one per slot.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Counters {
+    pub(crate) acquired_total: u64,
+    pub(crate) released_total: u64,
+    pub(crate) release_failed_total: u64,
+    pub(crate) orphan_expired_total: u64,
+}
+
+/// The figures `Stats` shows, all in slots but `waiting` and `leases`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Figures {
+    /// Slots held and not quarantined (running, draining, releasing).
+    pub(crate) active: usize,
+    pub(crate) waiting: usize,
+    pub(crate) quarantined: usize,
+    pub(crate) draining: usize,
+    pub(crate) held_slots: usize,
+    pub(crate) leases: usize,
+    pub(crate) capacity: Option<usize>,
+    pub(crate) counters: Counters,
+}
+
+/// The effects of the inputs applied so far, in order.
+#[derive(Debug, Default)]
+pub(crate) struct Effects(VecDeque<Effect>);
+
+impl Effects {
+    pub(crate) fn push(&mut self, effect: Effect) {
+        self.0.push_back(effect);
+    }
+
+    fn illegal(&mut self, what: fmt::Arguments<'_>) {
+        self.push(Effect::Illegal(what.to_string()));
+    }
+}
+
+/// How a core is set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CoreConfig {
+    /// The capacity granted up to: the broker's (the pool's size), capped by the GPU sub-slots;
+    /// `None` when the broker does not say.
+    pub(crate) capacity: Option<u32>,
+    /// The supervisor's own in-process pool's size: its tokens are trusted, and it serves
+    /// multi-slot leases, `try_acquire` and resizing. `None` for any other broker.
+    pub(crate) pool: Option<u32>,
+    /// The GPU sub-slots, when the supervisor owns GPU devices (close them at shutdown; they
+    /// cap the capacity after a resize).
+    pub(crate) gpu_slots: Option<u32>,
+    /// The broker renews leases (start a renewal per grant).
+    pub(crate) renews: bool,
+}
+
+/// The core: admission, the lease book, shutdown, the counters and the effects.
+#[derive(Debug)]
+pub(crate) struct Core {
+    renews: bool,
+    admission: Admission,
+    book: Book,
+    ending: Ending,
+    /// Re-checks asked for and not yet reported.
+    rechecks: usize,
+    counters: Counters,
+    fx: Effects,
+}
+
+impl Core {
+    pub(crate) fn with(config: CoreConfig) -> Self {
+        Self {
+            renews: config.renews,
+            admission: Admission::new(config.capacity, config.pool, config.gpu_slots),
+            book: Book::new(config.pool.is_none()),
+            ending: Ending::new(config.gpu_slots.is_some()),
+            rechecks: 0,
+            counters: Counters::default(),
+            fx: Effects::default(),
+        }
+    }
+
+    /// A core on a broker other than the supervisor's pool (tests).
+    #[cfg(test)]
+    pub(crate) fn new(capacity: Option<u32>, renews: bool, gpu: bool) -> Self {
+        Self::with(CoreConfig {
+            capacity,
+            pool: None,
+            gpu_slots: gpu.then_some(u32::MAX),
+            renews,
+        })
+    }
+
+    /// A core on the supervisor's own pool of `slots` (tests).
+    #[cfg(test)]
+    pub(crate) fn pool(slots: u32) -> Self {
+        Self::with(CoreConfig {
+            capacity: Some(slots),
+            pool: Some(slots),
+            gpu_slots: None,
+            renews: false,
+        })
+    }
+
+    /// The next effect to perform. Performing it may apply more inputs, whose effects queue
+    /// behind the ones already here.
+    pub(crate) fn pop_effect(&mut self) -> Option<Effect> {
+        self.fx.0.pop_front()
+    }
+
+    /// Applies one input, then admits: whatever the input freed or brought is placed, and what
+    /// the queue lacks is asked for.
+    pub(crate) fn apply(&mut self, input: Input) {
+        match input {
+            Input::Enqueue { waiter, ask } => self.enqueue(waiter, ask),
+            Input::Withdraw { waiter, why } => {
+                self.withdraw(waiter, why.into_error());
+            }
+            Input::Resize { control, slots } => self.resize(control, slots),
+            Input::CancelById {
+                control,
+                waiters,
+                leases,
+            } => self.cancel_by_id(control, waiters, leases),
+            Input::ListQuarantine { control } => self.list_quarantine(control),
+            Input::Reclaim { control } => self.recheck(RecheckFor::Reclaim(control)),
+            Input::Rechecked {
+                results,
+                leases,
+                purpose,
+            } => self.rechecked(results, leases, purpose),
+            Input::Acquired { request, result } => self.acquired(request, result),
+            Input::Undelivered { key } => self.undelivered(key),
+            Input::NotStarted { key, why } => self.not_started(key, why),
+            Input::Unprepared { key, why } => self.unprepared(key, why),
+            Input::Started { key, device } => self.started(key, device),
+            Input::Proven { key, proofs } => self.proven(key, proofs, None),
+            Input::ProvenOne { key, proof } => match proof {
+                Proof::Process(p) => self.proven(key, Proofs::default(), Some(p)),
+                other => self.proven(key, Proofs::of(other), None),
+            },
+            Input::ProcessStarted { key, process } => {
+                let fits = self.book.edit(key, |r| {
+                    let fits = r.holder == Holder::Job && r.owed.owes(Proof::TasksJoined);
+                    if fits {
+                        r.owed.add(Proof::Process(process));
+                    }
+                    fits
+                });
+                if fits != Some(true) {
+                    self.fx
+                        .illegal(format_args!("process {process} started for lease {key}"));
+                }
+            }
+            Input::Late { key, proof, detail } => {
+                self.missing(key, proof, record::Why::Late, detail, None)
+            }
+            Input::Unproven { key, proof, detail } => {
+                self.missing(key, proof, record::Why::Unproven, detail, None)
+            }
+            Input::ScratchFailed { key, detail, error } => self.scratch_failed(key, detail, error),
+            Input::DeviceLost {
+                key,
+                device,
+                generation,
+                reason,
+            } => self.device_lost(key, device, generation, reason),
+            Input::DeviceReplaced { device, generation } => {
+                self.device_replaced(device, generation)
+            }
+            Input::ReleaseRequested { key } => self.release_requested(key),
+            Input::Released { key, result } => self.released(key, result),
+            Input::LeaseLost { key, reason } => self.lease_lost(key, reason),
+            Input::OrphanExpired => {
+                self.counters.orphan_expired_total += 1;
+                self.fx.push(Effect::OrphanCounted);
+            }
+            Input::Shutdown => self.shutdown(),
+            Input::ShutdownGraceOver => self.shutdown_grace_over(),
+            Input::ShutdownDeadline => self.shutdown_deadline(),
+            Input::GpuClosed => self.gpu_closed(),
+        }
+        self.admit();
+    }
+
+    /// After a batch of inputs: finish a shutdown that has nothing left to wait for.
+    pub(crate) fn settle(&mut self) {
+        self.admit();
+        self.maybe_stopped();
+    }
+
+    /// Moves the keys of the leases touched since the last call into `into` (sorted, once
+    /// each).
+    pub(crate) fn take_touched(&mut self, into: &mut Vec<LeaseKey>) {
+        self.book.take_touched(into);
+    }
+
+    /// Gives back the memory a flood left behind (amortised O(1)).
+    pub(crate) fn shrink_idle(&mut self) {
+        self.admission.shrink();
+        self.book.shrink();
+        // One batch of a flood can ask for tens of thousands of effects at once.
+        shrink_deque(&mut self.fx.0);
+    }
+
+    // --- views (no decisions: what the lease table and `Stats` show) ---
+
+    /// One lease, for its table row.
+    pub(crate) fn view(&self, key: LeaseKey) -> Option<&LeaseRecord> {
+        self.book.get(key)
+    }
+
+    pub(crate) fn figures(&self) -> Figures {
+        let t = self.book.tally();
+        Figures {
+            active: t.held - t.quarantined,
+            waiting: self.admission.waiting(),
+            quarantined: t.quarantined,
+            draining: t.draining,
+            held_slots: self.held_slots(),
+            leases: t.leases,
+            capacity: self.admission.capacity,
+            counters: self.counters,
+        }
+    }
+
+    /// Waiters served from the queue so far: the aging rule's clock.
+    #[cfg(test)]
+    pub(crate) fn served(&self) -> u64 {
+        self.admission.queue.served
+    }
+
+    #[cfg(test)]
+    pub(crate) fn has_effects(&self) -> bool {
+        !self.fx.0.is_empty()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn lease(&self, key: LeaseKey) -> Option<&LeaseRecord> {
+        self.book.get(key)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn active(&self) -> usize {
+        self.figures().active
+    }
+
+    #[cfg(test)]
+    pub(crate) fn quarantined(&self) -> usize {
+        self.figures().quarantined
+    }
+
+    #[cfg(test)]
+    pub(crate) fn waiting(&self) -> usize {
+        self.figures().waiting
+    }
+
+    #[cfg(test)]
+    pub(crate) fn counters(&self) -> Counters {
+        self.counters
+    }
+}
+
+/// Map capacity kept however empty a map gets.
+const SHRINK_FLOOR: usize = 64;
+
+/// Gives back most of a map's capacity once it is at most a quarter full.
+pub(crate) fn shrink_map<K: Eq + std::hash::Hash, V, S: std::hash::BuildHasher>(
+    map: &mut std::collections::HashMap<K, V, S>,
+) {
+    let cap = map.capacity();
+    if cap > SHRINK_FLOOR && map.len() <= cap / 4 {
+        map.shrink_to((map.len() * 2).max(SHRINK_FLOOR));
+    }
+}
+
+fn shrink_set<K: Eq + std::hash::Hash, S: std::hash::BuildHasher>(
+    set: &mut std::collections::HashSet<K, S>,
+) {
+    let cap = set.capacity();
+    if cap > SHRINK_FLOOR && set.len() <= cap / 4 {
+        set.shrink_to((set.len() * 2).max(SHRINK_FLOOR));
+    }
+}
+
+fn shrink_deque<T>(deque: &mut VecDeque<T>) {
+    let cap = deque.capacity();
+    if cap > SHRINK_FLOOR && deque.len() <= cap / 4 {
+        deque.shrink_to((deque.len() * 2).max(SHRINK_FLOOR));
+    }
+}
+
+#[cfg(test)]
+mod tests;

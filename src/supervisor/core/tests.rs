@@ -1,0 +1,30 @@
+//! Tests of the pure core: named edges, a model-based test of the whole pipeline against a
+//! broker that is not the pool, and a model of the in-process pool with its controls. Both
+//! models let several inputs share a batch, as the mailbox does, and check the invariants
+//! after every grant.
+
+mod edges;
+mod model;
+mod pool_model;
+
+/// What every test of the core uses.
+mod prelude {
+    pub(super) use crate::broker::{BrokerError, LocalBroker, SlotToken};
+    pub(super) use crate::error::{AcquireError, CleanupError, PrepareError};
+    pub(super) use crate::job::{PRIORITY_AGING_GRANTS, Priority};
+    pub(super) use crate::supervisor::core::Core;
+    pub(super) use crate::supervisor::core::protocol::*;
+    pub(super) use crate::supervisor::core::record::*;
+
+    pub(super) fn drain(core: &mut Core) -> Vec<Effect> {
+        let mut out = Vec::new();
+        while let Some(e) = core.pop_effect() {
+            out.push(e);
+        }
+        out
+    }
+
+    pub(super) fn token(slot: u32, lease: u64) -> SlotToken {
+        SlotToken::new(slot, lease)
+    }
+}

@@ -1,0 +1,833 @@
+//! Named edges of the pure core: each test one behaviour, driven through `Core::apply`.
+
+use std::collections::BTreeSet;
+use std::io;
+
+use super::prelude::*;
+
+// ---------------------------------------------------------------------------------------------
+// Named edges
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_queued_waiter_keeps_its_id_and_what_it_wants_in_eight_bytes() {
+    use crate::supervisor::core::admission::Queued;
+    assert_eq!(std::mem::size_of::<Queued>(), 8);
+    for waiter in [0, 1, 2, 0x1234_5678_9abc, (1 << 63) - 1] {
+        for want in [Want::Lease, Want::Job] {
+            let q = Queued::new(waiter, want);
+            assert_eq!((q.waiter(), q.want()), (waiter, want));
+        }
+    }
+}
+
+#[test]
+fn waiters_of_both_kinds_are_popped_in_queue_order_with_what_they_want() {
+    let mut queue = crate::supervisor::core::admission::WaitQueue::default();
+    queue.push(7, Ask::one(Want::Job));
+    queue.push(3, Ask::one(Want::Lease));
+    queue.push(9, Ask::one(Want::Job));
+    assert_eq!(queue.remove(3), Some(1));
+    queue.push(4, Ask::one(Want::Lease));
+    assert_eq!(queue.head(), Some(7));
+    assert_eq!(
+        queue.pop().map(|s| (s.waiter, s.want, s.slots)),
+        Some((7, Want::Job, 1))
+    );
+    assert_eq!(
+        queue.pop().map(|s| (s.waiter, s.want, s.slots)),
+        Some((9, Want::Job, 1))
+    );
+    assert_eq!(
+        queue.pop().map(|s| (s.waiter, s.want, s.slots)),
+        Some((4, Want::Lease, 1))
+    );
+    assert_eq!(queue.pop(), None);
+}
+
+/// A core with one job granted and started on `token`; returns its key.
+fn started_job(core: &mut Core, t: SlotToken, device: Option<usize>) -> LeaseKey {
+    core.apply(Input::Enqueue {
+        waiter: 1,
+        ask: Ask::one(Want::Job),
+    });
+    core.settle();
+    let request = match drain(core).as_slice() {
+        [Effect::Acquire { request, .. }] => *request,
+        other => panic!("expected one acquire, got {other:?}"),
+    };
+    core.apply(Input::Acquired {
+        request,
+        result: Ok(t),
+    });
+    let key = match drain(core).as_slice() {
+        [Effect::Deliver { key, .. }] => *key,
+        other => panic!("expected a delivery, got {other:?}"),
+    };
+    core.apply(Input::Started { key, device });
+    assert!(drain(core).is_empty());
+    key
+}
+
+/// Answers the re-checks among `effects` (a proof passes when `proven` says so) and returns the
+/// other effects, followed by those the answers led to.
+fn answer_rechecks(
+    core: &mut Core,
+    effects: Vec<Effect>,
+    proven: impl Fn(LeaseKey, Proof) -> bool,
+) -> Vec<Effect> {
+    let mut out = Vec::new();
+    for effect in effects {
+        match effect {
+            Effect::Recheck {
+                checks,
+                leases,
+                purpose,
+            } => {
+                let results = checks
+                    .into_iter()
+                    .map(|(key, proof)| Rechecked {
+                        key,
+                        proof,
+                        still: (!proven(key, proof)).then(|| "still there".to_owned()),
+                    })
+                    .collect();
+                core.apply(Input::Rechecked {
+                    results,
+                    leases,
+                    purpose,
+                });
+                out.extend(drain(core));
+            }
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+fn releases(effects: &[Effect]) -> usize {
+    effects
+        .iter()
+        .filter(|e| matches!(e, Effect::Release { .. }))
+        .count()
+}
+
+#[test]
+fn a_job_is_released_only_after_every_proof_and_its_temp_dir() {
+    let mut core = Core::new(Some(1), false, false);
+    let key = started_job(&mut core, token(0, 1), None);
+    core.apply(Input::Proven {
+        key,
+        proofs: Proofs::JOINED,
+    });
+    assert!(drain(&mut core).is_empty());
+    assert_eq!(core.lease(key).unwrap().phase(), Phase::Draining);
+    core.apply(Input::ProvenOne {
+        key,
+        proof: Proof::EventHandled,
+    });
+    assert!(drain(&mut core).is_empty(), "tasks are still owed");
+    core.apply(Input::Proven {
+        key,
+        proofs: Proofs::TASKS,
+    });
+    let effects = drain(&mut core);
+    assert!(matches!(effects.as_slice(), [Effect::RemoveScratch { .. }]));
+    core.apply(Input::ProvenOne {
+        key,
+        proof: Proof::Scratch,
+    });
+    assert_eq!(releases(&drain(&mut core)), 1);
+}
+
+#[test]
+fn a_process_group_started_by_the_job_holds_the_temp_dir_until_it_is_proven_empty() {
+    let mut core = Core::new(Some(1), false, false);
+    let key = started_job(&mut core, token(0, 1), None);
+    core.apply(Input::ProcessStarted { key, process: 7 });
+    core.apply(Input::Proven {
+        key,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+    });
+    core.apply(Input::ProvenOne {
+        key,
+        proof: Proof::EventHandled,
+    });
+    assert!(drain(&mut core).is_empty(), "the group is not proven empty");
+    core.apply(Input::ProvenOne {
+        key,
+        proof: Proof::Process(7),
+    });
+    assert!(matches!(
+        drain(&mut core).as_slice(),
+        [Effect::RemoveScratch { .. }]
+    ));
+}
+
+#[test]
+fn a_gpu_loss_and_an_unproven_process_group_on_one_lease_both_hold_it() {
+    // Both must be proven: the replaced device says nothing about the process group.
+    let mut core = Core::new(Some(1), false, true);
+    let key = started_job(&mut core, token(0, 1), Some(0));
+    core.apply(Input::ProcessStarted { key, process: 3 });
+    core.apply(Input::Unproven {
+        key,
+        proof: Proof::Process(3),
+        detail: "group 3 still has members".into(),
+    });
+    assert!(
+        drain(&mut core).is_empty(),
+        "the caller is answered only once the body has ended"
+    );
+    core.apply(Input::Proven {
+        key,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+    });
+    let early = drain(&mut core);
+    assert!(
+        matches!(early.as_slice(), [Effect::Answer { answer: Answer::Job { cleanup: Err(e), .. }, .. }] if e.code() == "LEASE_CLEANUP_UNCONFIRMED"),
+        "{early:?}"
+    );
+    core.apply(Input::ProvenOne {
+        key,
+        proof: Proof::EventHandled,
+    });
+    core.apply(Input::DeviceLost {
+        key,
+        device: 0,
+        generation: 1,
+        reason: "destroyed".into(),
+    });
+    assert!(matches!(
+        drain(&mut core).as_slice(),
+        [Effect::RecreateDevice { device: 0 }]
+    ));
+    core.apply(Input::DeviceReplaced {
+        device: 0,
+        generation: 2,
+    });
+    let after = drain(&mut core);
+    assert!(
+        after.is_empty(),
+        "the temp dir was removed with the group unproven: {after:?}"
+    );
+    assert_eq!(core.quarantined(), 1);
+    core.apply(Input::Reclaim { control: 1 });
+    let effects = drain(&mut core);
+    assert!(
+        matches!(effects.as_slice(), [Effect::Recheck { checks, .. }] if checks == &[(key, Proof::Process(3))]),
+        "{effects:?}"
+    );
+    let effects = answer_rechecks(&mut core, effects, |_, _| true);
+    assert!(
+        matches!(effects[0], Effect::RemoveScratch { .. }),
+        "{effects:?}"
+    );
+    assert!(matches!(
+        &effects[1],
+        Effect::Reply { reply: Reply::Reclaimed { reclaimed, .. }, .. } if reclaimed.len() == 1
+    ));
+}
+
+#[test]
+fn a_loss_seen_on_an_older_generation_than_the_replacement_is_proven_by_it_but_not_a_newer_one() {
+    let mut core = Core::new(Some(2), false, true);
+    let key = started_job(&mut core, token(0, 1), Some(0));
+    core.apply(Input::Proven {
+        key,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+    });
+    core.apply(Input::DeviceLost {
+        key,
+        device: 0,
+        generation: 3,
+        reason: "lost".into(),
+    });
+    drain(&mut core);
+    // A stale replacement (generation 2) says nothing about work on generation 3.
+    core.apply(Input::DeviceReplaced {
+        device: 0,
+        generation: 2,
+    });
+    assert!(
+        core.lease(key)
+            .unwrap()
+            .waiting_for()
+            .contains(&Proof::GpuFence)
+    );
+    core.apply(Input::DeviceReplaced {
+        device: 0,
+        generation: 4,
+    });
+    assert!(
+        !core
+            .lease(key)
+            .unwrap()
+            .waiting_for()
+            .contains(&Proof::GpuFence)
+    );
+}
+
+#[test]
+fn two_reclaims_back_to_back_start_one_temp_dir_removal_and_apply_no_illegal_edge() {
+    let mut core = Core::new(Some(1), false, false);
+    let key = started_job(&mut core, token(0, 1), None);
+    core.apply(Input::Proven {
+        key,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+    });
+    core.apply(Input::ProvenOne {
+        key,
+        proof: Proof::EventHandled,
+    });
+    drain(&mut core);
+    core.apply(Input::ScratchFailed {
+        key,
+        detail: "temp dir x could not be removed".into(),
+        error: io::Error::other("busy"),
+    });
+    drain(&mut core);
+    let mut effects = Vec::new();
+    for control in 1..=2 {
+        core.apply(Input::Reclaim { control });
+        let asked = drain(&mut core);
+        effects.extend(answer_rechecks(&mut core, asked, |_, _| false));
+    }
+    let removals = effects
+        .iter()
+        .filter(|e| matches!(e, Effect::RemoveScratch { .. }))
+        .count();
+    assert_eq!(removals, 1, "{effects:?}");
+    assert!(!effects.iter().any(|e| matches!(e, Effect::Illegal(_))));
+    core.apply(Input::ProvenOne {
+        key,
+        proof: Proof::Scratch,
+    });
+    assert_eq!(releases(&drain(&mut core)), 1);
+}
+
+#[test]
+fn an_input_that_does_not_fit_changes_nothing_and_is_reported() {
+    let mut core = Core::new(Some(1), false, false);
+    let key = started_job(&mut core, token(0, 1), None);
+    let before = (core.active(), core.quarantined(), core.counters());
+    for input in [
+        Input::ProvenOne {
+            key: 99,
+            proof: Proof::Scratch,
+        },
+        Input::Released {
+            key,
+            result: Ok(()),
+        },
+        Input::ProvenOne {
+            key,
+            proof: Proof::Scratch,
+        },
+        Input::Undelivered { key: 42 },
+        Input::Rechecked {
+            results: Vec::new(),
+            leases: Vec::new(),
+            purpose: RecheckFor::Shutdown,
+        },
+    ] {
+        core.apply(input);
+        assert!(
+            matches!(drain(&mut core).as_slice(), [Effect::Illegal(_)]),
+            "an illegal input must be reported"
+        );
+    }
+    assert_eq!(before, (core.active(), core.quarantined(), core.counters()));
+}
+
+#[test]
+fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadline_finds_unproven()
+{
+    let mut core = Core::new(Some(3), false, false);
+    // A running job, a draining one (tasks still running), a quarantined one (late tasks).
+    let mut keys = Vec::new();
+    for i in 0..3u32 {
+        core.apply(Input::Enqueue {
+            waiter: u64::from(i) + 1,
+            ask: Ask::one(Want::Job),
+        });
+    }
+    core.settle();
+    let requests: Vec<RequestId> = drain(&mut core)
+        .into_iter()
+        .map(|e| match e {
+            Effect::Acquire { request, .. } => request,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    for (i, request) in requests.into_iter().enumerate() {
+        core.apply(Input::Acquired {
+            request,
+            result: Ok(token(i as u32, i as u64 + 1)),
+        });
+        let Effect::Deliver { key, .. } = drain(&mut core).remove(0) else {
+            panic!()
+        };
+        core.apply(Input::Started { key, device: None });
+        keys.push(key);
+    }
+    core.apply(Input::Proven {
+        key: keys[1],
+        proofs: Proofs::JOINED,
+    });
+    core.apply(Input::Proven {
+        key: keys[2],
+        proofs: Proofs::JOINED,
+    });
+    core.apply(Input::Late {
+        key: keys[2],
+        proof: Proof::TasksJoined,
+        detail: "late".into(),
+    });
+    drain(&mut core);
+    core.apply(Input::Shutdown);
+    let effects = drain(&mut core);
+    let effects = answer_rechecks(&mut core, effects, |_, _| false);
+    let cancelled: BTreeSet<LeaseKey> = effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Cancel { key, .. } => Some(*key),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(cancelled, keys.iter().copied().collect());
+    assert!(
+        effects
+            .iter()
+            .any(|e| matches!(e, Effect::ArmShutdownTimers))
+    );
+    core.settle();
+    assert!(drain(&mut core).is_empty(), "shutdown may not end yet");
+    core.apply(Input::ShutdownGraceOver);
+    let aborted = drain(&mut core)
+        .into_iter()
+        .filter(|e| matches!(e, Effect::AbortTasks { .. }))
+        .count();
+    assert_eq!(aborted, 3);
+    core.apply(Input::ShutdownDeadline);
+    drain(&mut core);
+    core.settle();
+    assert!(matches!(
+        drain(&mut core).as_slice(),
+        [Effect::Stopped { .. }]
+    ));
+    assert_eq!(core.quarantined(), 3);
+}
+
+#[test]
+fn an_explicit_lease_held_at_shutdown_is_revoked_then_released_once() {
+    let mut core = Core::new(Some(1), false, false);
+    core.apply(Input::Enqueue {
+        waiter: 1,
+        ask: Ask::one(Want::Lease),
+    });
+    core.settle();
+    let Effect::Acquire { request, .. } = drain(&mut core).remove(0) else {
+        panic!()
+    };
+    core.apply(Input::Acquired {
+        request,
+        result: Ok(token(0, 1)),
+    });
+    let Effect::Deliver { key, .. } = drain(&mut core).remove(0) else {
+        panic!()
+    };
+    core.apply(Input::Shutdown);
+    let effects = drain(&mut core);
+    assert!(matches!(
+        effects[0],
+        Effect::Cancel {
+            holder: Holder::Explicit,
+            ..
+        }
+    ));
+    assert_eq!(releases(&effects), 1);
+    // The holder's own release afterwards joins the one in flight.
+    core.apply(Input::ReleaseRequested { key });
+    assert!(drain(&mut core).is_empty());
+    core.apply(Input::Released {
+        key,
+        result: Ok(()),
+    });
+    let effects = drain(&mut core);
+    assert!(matches!(
+        effects[0],
+        Effect::Answer {
+            answer: Answer::Released(Ok(())),
+            ..
+        }
+    ));
+    core.apply(Input::ReleaseRequested { key });
+    assert!(matches!(
+        drain(&mut core).as_slice(),
+        [Effect::Answer {
+            answer: Answer::Released(Ok(())),
+            ..
+        }]
+    ));
+}
+
+#[test]
+fn a_token_for_a_slot_held_by_a_live_lease_is_refused_and_not_released() {
+    let mut core = Core::new(None, false, false);
+    let _key = started_job(&mut core, token(0, 1), None);
+    core.apply(Input::Enqueue {
+        waiter: 2,
+        ask: Ask::one(Want::Lease),
+    });
+    core.settle();
+    let Effect::Acquire { request, .. } = drain(&mut core).remove(0) else {
+        panic!()
+    };
+    core.apply(Input::Acquired {
+        request,
+        result: Ok(token(0, 9)),
+    });
+    let effects = drain(&mut core);
+    assert!(matches!(
+        effects.as_slice(),
+        [
+            Effect::TokenRefused(_),
+            Effect::Refuse {
+                waiter: 2,
+                error: AcquireError::Failed(_)
+            }
+        ]
+    ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Priorities, multi-slot leases, try_acquire and resize on the in-process pool
+// ---------------------------------------------------------------------------------------------
+
+/// A core over the supervisor's own pool (trusted tokens, exact capacity).
+fn pool_core(capacity: u32) -> Core {
+    Core::pool(capacity)
+}
+
+/// A waiter joins the queue of a test core.
+fn join(core: &mut Core, waiter: WaiterId, slots: u32, priority: Priority) {
+    core.apply(Input::Enqueue {
+        waiter,
+        ask: ask(slots, priority),
+    });
+}
+
+fn ask(slots: u32, priority: Priority) -> Ask {
+    Ask {
+        want: Want::Lease,
+        slots,
+        priority,
+        now_only: false,
+    }
+}
+
+/// Answers every effect at once from the real in-process pool (`LocalBroker`); records what was
+/// delivered (waiter, key, slots) and refused (waiter, code), in order.
+struct Pool {
+    broker: crate::broker::LocalBroker,
+    delivered: Vec<(WaiterId, LeaseKey, usize)>,
+    refused: Vec<(WaiterId, &'static str)>,
+}
+
+impl Pool {
+    fn new(slots: u32) -> Self {
+        Self {
+            broker: crate::broker::LocalBroker::new(slots),
+            delivered: Vec::new(),
+            refused: Vec::new(),
+        }
+    }
+
+    fn run(&mut self, core: &mut Core) {
+        loop {
+            core.settle();
+            let effects = drain(core);
+            if effects.is_empty() {
+                return;
+            }
+            for effect in effects {
+                match effect {
+                    Effect::Acquire { request, .. } => {
+                        let result = self.broker.take();
+                        assert!(result.is_ok(), "the core asked past the capacity");
+                        core.apply(Input::Acquired { request, result });
+                    }
+                    Effect::ResizePool { slots } => self.broker.resize(slots),
+                    Effect::Deliver { waiter, key, .. } => {
+                        let n = core.lease(key).unwrap().tokens().count();
+                        self.delivered.push((waiter, key, n));
+                    }
+                    Effect::Refuse { waiter, error } => self.refused.push((waiter, error.code())),
+                    Effect::Release { key, token } => {
+                        self.broker.give(token).expect("a held token");
+                        core.apply(Input::Released {
+                            key,
+                            result: Ok(()),
+                        });
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_higher_class_is_served_first_and_fifo_holds_within_a_class() {
+    let mut core = pool_core(1);
+    let mut pool = Pool::new(1);
+    join(&mut core, 1, 1, Priority::Normal);
+    pool.run(&mut core);
+    let held = pool.delivered[0].1;
+    for (waiter, priority) in [
+        (2, Priority::Low),
+        (3, Priority::Normal),
+        (4, Priority::High),
+        (5, Priority::Normal),
+        (6, Priority::High),
+    ] {
+        core.apply(Input::Enqueue {
+            waiter,
+            ask: ask(1, priority),
+        });
+    }
+    pool.run(&mut core);
+    // Each grant is released at once, so the next one is served.
+    let mut order = Vec::new();
+    let mut key = held;
+    for _ in 0..5 {
+        core.apply(Input::ReleaseRequested { key });
+        pool.run(&mut core);
+        let (waiter, next, _) = *pool.delivered.last().unwrap();
+        order.push(waiter);
+        key = next;
+    }
+    assert_eq!(order, [4, 6, 3, 5, 2]);
+}
+
+#[test]
+fn a_low_waiter_is_overtaken_by_later_high_waiters_only_within_the_aging_bound() {
+    let mut core = pool_core(1);
+    let mut pool = Pool::new(1);
+    join(&mut core, 1, 1, Priority::High);
+    pool.run(&mut core);
+    join(&mut core, 2, 1, Priority::Low);
+    // A steady stream of high-priority work: one new High waiter per grant, for ever.
+    let mut low_served_after = None;
+    for grant in 0..(4 * PRIORITY_AGING_GRANTS) {
+        join(&mut core, 3 + grant, 1, Priority::High);
+        let key = pool.delivered.last().unwrap().1;
+        core.apply(Input::ReleaseRequested { key });
+        pool.run(&mut core);
+        if pool.delivered.last().unwrap().0 == 2 {
+            low_served_after = Some(grant);
+            break;
+        }
+    }
+    let after = low_served_after.expect("the low waiter starved");
+    assert!(
+        after <= 2 * PRIORITY_AGING_GRANTS,
+        "the low waiter let {after} later high waiters pass"
+    );
+    assert!(
+        after >= 2 * PRIORITY_AGING_GRANTS - 1,
+        "it was not overtaken at all: {after}"
+    );
+}
+
+#[test]
+fn a_multi_slot_waiter_gets_all_its_slots_at_once_and_blocks_the_queue_while_it_gathers() {
+    let mut core = pool_core(3);
+    let mut pool = Pool::new(3);
+    for waiter in 1..=2 {
+        join(&mut core, waiter, 1, Priority::Normal);
+    }
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.len(), 2);
+    // Needs all three; one is free, two are held. A single-slot waiter behind it must wait.
+    join(&mut core, 3, 3, Priority::Normal);
+    join(&mut core, 4, 1, Priority::Normal);
+    pool.run(&mut core);
+    assert_eq!(
+        pool.delivered.len(),
+        2,
+        "nothing granted while the head gathers"
+    );
+    assert_eq!(
+        core.held_slots(),
+        3,
+        "the free slot is gathered, not left idle"
+    );
+    let first = pool.delivered[0].1;
+    core.apply(Input::ReleaseRequested { key: first });
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.len(), 2);
+    let second = pool.delivered[1].1;
+    core.apply(Input::ReleaseRequested { key: second });
+    pool.run(&mut core);
+    assert_eq!(pool.delivered[2].0, 3);
+    assert_eq!(pool.delivered[2].2, 3, "all three slots in one lease");
+    // Its release gives all three back, as one lease.
+    let released_before = core.counters().released_total;
+    core.apply(Input::ReleaseRequested {
+        key: pool.delivered[2].1,
+    });
+    pool.run(&mut core);
+    assert_eq!(
+        core.counters().released_total,
+        released_before + 3,
+        "counted in slots"
+    );
+    assert_eq!(pool.delivered[3].0, 4);
+    assert_eq!(core.held_slots(), 1);
+}
+
+#[test]
+fn a_multi_slot_waiter_that_leaves_while_gathering_hands_its_slots_on() {
+    let mut core = pool_core(2);
+    let mut pool = Pool::new(2);
+    join(&mut core, 1, 1, Priority::Normal);
+    pool.run(&mut core);
+    join(&mut core, 2, 2, Priority::Normal);
+    join(&mut core, 3, 1, Priority::Normal);
+    pool.run(&mut core);
+    assert_eq!(core.held_slots(), 2);
+    core.apply(Input::Withdraw {
+        waiter: 2,
+        why: Withdrawal::Cancelled,
+    });
+    pool.run(&mut core);
+    assert_eq!(pool.refused, [(2, "LEASE_ACQUIRE_CANCELLED")]);
+    assert_eq!(pool.delivered.last().unwrap().0, 3);
+    assert_eq!(core.held_slots(), 2);
+    assert_eq!(core.waiting(), 0);
+}
+
+#[test]
+fn try_is_served_only_when_a_slot_is_free_and_nobody_waits_ahead() {
+    let now = |waiter| Input::Enqueue {
+        waiter,
+        ask: Ask {
+            now_only: true,
+            ..ask(1, Priority::Normal)
+        },
+    };
+    let mut core = pool_core(2);
+    let mut pool = Pool::new(2);
+    core.apply(now(1));
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.len(), 1);
+    join(&mut core, 2, 2, Priority::Normal);
+    pool.run(&mut core);
+    // One slot is free, but a waiter gathers ahead: refused, and the slot is not taken.
+    core.apply(now(3));
+    pool.run(&mut core);
+    assert_eq!(pool.refused, [(3, "LEASE_NO_SLOT_FREE")]);
+    // A broker that is not the pool refuses it outright.
+    let mut remote = Core::new(Some(2), false, false);
+    remote.apply(now(4));
+    assert!(matches!(
+        drain(&mut remote).as_slice(),
+        [Effect::Refuse {
+            waiter: 4,
+            error: AcquireError::Unsupported(_)
+        }]
+    ));
+}
+
+#[test]
+fn a_resize_wakes_waiters_when_raised_and_revokes_nothing_when_lowered() {
+    let mut core = pool_core(1);
+    let mut pool = Pool::new(3);
+    for waiter in 1..=3 {
+        join(&mut core, waiter, 1, Priority::Normal);
+    }
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.len(), 1);
+    core.apply(Input::Resize {
+        control: 1,
+        slots: 3,
+    });
+    pool.run(&mut core);
+    assert_eq!(
+        pool.delivered.len(),
+        3,
+        "raising the capacity woke both waiters"
+    );
+    join(&mut core, 4, 1, Priority::Normal);
+    join(&mut core, 5, 3, Priority::Normal);
+    core.apply(Input::Resize {
+        control: 2,
+        slots: 1,
+    });
+    pool.run(&mut core);
+    // Nothing revoked; the 3-slot waiter can never be served now.
+    assert_eq!(core.held_slots(), 3);
+    assert_eq!(pool.refused, [(5, "LEASE_SLOT_COUNT_INVALID")]);
+    for i in 0..2 {
+        let key = pool.delivered[i].1;
+        core.apply(Input::ReleaseRequested { key });
+        pool.run(&mut core);
+    }
+    assert_eq!(
+        pool.delivered.len(),
+        3,
+        "still two held against a capacity of one"
+    );
+    let key = pool.delivered[2].1;
+    core.apply(Input::ReleaseRequested { key });
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.last().unwrap().0, 4);
+    assert_eq!(core.held_slots(), 1);
+}
+
+#[test]
+fn zero_slots_more_than_the_capacity_and_multi_slot_on_a_remote_broker_are_refused() {
+    let mut core = pool_core(2);
+    join(&mut core, 1, 0, Priority::Normal);
+    join(&mut core, 2, 3, Priority::Normal);
+    let codes: Vec<_> = drain(&mut core)
+        .into_iter()
+        .map(|e| match e {
+            Effect::Refuse { error, .. } => error.code(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(codes, ["LEASE_SLOT_COUNT_INVALID"; 2]);
+    let mut remote = Core::new(None, false, false);
+    remote.apply(Input::Enqueue {
+        waiter: 3,
+        ask: ask(2, Priority::Normal),
+    });
+    assert!(matches!(
+        drain(&mut remote).as_slice(),
+        [Effect::Refuse {
+            error: AcquireError::Unsupported(_),
+            ..
+        }]
+    ));
+}
+
+#[test]
+fn cancelling_a_job_by_key_cancels_it_once_and_only_before_its_release() {
+    let mut core = Core::new(Some(1), false, false);
+    let key = started_job(&mut core, token(0, 1), None);
+    for control in 1..=2 {
+        core.apply(Input::CancelById {
+            control,
+            waiters: Vec::new(),
+            leases: vec![key],
+        });
+    }
+    let cancels = drain(&mut core)
+        .into_iter()
+        .filter(|e| matches!(e, Effect::Cancel { .. }))
+        .count();
+    assert_eq!(cancels, 1);
+}

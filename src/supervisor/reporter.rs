@@ -1,0 +1,59 @@
+//! How a job's machinery (its context, its process keepers, its driver, its temp dir removal)
+//! reports to the supervisor about one lease: messages through the inbox, each an input to the
+//! core.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::core::{Input, LeaseKey};
+use super::inbox::Inbox;
+use super::messages::SupMsg;
+use crate::error::PrepareError;
+use crate::process::Evidence;
+
+/// Reports about one lease.
+#[derive(Clone)]
+pub(crate) struct Reporter {
+    pub(crate) inbox: Arc<Inbox>,
+    pub(crate) key: LeaseKey,
+}
+
+/// Process keys are unique in the process (any supervisor).
+static NEXT_PROCESS: AtomicU64 = AtomicU64::new(1);
+
+impl Reporter {
+    pub(crate) fn send(&self, msg: SupMsg) {
+        // A supervisor that is gone no longer waits for this.
+        let _ = self.inbox.send(msg);
+    }
+
+    /// A report the core takes as it is.
+    pub(crate) fn input(&self, input: Input) {
+        self.send(SupMsg::Input(input));
+    }
+
+    /// The worker could not prepare the job: no body runs.
+    pub(crate) fn unprepared(&self, why: PrepareError) {
+        self.input(Input::Unprepared { key: self.key, why });
+    }
+
+    /// A job started a process group: its slot now waits for it too.
+    pub(crate) fn process_started(&self, pid: u32) -> u64 {
+        let process = NEXT_PROCESS.fetch_add(1, Ordering::Relaxed);
+        self.send(SupMsg::ProcessStarted {
+            key: self.key,
+            process,
+            pid,
+        });
+        process
+    }
+
+    /// A process group's keeper ended.
+    pub(crate) fn process_ended(&self, process: u64, unproven: Option<Box<dyn Evidence>>) {
+        self.send(SupMsg::ProcessEnded {
+            key: self.key,
+            process,
+            unproven,
+        });
+    }
+}

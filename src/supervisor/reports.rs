@@ -1,0 +1,69 @@
+//! What the supervisor reports to its callers: a shutdown's report, the quarantined slots, a
+//! reclaim's findings.
+
+use super::stats::Stats;
+use crate::broker::SlotToken;
+
+/// What [`Supervisor::shutdown`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// Callers that were still waiting for a slot and heard `SUPERVISOR_STOPPED`.
+    pub refused_waiters: usize,
+    /// Running jobs that were cancelled (and then waited for).
+    pub cancelled_jobs: usize,
+    /// Explicit leases still held, released by the supervisor on their holders' behalf.
+    pub released_leases: usize,
+    /// Slots left in quarantine (their temp dirs are kept); one entry each in `unproven`.
+    pub quarantined: usize,
+    /// The quarantined slots, each with what could not be proven (a task that ignored
+    /// cancellation past the shutdown bound, a process group that would not die, GPU work
+    /// that never completed, a temp dir that could not be removed).
+    pub unproven: Vec<QuarantinedSlot>,
+    /// GPU devices (feature `gpu`) whose remaining work could not be proven done when they
+    /// were closed: each was left to finish on a thread of its own.
+    pub unclosed_devices: Vec<UnclosedDevice>,
+    /// The counters at the end.
+    pub stats: Stats,
+}
+
+/// A GPU device a shutdown could not prove idle (see [`ShutdownReport::unclosed_devices`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct UnclosedDevice {
+    /// The device's index (`usize::MAX` when the close as a whole did not end in its bound).
+    pub device: usize,
+    /// Why.
+    pub reason: String,
+}
+
+impl UnclosedDevice {
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
+    pub(crate) fn new(device: usize, reason: String) -> Self {
+        Self { device, reason }
+    }
+}
+
+/// A quarantined slot: held, not reusable, with the reason it could not be declared clean. A
+/// quarantined k-slot lease is k of these, one per slot, with the same job and reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QuarantinedSlot {
+    /// The slot's token (still held from the broker).
+    pub token: SlotToken,
+    /// The job that held it.
+    pub job_id: Option<String>,
+    /// Why its physical completion is not proven.
+    pub reason: String,
+}
+
+/// What [`Supervisor::reclaim_quarantined`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReclaimReport {
+    /// Slots now proven clean (every slot of a multi-slot lease): their temp dirs are being
+    /// removed and their tokens released.
+    pub reclaimed: Vec<SlotToken>,
+    /// Slots still quarantined, one entry per slot, with the reason.
+    pub still_quarantined: Vec<QuarantinedSlot>,
+}
