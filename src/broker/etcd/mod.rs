@@ -98,6 +98,13 @@ use session::{Held, Session};
 /// session, it is reported through [`BrokerEvents::orphan_expired`]. Calls go to a member that
 /// answers; a member that does not is skipped until a probe finds it healthy.
 ///
+/// Nothing the broker reads grants a slot unless leasehold wrote it for that request: a waiter
+/// decides only from a marker under its own session, and takes a grant only once its slot key
+/// says the same (request, session, revision). Anything else under the pool prefix is refused
+/// with a typed [`EtcdError`] (`ETCD_FOREIGN_KEY`, `ETCD_CORRUPT_RECORD`) and the refused
+/// waiter leaves the queue. [`SlotBroker::close`] withdraws what is in flight and revokes the
+/// session, awaited: a process that closes its broker before it exits leaves nothing in etcd.
+///
 /// # Examples
 ///
 /// ```no_run

@@ -206,7 +206,12 @@ impl Inner {
             let session = ticket.session.id;
             let predecessor = match decide(&look, self.layout.capacity(), session) {
                 Next::Granted { slot, revision } => {
-                    let marker = look.marker.expect("a grant is decided from a marker");
+                    // What the marker says (`decide` grants only from one under this session).
+                    let marker = Marker {
+                        state: MarkerState::Granted { slot },
+                        lease: session,
+                        mod_rev: revision,
+                    };
                     return match self.confirm(&ticket, &marker).await? {
                         Confirmed::Held => Ok(Grant {
                             slot,
