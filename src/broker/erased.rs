@@ -24,6 +24,11 @@ pub(crate) trait DynBroker: Send + Sync + 'static {
     fn renews(&self) -> bool;
     fn keep_alive_boxed(self: Arc<Self>, token: SlotToken) -> BoxFuture<'static, BrokerError>;
     fn attach(&self, events: BrokerEvents);
+    #[allow(
+        dead_code,
+        reason = "the supervisor's shutdown is to await it under the cleanup timeout (issue 24)"
+    )]
+    fn close_boxed(self: Arc<Self>) -> BoxFuture<'static, Result<(), BrokerError>>;
 }
 
 impl<B: SlotBroker> DynBroker for B {
@@ -55,6 +60,10 @@ impl<B: SlotBroker> DynBroker for B {
 
     fn attach(&self, events: BrokerEvents) {
         SlotBroker::attach(self, events)
+    }
+
+    fn close_boxed(self: Arc<Self>) -> BoxFuture<'static, Result<(), BrokerError>> {
+        Box::pin(async move { SlotBroker::close(&*self).await })
     }
 }
 

@@ -175,6 +175,33 @@ pub trait SlotBroker: Send + Sync + 'static {
     fn attach(&self, events: BrokerEvents) {
         let _ = events;
     }
+
+    /// Closes the broker, awaited: what it still has in flight for its callers is withdrawn,
+    /// and what it keeps on its own behalf (a distributed broker's session, and every key
+    /// under it) is given up, so that a process that returns from `main` right after leaves
+    /// nothing behind for others to wait out. The default does nothing.
+    ///
+    /// It belongs at the end of a supervisor's life, once its `shutdown` has released every
+    /// lease; call it yourself after the shutdown of the last supervisor using the broker (or
+    /// on a broker used without a supervisor). A broker shared by several supervisors closes
+    /// at the last of them: [`EtcdBroker`](crate::EtcdBroker) counts the supervisors
+    /// [attached](Self::attach) to it, and each close ends one of them. A closed broker may
+    /// refuse acquires; closing again answers `Ok` at once. The caller bounds it (the
+    /// supervisor by its cleanup timeout): a close cut short leaves the rest to the broker's
+    /// own expiry (a TTL).
+    ///
+    /// # Errors
+    ///
+    /// The broker could not confirm that everything is given up (say, etcd did not answer):
+    /// what is left goes with the broker's expiry.
+    ///
+    /// # Cancel safety
+    ///
+    /// The default is. A broker's own close should be too: dropping the future leaves the
+    /// broker closed, and what it had not yet given up to its expiry.
+    fn close(&self) -> impl Future<Output = Result<(), BrokerError>> + Send {
+        std::future::ready(Ok(()))
+    }
 }
 
 /// A shared broker: keep an `Arc` to observe the broker while a supervisor uses it (say
@@ -205,6 +232,10 @@ impl<B: SlotBroker> SlotBroker for Arc<B> {
 
     fn attach(&self, events: BrokerEvents) {
         (**self).attach(events)
+    }
+
+    fn close(&self) -> impl Future<Output = Result<(), BrokerError>> + Send {
+        (**self).close()
     }
 }
 

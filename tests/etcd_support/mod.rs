@@ -550,6 +550,44 @@ pub fn spawn_test_child(entry: &str, env: &str, mode: &str, vars: &[(&str, Strin
     ChildGuard(child)
 }
 
+/// [`spawn_test_child`], with the child's stdin piped too: the test tells the child when to
+/// go on by writing a line (see [`tell`]); the child reads it with [`wait_for_word`].
+pub fn spawn_test_child_with_stdin(
+    entry: &str,
+    env: &str,
+    mode: &str,
+    vars: &[(&str, String)],
+) -> ChildGuard {
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args([entry, "--exact", "--nocapture", "--test-threads=1"])
+        .env(env, mode)
+        .envs(vars.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn child test process");
+    ChildGuard(child)
+}
+
+/// Writes `word` as a line to the child's stdin (see [`spawn_test_child_with_stdin`]).
+pub fn tell(child: &mut Child, word: &str) {
+    let stdin = child.stdin.as_mut().expect("the child's stdin is piped");
+    writeln!(stdin, "{word}").expect("write to the child's stdin");
+    stdin.flush().expect("flush the child's stdin");
+}
+
+/// In the child: blocks until the parent has written `word` on a line of stdin; panics if
+/// stdin ends first.
+pub fn wait_for_word(word: &str) {
+    for line in io::stdin().lock().lines() {
+        if line.expect("read stdin").trim() == word {
+            return;
+        }
+    }
+    panic!("stdin ended before {word:?}");
+}
+
 /// Reads the child's stdout on a thread; lines arrive on the channel.
 pub fn lines_of(child: &mut Child) -> std::sync::mpsc::Receiver<String> {
     let out = child.stdout.take().unwrap();

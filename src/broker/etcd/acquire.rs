@@ -20,7 +20,7 @@ use tokio::time::{Instant, sleep, timeout};
 
 use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
-use super::layout::{MarkerState, place_key, request_key};
+use super::layout::{Confirmed, Layout, MarkerState, Raw, place_key, request_key};
 use super::queue::{Look, Ticket};
 use super::session::{Claim, Held, Session};
 use crate::broker::{AcquireRequest, SlotToken};
@@ -63,6 +63,21 @@ pub(super) struct Cleanup {
     done: tokio::sync::watch::Sender<bool>,
 }
 
+/// The attempt of one request in flight; its end (drop) wakes the copies waiting for it.
+struct Flight {
+    inner: Arc<Inner>,
+    rk: u64,
+    _done: tokio::sync::watch::Sender<()>,
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        // Removed before `_done` drops (fields drop after this), so that a woken copy finds
+        // no flight left and boards its own.
+        self.inner.flights.lock().remove(&self.rk);
+    }
+}
+
 /// Cleans up after an acquire that is dropped (or fails) without handing out its grant.
 struct AcquireGuard {
     inner: Arc<Inner>,
@@ -88,22 +103,73 @@ impl Inner {
         self: &Arc<Self>,
         request: &AcquireRequest,
     ) -> Result<SlotToken, EtcdError> {
+        // `close` waits for this acquire to end, and for the cleanup it starts (dropped last).
+        let _in_flight = self.tasks.token();
         let rk = self.request_key(request);
-        // A retry of an acquire that succeeded: the same grant.
-        if let Some(token) = self.token_of(rk) {
-            return Ok(token);
+        loop {
+            if self.closed.is_cancelled() {
+                return Err(self.closed_error());
+            }
+            // A retry of an acquire that succeeded: the same grant, while it is held.
+            if let Some(token) = self.token_of(rk) {
+                return Ok(token);
+            }
+            // One attempt per request at a time. A copy of the request sent while another runs
+            // waits for it to end, then returns its grant if it is held (above) or tries
+            // itself: never the grant of an attempt whose token was released meanwhile.
+            let flight = match self.board(rk) {
+                Ok(flight) => flight,
+                Err(mut other) => {
+                    tokio::select! {
+                        _ = other.changed() => {}
+                        () = self.closed.cancelled() => {}
+                    }
+                    continue;
+                }
+            };
+            return self.attempt(request, rk, flight).await;
         }
+    }
+
+    /// Registers the attempt of request `rk`, or hands back the one in flight to wait for.
+    fn board(self: &Arc<Self>, rk: u64) -> Result<Flight, tokio::sync::watch::Receiver<()>> {
+        let mut flights = self.flights.lock();
+        if let Some(other) = flights.get(&rk) {
+            return Err(other.clone());
+        }
+        let (done, waiting) = tokio::sync::watch::channel(());
+        flights.insert(rk, waiting);
+        Ok(Flight {
+            inner: Arc::clone(self),
+            rk,
+            _done: done,
+        })
+    }
+
+    /// One attempt of request `rk`, alone in flight.
+    async fn attempt(
+        self: &Arc<Self>,
+        request: &AcquireRequest,
+        rk: u64,
+        flight: Flight,
+    ) -> Result<SlotToken, EtcdError> {
+        // Ends the flight after the guard below has started its cleanup: a copy that waits
+        // for this attempt finds that cleanup (`take_over`).
+        let _flight = flight;
         self.take_over(rk).await?;
         let mut guard = AcquireGuard {
             inner: Arc::clone(self),
             rk,
             armed: true,
         };
-        let result = async {
-            let grant = self.obtain(rk).await?;
-            self.park(grant, rk, request.origin()).await
-        }
-        .await;
+        let result = tokio::select! {
+            result = async {
+                let grant = self.obtain(rk).await?;
+                self.park(grant, rk, request.origin()).await
+            } => result,
+            // Closing: the attempt is dropped where it is, and its guard withdraws it.
+            () = self.closed.cancelled() => Err(self.closed_error()),
+        };
         match &result {
             Ok(_) => {
                 guard.armed = false;
@@ -271,19 +337,21 @@ impl Inner {
                     ),
                 ]
             }
-            // Join the queue, counting the held slots (from the index: no key is read).
-            None => vec![
-                TxnOp::put(l.queue_key(qk), l.waiter_value(self.owner, rk), under()),
-                TxnOp::put(
-                    l.request_key(rk),
-                    l.marker_value(MarkerState::Waiting),
-                    under(),
-                ),
-                TxnOp::get(
-                    l.slot_prefix(),
-                    Some(GetOptions::new().with_prefix().with_count_only()),
-                ),
-            ],
+            // Join the queue, counting the held slots (from the index: no key is read), and
+            // every key under `slot/` (more means keys that are not slots: see `decide`).
+            None => {
+                let [held, all] = slot_counts(l);
+                vec![
+                    TxnOp::put(l.queue_key(qk), l.waiter_value(self.owner, rk), under()),
+                    TxnOp::put(
+                        l.request_key(rk),
+                        l.marker_value(MarkerState::Waiting),
+                        under(),
+                    ),
+                    held,
+                    all,
+                ]
+            }
         };
         let txn = Txn::new().when(when).and_then(then).or_else([
             TxnOp::get(l.request_key(rk), None),
@@ -303,7 +371,10 @@ impl Inner {
             let Some(slot) = guess else {
                 // Queued.
                 self.contended.store(true, Ordering::Relaxed);
-                let held = gets(&ops).first().map(|g| g.count());
+                let counts = match gets(&ops).as_slice() {
+                    [held, all] => Some((held.count(), all.count())),
+                    _ => None,
+                };
                 return Ok(First::Queued(
                     Ticket {
                         rk,
@@ -311,7 +382,7 @@ impl Inner {
                         rev: revision,
                         session: Arc::clone(session),
                     },
-                    held.map(|held| Look::joined(revision, session.id, held)),
+                    counts.map(|(held, all)| Look::joined(revision, session.id, held, all)),
                 ));
             };
             self.heads.lock().clear();
@@ -328,7 +399,7 @@ impl Inner {
         let [marker, queued, capacity] = reads.as_slice() else {
             return Err(Fail::Fatal(txn_shape("read the request back")));
         };
-        l.check_capacity(capacity.kvs().first())
+        l.check_capacity(capacity.kvs().first().map(Raw::from))
             .map_err(Fail::Fatal)?;
         let Some(marker_kv) = marker.kvs().first() else {
             if guess.is_some() {
@@ -344,7 +415,9 @@ impl Inner {
             _ if stale => {}
             MarkerState::Waiting => {
                 if let Some(kv) = queued.kvs().first()
-                    && l.waiter(kv).map_err(Fail::Fatal)?.rk == rk
+                    && let waiter = l.waiter(kv).map_err(Fail::Fatal)?
+                    && waiter.rk == rk
+                    && waiter.lease == session.id
                 {
                     return Ok(First::Queued(
                         Ticket {
@@ -366,15 +439,18 @@ impl Inner {
                         async move { c.get(key, None).await }
                     })
                     .await?;
-                if let Some(kv) = resp.kvs().first() {
-                    let holder = l.holder(kv).map_err(Fail::Fatal)?;
-                    if holder.rk == rk && holder.lease == session.id {
-                        return Ok(First::Granted(Grant {
-                            slot,
-                            revision: holder.mod_rev,
-                            session: Arc::clone(session),
-                        }));
-                    }
+                // Only a grant its slot key confirms (a slot gone with an earlier attempt
+                // starts afresh below; one that says otherwise is refused).
+                let slot_kv = resp.kvs().first().map(Raw::from);
+                if l.confirm_grant(rk, session.id, &found, slot_kv)
+                    .map_err(Fail::Fatal)?
+                    == Confirmed::Held
+                {
+                    return Ok(First::Granted(Grant {
+                        slot,
+                        revision: found.mod_rev,
+                        session: Arc::clone(session),
+                    }));
                 }
             }
             MarkerState::Abandoned => {}
@@ -433,6 +509,7 @@ impl Inner {
                             origin,
                             session: Arc::clone(&grant.session),
                             claim: Claim::Unclaimed { since, ever: false },
+                            lost: false,
                         },
                     );
                     drop(held);
@@ -500,7 +577,9 @@ impl Inner {
             earlier.done.send_replace(true);
         }
         let me = Arc::clone(self);
-        rt.spawn(async move {
+        // Tracked: `close` waits for it (a task nothing waits for dies with the runtime, and
+        // leaves the queue place to the session's TTL).
+        self.tasks.spawn_on(async move {
             // Settles the record even if this task is dropped (runtime shutdown).
             let _settled = SettleOnDrop {
                 inner: Arc::clone(&me),
@@ -540,7 +619,7 @@ impl Inner {
                 sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_millis(1000));
             }
-        });
+        }, &rt);
     }
 
     /// Removes what request `rk` left: its queue place (its marker becomes a tombstone, which
@@ -581,14 +660,29 @@ impl Inner {
             };
             let reads = gets(&resp.op_responses());
             let marker = match reads.first().and_then(|g| g.kvs().first()) {
-                Some(kv) => Some(l.marker(kv)?),
                 None => None,
+                Some(kv) => match l.marker(kv) {
+                    Ok(m) if m.lease == session.id => Some(m),
+                    other => {
+                        // Not a marker this broker wrote (a neighbour rewrote it, or wrote one
+                        // leasehold refuses): it is left alone, but this request's own queue
+                        // place goes, so that nobody waits behind it and no release hands it a
+                        // slot.
+                        tracing::warn!(
+                            request = format_args!("{rk:016x}"),
+                            marker = ?other,
+                            "an abandoned etcd acquire's marker was not written by this broker; only its queue place is withdrawn"
+                        );
+                        if let Some(qk) = place {
+                            self.withdraw_place(qk, session.id, deadline).await?;
+                        }
+                        return Ok(());
+                    }
+                },
             };
             let step = match marker {
-                Some(m) if m.state == MarkerState::Abandoned || m.lease != session.id => {
-                    if m.state == MarkerState::Abandoned {
-                        self.clear_tombstone_later(rk, m.mod_rev);
-                    }
+                Some(m) if m.state == MarkerState::Abandoned => {
+                    self.clear_tombstone_later(rk, m.mod_rev);
                     tracing::debug!(
                         request = format_args!("{rk:016x}"),
                         "abandoned etcd acquire cleaned up"
@@ -604,6 +698,7 @@ impl Inner {
                             origin: 0,
                             session: Arc::clone(&session),
                             claim: Claim::Expired,
+                            lost: false,
                         };
                         match self
                             .give_back(token, &entry, Some(session.id), deadline)
@@ -624,10 +719,15 @@ impl Inner {
                         )])
                         .and_then(ops)
                 }
-                // Never got that far (or not yet): fence a late first transaction.
-                None => Txn::new()
-                    .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
-                    .and_then([tomb.clone()]),
+                // Never got that far (or not yet): fence a late first transaction. (A queue
+                // place without its marker, whose marker someone deleted, goes too.)
+                None => {
+                    let mut ops = vec![tomb.clone()];
+                    ops.extend(place.map(|qk| TxnOp::delete(l.queue_key(qk), None)));
+                    Txn::new()
+                        .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
+                        .and_then(ops)
+                }
             };
             match self
                 .endpoints
@@ -648,13 +748,42 @@ impl Inner {
         ))
     }
 
+    /// Deletes queue place `qk` if it is still under this broker's session `lease`.
+    async fn withdraw_place(
+        self: &Arc<Self>,
+        qk: u64,
+        lease: i64,
+        deadline: Instant,
+    ) -> Result<(), EtcdError> {
+        let key = self.layout.queue_key(qk);
+        let txn = Txn::new()
+            .when([Compare::lease(key.clone(), CompareOp::Equal, lease)])
+            .and_then([TxnOp::delete(key, None)]);
+        match self
+            .endpoints
+            .call("leave the queue", deadline, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await
+        {
+            Ok(_) | Err(Fail::NotFound) => Ok(()),
+            Err(f) => Err(f.into_etcd("leave the queue")),
+        }
+    }
+
     /// Removes a tombstone once no late copy of the request's first transaction can still
-    /// arrive (its calls were bounded by the call timeout long before).
+    /// arrive (its calls were bounded by the call timeout long before). A close ends it: the
+    /// revoke removes the tombstone with the session.
     fn clear_tombstone_later(self: &Arc<Self>, rk: u64, tomb_rev: i64) {
         let inner = Arc::downgrade(self);
         let after = (self.retry_for + self.ttl) * 2;
+        let closed = self.closed.clone();
         tokio::spawn(async move {
-            sleep(after).await;
+            tokio::select! {
+                () = sleep(after) => {}
+                () = closed.cancelled() => return,
+            }
             let Some(me) = inner.upgrade() else {
                 return;
             };
@@ -719,6 +848,22 @@ fn forget_cleanup(table: &Mutex<HashMap<u64, Arc<Cleanup>>>, rk: u64, ctl: &Arc<
     if table.get(&rk).is_some_and(|c| Arc::ptr_eq(c, ctl)) {
         table.remove(&rk);
     }
+}
+
+/// Two counts of the `slot/` keys, read from the index (no key is read): those in the pool's
+/// slot range, and all of them.
+pub(super) fn slot_counts(l: &Layout) -> [TxnOp; 2] {
+    let (from, to) = l.slot_range();
+    [
+        TxnOp::get(
+            from,
+            Some(GetOptions::new().with_range(to).with_count_only()),
+        ),
+        TxnOp::get(
+            l.slot_prefix(),
+            Some(GetOptions::new().with_prefix().with_count_only()),
+        ),
+    ]
 }
 
 /// The reads of a transaction's answer, in order.

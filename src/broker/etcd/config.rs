@@ -5,7 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use super::error::{EtcdError, EtcdErrorKind};
-use super::layout::MAX_CAPACITY;
+use super::layout::{MAX_CAPACITY, SECTIONS};
 
 /// How an [`EtcdBroker`](crate::EtcdBroker) reaches etcd and which pool it serves.
 ///
@@ -66,7 +66,10 @@ impl EtcdConfig {
         }
     }
 
-    /// The key prefix under which pools live (default `leasehold`; no trailing `/`).
+    /// The key prefix under which pools live (default `leasehold`; no trailing `/`). Neither
+    /// it nor the pool name may have a part named `capacity`, `queue`, `request` or `slot`
+    /// (the names leasehold uses inside a pool), and a pool whose keys would lie inside
+    /// another's (`render` under `lh` and any pool under `lh/render`) is refused at `connect`.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.key_prefix = prefix.into();
         self
@@ -139,6 +142,22 @@ impl EtcdConfig {
                 self.key_prefix
             ));
         }
+        // A part named like a section of the layout would put this pool's keys inside another
+        // pool's slot, queue or request keys (pool `slot` under `lh/render` lies in the slot
+        // keys of pool `render` under `lh`). Any other nesting is refused at `connect`.
+        if let Some(part) = self
+            .key_prefix
+            .split('/')
+            .chain([self.pool.as_str()])
+            .find(|part| SECTIONS.contains(part))
+        {
+            return bad(format!(
+                "{part:?} in the pool {:?} under the key prefix {:?} is a name leasehold's layout uses inside a pool ({}): the pool's keys could lie inside another pool's",
+                self.pool,
+                self.key_prefix,
+                SECTIONS.join(", ")
+            ));
+        }
         if self.capacity == 0 || self.capacity > MAX_CAPACITY {
             return bad(format!(
                 "capacity {} is outside 1..={MAX_CAPACITY}",
@@ -196,6 +215,10 @@ mod tests {
             EtcdConfig::new(["http://127.0.0.1:1"], "p", 3).key_prefix("x/"),
             EtcdConfig::new(["http://127.0.0.1:1"], "p", 3).ttl(Duration::from_millis(1500)),
             EtcdConfig::new(Vec::<String>::new(), "p", 3),
+            EtcdConfig::new(["http://127.0.0.1:1"], "slot", 3).key_prefix("lh/render"),
+            EtcdConfig::new(["http://127.0.0.1:1"], "p", 3).key_prefix("lh/queue"),
+            EtcdConfig::new(["http://127.0.0.1:1"], "capacity", 3),
+            EtcdConfig::new(["http://127.0.0.1:1"], "p", 3).key_prefix("request"),
         ] {
             let err = bad.validate().unwrap_err();
             assert_eq!(err.code(), "ETCD_INVALID_CONFIG", "{bad:?}");

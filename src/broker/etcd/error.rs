@@ -37,6 +37,12 @@ pub enum EtcdErrorKind {
     /// its place. Only an expiry confirmed by etcd ends a wait; an outage or a leader election
     /// does not.
     SessionExpired,
+    /// `ETCD_POOL_NESTED`: the pool's keys would lie inside another pool's (or another pool's
+    /// inside this one's): refused at `connect`, before anything is written.
+    NestedPool,
+    /// `ETCD_BROKER_CLOSED`: the broker was closed ([`SlotBroker::close`](crate::SlotBroker::close)):
+    /// it grants nothing more.
+    Closed,
 }
 
 /// A failure of the etcd broker. Never contains credentials.
@@ -73,6 +79,8 @@ impl EtcdError {
             EtcdErrorKind::InvalidResponse => "ETCD_INVALID_RESPONSE",
             EtcdErrorKind::Tls => "ETCD_TLS_FAILED",
             EtcdErrorKind::SessionExpired => "ETCD_SESSION_EXPIRED",
+            EtcdErrorKind::NestedPool => "ETCD_POOL_NESTED",
+            EtcdErrorKind::Closed => "ETCD_BROKER_CLOSED",
         }
     }
 
@@ -90,13 +98,14 @@ impl EtcdError {
                 | EtcdErrorKind::CorruptRecord
                 | EtcdErrorKind::CapacityMismatch
                 | EtcdErrorKind::InvalidResponse
+                | EtcdErrorKind::NestedPool
         )
     }
 
     pub(super) fn into_broker(self) -> BrokerError {
         let code = self.code();
         let err = match self.kind {
-            EtcdErrorKind::Unavailable | EtcdErrorKind::SessionExpired => {
+            EtcdErrorKind::Unavailable | EtcdErrorKind::SessionExpired | EtcdErrorKind::Closed => {
                 BrokerError::unavailable(self.message)
             }
             EtcdErrorKind::Auth

@@ -24,6 +24,9 @@ use super::error::{EtcdError, EtcdErrorKind};
 
 /// Marks every value leasehold writes (and refuses any other).
 pub(super) const FORMAT: &str = "leasehold/v1";
+/// The names directly under a pool's prefix. No part of a pool's own prefix may be one of
+/// them: its keys would then lie inside another pool's slot, queue or request keys.
+pub(super) const SECTIONS: [&str; 4] = ["capacity", "queue", "request", "slot"];
 /// The largest pool an `EtcdBroker` manages (slot keys have six digits).
 pub(super) const MAX_CAPACITY: u32 = 100_000;
 
@@ -70,6 +73,16 @@ pub(super) struct Marker {
     pub(super) mod_rev: i64,
 }
 
+/// What a grant written into a waiter's marker was checked against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Confirmed {
+    /// The slot key says the same: written by leasehold for this request, under this session,
+    /// at the marker's revision.
+    Held,
+    /// The slot key is gone (with its session, or deleted by someone else).
+    Missing,
+}
+
 /// The parts of a key-value pair that validation looks at (a `KeyValue` read from etcd, or one
 /// built by hand in a unit test).
 #[derive(Debug, Clone, Copy)]
@@ -79,6 +92,11 @@ pub(super) struct Raw<'a> {
     pub(super) lease: i64,
     pub(super) create_rev: i64,
     pub(super) mod_rev: i64,
+}
+
+/// The key-value pairs of a read, as [`Raw`].
+pub(super) fn raws(kvs: &[KeyValue]) -> impl Iterator<Item = Raw<'_>> {
+    kvs.iter().map(Raw::from)
 }
 
 impl<'a> From<&'a KeyValue> for Raw<'a> {
@@ -137,6 +155,23 @@ impl Layout {
         format!("{}slot/", self.prefix)
     }
 
+    /// The range `[slot/000000, slot/{capacity})`: every slot key of the pool, and nothing else
+    /// that leasehold writes. Counting it next to the whole `slot/` range tells a key under
+    /// `slot/` that is not a slot of this pool (which would otherwise count as a held slot).
+    pub(super) fn slot_range(&self) -> (String, String) {
+        (self.slot_key(0), self.slot_key(self.capacity))
+    }
+
+    /// The capacity keys of the pools this pool's prefix would nest in: for
+    /// `a/b/c/pool/`, `a/b/capacity` and `a/b/c/capacity` (a pool's prefix has at least two
+    /// parts, its key prefix and its name).
+    pub(super) fn enclosing_capacity_keys(&self) -> Vec<String> {
+        let parts: Vec<&str> = self.prefix.trim_end_matches('/').split('/').collect();
+        (2..parts.len())
+            .map(|n| format!("{}/capacity", parts[..n].join("/")))
+            .collect()
+    }
+
     pub(super) fn slot_key(&self, index: u32) -> String {
         format!("{}slot/{index:06}", self.prefix)
     }
@@ -161,7 +196,7 @@ impl Layout {
         }
     }
 
-    fn foreign(&self, kv: Raw<'_>, why: &str) -> EtcdError {
+    pub(super) fn foreign(&self, kv: Raw<'_>, why: &str) -> EtcdError {
         EtcdError::new(
             EtcdErrorKind::ForeignKey,
             format!(
@@ -267,9 +302,62 @@ impl Layout {
         })
     }
 
+    /// A grant that a waiter's marker says it has (`marker`, already read as this request's,
+    /// under `session`), checked against its slot key (`slot`, read after it): the slot key must
+    /// be a holder record of this request (`rk`), under the same session, written at the
+    /// marker's revision — the one transaction that grants writes both. Anything else is a
+    /// value leasehold did not write for this grant (`ETCD_CORRUPT_RECORD`).
+    pub(super) fn confirm_grant(
+        &self,
+        rk: u64,
+        session: i64,
+        marker: &Marker,
+        slot: Option<Raw<'_>>,
+    ) -> Result<Confirmed, EtcdError> {
+        let MarkerState::Granted { slot: index } = marker.state else {
+            return Err(EtcdError::new(
+                EtcdErrorKind::InvalidResponse,
+                format!("request {rk:016x} was asked to confirm a grant it does not have"),
+            ));
+        };
+        if marker.lease != session {
+            return Err(self.not_ours(rk, marker.lease, session));
+        }
+        let Some(kv) = slot else {
+            return Ok(Confirmed::Missing);
+        };
+        let holder = self.holder(kv)?;
+        if kv.key != self.slot_key(index).as_bytes()
+            || holder.rk != rk
+            || holder.lease != session
+            || holder.mod_rev != marker.mod_rev
+        {
+            return Err(self.corrupt(
+                kv,
+                &format!(
+                    "not the grant of slot {index} to request {rk:016x} under session {session:016x} at revision {}",
+                    marker.mod_rev
+                ),
+            ));
+        }
+        Ok(Confirmed::Held)
+    }
+
+    /// A request's marker written under another lease than the waiter's session: not a record
+    /// leasehold wrote for this waiter.
+    pub(super) fn not_ours(&self, rk: u64, lease: i64, session: i64) -> EtcdError {
+        EtcdError::new(
+            EtcdErrorKind::CorruptRecord,
+            format!(
+                "key {:?} was written under lease {lease:016x}, not this waiter's session {session:016x}: leasehold did not write it; it grants nothing",
+                self.request_key(rk)
+            ),
+        )
+    }
+
     /// The `capacity` key: refused unless it records this broker's capacity.
-    pub(super) fn check_capacity(&self, kv: Option<&KeyValue>) -> Result<(), EtcdError> {
-        let Some(kv) = kv.map(Raw::from) else {
+    pub(super) fn check_capacity(&self, kv: Option<Raw<'_>>) -> Result<(), EtcdError> {
+        let Some(kv) = kv else {
             return Err(EtcdError::new(
                 EtcdErrorKind::CorruptRecord,
                 format!("the capacity record {:?} is missing", self.capacity_key()),
@@ -294,37 +382,65 @@ impl Layout {
         Ok(())
     }
 
-    /// Validates every key of the pool (read at `connect`).
-    pub(super) fn check_pool(&self, kvs: &[KeyValue]) -> Result<(), EtcdError> {
+    /// Validates every key of the pool (read at `connect`): each must be part of the layout
+    /// and hold what leasehold writes there, and a pool with any key must have its capacity
+    /// record (a missing one is never re-created under slots in use).
+    pub(super) fn check_pool<'a>(
+        &self,
+        kvs: impl IntoIterator<Item = Raw<'a>>,
+    ) -> Result<(), EtcdError> {
         let capacity_key = self.capacity_key();
+        let (slot, queue, request) = (
+            self.slot_prefix(),
+            self.queue_prefix(),
+            format!("{}request/", self.prefix),
+        );
         let mut capacity = None;
+        let mut others = 0usize;
         for kv in kvs {
-            let key = kv.key();
+            let key = kv.key;
             if key == capacity_key.as_bytes() {
                 capacity = Some(kv);
-            } else if key.starts_with(self.slot_prefix().as_bytes()) {
+                continue;
+            }
+            others += 1;
+            if key.starts_with(slot.as_bytes()) {
                 self.holder(kv)?;
-            } else if key.starts_with(self.queue_prefix().as_bytes()) {
+            } else if key.starts_with(queue.as_bytes()) {
                 self.waiter(kv)?;
-            } else if key.starts_with(format!("{}request/", self.prefix).as_bytes()) {
+            } else if key.starts_with(request.as_bytes()) {
                 self.marker(kv)?;
             } else if key.starts_with(self.prefix.as_bytes()) {
-                return Err(self.foreign(kv.into(), "unknown key"));
+                return Err(self.foreign(kv, "unknown key"));
             } else {
-                return Err(self.foreign(kv.into(), "outside the prefix"));
+                return Err(self.foreign(kv, "outside the prefix"));
             }
+        }
+        if capacity.is_none() && others > 0 {
+            return Err(EtcdError::new(
+                EtcdErrorKind::CorruptRecord,
+                format!(
+                    "the capacity record {capacity_key:?} is missing while the pool has {others} other keys: it is not re-created under slots that may be in use; restore it (`leasehold/v1 capacity=N`) or empty the pool"
+                ),
+            ));
         }
         self.check_capacity(capacity)
     }
 
     /// Every slot key of a `slot/` range read, validated.
-    pub(super) fn holders(&self, kvs: &[KeyValue]) -> Result<Vec<Holder>, EtcdError> {
-        kvs.iter().map(|kv| self.holder(kv)).collect()
+    pub(super) fn holders<'a>(
+        &self,
+        kvs: impl IntoIterator<Item = Raw<'a>>,
+    ) -> Result<Vec<Holder>, EtcdError> {
+        kvs.into_iter().map(|kv| self.holder(kv)).collect()
     }
 
     /// Every queue key of a `queue/` range read, validated.
-    pub(super) fn waiters(&self, kvs: &[KeyValue]) -> Result<Vec<Waiter>, EtcdError> {
-        kvs.iter().map(|kv| self.waiter(kv)).collect()
+    pub(super) fn waiters<'a>(
+        &self,
+        kvs: impl IntoIterator<Item = Raw<'a>>,
+    ) -> Result<Vec<Waiter>, EtcdError> {
+        kvs.into_iter().map(|kv| self.waiter(kv)).collect()
     }
 }
 

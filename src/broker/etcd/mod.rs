@@ -9,7 +9,9 @@
 //! - `acquire` — the idempotent first transaction, and the cleanup of an acquire given up;
 //! - `queue` — FIFO, work-conserving, herd-free waiting;
 //! - `watches` — one watch stream per broker, shared by its waiters;
-//! - `release` — the hand-off to the next waiter, and releases settled in the background.
+//! - `release` — the hand-off to the next waiter, and releases settled in the background;
+//! - `trust_tests` — a property test of the decoding and decision functions over arbitrary
+//!   pools.
 
 mod acquire;
 mod config;
@@ -19,6 +21,8 @@ mod layout;
 mod queue;
 mod release;
 mod session;
+#[cfg(test)]
+mod trust_tests;
 mod watches;
 
 use std::collections::{HashMap, VecDeque};
@@ -30,8 +34,9 @@ use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, ConnectOptions, GetOptions, Txn, TxnOp};
 use parking_lot::Mutex;
-use tokio::time::Instant;
+use tokio::time::{Instant, timeout_at};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use super::{AcquireRequest, BrokerError, BrokerEvents, SlotBroker, SlotToken};
 
@@ -92,6 +97,13 @@ use session::{Held, Session};
 /// answer is lost is finished in the background; if it is found to have gone with its expired
 /// session, it is reported through [`BrokerEvents::orphan_expired`]. Calls go to a member that
 /// answers; a member that does not is skipped until a probe finds it healthy.
+///
+/// Nothing the broker reads grants a slot unless leasehold wrote it for that request: a waiter
+/// decides only from a marker under its own session, and takes a grant only once its slot key
+/// says the same (request, session, revision). Anything else under the pool prefix is refused
+/// with a typed [`EtcdError`] (`ETCD_FOREIGN_KEY`, `ETCD_CORRUPT_RECORD`) and the refused
+/// waiter leaves the queue. [`SlotBroker::close`] withdraws what is in flight and revokes the
+/// session, awaited: a process that closes its broker before it exits leaves nothing in etcd.
 ///
 /// # Examples
 ///
@@ -155,7 +167,23 @@ struct Inner {
     /// Give-backs in progress in the background.
     settling: AtomicUsize,
     events: Mutex<Vec<BrokerEvents>>,
-    /// Cancelled when the broker goes: its session keeper revokes the session.
+    /// Supervisors attached and not yet closed (see [`SlotBroker::close`]).
+    attached: Mutex<usize>,
+    /// Acquire attempts in flight, by request key: a copy of a request sent while another
+    /// runs waits for it (see `acquire`).
+    flights: Mutex<HashMap<u64, tokio::sync::watch::Receiver<()>>>,
+    /// Acquires in flight and the background work that settles what they and releases leave
+    /// (withdrawn queue places, grants passed on, releases finished): what `close` waits for,
+    /// instead of tasks that die with the runtime.
+    tasks: TaskTracker,
+    /// Cancelled when `close` begins: acquires end, no new session is granted.
+    closed: CancellationToken,
+    /// One close at a time; `true` once done.
+    close_done: tokio::sync::Mutex<bool>,
+    /// Set once `close` has revoked the session: the keeper need not revoke it again.
+    revoked: Arc<AtomicBool>,
+    /// Cancelled when the broker goes: its session keeper stops (and revokes the session,
+    /// unless `close` already did).
     closing: CancellationToken,
 }
 
@@ -186,14 +214,21 @@ impl fmt::Debug for EtcdBroker {
 }
 
 impl EtcdBroker {
-    /// Connects, records the pool's capacity (or checks it against the one recorded), and
-    /// checks that everything under the pool prefix is leasehold's.
+    /// Connects, records the pool's capacity if the pool is new (or checks it against the one
+    /// recorded), and checks that everything under the pool prefix is leasehold's.
+    ///
+    /// A pool is new only when nothing at all lies under its prefix: a capacity record that is
+    /// missing while other keys are there (slots may be held) is refused, never re-created.
+    /// The pool is created only if it does not lie inside another pool's prefix, in the same
+    /// transaction (so no two pools' keys can nest, whichever connects first).
     ///
     /// # Errors
     ///
     /// [`EtcdError`]: `ETCD_INVALID_CONFIG`, `ETCD_UNAVAILABLE` (no answer within the connect
     /// bound and the retries), `ETCD_AUTH_FAILED`, `ETCD_TLS_FAILED`, `ETCD_CAPACITY_MISMATCH`
-    /// (the pool exists with another capacity), `ETCD_CORRUPT_RECORD` or `ETCD_FOREIGN_KEY`.
+    /// (the pool exists with another capacity), `ETCD_CORRUPT_RECORD` (a record leasehold did
+    /// not write, or the capacity record missing from a pool that has keys),
+    /// `ETCD_FOREIGN_KEY` or `ETCD_POOL_NESTED` (the pool lies inside another).
     ///
     /// # Cancel safety
     ///
@@ -265,6 +300,12 @@ impl EtcdBroker {
             orphans_expired: AtomicU64::new(0),
             settling: AtomicUsize::new(0),
             events: Mutex::new(Vec::new()),
+            attached: Mutex::new(0),
+            flights: Mutex::new(HashMap::new()),
+            tasks: TaskTracker::new(),
+            closed: CancellationToken::new(),
+            close_done: tokio::sync::Mutex::new(false),
+            revoked: Arc::new(AtomicBool::new(false)),
             closing: CancellationToken::new(),
         });
         #[cfg(feature = "etcd-tls")]
@@ -360,30 +401,95 @@ impl SlotBroker for EtcdBroker {
     }
 
     fn attach(&self, events: BrokerEvents) {
+        *self.inner.attached.lock() += 1;
         self.inner.events.lock().push(events);
+    }
+
+    /// Withdraws every acquire still in flight (their queue places go, a slot granted
+    /// meanwhile is passed on to the next waiter), lets the releases still settling in the
+    /// background finish (bounded by twice the call timeout), then revokes the session —
+    /// every key still under it goes with it, at once, not one TTL later — and waits for
+    /// etcd's answer (retried for `retry_for`). Afterwards acquires fail with
+    /// `ETCD_BROKER_CLOSED` and no session is granted again.
+    ///
+    /// Counted per supervisor attached to the broker: with several, each close ends one of
+    /// them and only the last closes the broker; with none (a broker used directly), the first
+    /// close does. Closing a closed broker answers `Ok` at once.
+    ///
+    /// # Errors
+    ///
+    /// `ETCD_UNAVAILABLE` when etcd did not confirm the revoke: the session, and whatever is
+    /// under it, then goes with its TTL.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: the broker is closed from the first poll on; dropped before the revoke was
+    /// answered, the session is left to its TTL (or to the revoke the broker's drop sends).
+    async fn close(&self) -> Result<(), BrokerError> {
+        {
+            let mut attached = self.inner.attached.lock();
+            if *attached > 1 {
+                *attached -= 1;
+                return Ok(());
+            }
+            *attached = 0;
+        }
+        self.inner.close().await.map_err(EtcdError::into_broker)
     }
 }
 
 impl Inner {
-    /// Records the capacity if the pool is new, then validates the whole pool.
+    /// Records the capacity if the pool is new (nothing under its prefix) and lies inside no
+    /// other pool, then validates the whole pool.
     async fn ensure_capacity(self: &Arc<Self>) -> Result<(), EtcdError> {
         let l = &self.layout;
         // Bounded by the connect timeout: the client connects lazily, on this first call.
         let deadline = Instant::now() + self.connect_timeout;
+        let enclosing = l.enclosing_capacity_keys();
+        // One transaction: a pool that another pool's keys would nest in (or that would nest
+        // in another) is never created, whichever connects first.
+        let mut when = vec![
+            // An empty range compares as one absent key: nothing under the prefix.
+            Compare::create_revision(l.prefix(), CompareOp::Equal, 0).with_prefix(),
+        ];
+        when.extend(
+            enclosing
+                .iter()
+                .map(|key| Compare::create_revision(key.as_str(), CompareOp::Equal, 0)),
+        );
         let txn = Txn::new()
-            .when([Compare::create_revision(
-                l.capacity_key(),
-                CompareOp::Equal,
-                0,
-            )])
-            .and_then([TxnOp::put(l.capacity_key(), l.capacity_value(), None)]);
-        self.endpoints
+            .when(when)
+            .and_then([TxnOp::put(l.capacity_key(), l.capacity_value(), None)])
+            .or_else(
+                enclosing
+                    .iter()
+                    .map(|key| TxnOp::get(key.as_str(), Some(GetOptions::new().with_keys_only())))
+                    .collect::<Vec<_>>(),
+            );
+        let created = self
+            .endpoints
             .call("record the capacity", deadline, |mut c| {
                 let txn = txn.clone();
                 async move { c.txn(txn).await }
             })
             .await
             .map_err(|f| connect_error(f, "record the capacity"))?;
+        if !created.succeeded() {
+            let outer = acquire::gets(&created.op_responses())
+                .iter()
+                .flat_map(|g| g.kvs().to_vec())
+                .next();
+            if let Some(outer) = outer {
+                let outer = String::from_utf8_lossy(outer.key());
+                return Err(EtcdError::new(
+                    EtcdErrorKind::NestedPool,
+                    format!(
+                        "the pool prefix {:?} lies inside the pool whose capacity record is {outer:?}: choose a key prefix and pool outside it",
+                        l.prefix()
+                    ),
+                ));
+            }
+        }
         let prefix = l.prefix().to_owned();
         let pool = self
             .endpoints
@@ -393,7 +499,59 @@ impl Inner {
             })
             .await
             .map_err(|f| connect_error(f, "read the pool"))?;
-        l.check_pool(pool.kvs())
+        l.check_pool(layout::raws(pool.kvs()))
+    }
+
+    /// The broker's close (see [`SlotBroker::close`] on [`EtcdBroker`]).
+    async fn close(self: &Arc<Self>) -> Result<(), EtcdError> {
+        let mut done = self.close_done.lock().await;
+        if *done {
+            return Ok(());
+        }
+        // From here the broker is closed: acquires in flight end (each withdraws what it left
+        // in etcd, in a task `tasks` tracks), and none starts a new session.
+        self.closed.cancel();
+        self.tasks.close();
+        // Withdrawals, grants passed on and releases settling, in their own bound: the revoke
+        // below removes what they could not, so it must not be starved by them.
+        let _ = timeout_at(Instant::now() + self.rpc_timeout * 2, self.tasks.wait()).await;
+        let session = self.session.lock().clone();
+        let revoked = match session {
+            None => Ok(()),
+            Some(session) => {
+                let id = session.id;
+                match self
+                    .endpoints
+                    .call(
+                        "revoke the session",
+                        Instant::now() + self.retry_for,
+                        |mut c| async move { c.lease_revoke(id).await },
+                    )
+                    .await
+                {
+                    // Revoked, or already gone: nothing is left under it.
+                    Ok(_) | Err(Fail::NotFound) => {
+                        tracing::debug!(
+                            session = format_args!("{id:016x}"),
+                            "etcd session revoked at close"
+                        );
+                        self.revoked.store(true, Ordering::Release);
+                        self.forget_session(&session);
+                        Ok(())
+                    }
+                    Err(f) => Err(f.into_etcd(
+                        "revoke the session at close (what is under it goes with its ttl)",
+                    )),
+                }
+            }
+        };
+        if revoked.is_ok() {
+            // The keeper stops renewing (and does not revoke again). After a failed revoke it
+            // keeps renewing, so that a second close can try again.
+            self.closing.cancel();
+            *done = true;
+        }
+        revoked
     }
 }
 

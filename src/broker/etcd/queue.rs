@@ -33,9 +33,9 @@ use tokio::time::{Instant, sleep};
 use tokio_util::sync::CancellationToken;
 
 use super::Inner;
-use super::acquire::{Grant, gets, txn_shape};
+use super::acquire::{Grant, gets, slot_counts, txn_shape};
 use super::error::{EtcdError, EtcdErrorKind, Fail};
-use super::layout::{Marker, MarkerState, Waiter};
+use super::layout::{Confirmed, Layout, Marker, MarkerState, Raw, Waiter, raws};
 use super::session::Session;
 use super::watches::{Seen, Watch};
 
@@ -60,13 +60,16 @@ pub(super) struct Look {
     /// The next older waiter: `None` when not read (the pool was full), `Some(None)` for the
     /// head.
     pub(super) predecessor: Option<Option<Waiter>>,
-    /// How many slot keys exist.
+    /// How many keys the pool's slot range holds (each a held slot, if leasehold wrote it).
     pub(super) held: i64,
+    /// How many keys lie under `slot/` at all: more than `held` means keys that are not slots
+    /// of this pool (see [`decide`]).
+    pub(super) all: i64,
 }
 
 impl Look {
     /// What a waiter knows right after joining, from the join's own transaction.
-    pub(super) fn joined(revision: i64, lease: i64, held: i64) -> Look {
+    pub(super) fn joined(revision: i64, lease: i64, held: i64, all: i64) -> Look {
         Look {
             marker: Some(Marker {
                 state: MarkerState::Waiting,
@@ -76,7 +79,40 @@ impl Look {
             queued: true,
             predecessor: None,
             held,
+            all,
         }
+    }
+
+    /// What a watch event on the waiter's marker says (nothing about the slots).
+    fn of_marker(marker: Marker) -> Look {
+        Look {
+            marker: Some(marker),
+            queued: false,
+            predecessor: None,
+            held: 0,
+            all: 0,
+        }
+    }
+
+    /// A look from its reads (pure, so that every read a waiter acts on goes through it):
+    /// the waiter's marker, whether its queue key exists, the two counts of the slot keys,
+    /// and (when read) the queue key just older than its own.
+    pub(super) fn read(
+        layout: &Layout,
+        marker: Option<Raw<'_>>,
+        queued: bool,
+        (held, all): (i64, i64),
+        predecessor: Option<Option<Raw<'_>>>,
+    ) -> Result<Look, EtcdError> {
+        Ok(Look {
+            marker: marker.map(|kv| layout.marker(kv)).transpose()?,
+            queued,
+            predecessor: predecessor
+                .map(|p| p.map(|kv| layout.waiter(kv)).transpose())
+                .transpose()?,
+            held,
+            all,
+        })
     }
 }
 
@@ -87,12 +123,19 @@ pub(super) enum Next {
     Granted { slot: u32, revision: i64 },
     /// Its marker is gone: its session expired (or someone deleted its records).
     Gone,
+    /// Its marker lives under another lease than the waiter's session: leasehold did not
+    /// write it for this waiter, and whatever it says grants nothing.
+    NotOurs { lease: i64 },
     /// Its marker says waiting but its queue key is gone: someone else deleted it.
     Broken,
     /// Its marker is a tombstone: it was given up.
     Abandoned,
     /// Every slot is held: wait for a grant (or a slot deletion).
     Wait,
+    /// Keys under `slot/` that are not this pool's slots (outside its slot range, or more of
+    /// them in it than it has slots): read them, and refuse the pool (`ETCD_FOREIGN_KEY` or
+    /// `ETCD_CORRUPT_RECORD`) rather than count them as held and wait.
+    Inspect,
     /// A slot may be free: find out where it stands in the queue.
     LookCloser,
     /// A slot may be free and it is the head: claim.
@@ -101,11 +144,20 @@ pub(super) enum Next {
     Behind { predecessor: u64 },
 }
 
-/// Pure: what a waiter does next.
-pub(super) fn decide(look: &Look, capacity: u32) -> Next {
+/// Pure: what a waiter of session `session` does next. A grant is only ever decided from a
+/// marker under the waiter's own session (and is then checked against its slot key, see
+/// `Layout::confirm_grant`); it waits only while the pool's slot range holds `capacity` keys and
+/// nothing else lies under `slot/`: a wait that a slot's release (a hand-off) or deletion ends.
+pub(super) fn decide(look: &Look, capacity: u32, session: i64) -> Next {
     let Some(marker) = look.marker else {
         return Next::Gone;
     };
+    if marker.lease != session {
+        return Next::NotOurs {
+            lease: marker.lease,
+        };
+    }
+    let capacity = i64::from(capacity);
     match marker.state {
         MarkerState::Granted { slot } => Next::Granted {
             slot,
@@ -113,7 +165,8 @@ pub(super) fn decide(look: &Look, capacity: u32) -> Next {
         },
         MarkerState::Abandoned => Next::Abandoned,
         MarkerState::Waiting if !look.queued => Next::Broken,
-        MarkerState::Waiting if look.held >= i64::from(capacity) => Next::Wait,
+        MarkerState::Waiting if look.all != look.held || look.held > capacity => Next::Inspect,
+        MarkerState::Waiting if look.held >= capacity => Next::Wait,
         MarkerState::Waiting => match &look.predecessor {
             None => Next::LookCloser,
             Some(None) => Next::Head,
@@ -150,13 +203,32 @@ impl Inner {
         loop {
             // Local releases so far: one after this can free an index the head could not take.
             let releases = self.releases.load(Ordering::Acquire);
-            let predecessor = match decide(&look, self.layout.capacity()) {
+            let session = ticket.session.id;
+            let predecessor = match decide(&look, self.layout.capacity(), session) {
                 Next::Granted { slot, revision } => {
-                    return Ok(Grant {
-                        slot,
-                        revision,
-                        session: Arc::clone(&ticket.session),
-                    });
+                    // What the marker says (`decide` grants only from one under this session).
+                    let marker = Marker {
+                        state: MarkerState::Granted { slot },
+                        lease: session,
+                        mod_rev: revision,
+                    };
+                    return match self.confirm(&ticket, &marker).await? {
+                        Confirmed::Held => Ok(Grant {
+                            slot,
+                            revision,
+                            session: Arc::clone(&ticket.session),
+                        }),
+                        Confirmed::Missing => Err(self.gone(&ticket).await),
+                    };
+                }
+                Next::NotOurs { lease } => {
+                    return Err(self.layout.not_ours(ticket.rk, lease, session));
+                }
+                Next::Inspect => {
+                    self.inspect_slots(&ticket).await?;
+                    // Gone meanwhile: look again.
+                    look = self.look(&ticket, false).await?;
+                    continue;
                 }
                 Next::Gone => return Err(self.gone(&ticket).await),
                 Next::Broken => {
@@ -185,7 +257,7 @@ impl Inner {
                     // Nothing this broker may take (an index it still holds), or someone was
                     // quicker: look again; if nothing changed, wait for a change.
                     let again = self.look(&ticket, true).await?;
-                    let same = decide(&again, self.layout.capacity()) == Next::Head
+                    let same = decide(&again, self.layout.capacity(), session) == Next::Head
                         && again.held == look.held;
                     look = again;
                     if !same {
@@ -209,8 +281,46 @@ impl Inner {
         }
     }
 
-    /// Why a waiter's marker is gone: its session expired (etcd says so), or someone deleted
-    /// its records.
+    /// Reads the grant's slot key, and checks it says what the marker does (see
+    /// `Layout::confirm_grant`).
+    async fn confirm(
+        self: &Arc<Self>,
+        ticket: &Ticket,
+        marker: &Marker,
+    ) -> Result<Confirmed, EtcdError> {
+        let MarkerState::Granted { slot } = marker.state else {
+            return Err(txn_shape("confirm a grant"));
+        };
+        let key = self.layout.slot_key(slot);
+        let read = self
+            .patiently(ticket, "read the granted slot", |mut c| {
+                let key = key.clone();
+                async move { c.get(key, None).await }
+            })
+            .await?;
+        self.layout.confirm_grant(
+            ticket.rk,
+            ticket.session.id,
+            marker,
+            read.kvs().first().map(Raw::from),
+        )
+    }
+
+    /// Reads every key under `slot/` and validates it: a key that is not a slot of this pool
+    /// is refused (`ETCD_FOREIGN_KEY`, `ETCD_CORRUPT_RECORD`). `Ok` if none is left.
+    async fn inspect_slots(self: &Arc<Self>, ticket: &Ticket) -> Result<(), EtcdError> {
+        let prefix = self.layout.slot_prefix();
+        let slots = self
+            .patiently(ticket, "read the slot keys", |mut c| {
+                let prefix = prefix.clone();
+                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
+            })
+            .await?;
+        self.layout.holders(raws(slots.kvs())).map(|_| ())
+    }
+
+    /// Why a waiter's marker (or its grant's slot key) is gone: its session expired (etcd says
+    /// so), or someone deleted its records.
     async fn gone(self: &Arc<Self>, ticket: &Ticket) -> EtcdError {
         let id = ticket.session.id;
         let ttl = self
@@ -245,16 +355,15 @@ impl Inner {
         closer: bool,
     ) -> Result<Look, EtcdError> {
         let l = &self.layout;
+        let [held, all] = slot_counts(l);
         let mut ops = vec![
             TxnOp::get(l.request_key(ticket.rk), None),
             TxnOp::get(
                 l.queue_key(ticket.qk),
                 Some(GetOptions::new().with_keys_only()),
             ),
-            TxnOp::get(
-                l.slot_prefix(),
-                Some(GetOptions::new().with_prefix().with_count_only()),
-            ),
+            held,
+            all,
         ];
         if closer {
             ops.push(TxnOp::get(
@@ -276,27 +385,17 @@ impl Inner {
             })
             .await?;
         let reads = gets(&resp.op_responses());
-        let (marker, queued, count) = match reads.as_slice() {
-            [m, q, c, ..] if reads.len() == 3 + usize::from(closer) => (m, q, c),
+        let (marker, queued, held, all) = match reads.as_slice() {
+            [m, q, h, a, ..] if reads.len() == 4 + usize::from(closer) => (m, q, h, a),
             _ => return Err(txn_shape("look at the queue")),
         };
-        let marker = match marker.kvs().first() {
-            Some(kv) => Some(l.marker(kv)?),
-            None => None,
-        };
-        let predecessor = match reads.get(3) {
-            Some(p) => Some(match p.kvs().first() {
-                Some(kv) => Some(l.waiter(kv)?),
-                None => None,
-            }),
-            None => None,
-        };
-        Ok(Look {
-            marker,
-            queued: !queued.kvs().is_empty(),
-            predecessor,
-            held: count.count(),
-        })
+        Look::read(
+            l,
+            marker.kvs().first().map(Raw::from),
+            !queued.kvs().is_empty(),
+            (held.count(), all.count()),
+            reads.get(4).map(|p| p.kvs().first().map(Raw::from)),
+        )
     }
 
     /// One call, retried without a bound while the waiter's session lives: a waiter keeps its
@@ -340,7 +439,11 @@ impl Inner {
                 async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
             })
             .await?;
-        let taken: HashSet<u32> = l.holders(slots.kvs())?.iter().map(|h| h.index).collect();
+        let taken: HashSet<u32> = l
+            .holders(raws(slots.kvs()))?
+            .iter()
+            .map(|h| h.index)
+            .collect();
         let local: HashSet<u32> = self.held.lock().keys().map(|t| t.slot_id()).collect();
         let free: Vec<u32> = (0..l.capacity())
             .filter(|i| !taken.contains(i) && !local.contains(i))
@@ -367,7 +470,7 @@ impl Inner {
                         }
                     })
                     .await?;
-                let waiters = l.waiters(first.kvs())?;
+                let waiters = l.waiters(raws(first.kvs()))?;
                 if waiters.first().map(|w| w.rk) != Some(ticket.rk) {
                     return self.claim(ticket, free[0]).await;
                 }
@@ -524,16 +627,15 @@ impl Inner {
                             for event in &events {
                                 let Some(kv) = event.kv() else { continue };
                                 if event.event_type() == EventType::Put {
+                                    // Checked like any read: decided by `decide` (its own
+                                    // session's, or refused), a grant confirmed by its slot key.
                                     let marker = self.layout.marker(kv)?;
-                                    if let MarkerState::Granted { .. } = marker.state {
-                                        return Ok(Look {
-                                            marker: Some(marker),
-                                            queued: false,
-                                            predecessor: None,
-                                            held: 0,
-                                        });
+                                    if marker.lease == ticket.session.id
+                                        && marker.state == MarkerState::Waiting
+                                    {
+                                        continue; // its own "waiting"
                                     }
-                                    continue; // its own "waiting"
+                                    return Ok(Look::of_marker(marker));
                                 }
                                 return self.look(ticket, false).await; // its marker went: why?
                             }
@@ -738,14 +840,22 @@ mod tests {
                 })
             }),
             held,
+            all: held,
         }
+    }
+
+    /// The waiter's session in these looks.
+    const SESSION: i64 = 7;
+
+    fn decide_(look: &Look, capacity: u32) -> Next {
+        decide(look, capacity, SESSION)
     }
 
     #[test]
     fn while_every_slot_is_held_a_waiter_only_waits_for_its_grant() {
         for predecessor in [None, Some(None), Some(Some(3))] {
             assert_eq!(
-                decide(&look(Some(MarkerState::Waiting), true, predecessor, 2), 2),
+                decide_(&look(Some(MarkerState::Waiting), true, predecessor, 2), 2),
                 Next::Wait
             );
         }
@@ -754,10 +864,10 @@ mod tests {
     #[test]
     fn with_a_slot_free_a_waiter_finds_its_place_and_only_the_head_claims() {
         let waiting = Some(MarkerState::Waiting);
-        assert_eq!(decide(&look(waiting, true, None, 1), 2), Next::LookCloser);
-        assert_eq!(decide(&look(waiting, true, Some(None), 1), 2), Next::Head);
+        assert_eq!(decide_(&look(waiting, true, None, 1), 2), Next::LookCloser);
+        assert_eq!(decide_(&look(waiting, true, Some(None), 1), 2), Next::Head);
         assert_eq!(
-            decide(&look(waiting, true, Some(Some(3)), 1), 2),
+            decide_(&look(waiting, true, Some(Some(3)), 1), 2),
             Next::Behind { predecessor: 3 }
         );
     }
@@ -765,7 +875,7 @@ mod tests {
     #[test]
     fn a_grant_in_the_marker_wins_over_anything_else_the_look_says() {
         assert_eq!(
-            decide(
+            decide_(
                 &look(
                     Some(MarkerState::Granted { slot: 1 }),
                     false,
@@ -783,14 +893,38 @@ mod tests {
 
     #[test]
     fn missing_or_inconsistent_records_end_the_wait() {
-        assert_eq!(decide(&look(None, false, None, 0), 2), Next::Gone);
+        assert_eq!(decide_(&look(None, false, None, 0), 2), Next::Gone);
         assert_eq!(
-            decide(&look(Some(MarkerState::Waiting), false, None, 0), 2),
+            decide_(&look(Some(MarkerState::Waiting), false, None, 0), 2),
             Next::Broken
         );
         assert_eq!(
-            decide(&look(Some(MarkerState::Abandoned), false, None, 0), 2),
+            decide_(&look(Some(MarkerState::Abandoned), false, None, 0), 2),
             Next::Abandoned
         );
+    }
+
+    #[test]
+    fn a_marker_under_another_lease_grants_nothing_whatever_it_says() {
+        for state in [
+            MarkerState::Granted { slot: 0 },
+            MarkerState::Waiting,
+            MarkerState::Abandoned,
+        ] {
+            let look = look(Some(state), true, Some(None), 0);
+            assert_eq!(decide(&look, 2, SESSION + 1), Next::NotOurs { lease: 7 });
+        }
+    }
+
+    #[test]
+    fn keys_under_slot_that_are_not_slots_are_inspected_instead_of_counted_as_held() {
+        let waiting = Some(MarkerState::Waiting);
+        // One key outside the slot range: the pool would look full with a slot free.
+        let mut outside = look(waiting, true, Some(None), 1);
+        outside.all = 2;
+        assert_eq!(decide_(&outside, 2), Next::Inspect);
+        // More keys in the slot range than the pool has slots.
+        let over = look(waiting, true, Some(None), 3);
+        assert_eq!(decide_(&over, 2), Next::Inspect);
     }
 }

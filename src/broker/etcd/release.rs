@@ -25,7 +25,7 @@ use tokio::time::{Instant, sleep};
 use super::Inner;
 use super::acquire::{gets, txn_shape};
 use super::error::{EtcdError, EtcdErrorKind, Fail};
-use super::layout::{MarkerState, Waiter};
+use super::layout::{MarkerState, Waiter, raws};
 use super::session::{Claim, Held};
 use crate::broker::{BrokerError, SlotToken};
 
@@ -49,15 +49,8 @@ struct ReleaseGuard {
 
 impl Drop for ReleaseGuard {
     fn drop(&mut self) {
-        if let Some(entry) = self.entry.take()
-            && let Ok(rt) = tokio::runtime::Handle::try_current()
-        {
-            let (inner, token) = (Arc::clone(&self.inner), self.token);
-            let settling = Settling::new(&inner);
-            rt.spawn(async move {
-                inner.settle(token, entry, true).await;
-                drop(settling);
-            });
+        if let Some(entry) = self.entry.take() {
+            self.inner.settle_in_background(self.token, entry);
         }
     }
 }
@@ -83,6 +76,16 @@ impl Inner {
         self.hint.store(token.slot_id(), Ordering::Relaxed);
         if entry.claim == Claim::Expired {
             return Ok(()); // the broker gave it back already
+        }
+        if entry.lost {
+            // Lost means lost: `keep_alive` told the holder, whose job ended for it. The slot
+            // is not its any more (or will not be once the session lapses), so the release
+            // answers now instead of retrying against an etcd that may not answer for
+            // `retry_for`; the slot is given back in the background if etcd still has it under
+            // this token, and counted as an orphan that expired if it went with the session.
+            tracing::info!(%token, "release of a lost etcd lease answered at once; settled in the background");
+            self.settle_in_background(token, entry);
+            return Ok(());
         }
         let mut guard = ReleaseGuard {
             inner: Arc::clone(self),
@@ -187,7 +190,10 @@ impl Inner {
                 Some(kv) if kv.mod_revision() == mine => {}
                 _ => return Ok(GaveBack::Gone),
             }
-            heads = self.layout.waiters(oldest.kvs()).map_err(Fail::Fatal)?;
+            heads = self
+                .layout
+                .waiters(raws(oldest.kvs()))
+                .map_err(Fail::Fatal)?;
             self.contended.store(!heads.is_empty(), Ordering::Relaxed);
             *self.heads.lock() = heads.clone();
         }
@@ -280,13 +286,30 @@ impl Inner {
                 )
                 .await;
             if let Ok(resp) = read
-                && let Ok(waiters) = me.layout.waiters(resp.kvs())
+                && let Ok(waiters) = me.layout.waiters(raws(resp.kvs()))
             {
                 me.contended.store(!waiters.is_empty(), Ordering::Relaxed);
                 *me.heads.lock() = waiters;
             }
             me.refreshing.store(false, Ordering::Release);
         });
+    }
+
+    /// [`settle`](Self::settle) in a task `close` waits for (counted in `settling`).
+    pub(super) fn settle_in_background(self: &Arc<Self>, token: SlotToken, entry: Held) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(%token, "an etcd slot is left to its session's ttl (no runtime to give it back)");
+            return;
+        };
+        let inner = Arc::clone(self);
+        let settling = Settling::new(&inner);
+        self.tasks.spawn_on(
+            async move {
+                inner.settle(token, entry, true).await;
+                drop(settling);
+            },
+            &rt,
+        );
     }
 
     /// Finishes giving a token back in the background, retrying while etcd does not answer.

@@ -13,6 +13,7 @@
 //! that reached nobody: the supervisor had stopped), or no longer claimed and not released — is
 //! given back by the broker itself, as etcd would have let a per-token lease lapse.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -111,17 +112,26 @@ pub(super) struct Held {
     pub(super) origin: u64,
     pub(super) session: Arc<Session>,
     pub(super) claim: Claim,
+    /// `keep_alive` has reported the lease lost: its release is not retried against an etcd
+    /// that may not answer (see `release`).
+    pub(super) lost: bool,
 }
 
 impl Inner {
     /// The live session, granted now if there is none (or the last one expired).
     pub(super) async fn session(&self, deadline: Instant) -> Result<Arc<Session>, EtcdError> {
+        if self.closed.is_cancelled() {
+            return Err(self.closed_error());
+        }
         if let Some(s) = self.session.lock().clone()
             && !s.is_expired()
         {
             return Ok(s);
         }
         let _one_grant_at_a_time = self.granting.lock().await;
+        if self.closed.is_cancelled() {
+            return Err(self.closed_error());
+        }
         if let Some(s) = self.session.lock().clone()
             && !s.is_expired()
         {
@@ -170,6 +180,7 @@ impl Inner {
                 tx,
                 renew_now,
                 closing: self.closing.clone(),
+                revoked: Arc::clone(&self.revoked),
             }
             .run(asked_at),
         );
@@ -181,15 +192,37 @@ impl Inner {
         Ok(session)
     }
 
+    /// What an acquire of a closed broker answers.
+    pub(super) fn closed_error(&self) -> EtcdError {
+        EtcdError::new(
+            EtcdErrorKind::Closed,
+            format!(
+                "the broker of pool {:?} is closed: it grants nothing more",
+                self.layout.prefix()
+            ),
+        )
+    }
+
     /// How long before a session could lapse its holders are told their lease is lost.
     pub(super) fn margin(&self) -> Duration {
         (self.ttl / 4).min(Duration::from_secs(2))
     }
 
     /// Resolves when the lease behind `token` is lost or may lapse before it can be renewed
-    /// (see [`SlotBroker::keep_alive`](crate::SlotBroker::keep_alive)). Holds the token's claim
-    /// while it runs.
+    /// (see [`SlotBroker::keep_alive`](crate::SlotBroker::keep_alive)), and marks the token
+    /// lost: the broker has told its holder, so its release answers at once (see `release`).
+    /// Holds the token's claim while it runs.
     pub(super) async fn keep_alive(self: &Arc<Self>, token: SlotToken) -> EtcdError {
+        let lost = self.watch_lease(token).await;
+        if lost.kind() == EtcdErrorKind::LeaseLost
+            && let Some(entry) = self.held.lock().get_mut(&token)
+        {
+            entry.lost = true;
+        }
+        lost
+    }
+
+    async fn watch_lease(self: &Arc<Self>, token: SlotToken) -> EtcdError {
         let session = {
             let mut held = self.held.lock();
             let Some(entry) = held.get_mut(&token) else {
@@ -257,15 +290,19 @@ impl Inner {
         }
     }
 
-    /// Starts the one-TTL clock of a token nobody keeps alive since `since`.
+    /// Starts the one-TTL clock of a token nobody keeps alive since `since` (stopped by
+    /// `close`, whose revoke frees the slot anyway).
     pub(super) fn watch_unclaimed(self: &Arc<Self>, token: SlotToken, since: Instant) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let inner = Arc::downgrade(self);
-        let ttl = self.ttl;
+        let (ttl, closed) = (self.ttl, self.closed.clone());
         rt.spawn(async move {
-            sleep_until(since + ttl).await;
+            tokio::select! {
+                () = sleep_until(since + ttl) => {}
+                () = closed.cancelled() => return,
+            }
             if let Some(inner) = inner.upgrade() {
                 inner.expire_unclaimed(token, since).await;
             }
@@ -357,6 +394,8 @@ struct Keeper {
     tx: watch::Sender<Liveness>,
     renew_now: Arc<Notify>,
     closing: CancellationToken,
+    /// Set by `close` once it has revoked the session itself.
+    revoked: Arc<AtomicBool>,
 }
 
 impl Keeper {
@@ -369,6 +408,7 @@ impl Keeper {
             tx,
             renew_now,
             closing,
+            revoked,
         } = self;
         let every = ttl / 3;
         let mut renewed = granted_at;
@@ -377,8 +417,12 @@ impl Keeper {
         loop {
             tokio::select! {
                 () = closing.cancelled() => {
-                    // The broker is gone: whatever is left under its session goes now, not one TTL
-                    // later. One attempt; the TTL covers a failure.
+                    if revoked.load(Ordering::Acquire) {
+                        return; // `close` revoked it, and waited for the answer
+                    }
+                    // The broker was dropped without `close`: whatever is left under its
+                    // session goes now, not one TTL later, if this task gets to run (nothing
+                    // waits for it). One attempt; the TTL covers a failure.
                     let _ = endpoints
                         .call("revoke the session", Instant::now() + rpc_timeout, |mut c| async move {
                             c.lease_revoke(id).await
