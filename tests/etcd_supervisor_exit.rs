@@ -3,10 +3,9 @@
 //! calls `shutdown()` and returns from `main` leaves no session lease and no key in etcd,
 //! because `shutdown` awaits `SlotBroker::close` under the cleanup timeout.
 //!
-//! Both need the supervisor's side of issue 24 (its core withdraws a broker acquire whose
-//! waiter is gone; its shutdown awaits the broker's close): until then they fail, and CI does
-//! not run this file (`.ci/run` lists the etcd test files it runs). The child process is this
-//! test binary run again with `LEASEHOLD_SUP_EXIT_CHILD` set, entering through
+//! Both need the supervisor's side (its core drops a broker acquire whose waiter is gone; its
+//! shutdown awaits the broker's close, as its last step), and failed before it. The child
+//! process is this test binary run again with `LEASEHOLD_SUP_EXIT_CHILD` set, entering through
 //! `supervisor_exit_child_process`.
 #![cfg(feature = "etcd")]
 

@@ -24,10 +24,6 @@ pub(crate) trait DynBroker: Send + Sync + 'static {
     fn renews(&self) -> bool;
     fn keep_alive_boxed(self: Arc<Self>, token: SlotToken) -> BoxFuture<'static, BrokerError>;
     fn attach(&self, events: BrokerEvents);
-    #[allow(
-        dead_code,
-        reason = "the supervisor's shutdown is to await it under the cleanup timeout (issue 24)"
-    )]
     fn close_boxed(self: Arc<Self>) -> BoxFuture<'static, Result<(), BrokerError>>;
 }
 

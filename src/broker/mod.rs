@@ -182,8 +182,9 @@ pub trait SlotBroker: Send + Sync + 'static {
     /// nothing behind for others to wait out. The default does nothing.
     ///
     /// It belongs at the end of a supervisor's life, once its `shutdown` has released every
-    /// lease; call it yourself after the shutdown of the last supervisor using the broker (or
-    /// on a broker used without a supervisor). A broker shared by several supervisors closes
+    /// lease: a supervisor's [`shutdown`](crate::Supervisor::shutdown) awaits it, under the
+    /// cleanup timeout, before it answers (call it yourself on a broker used without a
+    /// supervisor). A broker shared by several supervisors closes
     /// at the last of them: [`EtcdBroker`](crate::EtcdBroker) counts the supervisors
     /// [attached](Self::attach) to it, and each close ends one of them. A closed broker may
     /// refuse acquires; closing again answers `Ok` at once. The caller bounds it (the

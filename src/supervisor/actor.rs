@@ -643,6 +643,7 @@ impl Shell {
             Effect::Reply { control, reply } => self.reply(control, reply),
             Effect::ArmShutdownTimers => self.arm_shutdown_timers(),
             Effect::CloseGpu => self.close_gpu(),
+            Effect::CloseBroker => self.close_broker(),
             Effect::Stopped {
                 tally,
                 quarantine,

@@ -35,6 +35,32 @@ impl Shell {
         self.core.apply(Input::GpuClosed);
     }
 
+    /// Closes the broker under the cleanup timeout, off the mailbox (the in-process pool has
+    /// nothing to close); a failure or a timeout is logged and reported to the error sink,
+    /// and the shutdown goes on.
+    pub(super) fn close_broker(&mut self) {
+        let BrokerPort::Dyn(broker) = &self.broker else {
+            return self.core.apply(Input::BrokerClosed);
+        };
+        let closing = Arc::clone(broker).close_boxed();
+        let (bound, inbox) = (self.config.cleanup_timeout, Arc::clone(&self.inbox));
+        tokio::spawn(async move {
+            match tokio::time::timeout(bound, closing).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::error!(%error, "the broker's close at shutdown failed; what it held is left to its expiry");
+                }
+                Err(_) => {
+                    tracing::error!(
+                        ?bound,
+                        "the broker's close at shutdown did not end within the cleanup timeout; what it held is left to its expiry"
+                    );
+                }
+            }
+            let _ = inbox.send(SupMsg::Input(Input::BrokerClosed));
+        });
+    }
+
     pub(super) fn stopped(
         &mut self,
         tally: crate::supervisor::core::StopTally,

@@ -234,6 +234,7 @@ impl Core {
             Input::ShutdownGraceOver => self.shutdown_grace_over(),
             Input::ShutdownDeadline => self.shutdown_deadline(),
             Input::GpuClosed => self.gpu_closed(),
+            Input::BrokerClosed => self.broker_closed(),
         }
         self.admit();
     }

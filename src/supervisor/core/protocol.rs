@@ -187,6 +187,8 @@ pub(crate) enum Input {
     ShutdownDeadline,
     /// The GPU devices were closed at shutdown (or their close ran past its bound).
     GpuClosed,
+    /// The broker's close at shutdown ended (or ran past its bound).
+    BrokerClosed,
 }
 
 /// The answer a lease's caller gets once its pipeline has ended (or been quarantined).
@@ -334,6 +336,9 @@ pub(crate) enum Effect {
     ArmShutdownTimers,
     /// Close the GPU devices under a bound; report [`Input::GpuClosed`].
     CloseGpu,
+    /// Close the broker (withdraw what it has in flight, give up its session) under the cleanup
+    /// timeout; report [`Input::BrokerClosed`].
+    CloseBroker,
     /// Shutdown is complete: answer every shutdown caller with this, and stop.
     Stopped {
         tally: StopTally,

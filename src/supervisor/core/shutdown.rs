@@ -1,14 +1,16 @@
 //! Shutdown (invariant 8): refuse everyone waiting, cancel every job whatever its phase,
 //! revoke and release every explicit lease, abort tasks that outlive the cancel grace (and, at
-//! the deadline, whatever still runs), quarantine what the deadline finds unproven, close the
-//! GPU devices, and stop once nothing is left that would end on its own.
+//! the deadline, whatever still runs), quarantine what the deadline finds unproven; once
+//! nothing is left that would end on its own, close the GPU devices, then the broker (a
+//! distributed broker gives up its session), and stop.
 
 use super::Core;
 use super::protocol::{Abandon, Effect, RecheckFor, StopTally};
 use super::record::{Holder, Proof, Stop, Why};
 
+/// A close at the end of shutdown (the GPU devices', the broker's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum GpuClose {
+enum Close {
     NotNeeded,
     Pending,
     Closing,
@@ -19,7 +21,8 @@ enum GpuClose {
 enum Stage {
     Serving,
     Stopping {
-        gpu: GpuClose,
+        gpu: Close,
+        broker: Close,
         deadline_passed: bool,
     },
     Stopped,
@@ -59,10 +62,11 @@ impl Core {
         }
         self.ending.stage = Stage::Stopping {
             gpu: if self.ending.gpu {
-                GpuClose::Pending
+                Close::Pending
             } else {
-                GpuClose::NotNeeded
+                Close::NotNeeded
             },
+            broker: Close::Pending,
             deadline_passed: false,
         };
         // Their tokens (a gathering head's) go back through `admit`, which no longer grants.
@@ -137,15 +141,22 @@ impl Core {
 
     pub(super) fn gpu_closed(&mut self) {
         if let Stage::Stopping { gpu, .. } = &mut self.ending.stage {
-            *gpu = GpuClose::Closed;
+            *gpu = Close::Closed;
+        }
+    }
+
+    pub(super) fn broker_closed(&mut self) {
+        if let Stage::Stopping { broker, .. } = &mut self.ending.stage {
+            *broker = Close::Closed;
         }
     }
 
     /// Shutdown finishes once no lease holds it (see `LeaseRecord::holds_shutdown`), no
-    /// re-check is out, and the GPU devices are closed.
+    /// re-check is out, the GPU devices are closed, and then the broker.
     pub(super) fn maybe_stopped(&mut self) {
         let Stage::Stopping {
             gpu,
+            broker,
             deadline_passed,
         } = self.ending.stage
         else {
@@ -154,16 +165,22 @@ impl Core {
         if self.rechecks > 0 || self.book.any(|r| r.holds_shutdown(deadline_passed)) {
             return;
         }
-        match gpu {
-            GpuClose::Pending => {
-                self.ending.stage = Stage::Stopping {
-                    gpu: GpuClose::Closing,
-                    deadline_passed,
-                };
+        let next = |gpu, broker| Stage::Stopping {
+            gpu,
+            broker,
+            deadline_passed,
+        };
+        match (gpu, broker) {
+            (Close::Pending, _) => {
+                self.ending.stage = next(Close::Closing, broker);
                 self.fx.push(Effect::CloseGpu);
             }
-            GpuClose::Closing => {}
-            GpuClose::NotNeeded | GpuClose::Closed => {
+            (Close::Closing, _) | (_, Close::Closing) => {}
+            (_, Close::Pending) => {
+                self.ending.stage = next(gpu, Close::Closing);
+                self.fx.push(Effect::CloseBroker);
+            }
+            (Close::NotNeeded | Close::Closed, Close::NotNeeded | Close::Closed) => {
                 self.ending.stage = Stage::Stopped;
                 let quarantine = self.quarantine_entries();
                 self.fx.push(Effect::Stopped {

@@ -412,6 +412,10 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
     core.apply(Input::ShutdownDeadline);
     drain(&mut core);
     core.settle();
+    // Every lease released or quarantined: the broker closes, then the supervisor stops.
+    assert!(matches!(drain(&mut core).as_slice(), [Effect::CloseBroker]));
+    core.apply(Input::BrokerClosed);
+    core.settle();
     assert!(matches!(
         drain(&mut core).as_slice(),
         [Effect::Stopped { .. }]

@@ -363,6 +363,15 @@ impl World {
                 Effect::Reply { .. } | Effect::ResizePool { .. } => {}
                 Effect::ArmShutdownTimers => self.timers_armed = true,
                 Effect::CloseGpu => self.input(Input::GpuClosed),
+                Effect::CloseBroker => {
+                    // Only once every lease is released or quarantined for good.
+                    assert!(
+                        self.releases.is_empty(),
+                        "the broker closed with releases in flight\n{}",
+                        self.log.join("\n")
+                    );
+                    self.input(Input::BrokerClosed);
+                }
                 Effect::Stopped { .. } => {
                     assert!(!self.stopped, "stopped twice");
                     self.stopped = true;

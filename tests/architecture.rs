@@ -1,0 +1,118 @@
+//! The architecture's absences, checked on the source (DESIGN.md section 2): the supervisor
+//! actor's shell decides nothing — it never reads the core's state to choose what to do — and
+//! the core is pure (no tokio, no ractor, no clock, no I/O).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The source lines of a file, without comments (line comments and doc comments).
+fn code_lines(path: &Path) -> Vec<(usize, String)> {
+    fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .enumerate()
+        .map(|(i, line)| {
+            let code = match line.find("//") {
+                Some(at) => &line[..at],
+                None => line,
+            };
+            (i + 1, code.to_owned())
+        })
+        .filter(|(_, code)| !code.trim().is_empty())
+        .collect()
+}
+
+/// What the shell may do with the core: apply an input, let it settle, take its effects, and
+/// read the views the lease table and `Stats` show (never to branch on), or the decision it
+/// hands back when the runtime goes away.
+const SHELL_MAY_CALL: [&str; 8] = [
+    "apply(",
+    "settle(",
+    "pop_effect(",
+    "take_touched(",
+    "view(",
+    "figures(",
+    "shrink_idle(",
+    "abandon(",
+];
+
+#[test]
+fn the_supervisor_shell_never_branches_on_the_cores_state() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/supervisor");
+    let mut files = vec![root.join("actor.rs")];
+    rust_files(&root.join("actor"), &mut files);
+    let mut found = Vec::new();
+    for file in &files {
+        for (n, code) in code_lines(file) {
+            let mut rest = code.as_str();
+            while let Some(at) = rest.find("core.") {
+                let call = &rest[at + "core.".len()..];
+                let allowed = SHELL_MAY_CALL.iter().any(|m| call.starts_with(m));
+                // A view read inside a condition is a decision taken outside the core.
+                let branches = ["if ", "match ", "while ", "&& ", "|| ", "filter("]
+                    .iter()
+                    .any(|b| code.contains(b))
+                    && !["apply(", "abandon(", "pop_effect("]
+                        .iter()
+                        .any(|m| call.starts_with(m));
+                if !allowed || branches {
+                    found.push(format!("{}:{n}: {}", file.display(), code.trim()));
+                }
+                rest = call;
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the shell reads the core's state to decide (move the decision into the core):\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_core_is_pure() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/supervisor/core");
+    let mut files = Vec::new();
+    rust_files(&root, &mut files);
+    // The tests beside the core may read a clock (for fresh seeds); the core itself may not.
+    files.retain(|f| !f.components().any(|c| c.as_os_str() == "tests"));
+    assert!(files.len() >= 7, "{files:?}");
+    let forbidden = [
+        "tokio",
+        "ractor",
+        "Instant",
+        "SystemTime",
+        "std::fs",
+        "std::net",
+        "std::thread",
+        "futures",
+        "async ",
+        ".await",
+    ];
+    let mut found = Vec::new();
+    for file in &files {
+        for (n, code) in code_lines(file) {
+            for word in forbidden {
+                if code.contains(word) {
+                    found.push(format!("{}:{n}: {word}: {}", file.display(), code.trim()));
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the core must stay pure:\n{}",
+        found.join("\n")
+    );
+}
