@@ -9,6 +9,9 @@
 
 mod actor_job;
 mod broker;
+/// A live web console of a supervisor (feature `console`).
+#[cfg(feature = "console")]
+pub mod console;
 mod desk;
 mod error;
 mod fencing;
