@@ -9,7 +9,6 @@
 
 mod actor_job;
 mod broker;
-/// A live web console of a supervisor (feature `console`).
 #[cfg(feature = "console")]
 pub mod console;
 mod desk;

@@ -31,7 +31,7 @@ pub mod codes {
     /// 405: a method the route does not take (actions are `POST` only; pages, the snapshot and
     /// the event stream are `GET` only). Nothing was changed.
     pub const CONSOLE_METHOD_NOT_ALLOWED: &str = "CONSOLE_METHOD_NOT_ALLOWED";
-    /// 413: an action body over [`MAX_ACTION_BODY`](super::MAX_ACTION_BODY) bytes. Nothing was
+    /// 413: an action body over [`MAX_ACTION_BODY`](crate::console::MAX_ACTION_BODY) bytes. Nothing was
     /// changed.
     pub const CONSOLE_PAYLOAD_TOO_LARGE: &str = "CONSOLE_PAYLOAD_TOO_LARGE";
     /// 415: an action whose `Content-Type` is not `application/json`. Nothing was changed.
@@ -39,7 +39,7 @@ pub mod codes {
     /// 409: the supervisor refused the action (its own code is in `cause`, e.g.
     /// `LEASE_BROKER_UNSUPPORTED` for a resize on a broker other than the in-process pool).
     pub const CONSOLE_REFUSED: &str = "CONSOLE_REFUSED";
-    /// 429: [`MAX_STREAMS`](super::MAX_STREAMS) event streams are open already.
+    /// 429: [`MAX_STREAMS`](crate::console::MAX_STREAMS) event streams are open already.
     pub const CONSOLE_TOO_MANY_STREAMS: &str = "CONSOLE_TOO_MANY_STREAMS";
     /// 503: the supervisor has shut down (its `SUPERVISOR_STOPPED` is in `cause`).
     pub const CONSOLE_SUPERVISOR_STOPPED: &str = "CONSOLE_SUPERVISOR_STOPPED";

@@ -85,6 +85,7 @@
 //! `"cause"` holding the supervisor's own code when it is the supervisor that refused.
 
 mod error;
+mod json;
 mod outcomes;
 mod router;
 mod sampler;

@@ -75,22 +75,32 @@ impl Outcomes {
     }
 
     /// Records a job's result under its id: `OK` for `Ok`, else the error's stable
-    /// [`code`](JobError::code) with its text. Never blocks on the supervisor (one short lock
-    /// of the console's own list).
-    pub fn record<T, E>(&self, job_id: &str, result: &Result<T, JobError<E>>) {
+    /// [`code`](JobError::code) with its text (the body's own error `E` included). Never
+    /// blocks on the supervisor (one short lock of the console's own list).
+    pub fn record<T, E: fmt::Display>(&self, job_id: &str, result: &Result<T, JobError<E>>) {
         match result {
             Ok(_) => self.log.reported(job_id, "OK", None),
             Err(err) => {
-                let mut detail = err.to_string();
+                // What failed, then each part's own account: "job got no slot: ...",
+                // "job failed: job cancelled", "...: job body failed; cleanup unconfirmed ...".
+                let mut parts: Vec<String> = Vec::new();
                 if let Some(acquire) = err.acquire_error() {
-                    detail = format!("{detail}: {acquire}");
+                    parts.push(acquire.to_string());
                 }
                 if let Some(body) = err.body_error() {
-                    detail = format!("{detail}: {body}");
+                    match body.error() {
+                        Some(own) => parts.push(format!("{body}: {own}")),
+                        None => parts.push(body.to_string()),
+                    }
                 }
                 if let Some(cleanup) = err.cleanup_error() {
-                    detail = format!("{detail}; cleanup: {cleanup}");
+                    parts.push(cleanup.to_string());
                 }
+                let detail = if parts.is_empty() {
+                    err.to_string()
+                } else {
+                    format!("{err}: {}", parts.join("; "))
+                };
                 self.log.reported(job_id, err.code(), Some(detail));
             }
         }
@@ -106,8 +116,10 @@ impl Outcomes {
 pub(crate) struct Outcome {
     /// When it was first known (reported or observed), in ms since the console started.
     pub(crate) at_ms: u64,
+    #[serde(serialize_with = "super::json::arc_str")]
     pub(crate) job_id: Arc<str>,
     /// The stable code (`OK` for a success); `None` until the embedder reports it.
+    #[serde(serialize_with = "super::json::opt_arc_str")]
     pub(crate) code: Option<Arc<str>>,
     pub(crate) detail: Option<String>,
     /// The slot its lease held, when the console saw it.

@@ -238,6 +238,7 @@ struct Lane {
 #[derive(Serialize)]
 struct LaneLease {
     lease_id: u64,
+    #[serde(serialize_with = "super::json::opt_arc_str")]
     job_id: Option<Arc<str>>,
     kind: &'static str,
     phase: &'static str,

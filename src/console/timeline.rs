@@ -19,6 +19,7 @@ pub(crate) struct Segment {
     /// The colour class (`run`, `drain`, `drain-gpu`, `release`, `quarantined`).
     pub(crate) color: &'static str,
     /// The job id, or a label for an explicit lease.
+    #[serde(serialize_with = "super::json::arc_str")]
     pub(crate) holder: Arc<str>,
 }
 

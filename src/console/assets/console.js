@@ -99,6 +99,8 @@ function renderLanes(lanes) {
     let waits;
     if (lease.phase === "quarantined") {
       waits = "reason: " + (lease.reason || "(asking the supervisor…)");
+    } else if (lease.waiting_for.length && lease.phase === "running") {
+      waits = "its release will wait for " + lease.waiting_for.join(", then ");
     } else if (lease.waiting_for.length) {
       waits = "release waits for " + lease.waiting_for.join(", then ");
     } else {
@@ -121,18 +123,21 @@ const SVG = "http://www.w3.org/2000/svg";
 function renderTimeline(tl, lanes, now) {
   const box = $("#timeline");
   box.replaceChildren();
-  const from = now - tl.window_ms;
+  // The last minute once the console has been up that long; until then, its whole life (at
+  // least 5 s), so that a young console's bars are not squeezed against "now".
+  const span = Math.min(tl.window_ms, Math.max(now, 5000));
+  const from = now - span;
   const bySlot = new Map(tl.lanes.map((l) => [l.slot, l.segments]));
   const slots = [...new Set([...lanes.map((l) => l.slot), ...tl.lanes.map((l) => l.slot)])].sort((a, b) => a - b);
   for (const slot of slots) {
     const row = el("div", "tl-row");
     row.dataset.slot = String(slot);
     const svg = document.createElementNS(SVG, "svg");
-    svg.setAttribute("viewBox", `0 0 ${tl.window_ms} 10`);
+    svg.setAttribute("viewBox", `0 0 ${span} 10`);
     svg.setAttribute("preserveAspectRatio", "none");
     for (const seg of bySlot.get(slot) || []) {
       const x = Math.max(seg.from_ms, from) - from;
-      const w = Math.max(seg.to_ms - Math.max(seg.from_ms, from), tl.window_ms / 500);
+      const w = Math.max(seg.to_ms - Math.max(seg.from_ms, from), span / 500);
       const r = document.createElementNS(SVG, "rect");
       r.setAttribute("x", String(x));
       r.setAttribute("y", "0");
@@ -149,7 +154,7 @@ function renderTimeline(tl, lanes, now) {
   }
   const scale = el("div", "tl-scale");
   const ticks = el("span");
-  ticks.append(el("span", null, "−" + Math.round(tl.window_ms / 1000) + " s"), el("span", null, "now"));
+  ticks.append(el("span", null, "−" + Math.round(span / 1000) + " s"), el("span", null, "now"));
   scale.append(el("span"), ticks);
   box.append(scale);
 }
@@ -188,8 +193,8 @@ function renderOutcomes(rows, now) {
     let detail = o.detail || "";
     if (o.last_phase) detail = (detail ? detail + " · " : "") + "last seen " + o.last_phase;
     if (o.code === null) detail = (detail ? detail + " · " : "") + "code not reported";
-    tr.append(el("td", null, secs(now - o.at_ms) + " ago"), el("td", "job", o.job_id), code,
-      el("td", null, o.slot === null ? "–" : String(o.slot)), el("td", null, secs(o.held_ms)),
+    tr.append(el("td", "num", secs(now - o.at_ms) + " ago"), el("td", "job", o.job_id), code,
+      el("td", "num", o.slot === null ? "–" : String(o.slot)), el("td", "num", secs(o.held_ms)),
       el("td", "detail", detail));
     body.append(tr);
   }
