@@ -34,6 +34,9 @@ pub mod codes {
     /// 413: an action body over [`MAX_ACTION_BODY`](crate::console::MAX_ACTION_BODY) bytes. Nothing was
     /// changed.
     pub const CONSOLE_PAYLOAD_TOO_LARGE: &str = "CONSOLE_PAYLOAD_TOO_LARGE";
+    /// 408: an action body not received within
+    /// [`BODY_TIMEOUT`](crate::console::BODY_TIMEOUT). Nothing was changed.
+    pub const CONSOLE_REQUEST_TIMEOUT: &str = "CONSOLE_REQUEST_TIMEOUT";
     /// 415: an action whose `Content-Type` is not `application/json`. Nothing was changed.
     pub const CONSOLE_UNSUPPORTED_MEDIA_TYPE: &str = "CONSOLE_UNSUPPORTED_MEDIA_TYPE";
     /// 409: the supervisor refused the action (its own code is in `cause`, e.g.

@@ -127,6 +127,13 @@ pub const TIMELINE_WINDOW: Duration = Duration::from_secs(60);
 /// `CONSOLE_PAYLOAD_TOO_LARGE`.
 pub const MAX_ACTION_BODY: usize = 4096;
 
+/// How long an action's body may take to arrive; a slower one is refused with
+/// `CONSOLE_REQUEST_TIMEOUT`.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long [`ConsoleHandle::shutdown`] waits for requests in progress before it returns.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 /// How many event streams may be open at once (one per browser tab); one more is refused with
 /// `CONSOLE_TOO_MANY_STREAMS`.
 pub const MAX_STREAMS: usize = 16;
@@ -412,7 +419,9 @@ impl ConsoleHandle {
     }
 
     /// Stops the console: stops accepting connections, ends every event stream, lets requests
-    /// in progress finish, and waits for its tasks.
+    /// in progress finish, and waits for its tasks. A request still in progress
+    /// [`SHUTDOWN_GRACE`] later (a client that stalls mid-request) is not waited for: its
+    /// connection ends when that client goes away.
     ///
     /// # Errors
     ///
@@ -448,9 +457,16 @@ impl ConsoleHandle {
         // by the runtime.
         let _ = tasks.sampler.await;
         let _ = tasks.poller.await;
-        match tasks.server.await {
-            Ok(Err(source)) => Err(ConsoleError::Server { source }),
-            _ => Ok(()),
+        match tokio::time::timeout(SHUTDOWN_GRACE, tasks.server).await {
+            Ok(Ok(Err(source))) => Err(ConsoleError::Server { source }),
+            Ok(_) => Ok(()),
+            Err(_) => {
+                tracing::warn!(
+                    "the leasehold console stopped with a request still in progress after {:?}",
+                    SHUTDOWN_GRACE
+                );
+                Ok(())
+            }
         }
     }
 }

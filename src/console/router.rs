@@ -27,7 +27,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::error::{ApiError, codes};
-use super::{ActionsToken, MAX_ACTION_BODY, MAX_RESIZE_SLOTS, MAX_STREAMS};
+use super::{ActionsToken, BODY_TIMEOUT, MAX_ACTION_BODY, MAX_RESIZE_SLOTS, MAX_STREAMS};
 use crate::{JobSpec, Supervisor};
 
 const INDEX_HTML: &str = include_str!("assets/index.html");
@@ -247,8 +247,9 @@ impl App {
     }
 }
 
-/// Refuses a request another site made: an `Origin` other than this console's own (the
-/// browser sends it with every `POST`), or `Sec-Fetch-Site` other than `same-origin`.
+/// Refuses a request another site made: an `Origin` other than this console's own, by `http`
+/// or `https` (the browser sends it with every `POST`), or `Sec-Fetch-Site` other than
+/// `same-origin`.
 /// Requests with neither (a command-line client) pass on to the token check.
 fn refuse_cross_site(headers: &HeaderMap) -> Result<(), ApiError> {
     let cross = |why: String| Err(ApiError::forbidden(codes::CONSOLE_CROSS_SITE, why));
@@ -265,10 +266,13 @@ fn refuse_cross_site(headers: &HeaderMap) -> Result<(), ApiError> {
             .get(header::HOST)
             .and_then(|h| h.to_str().ok())
             .unwrap_or_default();
-        let own = format!("http://{host}");
-        let same = origin
-            .to_str()
-            .is_ok_and(|o| !host.is_empty() && o.eq_ignore_ascii_case(&own));
+        // `https` too: the console behind a TLS-terminating proxy sees its page's origin so.
+        let same = origin.to_str().is_ok_and(|o| {
+            !host.is_empty()
+                && [format!("http://{host}"), format!("https://{host}")]
+                    .iter()
+                    .any(|own| o.eq_ignore_ascii_case(own))
+        });
         if !same {
             return cross(format!(
                 "actions are taken only from the console's own page (Origin: {})",
@@ -335,10 +339,16 @@ async fn read_limited(headers: &HeaderMap, body: Body) -> Result<axum::body::Byt
         return Err(too_large());
     }
     // A body without a length (chunked) is cut off at the limit. The only other read error
-    // is a client that went away, which hears no answer anyway.
-    axum::body::to_bytes(body, MAX_ACTION_BODY)
-        .await
-        .map_err(|_| too_large())
+    // is a client that went away, which hears no answer anyway. A body that stalls is given
+    // up at BODY_TIMEOUT, so that it holds neither a task nor the console's shutdown.
+    match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, MAX_ACTION_BODY)).await {
+        Ok(read) => read.map_err(|_| too_large()),
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            codes::CONSOLE_REQUEST_TIMEOUT,
+            format!("the body did not arrive within {BODY_TIMEOUT:?}"),
+        )),
+    }
 }
 
 #[derive(Deserialize)]

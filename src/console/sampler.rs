@@ -171,11 +171,9 @@ fn color(l: &LeaseInfo) -> &'static str {
     }
 }
 
-fn kind_name(kind: LeaseKind) -> &'static str {
-    match kind {
-        LeaseKind::Job => "job",
-        LeaseKind::Explicit => "explicit",
-    }
+/// `job`, `explicit`, or the lowercase name of a holder kind added later.
+fn kind_name(kind: LeaseKind) -> String {
+    format!("{kind:?}").to_lowercase()
 }
 
 #[derive(Serialize)]
@@ -240,7 +238,7 @@ struct LaneLease {
     lease_id: u64,
     #[serde(serialize_with = "super::json::opt_arc_str")]
     job_id: Option<Arc<str>>,
-    kind: &'static str,
+    kind: String,
     phase: &'static str,
     color: &'static str,
     held_ms: u64,
