@@ -11,6 +11,7 @@
 //! binary.
 #![cfg(feature = "console")]
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -65,7 +66,7 @@ async fn screenshot(page: &Page, name: &str) -> PathBuf {
     )
     .await
     .expect("screenshot");
-    println!("screenshot: {}", path.display());
+    let _ = writeln!(std::io::stderr(), "screenshot: {}", path.display());
     path
 }
 
@@ -124,7 +125,9 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
             "no chromium at /usr/bin/chromium (apt-get install chromium), and CI or \
              LEASEHOLD_REQUIRE_BROWSER=1 requires the browser test"
         );
-        eprintln!(
+        // Straight to stderr, past the test harness's capture: a skip must be seen.
+        let _ = writeln!(
+            std::io::stderr(),
             "\n*** SKIPPED: no chromium (apt-get install chromium, or set LEASEHOLD_CHROMIUM): \
              the console's browser test did not run ***\n"
         );
