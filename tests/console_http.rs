@@ -434,6 +434,36 @@ async fn the_snapshot_shows_a_lane_per_slot_with_the_running_job_and_the_stats()
     let tl = frame["timeline"]["lanes"].as_array().unwrap();
     assert_eq!(tl.len(), 1, "{frame}");
     assert_eq!(tl[0]["segments"][0]["holder"], "victim");
+
+    // The other slot held by an explicit lease, and a job queued behind it: the lanes show
+    // the lease, the queue counts the waiter.
+    let mut lease = farm.sup.acquire().await.unwrap();
+    let queued = farm.sup.submit(
+        JobSpec::new("queued")
+            .unwrap()
+            .with_priority(leasehold::Priority::High),
+        |_ctx| async { Ok::<_, std::io::Error>(()) },
+    );
+    let frame = events
+        .until("the explicit lease and one waiter", |f| {
+            f["queue"]["waiting"] == 1
+                && f["lanes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|l| l["lease"]["kind"] == "explicit")
+        })
+        .await;
+    let explicit = frame["lanes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["lease"]["kind"] == "explicit")
+        .unwrap();
+    assert!(explicit["lease"]["job_id"].is_null());
+    assert_eq!(frame["stats"]["waiting"], 1);
+    lease.release().await.unwrap();
+    queued.join().await.unwrap();
     farm.stop().await;
 }
 
