@@ -3,6 +3,12 @@
 //! steady while the slots do the heavy work.
 //!
 //! `cargo run --release --example frame_loop`
+//!
+//! With `--console` (feature `console`: `cargo run --release --features console --example
+//! frame_loop -- --console`) it also serves leasehold's live web console on 127.0.0.1
+//! (`--console=ADDR` for another address, which exposes it to whoever can reach it), prints its
+//! URL and an actions token, records every bake's outcome there, and keeps serving after the
+//! loop until Enter is pressed.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -48,12 +54,65 @@ fn bake(sup: &Supervisor, chunk: u32, version: u32) -> JobHandle<u64, std::io::E
     })
 }
 
+/// `--console` (loopback) or `--console=ADDR`: where to serve the web console, if at all.
+fn console_arg() -> Result<Option<std::net::SocketAddr>, Box<dyn std::error::Error>> {
+    let mut addr = None;
+    for arg in std::env::args().skip(1) {
+        if arg == "--console" {
+            addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+        } else if let Some(a) = arg.strip_prefix("--console=") {
+            addr = Some(a.parse()?);
+        } else {
+            return Err(format!("unknown argument `{arg}` (only --console[=ADDR])").into());
+        }
+    }
+    Ok(addr)
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let console_addr = console_arg()?;
+    #[cfg(not(feature = "console"))]
+    if console_addr.is_some() {
+        return Err(
+            "--console needs leasehold's `console` feature: cargo run --release \
+                    --features console --example frame_loop -- --console"
+                .into(),
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     let sup = rt.block_on(Supervisor::builder().slots(2).start())?;
+    // The web console, on the supervisor's runtime: the loop itself never awaits it.
+    #[cfg(feature = "console")]
+    let console = match console_addr {
+        Some(addr) => {
+            let token = leasehold::console::ActionsToken::random()?;
+            let console = rt.block_on(
+                leasehold::console::Console::builder(sup.clone())
+                    .bind(addr)
+                    .actions(token.clone())
+                    .start(),
+            )?;
+            println!(
+                "console: {} (actions token: {})",
+                console.url(),
+                token.expose()
+            );
+            Some(console)
+        }
+        None => None,
+    };
+    #[cfg(feature = "console")]
+    let outcomes = console.as_ref().map(|c| c.outcomes());
+    // Each finished bake's outcome, for the console's list (a no-op without it).
+    let record = |_job: &str, _result: &Result<u64, leasehold::JobError<std::io::Error>>| {
+        #[cfg(feature = "console")]
+        if let Some(outcomes) = &outcomes {
+            outcomes.record(_job, _result);
+        }
+    };
 
     let mut pending: HashMap<u32, (u32, JobHandle<u64, std::io::Error>)> = HashMap::new();
     let mut cancelling: Vec<JobHandle<u64, std::io::Error>> = Vec::new();
@@ -86,20 +145,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
 
         // Poll every handle without blocking.
-        pending.retain(|_, (_, handle)| match handle.try_take() {
-            None => true,
-            Some(Ok(_checksum)) => {
-                baked += 1;
-                false
+        pending.retain(|_, (_, handle)| {
+            let Some(result) = handle.try_take() else {
+                return true;
+            };
+            record(handle.job_id(), &result);
+            match result {
+                Ok(_checksum) => baked += 1,
+                Err(e) => eprintln!("bake {} failed: {} ({e})", handle.job_id(), e.code()),
             }
-            Some(Err(e)) => {
-                eprintln!("bake {} failed: {} ({e})", handle.job_id(), e.code());
-                false
-            }
+            false
         });
         cancelling.retain_mut(|handle| match handle.try_take() {
             None => true,
             Some(result) => {
+                record(handle.job_id(), &result);
                 match result {
                     // Stopped mid-bake, or withdrawn before it even got a slot.
                     Err(e) if e.code() == "LEASE_BODY_CANCELLED" => cancelled += 1,
@@ -143,6 +203,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         pending.retain(|_, (_, h)| match h.try_take() {
             None => true,
             Some(r) => {
+                record(h.job_id(), &r);
                 baked += u32::from(r.is_ok());
                 false
             }
@@ -150,6 +211,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cancelling.retain_mut(|h| match h.try_take() {
             None => true,
             Some(r) => {
+                record(h.job_id(), &r);
                 match r {
                     Ok(_) => baked += 1,
                     Err(e) => {
@@ -183,6 +245,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         version,
         "every bake ended one way or the other"
     );
+    #[cfg(feature = "console")]
+    if let Some(console) = console {
+        println!(
+            "console: still serving at {}; press Enter to stop",
+            console.url()
+        );
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line)?;
+        rt.block_on(console.shutdown())?;
+    }
     let report = rt.block_on(sup.shutdown())?;
     println!("final stats: {:?}", report.stats);
     if report.stats.active != 0 || report.stats.quarantined != 0 {

@@ -12,10 +12,16 @@
 //! cargo run --release --example render_farm
 //! cargo run --release --example render_farm -- --jobs 24 --slots 3 --size 640x480
 //! cargo run --release --example render_farm -- --help
+//! cargo run --release --features console --example render_farm -- --console
 //! ```
 //!
 //! Writes `out/render_farm/frames/*.png`, `out/render_farm/trace.json` (open it in
 //! <https://ui.perfetto.dev> or `chrome://tracing`) and `out/render_farm/timeline.png`.
+//!
+//! With `--console` (feature `console`) it also serves leasehold's live web console on
+//! 127.0.0.1 (or the address given: `--console 0.0.0.0:8080`, which exposes it to the network),
+//! prints its URL and an actions token, records every job's outcome there, and keeps serving
+//! after the run until Enter is pressed.
 //!
 //! Needs a Vulkan or GL adapter; Mesa's software drivers are enough: lavapipe for Vulkan
 //! (Debian package `mesa-vulkan-drivers`) or llvmpipe through EGL for GL (`libegl-mesa0`,
@@ -57,6 +63,7 @@ mod app {
     use std::collections::HashMap;
     use std::fmt;
     use std::io::IsTerminal;
+    use std::net::SocketAddr;
     use std::path::{Path, PathBuf};
     use std::pin::Pin;
     use std::process::ExitCode;
@@ -104,6 +111,11 @@ mod app {
         /// Where the scene files are
         #[arg(long, value_name = "DIR", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/scenes"))]
         scenes: PathBuf,
+        /// Serve the live web console (needs `--features console`) on 127.0.0.1, or on ADDR
+        /// (another address exposes it to whoever can reach it); it keeps serving after the
+        /// run until Enter is pressed
+        #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:0")]
+        console: Option<SocketAddr>,
     }
 
     #[derive(Debug, Clone, Copy)]
@@ -405,6 +417,14 @@ mod app {
         if args.slots == 0 {
             return Err("--slots must be at least 1".into());
         }
+        #[cfg(not(feature = "console"))]
+        if args.console.is_some() {
+            return Err(
+                "--console needs leasehold's `console` feature: cargo run --release \
+                        --features console --example render_farm -- --console"
+                    .into(),
+            );
+        }
         let plans = plan_jobs(&args.scenes, args.jobs)?;
         let frames = args.out.join("frames");
         fresh_frames_dir(&frames)?;
@@ -489,6 +509,14 @@ mod app {
             }
         };
         let progress = farm.progress();
+        // The live web console: started before the jobs so that the page shows the whole run.
+        #[cfg(feature = "console")]
+        let console = match args.console {
+            Some(addr) => Some(web::start(&sup, addr, progress).await?),
+            None => None,
+        };
+        #[cfg(feature = "console")]
+        let outcomes = console.as_ref().map(|c| c.outcomes());
         progress.println(format!(
             "render_farm: {} jobs from {}, {} GPU slot(s) on one device, {}x{} frames \
              (GPU opened in {} ms)",
@@ -564,6 +592,8 @@ mod app {
             let gate = plan.after.map(|a| done[a].1.clone());
             let finished = done[index].0.clone();
             let (sup, farm) = (sup.clone(), Arc::clone(&farm));
+            #[cfg(feature = "console")]
+            let (outcomes, id) = (outcomes.clone(), plan.id.clone());
             jobs.push(Box::pin(async move {
                 if let Some(mut gate) = gate {
                     // Its frame is rendered by an earlier job: wait for that job to end.
@@ -572,6 +602,10 @@ mod app {
                 farm.called(index);
                 let job_farm = Arc::clone(&farm);
                 let result = sup.run(spec, move |ctx| body(ctx, input, job_farm)).await;
+                #[cfg(feature = "console")]
+                if let Some(outcomes) = &outcomes {
+                    outcomes.record(&id, &result);
+                }
                 let (outcome, note) = describe(&result, &farm, index);
                 farm.returned(index, &outcome, note);
                 let _ = finished.send(true);
@@ -653,6 +687,10 @@ mod app {
         );
         report::timeline(&timeline_path, &records, t0, args.slots, &title)?;
 
+        #[cfg(feature = "console")]
+        if let Some(console) = console {
+            web::serve_until_enter(console).await?;
+        }
         let report = sup.shutdown().await?;
         // The work root is ours (not the supervisor's default), empty once every job is done.
         let _ = std::fs::remove_dir(&work_root);
@@ -673,6 +711,54 @@ mod app {
         } else {
             ExitCode::FAILURE
         })
+    }
+
+    /// The live web console (`--console`, feature `console`).
+    #[cfg(feature = "console")]
+    mod web {
+        use std::net::SocketAddr;
+
+        use leasehold::Supervisor;
+        use leasehold::console::{ActionsToken, Console, ConsoleHandle};
+
+        use crate::farm::Progress;
+
+        /// Starts the console on `addr` with a fresh actions token, and prints both.
+        pub async fn start(
+            sup: &Supervisor,
+            addr: SocketAddr,
+            progress: &Progress,
+        ) -> Result<ConsoleHandle, Box<dyn std::error::Error>> {
+            let token = ActionsToken::random()?;
+            let console = Console::builder(sup.clone())
+                .bind(addr)
+                .actions(token.clone())
+                .start()
+                .await?;
+            progress.println(format!(
+                "console: {} (actions token: {})",
+                console.url(),
+                token.expose()
+            ));
+            Ok(console)
+        }
+
+        /// Keeps the console serving until Enter (or the end of standard input), then stops it.
+        pub async fn serve_until_enter(
+            console: ConsoleHandle,
+        ) -> Result<(), Box<dyn std::error::Error>> {
+            println!(
+                "console: still serving at {}; press Enter to stop",
+                console.url()
+            );
+            tokio::task::spawn_blocking(|| {
+                let mut line = String::new();
+                std::io::stdin().read_line(&mut line)
+            })
+            .await??;
+            console.shutdown().await?;
+            Ok(())
+        }
     }
 
     /// The outcome column (`OK`, `SKIPPED` or the error code) and a note.

@@ -9,6 +9,8 @@
 
 mod actor_job;
 mod broker;
+#[cfg(feature = "console")]
+pub mod console;
 mod desk;
 mod error;
 mod fencing;
