@@ -5,15 +5,13 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use futures_util::FutureExt;
 
-use super::device::GpuDevice;
-
-/// Where the pool calls into the GPU backend. For leasehold's fault-injection tests only (see
-/// `GpuOptions::backend_hook`); not part of the API.
-#[doc(hidden)]
+/// Where the pool calls into the GPU backend (feature `fault-injection`, for leasehold's own
+/// fault-injection tests; see `GpuOptions::backend_hook`).
+#[cfg_attr(not(feature = "fault-injection"), allow(unreachable_pub))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum BackendCall {
@@ -102,58 +100,4 @@ fn describe(call: BackendCall, payload: &(dyn std::any::Any + Send)) -> String {
         "non-string panic payload"
     };
     format!("the gpu backend panicked ({call:?}): {message}")
-}
-
-/// wgpu handles on their way out. Dropping a `Doomed` drops them inside the guard; a panic is
-/// reported as a loss of the generation they belong to (nothing, if it has been replaced).
-pub(super) struct Doomed<T> {
-    value: Option<T>,
-    owner: Weak<GpuDevice>,
-    generation: u64,
-}
-
-impl<T> Doomed<T> {
-    pub(super) fn new(value: T, owner: &Arc<GpuDevice>, generation: u64) -> Self {
-        Self {
-            value: Some(value),
-            owner: Arc::downgrade(owner),
-            generation,
-        }
-    }
-
-    /// The handles, until they are dropped.
-    pub(super) fn get(&self) -> Option<&T> {
-        self.value.as_ref()
-    }
-}
-
-impl<T: Send + 'static> Doomed<T> {
-    /// Drops the handles on tokio's blocking pool when a runtime is at hand, else right here.
-    /// The last handles of a device generation may wait for the GPU (and on GL for the
-    /// adapter's context lock, which a blocking poll on another thread holds): that must never
-    /// happen on an async worker, least of all in the supervisor's mailbox. If the runtime is
-    /// shutting down, tokio drops the closure unrun, and the `Doomed` inside it is dropped,
-    /// guarded, on this thread.
-    pub(super) fn drop_off_thread(self) {
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn_blocking(move || drop(self))),
-            Err(_) => drop(self),
-        }
-    }
-}
-
-impl<T> Drop for Doomed<T> {
-    fn drop(&mut self) {
-        let Some(value) = self.value.take() else {
-            return;
-        };
-        let owner = self.owner.upgrade();
-        let guard = owner.as_ref().map(|o| o.guard.clone()).unwrap_or_default();
-        let index = owner.as_ref().map_or(0, |o| o.index);
-        if let Err(message) = guard.run(BackendCall::Drop, index, None, move || drop(value))
-            && let Some(owner) = owner
-        {
-            owner.mark_lost(self.generation, message);
-        }
-    }
 }

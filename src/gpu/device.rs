@@ -2,14 +2,14 @@
 //! loss state, and everything that creates, zeroes or lets go of its wgpu objects.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use futures_util::FutureExt;
 use parking_lot::Mutex;
 
-use super::contain::{BackendCall, Doomed, Guard};
+use super::contain::{BackendCall, Guard};
 use super::error::GpuError;
-use super::job::{JobHandles, SlotScratch};
+use super::handles::{JobHandles, SlotScratch};
 
 /// What the pool holds of a device's current generation.
 pub(super) struct Current {
@@ -334,4 +334,58 @@ fn make_scratch(
             mapped_at_creation: false,
         }),
     })
+}
+
+/// wgpu handles on their way out. Dropping a `Doomed` drops them inside the guard; a panic is
+/// reported as a loss of the generation they belong to (nothing, if it has been replaced).
+pub(super) struct Doomed<T> {
+    value: Option<T>,
+    owner: Weak<GpuDevice>,
+    generation: u64,
+}
+
+impl<T> Doomed<T> {
+    pub(super) fn new(value: T, owner: &Arc<GpuDevice>, generation: u64) -> Self {
+        Self {
+            value: Some(value),
+            owner: Arc::downgrade(owner),
+            generation,
+        }
+    }
+
+    /// The handles, until they are dropped.
+    pub(super) fn get(&self) -> Option<&T> {
+        self.value.as_ref()
+    }
+}
+
+impl<T: Send + 'static> Doomed<T> {
+    /// Drops the handles on tokio's blocking pool when a runtime is at hand, else right here.
+    /// The last handles of a device generation may wait for the GPU (and on GL for the
+    /// adapter's context lock, which a blocking poll on another thread holds): that must never
+    /// happen on an async worker, least of all in the supervisor's mailbox. If the runtime is
+    /// shutting down, tokio drops the closure unrun, and the `Doomed` inside it is dropped,
+    /// guarded, on this thread.
+    pub(super) fn drop_off_thread(self) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn_blocking(move || drop(self))),
+            Err(_) => drop(self),
+        }
+    }
+}
+
+impl<T> Drop for Doomed<T> {
+    fn drop(&mut self) {
+        let Some(value) = self.value.take() else {
+            return;
+        };
+        let owner = self.owner.upgrade();
+        let guard = owner.as_ref().map(|o| o.guard.clone()).unwrap_or_default();
+        let index = owner.as_ref().map_or(0, |o| o.index);
+        if let Err(message) = guard.run(BackendCall::Drop, index, None, move || drop(value))
+            && let Some(owner) = owner
+        {
+            owner.mark_lost(self.generation, message);
+        }
+    }
 }

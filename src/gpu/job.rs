@@ -1,4 +1,4 @@
-//! What a job borrows: `JobGpu` (its lease's device, queue and scratch) and `SlotScratch`.
+//! What a job borrows: `JobGpu` (its lease's device, queue and scratch).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -8,24 +8,7 @@ use parking_lot::Mutex;
 use super::contain::BackendCall;
 use super::device::GpuDevice;
 use super::error::GpuError;
-
-/// One slot's scratch: a storage buffer the job may use for anything, and a mappable readback
-/// buffer of the same size. The next lease of the same sub-slot gets them only after this
-/// lease's GPU work has completed, and (by default, [`ScratchPolicy::Zeroed`](crate::ScratchPolicy))
-/// cleared to zero.
-#[derive(Debug, Clone)]
-pub struct SlotScratch {
-    /// `STORAGE | COPY_SRC | COPY_DST`.
-    pub storage: wgpu::Buffer,
-    /// `MAP_READ | COPY_DST`.
-    pub readback: wgpu::Buffer,
-}
-
-impl SlotScratch {
-    pub(super) fn same_buffers(&self, other: &SlotScratch) -> bool {
-        self.storage == other.storage && self.readback == other.readback
-    }
-}
+use super::handles::{JobHandles, SlotScratch};
 
 /// The GPU of a job's lease: the device its slot belongs to, shared (cheap clones), never
 /// created per job.
@@ -36,14 +19,6 @@ impl SlotScratch {
 #[derive(Debug, Clone)]
 pub struct JobGpu {
     pub(super) inner: Arc<JobGpuInner>,
-}
-
-/// The wgpu handles a `JobGpu` holds, let go of only through
-/// [`GpuDevice::release_job_handles`].
-pub(super) struct JobHandles {
-    pub(super) device: wgpu::Device,
-    pub(super) queue: wgpu::Queue,
-    pub(super) scratch: SlotScratch,
 }
 
 pub(super) struct JobGpuInner {

@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::Unclosed;
-use super::contain::{BackendCall, Doomed, Guard};
-use super::device::{Current, GpuDevice, Zeroing};
+use super::contain::{BackendCall, Guard};
+use super::device::{Current, Doomed, GpuDevice, Zeroing};
 use super::error::GpuError;
-use super::job::{JobGpu, JobGpuInner, JobHandles};
+use super::handles::JobHandles;
+use super::job::{JobGpu, JobGpuInner};
 use super::options::{FencePolicy, GpuOptions, ScratchPolicy};
 
 /// How a lease's GPU fence ended badly.

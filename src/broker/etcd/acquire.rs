@@ -14,25 +14,17 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
 use parking_lot::Mutex;
 use tokio::time::{Instant, sleep, timeout};
 
 use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
-use super::layout::{Confirmed, Layout, MarkerState, Raw, place_key, request_key};
+use super::layout::{Confirmed, MarkerState, Raw, place_key, request_key};
 use super::queue::{Look, Ticket};
 use super::session::{Claim, Held, Session};
+pub(super) use super::txn::{Grant, gets, slot_counts, txn_shape};
 use crate::broker::{AcquireRequest, SlotToken};
-
-/// A slot granted to a request, not yet handed to the caller.
-#[derive(Debug, Clone)]
-pub(super) struct Grant {
-    pub(super) slot: u32,
-    /// The grant's revision: the token's lease id.
-    pub(super) revision: i64,
-    pub(super) session: Arc<Session>,
-}
 
 /// What the first transaction found or did.
 enum First {
@@ -848,37 +840,4 @@ fn forget_cleanup(table: &Mutex<HashMap<u64, Arc<Cleanup>>>, rk: u64, ctl: &Arc<
     if table.get(&rk).is_some_and(|c| Arc::ptr_eq(c, ctl)) {
         table.remove(&rk);
     }
-}
-
-/// Two counts of the `slot/` keys, read from the index (no key is read): those in the pool's
-/// slot range, and all of them.
-pub(super) fn slot_counts(l: &Layout) -> [TxnOp; 2] {
-    let (from, to) = l.slot_range();
-    [
-        TxnOp::get(
-            from,
-            Some(GetOptions::new().with_range(to).with_count_only()),
-        ),
-        TxnOp::get(
-            l.slot_prefix(),
-            Some(GetOptions::new().with_prefix().with_count_only()),
-        ),
-    ]
-}
-
-/// The reads of a transaction's answer, in order.
-pub(super) fn gets(ops: &[etcd_client::TxnOpResponse]) -> Vec<etcd_client::GetResponse> {
-    ops.iter()
-        .filter_map(|op| match op {
-            etcd_client::TxnOpResponse::Get(g) => Some(g.clone()),
-            _ => None,
-        })
-        .collect()
-}
-
-pub(super) fn txn_shape(what: &str) -> EtcdError {
-    EtcdError::new(
-        EtcdErrorKind::InvalidResponse,
-        format!("{what}: etcd answered a transaction without the operations it was asked for"),
-    )
 }

@@ -23,6 +23,7 @@ mod release;
 mod session;
 #[cfg(test)]
 mod trust_tests;
+mod txn;
 mod watches;
 
 use std::collections::{HashMap, VecDeque};
@@ -475,7 +476,7 @@ impl Inner {
             .await
             .map_err(|f| connect_error(f, "record the capacity"))?;
         if !created.succeeded() {
-            let outer = acquire::gets(&created.op_responses())
+            let outer = txn::gets(&created.op_responses())
                 .iter()
                 .flat_map(|g| g.kvs().to_vec())
                 .next();

@@ -33,10 +33,10 @@ use tokio::time::{Instant, sleep};
 use tokio_util::sync::CancellationToken;
 
 use super::Inner;
-use super::acquire::{Grant, gets, slot_counts, txn_shape};
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{Confirmed, Layout, Marker, MarkerState, Raw, Waiter, raws};
 use super::session::Session;
+use super::txn::{Grant, gets, slot_counts, txn_shape};
 use super::watches::{Seen, Watch};
 
 /// A place in the queue.

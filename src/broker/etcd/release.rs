@@ -23,10 +23,10 @@ use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTar
 use tokio::time::{Instant, sleep};
 
 use super::Inner;
-use super::acquire::{gets, txn_shape};
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{MarkerState, Waiter, raws};
-use super::session::{Claim, Held};
+use super::session::{Claim, Held, Settling};
+use super::txn::{gets, txn_shape};
 use crate::broker::{BrokerError, SlotToken};
 
 /// How a give-back ended.
@@ -388,23 +388,6 @@ impl Inner {
                 events.orphan_expired(token.lease_id());
             }
         }
-    }
-}
-
-/// Counts a give-back in progress in the background (see `EtcdBroker::settling`) while it
-/// lives.
-pub(super) struct Settling(Arc<Inner>);
-
-impl Settling {
-    pub(super) fn new(inner: &Arc<Inner>) -> Self {
-        inner.settling.fetch_add(1, Ordering::AcqRel);
-        Self(Arc::clone(inner))
-    }
-}
-
-impl Drop for Settling {
-    fn drop(&mut self) {
-        self.0.settling.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

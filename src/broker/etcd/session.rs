@@ -335,7 +335,7 @@ impl Inner {
                 _ => return,
             }
         };
-        let _settling = super::release::Settling::new(self);
+        let _settling = Settling::new(self);
         self.releases
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         self.released.notify_waiters();
@@ -506,5 +506,22 @@ impl Keeper {
                 backoff = (backoff * 2).min(Duration::from_millis(500));
             }
         }
+    }
+}
+
+/// Counts a give-back in progress in the background (see `EtcdBroker::settling`) while it
+/// lives.
+pub(super) struct Settling(Arc<Inner>);
+
+impl Settling {
+    pub(super) fn new(inner: &Arc<Inner>) -> Self {
+        inner.settling.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(inner))
+    }
+}
+
+impl Drop for Settling {
+    fn drop(&mut self) {
+        self.0.settling.fetch_sub(1, Ordering::AcqRel);
     }
 }
