@@ -37,8 +37,7 @@ pub use error::{
     LeaseReleased, PrepareError, ResizeError, ShutdownError, StartError, SupervisorStopped, codes,
 };
 pub use fencing::{FencingGuard, StaleToken};
-#[cfg(feature = "gpu")]
-#[doc(hidden)]
+#[cfg(all(feature = "gpu", feature = "fault-injection"))]
 pub use gpu::BackendCall;
 #[cfg(feature = "gpu")]
 pub use gpu::{FencePolicy, GpuError, GpuOptions, JobGpu, ScratchPolicy, SlotScratch};

@@ -16,22 +16,26 @@
 //!
 //! - `options.rs`: [`GpuOptions`], [`FencePolicy`], [`ScratchPolicy`], the platform's backends;
 //! - `error.rs`: [`GpuError`];
-//! - `job.rs`: [`JobGpu`] and [`SlotScratch`], what a job borrows;
-//! - `device.rs`: one device, its generations, scratch creation and zeroing, loss marking;
+//! - `handles.rs`: [`SlotScratch`] and the handles a job holds (plain data);
+//! - `job.rs`: [`JobGpu`], what a job borrows;
+//! - `device.rs`: one device, its generations, scratch creation and zeroing, loss marking, and
+//!   `Doomed` (handles dropped inside the guard, a panic marking their generation lost);
 //! - `pool.rs`: `GpuPool` (placement, checkout, re-creation, fence, close);
-//! - `contain.rs`: the panic guard, the fault-injection hook, guarded off-thread drops.
+//! - `contain.rs`: the panic guard and the fault-injection hook.
 
 mod contain;
 mod device;
 mod error;
+mod handles;
 mod job;
 mod options;
 mod pool;
 
-#[doc(hidden)]
+#[cfg(feature = "fault-injection")]
 pub use contain::BackendCall;
 pub use error::GpuError;
-pub use job::{JobGpu, SlotScratch};
+pub use handles::SlotScratch;
+pub use job::JobGpu;
 pub use options::{FencePolicy, GpuOptions, ScratchPolicy};
 pub(crate) use pool::{FenceFailure, GpuPool, Placement};
 

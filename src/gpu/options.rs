@@ -163,10 +163,10 @@ impl GpuOptions {
         self
     }
 
-    /// Fault injection for leasehold's own tests, not part of the API: `hook` runs inside the
-    /// guard of every backend call the pool makes, just before the call; a hook that panics
-    /// stands for a backend that panics there.
-    #[doc(hidden)]
+    /// Fault injection (feature `fault-injection`, for leasehold's own tests): `hook` runs
+    /// inside the guard of every backend call the pool makes, just before the call; a hook that
+    /// panics stands for a backend that panics there.
+    #[cfg(feature = "fault-injection")]
     pub fn backend_hook(
         mut self,
         hook: impl Fn(super::BackendCall, usize, Option<usize>) + Send + Sync + 'static,

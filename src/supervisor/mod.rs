@@ -183,7 +183,7 @@ impl Supervisor {
     /// Cancel safe. Dropping the future withdraws the request; a slot granted in the same
     /// instant is released by the supervisor (or goes to the next waiter), never leaked.
     pub async fn acquire(&self) -> Result<Lease, AcquireError> {
-        self.acquire_with(Ask::one(Want::Lease)).await
+        self.acquire_for(Ask::one(Want::Lease), None).await
     }
 
     /// Waits for `slots` slots at once and returns them as one explicit [`Lease`] (all or none):
@@ -221,10 +221,13 @@ impl Supervisor {
     /// Cancel safe, as [`acquire`](Self::acquire): the slots gathered so far go on to the next
     /// waiters.
     pub async fn acquire_many(&self, slots: u32) -> Result<Lease, AcquireError> {
-        self.acquire_with(Ask {
-            slots,
-            ..Ask::one(Want::Lease)
-        })
+        self.acquire_for(
+            Ask {
+                slots,
+                ..Ask::one(Want::Lease)
+            },
+            None,
+        )
         .await
     }
 
@@ -256,22 +259,21 @@ impl Supervisor {
     ///
     /// Cancel safe, as [`acquire`](Self::acquire).
     pub async fn try_acquire(&self) -> Result<Lease, AcquireError> {
-        self.acquire_with(Ask {
-            now_only: true,
-            ..Ask::one(Want::Lease)
-        })
+        self.acquire_for(
+            Ask {
+                now_only: true,
+                ..Ask::one(Want::Lease)
+            },
+            None,
+        )
         .await
-    }
-
-    async fn acquire_with(&self, ask: Ask) -> Result<Lease, AcquireError> {
-        self.acquire_for(ask, None).await
     }
 
     /// An acquire, tied to the actor `holder` when it is the lease desk's.
     pub(crate) async fn acquire_for(
         &self,
         ask: Ask,
-        holder: Option<ractor::ActorId>,
+        holder: Option<Box<ractor::ActorId>>,
     ) -> Result<Lease, AcquireError> {
         let waiter = self.next_waiter();
         let (tx, rx) = oneshot::channel();
@@ -440,25 +442,25 @@ impl Supervisor {
         }
     }
 
-    /// The supervisor's GPU device of that index (feature `gpu`), of its current generation:
-    /// for tools and fault-injection tests (`device.destroy()` simulates a device loss). After a
+    /// The supervisor's GPU device of that index (features `gpu` and `fault-injection`), of its
+    /// current generation: for leasehold's own fault-injection tests (`device.destroy()` simulates a device loss). After a
     /// loss this is still the lost device until its replacement is installed (watch
     /// [`gpu_device_generation`](Self::gpu_device_generation)); `None` for an index the
     /// supervisor does not have.
-    #[cfg(feature = "gpu")]
+    #[cfg(all(feature = "gpu", feature = "fault-injection"))]
     pub fn gpu_device(&self, index: usize) -> Option<wgpu::Device> {
         self.inner.gpu.as_ref()?.device(index)
     }
 
     /// How many times the GPU device of that index has been created (feature `gpu`): 1 at
     /// start, one more per re-creation after a loss.
-    #[cfg(feature = "gpu")]
+    #[cfg(all(feature = "gpu", feature = "fault-injection"))]
     pub fn gpu_device_generation(&self, index: usize) -> Option<u64> {
         self.inner.gpu.as_ref()?.generation(index)
     }
 
-    /// How many GPU devices the supervisor owns (feature `gpu`).
-    #[cfg(feature = "gpu")]
+    /// How many GPU devices the supervisor owns (features `gpu` and `fault-injection`).
+    #[cfg(all(feature = "gpu", feature = "fault-injection"))]
     pub fn gpu_device_count(&self) -> usize {
         self.inner.gpu.as_ref().map_or(0, |g| g.device_count())
     }
