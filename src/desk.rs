@@ -284,7 +284,7 @@ async fn hold(
 ) {
     let acquired = tokio::select! {
         biased;
-        acquired = sup.acquire_for(Ask::one(Want::Lease), Some(holder.get_id())) => acquired,
+        acquired = sup.acquire_for(Ask::one(Want::Lease), Some(Box::new(holder.get_id()))) => acquired,
         // The holder ended before the grant: `acquire` is cancel safe, dropping it withdraws.
         _ = holder.wait(None) => return,
     };

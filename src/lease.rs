@@ -22,10 +22,10 @@ pub(crate) trait LeaseReturn: Send + Sync + 'static {
     fn give_back(&self, key: u64, reply: Option<ReleaseReply>) -> bool;
 }
 
-/// One slot (or several, from [`Supervisor::acquire_many`]), held until
+/// One slot (or several, from [`Supervisor::acquire_many`](crate::Supervisor::acquire_many)), held until
 /// [`release`](Self::release) or drop.
 ///
-/// Prefer [`Supervisor::run`], which also tracks the work done under the slot. A `Lease` only
+/// Prefer [`Supervisor::run`](crate::Supervisor::run), which also tracks the work done under the slot. A `Lease` only
 /// guarantees the bookkeeping: exactly one broker release, awaited by `release`, refused use
 /// after release has begun, and a release even when the lease is dropped.
 ///

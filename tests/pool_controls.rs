@@ -11,35 +11,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::TestBroker;
+use common::{TestBroker, pool, until};
 use leasehold::{JobSpec, LeaseKind, LeasePhase, Priority, Supervisor, WaitingFor, metric_names};
 use parking_lot::Mutex;
 use tokio::sync::{Notify, oneshot};
 use tracing::field::{Field, Visit};
 use tracing::{Event, Subscriber};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
-
-/// Polls `cond` between yields to the runtime (the supervisor answers in its own turns).
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    for _ in 0..100_000 {
-        if cond() {
-            return;
-        }
-        tokio::task::yield_now().await;
-    }
-    panic!("never happened: {what}");
-}
-
-async fn pool(slots: u32) -> (Supervisor, tempfile::TempDir) {
-    let root = tempfile::tempdir().unwrap();
-    let sup = Supervisor::builder()
-        .slots(slots)
-        .work_root(root.path())
-        .start()
-        .await
-        .unwrap();
-    (sup, root)
-}
 
 // ---------------------------------------------------------------------------------------------
 // The lease table

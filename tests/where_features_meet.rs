@@ -13,32 +13,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{Plan, TestBroker};
+use common::{Plan, TestBroker, pool, until};
 use leasehold::{JobSpec, LeaseKind, LeaseMsg, LeasePhase, Supervisor};
 use ractor::{Actor, ActorProcessingErr, ActorRef, call, call_t};
 use tokio::sync::{Notify, oneshot};
-
-/// Polls `cond` between yields to the runtime (the supervisor answers in its own turns).
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    for _ in 0..200_000 {
-        if cond() {
-            return;
-        }
-        tokio::task::yield_now().await;
-    }
-    panic!("never happened: {what}");
-}
-
-async fn pool(slots: u32) -> (Supervisor, tempfile::TempDir) {
-    let root = tempfile::tempdir().unwrap();
-    let sup = Supervisor::builder()
-        .slots(slots)
-        .work_root(root.path())
-        .start()
-        .await
-        .unwrap();
-    (sup, root)
-}
 
 // ---------------------------------------------------------------------------------------------
 // 1. Resize beside a gathering multi-slot request
@@ -337,11 +315,14 @@ impl Actor for SlowStarter {
     }
 }
 
-/// `sup.cancel(id)` while the job actor's `pre_start` awaits: the actor is stopped (killed at
-/// the cancel grace) like a running one, the job ends `LEASE_BODY_CANCELLED` and its slot comes
-/// back, within the grace.
-#[tokio::test(start_paused = true)]
-async fn a_job_actor_cancelled_in_pre_start_ends_within_the_cancel_grace() {
+/// A supervisor with one slot and a 200 ms cancel grace, and a job actor (`loader`) whose
+/// `pre_start` has begun and never returns: its `spawn_job` call, and the grace.
+async fn a_job_actor_stuck_in_pre_start() -> (
+    Supervisor,
+    tempfile::TempDir,
+    tokio::task::JoinHandle<Result<(), leasehold::JobError<leasehold::ActorJobError>>>,
+    Duration,
+) {
     let root = tempfile::tempdir().unwrap();
     let grace = Duration::from_millis(200);
     let sup = Supervisor::builder()
@@ -366,6 +347,15 @@ async fn a_job_actor_cancelled_in_pre_start_ends_within_the_cancel_grace() {
         }
     });
     entered.notified().await;
+    (sup, root, spawned, grace)
+}
+
+/// `sup.cancel(id)` while the job actor's `pre_start` awaits: the actor is stopped (killed at
+/// the cancel grace) like a running one, the job ends `LEASE_BODY_CANCELLED` and its slot comes
+/// back, within the grace.
+#[tokio::test(start_paused = true)]
+async fn a_job_actor_cancelled_in_pre_start_ends_within_the_cancel_grace() {
+    let (sup, _root, spawned, grace) = a_job_actor_stuck_in_pre_start().await;
     let start = tokio::time::Instant::now();
     assert!(sup.cancel("loader").await.unwrap());
     let err = tokio::time::timeout(Duration::from_secs(5), spawned)
@@ -387,30 +377,7 @@ async fn a_job_actor_cancelled_in_pre_start_ends_within_the_cancel_grace() {
 /// shutdown timeout.
 #[tokio::test(start_paused = true)]
 async fn a_shutdown_while_a_job_actor_starts_ends_within_the_cancel_grace() {
-    let root = tempfile::tempdir().unwrap();
-    let grace = Duration::from_millis(200);
-    let sup = Supervisor::builder()
-        .slots(1)
-        .work_root(root.path())
-        .cancel_grace(grace)
-        .shutdown_timeout(Duration::from_secs(600))
-        .start()
-        .await
-        .unwrap();
-    let entered = Arc::new(Notify::new());
-    let spawned = tokio::spawn({
-        let (sup, entered) = (sup.clone(), Arc::clone(&entered));
-        async move {
-            sup.spawn_job(
-                JobSpec::new("loader").unwrap(),
-                SlowStarter { entered },
-                |_| (),
-            )
-            .await
-            .map(|_| ())
-        }
-    });
-    entered.notified().await;
+    let (sup, _root, spawned, grace) = a_job_actor_stuck_in_pre_start().await;
     let start = tokio::time::Instant::now();
     let report = sup.shutdown().await.unwrap();
     assert!(

@@ -383,7 +383,9 @@ impl Shell {
             }
         }
         self.sync_table();
-        self.publish();
+        let figures = self.core.figures();
+        self.stats.publish(figures, &mut self.published);
+        self.metrics.publish_gauges(&figures);
         // Every freed slot has been handed on, and every effect is visible: the callers hear.
         self.send_answers();
         // Memory a flood left behind goes back once it has drained (nothing waits, nothing is
@@ -412,10 +414,10 @@ impl Shell {
         }
     }
 
+    /// Stores the figures `Stats` shows: before every reply, so that a caller who has just
+    /// been answered reads figures that already include what it was answered about.
     fn publish(&mut self) {
-        let figures = self.core.figures();
-        self.stats.publish(figures, &mut self.published);
-        self.metrics.publish_gauges(&figures);
+        self.stats.publish(self.core.figures(), &mut self.published);
     }
 
     fn control(&mut self, reply: ControlReply) -> ControlId {
@@ -508,10 +510,10 @@ impl Shell {
                     }
                 }
             },
-            SupMsg::ScratchRemoved { key, result } => match result {
+            SupMsg::TempDirRemoved { key, result } => match result {
                 Ok(()) => Input::ProvenOne {
                     key,
-                    proof: Proof::Scratch,
+                    proof: Proof::TempDir,
                 },
                 Err(error) => {
                     let path = self
@@ -520,7 +522,7 @@ impl Shell {
                         .and_then(|j| j.shared.temp_dir().map(|p| p.display().to_string()))
                         .unwrap_or_default();
                     tracing::error!(%path, %error, "a job's temp dir could not be removed");
-                    Input::ScratchFailed {
+                    Input::TempDirFailed {
                         key,
                         detail: format!("temp dir {path} could not be removed"),
                         error,
@@ -567,8 +569,8 @@ impl Shell {
                 leases.sort_unstable();
                 Input::CancelById {
                     control: self.control(ControlReply::Cancel(reply)),
-                    waiters,
-                    leases,
+                    waiters: waiters.into(),
+                    leases: leases.into(),
                 }
             }
             Control::Resize { slots, reply } => Input::Resize {
@@ -627,7 +629,7 @@ impl Shell {
                     }
                 }
             }
-            Effect::RemoveScratch { key } => self.remove_scratch(key),
+            Effect::RemoveTempDir { key } => self.remove_temp_dir(key),
             Effect::Release { key, token } => self.broker_release(key, token),
             Effect::Answer { key, answer } => self.answer(key, answer),
             Effect::Sink { key, error } => {
@@ -692,7 +694,7 @@ impl Shell {
                     Explicit {
                         cell: Arc::clone(&cell),
                         replies: Vec::new(),
-                        holder,
+                        holder: holder.map(|h| *h),
                     },
                 );
                 self.publish();
@@ -788,7 +790,7 @@ impl Shell {
                         job_id,
                         reply,
                         outcome: RunOutcome::Finished {
-                            unprepared: unprepared.map(Box::new),
+                            unprepared,
                             cleanup,
                         },
                     }),
@@ -837,8 +839,8 @@ impl Shell {
             }
             (ControlReply::Reclaim(tx), Reply::Reclaimed { reclaimed, still }) => {
                 let report = ReclaimReport {
-                    reclaimed,
-                    still_quarantined: self.describe(still),
+                    reclaimed: reclaimed.into(),
+                    still_quarantined: self.describe(still.into()),
                 };
                 Box::new(move || {
                     let _ = tx.send(report);
@@ -928,9 +930,10 @@ impl Shell {
         for key in touched.drain(..) {
             let lease = self.core.view(key);
             let pids = &self.pids;
+            let (jobs, explicit) = (&self.jobs, &self.explicit);
             let extra = Extra {
-                job_id: self.jobs.get(&key).map(|j| &j.job_id),
-                holder: self.explicit.get(&key).and_then(|e| e.holder),
+                job_id: &|| jobs.get(&key).map(|j| Arc::clone(&j.job_id)),
+                holder: &|| explicit.get(&key).and_then(|e| e.holder),
                 pid: &|p| pids.get(&p).copied(),
             };
             self.table
@@ -970,8 +973,8 @@ impl Shell {
     /// outcome at once.
     fn recheck(
         &mut self,
-        checks: Vec<(LeaseKey, Proof)>,
-        leases: Vec<LeaseKey>,
+        checks: Box<[(LeaseKey, Proof)]>,
+        leases: Box<[LeaseKey]>,
         purpose: RecheckFor,
     ) {
         let results = checks
@@ -1009,7 +1012,8 @@ impl Shell {
     fn end_batch(&mut self) {
         if !self.fresh.is_empty() {
             let mut fresh = mem::take(&mut self.fresh);
-            if fresh.iter().any(|w| self.waiters.contains_key(w)) {
+            // Only callers still waiting are in `waiters`.
+            if !self.waiters.is_empty() {
                 let since = Since::at(self.now(), self.epoch);
                 for waiter in &fresh {
                     if let Some(w) = self.waiters.get_mut(waiter) {

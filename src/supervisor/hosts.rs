@@ -12,7 +12,7 @@ use futures_util::future::BoxFuture;
 use crate::process::{OsProcesses, ProcessHost};
 
 /// Where a supervisor's jobs get their temp dirs.
-pub(crate) trait ScratchHost: Send + Sync + 'static {
+pub(crate) trait TempDirHost: Send + Sync + 'static {
     /// A new directory strictly inside `root`, whatever the job id. Runs in the worker's task,
     /// never in the supervisor's mailbox.
     fn create(&self, root: &Path, job_id: &str) -> io::Result<PathBuf>;
@@ -24,9 +24,9 @@ pub(crate) trait ScratchHost: Send + Sync + 'static {
 
 /// Temp dirs on the real file system.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct FsScratch;
+pub(crate) struct FsTempDirs;
 
-impl ScratchHost for FsScratch {
+impl TempDirHost for FsTempDirs {
     fn create(&self, root: &Path, job_id: &str) -> io::Result<PathBuf> {
         // A fresh name with a random suffix, created exclusively: a leftover of an earlier
         // run (a quarantined dir kept as evidence) is never reused. The id may be `.` or `..`:
@@ -52,7 +52,7 @@ impl ScratchHost for FsScratch {
 /// The hosts of one supervisor.
 #[derive(Clone)]
 pub(crate) struct Hosts {
-    pub(crate) scratch: Arc<dyn ScratchHost>,
+    pub(crate) temp_dirs: Arc<dyn TempDirHost>,
     pub(crate) processes: Arc<dyn ProcessHost>,
     #[cfg(feature = "gpu")]
     pub(crate) gpu: Option<Arc<dyn GpuHost>>,
@@ -62,7 +62,7 @@ impl Hosts {
     /// The real file system, real processes, no GPU.
     pub(crate) fn os() -> Self {
         Self {
-            scratch: Arc::new(FsScratch),
+            temp_dirs: Arc::new(FsTempDirs),
             processes: Arc::new(OsProcesses),
             #[cfg(feature = "gpu")]
             gpu: None,

@@ -71,7 +71,7 @@ pub(crate) enum SupMsg {
         unproven: Option<Box<dyn Evidence>>,
     },
     /// The temp dir removal ended.
-    ScratchRemoved {
+    TempDirRemoved {
         key: LeaseKey,
         result: io::Result<()>,
     },
@@ -112,8 +112,9 @@ pub(crate) enum WaiterKind {
     Lease {
         reply: oneshot::Sender<Result<Lease, AcquireError>>,
         span: KeptSpan,
-        /// The actor a lease desk lease is tied to (shown in the lease table).
-        holder: Option<ractor::ActorId>,
+        /// The actor a lease desk lease is tied to (shown in the lease table); boxed: the rare
+        /// case, and every waiting caller's message holds room for it.
+        holder: Option<Box<ractor::ActorId>>,
     },
     Job(Box<PendingJob>),
 }

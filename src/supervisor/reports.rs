@@ -4,7 +4,7 @@
 use super::stats::Stats;
 use crate::broker::SlotToken;
 
-/// What [`Supervisor::shutdown`] did.
+/// What [`Supervisor::shutdown`](crate::Supervisor::shutdown) did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ShutdownReport {
@@ -57,7 +57,7 @@ pub struct QuarantinedSlot {
     pub reason: String,
 }
 
-/// What [`Supervisor::reclaim_quarantined`] found.
+/// What [`Supervisor::reclaim_quarantined`](crate::Supervisor::reclaim_quarantined) found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ReclaimReport {

@@ -16,8 +16,8 @@
 //! fake broker, which hands out each slot once by construction; `core_tests` and
 //! `tests/lifecycle.rs` check the supervisor's refusal of a duplicate token.)
 //!
-//! `LEASEHOLD_SIM_SEEDS=n` runs n seeds (default 1000); `LEASEHOLD_SIM_SEED=s` runs seed s
-//! alone and prints its trace.
+//! `LEASEHOLD_SIM_SEEDS=n` runs seeds 1..=n (default 1000) and a fresh window of n/2 seeds
+//! (printed); `LEASEHOLD_SIM_SEED=s` runs seed s alone and prints its trace.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -31,7 +31,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::hosts::{Hosts, ScratchHost};
+use super::hosts::{Hosts, TempDirHost};
 use crate::broker::{AcquireRequest, BrokerError, SlotBroker, SlotToken};
 use crate::job::{JobSpec, Priority};
 use crate::process::{
@@ -82,7 +82,7 @@ struct Physical {
     body_since: Option<Instant>,
     tasks: u32,
     processes: u32,
-    scratch: bool,
+    temp_dir: bool,
 }
 
 #[derive(Debug, Default)]
@@ -252,7 +252,7 @@ impl SlotBroker for SimBroker {
                 .find(|(_, p)| p.lease_id == Some(token.lease_id()))
                 .map(|(id, p)| (id.clone(), p.clone()));
             if let Some((id, p)) = job
-                && (p.body || p.tasks > 0 || p.processes > 0 || p.scratch)
+                && (p.body || p.tasks > 0 || p.processes > 0 || p.temp_dir)
             {
                 l.violate(format!(
                     "invariant 3: {token} released while job {id} still runs: {p:?}"
@@ -295,7 +295,7 @@ impl SlotBroker for SimBroker {
 // Fake file system, processes, GPU
 // ---------------------------------------------------------------------------------------------
 
-struct SimScratch {
+struct SimTempDirs {
     ledger: Shared,
     rng: Mutex<Rng>,
 }
@@ -304,7 +304,7 @@ fn job_of(path: &Path) -> String {
     path.file_name().unwrap().to_string_lossy().into_owned()
 }
 
-impl ScratchHost for SimScratch {
+impl TempDirHost for SimTempDirs {
     fn create(&self, root: &Path, job_id: &str) -> io::Result<PathBuf> {
         let fails = self.rng.lock().chance(3);
         let mut l = self.ledger.lock();
@@ -312,7 +312,7 @@ impl ScratchHost for SimScratch {
             l.note(format!("{job_id}: temp dir not created"));
             return Err(io::Error::other("sim: no space left"));
         }
-        l.job(job_id).scratch = true;
+        l.job(job_id).temp_dir = true;
         l.note(format!("{job_id}: temp dir made"));
         Ok(root.join(job_id))
     }
@@ -349,7 +349,7 @@ impl ScratchHost for SimScratch {
                 _ => {}
             }
             let mut l = ledger.lock();
-            l.job(&job).scratch = false;
+            l.job(&job).temp_dir = false;
             l.note(format!("{job}: temp dir removed"));
             Ok(())
         })
@@ -1012,7 +1012,7 @@ fn simulate(seed: u64) -> Result<Vec<String>, (Vec<String>, Vec<String>)> {
         };
         #[allow(unused_mut)]
         let mut hosts = Hosts {
-            scratch: Arc::new(SimScratch {
+            temp_dirs: Arc::new(SimTempDirs {
                 ledger: Arc::clone(&ledger),
                 rng: Mutex::new(Rng::new(rng.next())),
             }),
@@ -1197,7 +1197,17 @@ fn seeds() -> Vec<u64> {
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(1000u64);
-    (1..=n).collect()
+    // The fixed seeds every run, then a fresh window (printed, so that a failure replays).
+    let fresh = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        | 1 << 40;
+    let window = n / 2;
+    eprintln!(
+        "simulation: seeds 1..={n} and {fresh}..{} (replay one: LEASEHOLD_SIM_SEED=s cargo test --lib sim_tests)",
+        fresh + window
+    );
+    (1..=n).chain(fresh..fresh + window).collect()
 }
 
 /// Panics the simulation scripts on purpose (bodies that panic) are not reported.

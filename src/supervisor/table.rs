@@ -174,7 +174,7 @@ impl Row {
                     Proof::TasksJoined => WaitingFor::Tasks,
                     Proof::Process(p) => WaitingFor::ProcessGroup(pid(p).unwrap_or(0)),
                     Proof::GpuFence => WaitingFor::GpuFence,
-                    Proof::Scratch => WaitingFor::TempDir,
+                    Proof::TempDir => WaitingFor::TempDir,
                 })
             }));
         }
@@ -203,9 +203,9 @@ pub(crate) struct LeaseTable {
 
 /// What the shell knows of a lease beyond the core.
 pub(crate) struct Extra<'a> {
-    pub(crate) job_id: Option<&'a Arc<str>>,
+    pub(crate) job_id: &'a dyn Fn() -> Option<Arc<str>>,
     /// The actor a lease desk lease is tied to.
-    pub(crate) holder: Option<ractor::ActorId>,
+    pub(crate) holder: &'a dyn Fn() -> Option<ractor::ActorId>,
     /// A process key's leader pid.
     pub(crate) pid: &'a dyn Fn(u64) -> Option<u32>,
 }
@@ -228,7 +228,7 @@ impl LeaseTable {
             Entry::Occupied(mut row) => row.get_mut().refresh(lease, extra.pid),
             Entry::Vacant(slot) => {
                 let mut row = Row {
-                    job_id: extra.job_id.cloned(),
+                    job_id: (extra.job_id)(),
                     priority: lease.priority,
                     kind: match lease.holder {
                         Holder::Job => LeaseKind::Job,
@@ -239,7 +239,7 @@ impl LeaseTable {
                     more: lease.more.clone(),
                     waiting_for: Vec::new(),
                     device: None,
-                    holder: extra.holder,
+                    holder: (extra.holder)(),
                     granted_at: now(),
                     warned: false,
                 };

@@ -99,7 +99,7 @@ async fn run_job(args: WorkerArgs, worker: ActorCell) {
     } = args;
     // The temp dir is made here, in the worker's task: a slow or hung file system holds this
     // job, never the supervisor's mailbox.
-    let temp_dir = match hosts.scratch.create(&work_root, &job_id) {
+    let temp_dir = match hosts.temp_dirs.create(&work_root, &job_id) {
         Ok(dir) => dir,
         Err(err) => {
             tracing::error!(error = %err, "could not create the job's temp dir; the body does not run");

@@ -338,3 +338,26 @@ pub async fn supervisor_whose_releases_fail() -> (
         .unwrap();
     (sup, failures)
 }
+
+/// Polls `cond` between yields to the runtime (the supervisor answers in its own turns).
+pub async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..200_000 {
+        if cond() {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("never happened: {what}");
+}
+
+/// A supervisor on the in-process pool of `slots`, with a work root of its own.
+pub async fn pool(slots: u32) -> (leasehold::Supervisor, tempfile::TempDir) {
+    let root = tempfile::tempdir().unwrap();
+    let sup = leasehold::Supervisor::builder()
+        .slots(slots)
+        .work_root(root.path())
+        .start()
+        .await
+        .unwrap();
+    (sup, root)
+}

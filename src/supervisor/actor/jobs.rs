@@ -154,7 +154,7 @@ impl Shell {
         }
     }
 
-    pub(super) fn remove_scratch(&mut self, key: LeaseKey) {
+    pub(super) fn remove_temp_dir(&mut self, key: LeaseKey) {
         let Some(job) = self.jobs.get(&key) else {
             return;
         };
@@ -162,12 +162,12 @@ impl Shell {
             // The worker made no temp dir (it could not): nothing to remove.
             return self.core.apply(Input::ProvenOne {
                 key,
-                proof: Proof::Scratch,
+                proof: Proof::TempDir,
             });
         };
         // Started exactly when the core says, in a task of its own: never in the mailbox.
-        let removal = remove_scratch(
-            Arc::clone(&self.config.hosts.scratch),
+        let removal = remove_temp_dir(
+            Arc::clone(&self.config.hosts.temp_dirs),
             path,
             self.config.cleanup_timeout,
             Reporter {
@@ -181,8 +181,8 @@ impl Shell {
 
 /// Removes a temp dir (off the mailbox) and reports; past `bound` the slot is quarantined
 /// until the removal ends.
-async fn remove_scratch(
-    host: Arc<dyn crate::supervisor::hosts::ScratchHost>,
+async fn remove_temp_dir(
+    host: Arc<dyn crate::supervisor::hosts::TempDirHost>,
     path: PathBuf,
     bound: Duration,
     reporter: Reporter,
@@ -193,13 +193,13 @@ async fn remove_scratch(
         Err(_) => {
             reporter.input(Input::Late {
                 key: reporter.key,
-                proof: Proof::Scratch,
+                proof: Proof::TempDir,
                 detail: format!("the temp dir was not removed within {bound:?}"),
             });
             removal.await
         }
     };
-    reporter.send(SupMsg::ScratchRemoved {
+    reporter.send(SupMsg::TempDirRemoved {
         key: reporter.key,
         result,
     });

@@ -68,6 +68,7 @@ pub(super) struct WaitQueue {
 }
 
 impl WaitQueue {
+    #[inline]
     pub(super) fn push(&mut self, waiter: WaiterId, ask: Ask) {
         if !self.live.insert(waiter) {
             return;
@@ -259,16 +260,19 @@ impl Admission {
         }
     }
 
+    #[inline]
     fn exact(&self) -> bool {
         self.pool.is_some()
     }
 
     /// Above a lowered pool size: never handed on.
+    #[inline]
     fn retired(&self, token: SlotToken) -> bool {
         self.pool.is_some_and(|size| token.slot_id() >= size)
     }
 
     /// Tokens held by waiters being served, and in hand.
+    #[inline]
     fn gathered(&self) -> usize {
         self.gather.as_ref().map_or(0, |g| g.tokens.len())
             + self.tries.iter().map(|t| t.tokens.len()).sum::<usize>()
@@ -276,6 +280,7 @@ impl Admission {
     }
 
     /// Slots the queue still lacks: its waiters', and what the gathering head misses.
+    #[inline]
     fn queue_demand(&self) -> usize {
         self.queue.wanted + self.gather.as_ref().map_or(0, Gather::missing)
     }
@@ -315,9 +320,10 @@ impl Admission {
 
     /// The next token in hand to place: a retired one first, so that a lowered capacity sheds
     /// the slots above the pool's new size before any other.
+    #[inline]
     fn next_spare(&mut self) -> Option<(SlotToken, Option<WaiterId>)> {
-        if self.spare.is_empty() {
-            return None;
+        if self.spare.len() < 2 {
+            return self.spare.pop();
         }
         let i = self
             .spare
@@ -337,12 +343,14 @@ impl Admission {
 impl Core {
     /// Slots held or on their way: every lease's tokens not yet released, the gathering
     /// waiters', those in hand.
+    #[inline]
     pub(super) fn held_slots(&self) -> usize {
         self.book.tally().held + self.admission.gathered()
     }
 
     /// Slots committed to callers (or in hand): those whose release is in flight no longer
     /// count. A token may be given to a waiter only while this stays within the capacity.
+    #[inline]
     fn committed(&self) -> usize {
         let t = self.book.tally();
         t.held - t.releasing + self.admission.gathered()
@@ -350,6 +358,7 @@ impl Core {
 
     /// Tokens that may still be asked for without passing the capacity (a release in flight
     /// still holds its slot at the broker).
+    #[inline]
     fn room(&self) -> usize {
         match self.admission.capacity {
             Some(cap) => cap.saturating_sub(
@@ -526,6 +535,12 @@ impl Core {
     /// the next waiter in line (or back, when nobody waits) — then asks the broker for what the
     /// queue still lacks, within the capacity, and drops acquires nobody needs any more.
     pub(super) fn admit(&mut self) {
+        // The common case (a proof, a grant's own answer): nothing in hand, nothing to ask for.
+        if self.admission.spare.is_empty()
+            && self.admission.queue_demand() == self.admission.acquiring.len()
+        {
+            return;
+        }
         let serving = self.ending.is_serving();
         while let Some((token, tried)) = self.admission.next_spare() {
             // `committed` no longer counts this token: it is out of hand.
@@ -694,17 +709,17 @@ impl Core {
     }
 
     /// A grant nobody took (its caller left): not counted, and its tokens go back in hand.
-    pub(super) fn undelivered(&mut self, key: crate::supervisor::core::LeaseKey) {
+    pub(super) fn undelivered(&mut self, key: super::LeaseKey) {
+        // Only a grant being handed over (not a surplus token, not a lease already releasing).
         let fits = self
             .book
             .get(key)
             .is_some_and(|r| r.holder != Holder::Surplus && !r.is_releasing());
-        if !fits {
+        let Some(record) = fits.then(|| self.book.remove(key)).flatten() else {
             return self.fx.illegal(format_args!(
                 "undelivered lease {key} was not being delivered"
             ));
-        }
-        let record = self.book.remove(key).expect("checked");
+        };
         self.counters.acquired_total -= record.slots() as u64;
         if record.renewal == Renewal::Running {
             self.fx.push(Effect::StopRenewal { key });

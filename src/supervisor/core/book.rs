@@ -26,20 +26,34 @@ pub(crate) struct Tally {
 }
 
 impl Tally {
-    fn apply(&mut self, part: Part, sign: isize) {
-        let add = |n: &mut usize, v: usize| {
-            *n = n
-                .checked_add_signed(sign * v as isize)
-                .expect("tally in range");
-        };
-        add(&mut self.held, part.held);
-        match part.phase {
-            Phase::Releasing => add(&mut self.releasing, part.held),
-            Phase::Quarantined => add(&mut self.quarantined, part.held),
-            Phase::Draining => add(&mut self.draining, part.held),
-            Phase::Running => {}
+    /// The phase's own count, if it has one.
+    #[inline]
+    fn of_phase(&mut self, phase: Phase) -> Option<&mut usize> {
+        match phase {
+            Phase::Releasing => Some(&mut self.releasing),
+            Phase::Quarantined => Some(&mut self.quarantined),
+            Phase::Draining => Some(&mut self.draining),
+            Phase::Running => None,
         }
-        add(&mut self.leases, usize::from(part.lease));
+    }
+
+    #[inline]
+    fn add(&mut self, part: Part) {
+        self.held += part.held;
+        if let Some(n) = self.of_phase(part.phase) {
+            *n += part.held;
+        }
+        self.leases += usize::from(part.lease);
+    }
+
+    #[inline]
+    fn sub(&mut self, part: Part) {
+        // Only what `add` put in is taken out: the counts never go below zero.
+        self.held -= part.held;
+        if let Some(n) = self.of_phase(part.phase) {
+            *n -= part.held;
+        }
+        self.leases -= usize::from(part.lease);
     }
 }
 
@@ -52,6 +66,7 @@ struct Part {
 }
 
 impl Part {
+    #[inline]
     fn of(record: &LeaseRecord) -> Self {
         Self {
             held: record.held(),
@@ -89,6 +104,7 @@ impl Book {
         }
     }
 
+    #[inline]
     pub(crate) fn insert(&mut self, record: LeaseRecord) -> LeaseKey {
         let key = self.next_key;
         self.next_key += 1;
@@ -97,7 +113,7 @@ impl Book {
             self.by_slot.insert(record.token.slot_id(), key);
             self.by_lease_id.insert(record.token.lease_id(), key);
         }
-        self.tally.apply(Part::of(&record), 1);
+        self.tally.add(Part::of(&record));
         self.records.insert(key, record);
         self.touch(key);
         key
@@ -105,6 +121,7 @@ impl Book {
 
     /// Changes one record; the tallies follow and its row is marked for update. `None` when
     /// there is no such lease.
+    #[inline]
     pub(crate) fn edit<R>(
         &mut self,
         key: LeaseKey,
@@ -115,16 +132,17 @@ impl Book {
         let out = f(record);
         let after = Part::of(record);
         if before != after {
-            self.tally.apply(before, -1);
-            self.tally.apply(after, 1);
+            self.tally.sub(before);
+            self.tally.add(after);
         }
         self.touch(key);
         Some(out)
     }
 
+    #[inline]
     pub(crate) fn remove(&mut self, key: LeaseKey) -> Option<LeaseRecord> {
         let record = self.records.remove(&key)?;
-        self.tally.apply(Part::of(&record), -1);
+        self.tally.sub(Part::of(&record));
         self.touch(key);
         // A newer lease may already hold the slot (see `check_token`).
         if self.check_tokens {
@@ -138,6 +156,7 @@ impl Book {
         Some(record)
     }
 
+    #[inline]
     fn touch(&mut self, key: LeaseKey) {
         // Consecutive touches of one lease (the common case: a release and its answer) are one.
         if self.touched.last() != Some(&key) {
@@ -155,6 +174,7 @@ impl Book {
         }
     }
 
+    #[inline]
     pub(crate) fn get(&self, key: LeaseKey) -> Option<&LeaseRecord> {
         self.records.get(&key)
     }
@@ -175,6 +195,7 @@ impl Book {
         self.records.values().any(f)
     }
 
+    #[inline]
     pub(crate) fn tally(&self) -> Tally {
         self.tally
     }
@@ -184,6 +205,7 @@ impl Book {
     /// before the release's answer arrives here (a remote broker, or one shared by several
     /// supervisors); refusing such a token would leak it, since a refused token is never
     /// released.
+    #[inline]
     pub(crate) fn check_token(&self, token: SlotToken) -> Result<(), String> {
         if !self.check_tokens {
             return Ok(());

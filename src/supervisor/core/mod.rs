@@ -213,7 +213,7 @@ impl Core {
             Input::Unproven { key, proof, detail } => {
                 self.missing(key, proof, record::Why::Unproven, detail, None)
             }
-            Input::ScratchFailed { key, detail, error } => self.scratch_failed(key, detail, error),
+            Input::TempDirFailed { key, detail, error } => self.temp_dir_failed(key, detail, error),
             Input::DeviceLost {
                 key,
                 device,
@@ -239,9 +239,9 @@ impl Core {
         self.admit();
     }
 
-    /// After a batch of inputs: finish a shutdown that has nothing left to wait for.
+    /// After a batch of inputs: finish a shutdown that has nothing left to wait for. (Every
+    /// input was admitted as it was applied.)
     pub(crate) fn settle(&mut self) {
-        self.admit();
         self.maybe_stopped();
     }
 

@@ -12,7 +12,7 @@ use crate::error::{AcquireError, CleanupError, PrepareError};
 /// Where `advance` moves a lease.
 enum Step {
     Stay,
-    RemoveScratch,
+    RemoveTempDir,
     Release,
 }
 
@@ -46,7 +46,7 @@ impl Core {
             let fits = r.holder == Holder::Job && !r.is_releasing();
             if fits {
                 r.owed.forgive_all();
-                r.unprepared = Some(why);
+                r.unprepared = Some(Box::new(why));
             }
             fits
         });
@@ -63,7 +63,7 @@ impl Core {
         let fits = self.book.edit(key, |r| {
             let fits = r.holder == Holder::Job;
             if fits {
-                r.unprepared.get_or_insert(why);
+                r.unprepared.get_or_insert_with(|| Box::new(why));
             }
             fits
         });
@@ -74,12 +74,12 @@ impl Core {
     }
 
     pub(super) fn proven(&mut self, key: LeaseKey, proofs: Proofs, process: Option<ProcessKey>) {
-        let scratch = proofs.contains(Proof::Scratch);
+        let temp_dir = proofs.contains(Proof::TempDir);
         let fits = self.book.get(key).is_some_and(|r| {
             r.owed.owes_all(proofs)
                 && process.is_none_or(|p| r.owed.owes(Proof::Process(p)))
                 // The temp dir is proven removed only by the removal the core asked for.
-                && (!scratch || r.removal == Removal::Running)
+                && (!temp_dir || r.removal == Removal::Running)
         });
         if !fits {
             return self.fx.illegal(format_args!(
@@ -88,7 +88,7 @@ impl Core {
         }
         self.book.edit(key, |r| {
             r.owed.clear(proofs);
-            if scratch {
+            if temp_dir {
                 r.removal = Removal::NotStarted;
             }
             if let Some(p) = process {
@@ -132,7 +132,7 @@ impl Core {
         self.answer_early(key);
     }
 
-    pub(super) fn scratch_failed(&mut self, key: LeaseKey, detail: String, error: io::Error) {
+    pub(super) fn temp_dir_failed(&mut self, key: LeaseKey, detail: String, error: io::Error) {
         let fits = self.book.edit(key, |r| {
             let fits = r.removal == Removal::Running;
             if fits {
@@ -145,7 +145,7 @@ impl Core {
                 "temp dir removal failed for lease {key}, which was not removing it"
             ));
         }
-        self.missing(key, Proof::Scratch, Why::Unproven, detail, Some(error));
+        self.missing(key, Proof::TempDir, Why::Unproven, detail, Some(error));
     }
 
     /// A quarantined job answers its caller at once, without waiting for what may never be
@@ -256,11 +256,11 @@ impl Core {
             if r.is_releasing() {
                 Step::Stay
             } else if r.owed.physically_done()
-                && r.owed.owes(Proof::Scratch)
+                && r.owed.owes(Proof::TempDir)
                 && r.removal == Removal::NotStarted
             {
                 r.removal = Removal::Running;
-                Step::RemoveScratch
+                Step::RemoveTempDir
             } else if r.owed.is_empty() && r.holder == Holder::Job {
                 Step::Release
             } else {
@@ -268,7 +268,7 @@ impl Core {
             }
         });
         match step {
-            Some(Step::RemoveScratch) => self.fx.push(Effect::RemoveScratch { key }),
+            Some(Step::RemoveTempDir) => self.fx.push(Effect::RemoveTempDir { key }),
             Some(Step::Release) => self.start_release(key),
             Some(Step::Stay) | None => {}
         }
@@ -296,42 +296,39 @@ impl Core {
     /// One token's broker release answered. Each slot is counted as its own release answers;
     /// the lease ends when the last one has, its first failure being its result.
     pub(super) fn released(&mut self, key: LeaseKey, result: Result<(), CleanupError>) {
-        let counters = &mut self.counters;
-        let done = self.book.edit(key, |r| {
-            let Release::Releasing { left, error } = &mut r.release else {
-                return None;
-            };
-            if *left == 0 {
-                return None;
+        let left = match self.book.get(key).map(|r| &r.release) {
+            Some(Release::Releasing { left, .. }) if *left > 0 => *left,
+            _ => {
+                return self.fx.illegal(format_args!(
+                    "release of lease {key}, which was not releasing"
+                ));
             }
-            *left -= 1;
-            match result {
-                Ok(()) => counters.released_total += 1,
-                Err(err) => {
-                    counters.release_failed_total += 1;
-                    error.get_or_insert(err);
-                }
-            }
-            Some(*left == 0)
-        });
-        match done.flatten() {
-            None => self.fx.illegal(format_args!(
-                "release of lease {key}, which was not releasing"
-            )),
-            Some(false) => {}
-            Some(true) => self.finish(key),
+        };
+        match &result {
+            Ok(()) => self.counters.released_total += 1,
+            Err(_) => self.counters.release_failed_total += 1,
         }
-    }
-
-    /// Every token is back: the caller (or the error sink) hears the result, and the shell
-    /// forgets the lease.
-    fn finish(&mut self, key: LeaseKey) {
-        let record = self.book.remove(key).expect("checked by the caller");
+        if left > 1 {
+            self.book.edit(key, |r| {
+                if let Release::Releasing { left, error } = &mut r.release {
+                    *left -= 1;
+                    if let Err(err) = result {
+                        error.get_or_insert_with(|| Box::new(err));
+                    }
+                }
+            });
+            return;
+        }
+        // The last token is back: the lease ends (one look-up, no edit in between: the hot
+        // path of every single-slot lease).
+        let Some(record) = self.book.remove(key) else {
+            return;
+        };
         let result = match record.release {
             Release::Releasing {
-                error: Some(err), ..
-            } => Err(err),
-            _ => Ok(()),
+                error: Some(first), ..
+            } => Err(*first),
+            _ => result,
         };
         let answer = match (record.holder, record.caller) {
             (Holder::Job, Caller::Waiting) => Some(Answer::Job {
@@ -358,8 +355,8 @@ impl Core {
     pub(super) fn cancel_by_id(
         &mut self,
         control: ControlId,
-        waiters: Vec<WaiterId>,
-        leases: Vec<LeaseKey>,
+        waiters: Box<[WaiterId]>,
+        leases: Box<[LeaseKey]>,
     ) {
         let mut found = false;
         for waiter in waiters {

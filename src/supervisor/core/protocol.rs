@@ -14,8 +14,7 @@ pub(crate) type LeaseKey = u64;
 pub(crate) type WaiterId = u64;
 /// Supervisor-internal id of one broker acquire.
 pub(crate) type RequestId = u64;
-/// Supervisor-internal id of one process group a job started.
-pub(crate) type ProcessKey = u64;
+pub(crate) use super::record::ProcessKey;
 /// Supervisor-internal id of one control call (cancel, resize, quarantine list, reclaim), to
 /// route its reply.
 pub(crate) type ControlId = u64;
@@ -98,8 +97,8 @@ pub(crate) enum Input {
     /// the core decides which of them to cancel and answers whether there was one.
     CancelById {
         control: ControlId,
-        waiters: Vec<WaiterId>,
-        leases: Vec<LeaseKey>,
+        waiters: Box<[WaiterId]>,
+        leases: Box<[LeaseKey]>,
     },
     /// `Supervisor::quarantined`: list the quarantined slots.
     ListQuarantine { control: ControlId },
@@ -107,8 +106,8 @@ pub(crate) enum Input {
     Reclaim { control: ControlId },
     /// The re-checks asked for by [`Effect::Recheck`], all of them.
     Rechecked {
-        results: Vec<Rechecked>,
-        leases: Vec<LeaseKey>,
+        results: Box<[Rechecked]>,
+        leases: Box<[LeaseKey]>,
         purpose: RecheckFor,
     },
     /// A broker acquire ended (also one the core aborted, whose answer came anyway).
@@ -149,7 +148,7 @@ pub(crate) enum Input {
         detail: String,
     },
     /// The temp dir could not be removed (`detail` names it; `error` says why).
-    ScratchFailed {
+    TempDirFailed {
         key: LeaseKey,
         detail: String,
         error: io::Error,
@@ -197,7 +196,7 @@ pub(crate) enum Answer {
     /// A job's `run`: no body ran when `unprepared` says why; `cleanup` is the release's result
     /// (or the quarantine's early answer).
     Job {
-        unprepared: Option<PrepareError>,
+        unprepared: Option<Box<PrepareError>>,
         cleanup: Result<(), CleanupError>,
     },
     /// Every `release` call waiting on an explicit lease.
@@ -224,8 +223,8 @@ pub(crate) enum Reply {
     /// `reclaim_quarantined`: every slot now proven clean, and one entry per slot still
     /// quarantined.
     Reclaimed {
-        reclaimed: Vec<SlotToken>,
-        still: Vec<QuarantineEntry>,
+        reclaimed: Box<[SlotToken]>,
+        still: Box<[QuarantineEntry]>,
     },
 }
 
@@ -297,8 +296,8 @@ pub(crate) enum Effect {
         key: LeaseKey,
     },
     /// Remove the job's temp dir, off the mailbox; report [`Input::ProvenOne`] with
-    /// [`Proof::Scratch`] or [`Input::ScratchFailed`].
-    RemoveScratch {
+    /// [`Proof::TempDir`] or [`Input::TempDirFailed`].
+    RemoveTempDir {
         key: LeaseKey,
     },
     /// Release one token to the broker under the cleanup timeout; report [`Input::Released`].
@@ -323,8 +322,8 @@ pub(crate) enum Effect {
     /// Re-check these unproven proofs and report them all in one [`Input::Rechecked`],
     /// returning `leases` and `purpose` as they are.
     Recheck {
-        checks: Vec<(LeaseKey, Proof)>,
-        leases: Vec<LeaseKey>,
+        checks: Box<[(LeaseKey, Proof)]>,
+        leases: Box<[LeaseKey]>,
         purpose: RecheckFor,
     },
     /// A control call's answer (sent once the turn's effects are visible).

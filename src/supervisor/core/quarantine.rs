@@ -56,15 +56,15 @@ impl Core {
         self.rechecks += 1;
         self.fx.push(Effect::Recheck {
             checks,
-            leases,
+            leases: leases.into(),
             purpose,
         });
     }
 
     pub(super) fn rechecked(
         &mut self,
-        results: Vec<Rechecked>,
-        leases: Vec<LeaseKey>,
+        results: Box<[Rechecked]>,
+        leases: Box<[LeaseKey]>,
         purpose: RecheckFor,
     ) {
         let Some(left) = self.rechecks.checked_sub(1) else {
@@ -98,7 +98,7 @@ impl Core {
                 if retry {
                     // The slot is clean but for its temp dir: try its removal again.
                     r.removal = Removal::NotStarted;
-                    r.reasons.retain(|x| x.proof != Proof::Scratch);
+                    r.reasons.retain(|x| x.proof != Proof::TempDir);
                 }
                 retry
             });
@@ -124,7 +124,10 @@ impl Core {
         let still = self.entries_of(&still);
         self.fx.push(Effect::Reply {
             control,
-            reply: Reply::Reclaimed { reclaimed, still },
+            reply: Reply::Reclaimed {
+                reclaimed: reclaimed.into(),
+                still: still.into(),
+            },
         });
     }
 }

@@ -8,7 +8,8 @@ use crate::broker::SlotToken;
 use crate::error::{CleanupError, CleanupErrorKind, PrepareError};
 use crate::job::Priority;
 
-use super::protocol::ProcessKey;
+/// Supervisor-internal id of one process group a job started.
+pub(crate) type ProcessKey = u64;
 
 /// Who holds a lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,7 +37,7 @@ pub(crate) enum Proof {
     /// Every GPU submission made under the lease completed.
     GpuFence,
     /// The job's temp dir was removed.
-    Scratch,
+    TempDir,
 }
 
 impl Proof {
@@ -47,7 +48,7 @@ impl Proof {
             Self::EventHandled => Owed::EVENT,
             Self::TasksJoined => Owed::TASKS,
             Self::GpuFence => Owed::GPU,
-            Self::Scratch => Owed::SCRATCH,
+            Self::TempDir => Owed::TEMP_DIR,
             Self::Process(_) => 0,
         }
     }
@@ -60,7 +61,7 @@ impl Proof {
             Self::TasksJoined => "tasks spawned through the worker context",
             Self::Process(_) => "a process group",
             Self::GpuFence => "gpu work",
-            Self::Scratch => "the temp dir",
+            Self::TempDir => "the temp dir",
         }
     }
 }
@@ -107,7 +108,7 @@ impl Owed {
     const EVENT: u8 = 2;
     const TASKS: u8 = 4;
     const GPU: u8 = 8;
-    const SCRATCH: u8 = 16;
+    const TEMP_DIR: u8 = 16;
     /// Everything that makes up the worker's physical end (the pipeline's steps 2 and 3).
     const PHYSICAL: u8 = Self::JOINED | Self::EVENT | Self::TASKS | Self::GPU;
 
@@ -115,7 +116,7 @@ impl Owed {
     /// process groups are added as they are learnt.
     pub(crate) fn job() -> Self {
         Self {
-            bits: Self::JOINED | Self::EVENT | Self::TASKS | Self::SCRATCH,
+            bits: Self::JOINED | Self::EVENT | Self::TASKS | Self::TEMP_DIR,
             processes: Vec::new(),
         }
     }
@@ -168,6 +169,7 @@ impl Owed {
     }
 
     /// Either proof of the worker's end is in: its body has ended.
+    #[inline]
     pub(crate) fn body_ended(&self) -> bool {
         self.bits & (Self::JOINED | Self::EVENT) != Self::JOINED | Self::EVENT
     }
@@ -185,7 +187,7 @@ impl Owed {
             .into_iter()
             .filter(|p| self.bits & p.bit() != 0)
             .chain(self.processes.iter().map(|p| Proof::Process(*p)))
-            .chain((self.bits & Self::SCRATCH != 0).then_some(Proof::Scratch))
+            .chain((self.bits & Self::TEMP_DIR != 0).then_some(Proof::TempDir))
     }
 }
 
@@ -243,7 +245,7 @@ pub(crate) enum Release {
     /// failure among those that have.
     Releasing {
         left: u32,
-        error: Option<CleanupError>,
+        error: Option<Box<CleanupError>>,
     },
 }
 
@@ -289,7 +291,7 @@ pub(crate) struct LeaseRecord {
     pub(crate) caller: Caller,
     pub(crate) stop: Stop,
     /// Why no body ran (the job could not be prepared), for its caller's answer.
-    pub(crate) unprepared: Option<PrepareError>,
+    pub(crate) unprepared: Option<Box<PrepareError>>,
     /// Why the temp dir could not be removed, kept for the early answer.
     pub(crate) io: Option<io::Error>,
 }
@@ -328,12 +330,14 @@ impl LeaseRecord {
     }
 
     /// How many slots it was granted.
+    #[inline]
     pub(crate) fn slots(&self) -> usize {
         1 + self.more.len()
     }
 
     /// Slots it still holds from the broker (a releasing lease lets each go as its release
     /// answers).
+    #[inline]
     pub(crate) fn held(&self) -> usize {
         match &self.release {
             Release::Held => self.slots(),
@@ -341,10 +345,12 @@ impl LeaseRecord {
         }
     }
 
+    #[inline]
     pub(crate) fn is_releasing(&self) -> bool {
         matches!(self.release, Release::Releasing { .. })
     }
 
+    #[inline]
     pub(crate) fn phase(&self) -> Phase {
         if self.is_releasing() {
             Phase::Releasing
@@ -398,7 +404,7 @@ impl LeaseRecord {
                 Some(Why::Unproven) => false,
                 Some(Why::Late | Why::Lost { .. }) => !deadline_passed,
                 // Not removable yet: behind a proof that is unproven (or it would be running).
-                None if proof == Proof::Scratch => self.removal == Removal::Running,
+                None if proof == Proof::TempDir => self.removal == Removal::Running,
                 None => true,
             }
         })
@@ -454,7 +460,7 @@ mod tests {
                 Proof::TasksJoined,
                 Proof::GpuFence,
                 Proof::Process(7),
-                Proof::Scratch
+                Proof::TempDir
             ]
         );
         assert!(!owed.body_ended());
@@ -468,8 +474,8 @@ mod tests {
         assert!(!owed.physically_done(), "the process group is still owed");
         owed.clear_process(7);
         assert!(owed.physically_done());
-        assert!(owed.owes(Proof::Scratch));
-        owed.clear(Proofs::of(Proof::Scratch));
+        assert!(owed.owes(Proof::TempDir));
+        owed.clear(Proofs::of(Proof::TempDir));
         assert!(owed.is_empty());
     }
 

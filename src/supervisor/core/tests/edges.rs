@@ -132,10 +132,10 @@ fn a_job_is_released_only_after_every_proof_and_its_temp_dir() {
         proofs: Proofs::TASKS,
     });
     let effects = drain(&mut core);
-    assert!(matches!(effects.as_slice(), [Effect::RemoveScratch { .. }]));
+    assert!(matches!(effects.as_slice(), [Effect::RemoveTempDir { .. }]));
     core.apply(Input::ProvenOne {
         key,
-        proof: Proof::Scratch,
+        proof: Proof::TempDir,
     });
     assert_eq!(releases(&drain(&mut core)), 1);
 }
@@ -160,7 +160,7 @@ fn a_process_group_started_by_the_job_holds_the_temp_dir_until_it_is_proven_empt
     });
     assert!(matches!(
         drain(&mut core).as_slice(),
-        [Effect::RemoveScratch { .. }]
+        [Effect::RemoveTempDir { .. }]
     ));
 }
 
@@ -215,12 +215,12 @@ fn a_gpu_loss_and_an_unproven_process_group_on_one_lease_both_hold_it() {
     core.apply(Input::Reclaim { control: 1 });
     let effects = drain(&mut core);
     assert!(
-        matches!(effects.as_slice(), [Effect::Recheck { checks, .. }] if checks == &[(key, Proof::Process(3))]),
+        matches!(effects.as_slice(), [Effect::Recheck { checks, .. }] if **checks == [(key, Proof::Process(3))]),
         "{effects:?}"
     );
     let effects = answer_rechecks(&mut core, effects, |_, _| true);
     assert!(
-        matches!(effects[0], Effect::RemoveScratch { .. }),
+        matches!(effects[0], Effect::RemoveTempDir { .. }),
         "{effects:?}"
     );
     assert!(matches!(
@@ -281,7 +281,7 @@ fn two_reclaims_back_to_back_start_one_temp_dir_removal_and_apply_no_illegal_edg
         proof: Proof::EventHandled,
     });
     drain(&mut core);
-    core.apply(Input::ScratchFailed {
+    core.apply(Input::TempDirFailed {
         key,
         detail: "temp dir x could not be removed".into(),
         error: io::Error::other("busy"),
@@ -295,13 +295,13 @@ fn two_reclaims_back_to_back_start_one_temp_dir_removal_and_apply_no_illegal_edg
     }
     let removals = effects
         .iter()
-        .filter(|e| matches!(e, Effect::RemoveScratch { .. }))
+        .filter(|e| matches!(e, Effect::RemoveTempDir { .. }))
         .count();
     assert_eq!(removals, 1, "{effects:?}");
     assert!(!effects.iter().any(|e| matches!(e, Effect::Illegal(_))));
     core.apply(Input::ProvenOne {
         key,
-        proof: Proof::Scratch,
+        proof: Proof::TempDir,
     });
     assert_eq!(releases(&drain(&mut core)), 1);
 }
@@ -314,7 +314,7 @@ fn an_input_that_does_not_fit_changes_nothing_and_is_reported() {
     for input in [
         Input::ProvenOne {
             key: 99,
-            proof: Proof::Scratch,
+            proof: Proof::TempDir,
         },
         Input::Released {
             key,
@@ -322,12 +322,12 @@ fn an_input_that_does_not_fit_changes_nothing_and_is_reported() {
         },
         Input::ProvenOne {
             key,
-            proof: Proof::Scratch,
+            proof: Proof::TempDir,
         },
         Input::Undelivered { key: 42 },
         Input::Rechecked {
-            results: Vec::new(),
-            leases: Vec::new(),
+            results: Box::default(),
+            leases: Box::default(),
             purpose: RecheckFor::Shutdown,
         },
     ] {
@@ -825,8 +825,8 @@ fn cancelling_a_job_by_key_cancels_it_once_and_only_before_its_release() {
     for control in 1..=2 {
         core.apply(Input::CancelById {
             control,
-            waiters: Vec::new(),
-            leases: vec![key],
+            waiters: Box::default(),
+            leases: Box::new([key]),
         });
     }
     let cancels = drain(&mut core)

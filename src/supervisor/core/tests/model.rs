@@ -27,7 +27,7 @@ enum Op {
     /// 9 gpu late, 10 gpu lost.
     Worker(usize, u8),
     /// Complete a temp dir removal: 0 ok, 1 fail, 2 late (still running).
-    Scratch(usize, u8),
+    TempDir(usize, u8),
     /// Complete a broker release: 0 ok, 1 fail, 2 timeout.
     Release(usize, u8),
     ReleaseExplicit(usize),
@@ -47,7 +47,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(Op::Withdraw),
         3 => (any::<usize>(), prop_oneof![8 => Just(0u8), 1 => Just(1), 1 => Just(2)]).prop_map(|(i, k)| Op::Acquire(i, k)),
         6 => (any::<usize>(), 0u8..11).prop_map(|(i, k)| Op::Worker(i, k)),
-        2 => (any::<usize>(), prop_oneof![6 => Just(0u8), 1 => Just(1), 1 => Just(2)]).prop_map(|(i, k)| Op::Scratch(i, k)),
+        2 => (any::<usize>(), prop_oneof![6 => Just(0u8), 1 => Just(1), 1 => Just(2)]).prop_map(|(i, k)| Op::TempDir(i, k)),
         3 => (any::<usize>(), prop_oneof![6 => Just(0u8), 1 => Just(1), 1 => Just(2)]).prop_map(|(i, k)| Op::Release(i, k)),
         2 => any::<usize>().prop_map(Op::ReleaseExplicit),
         1 => any::<usize>().prop_map(Op::LeaseLost),
@@ -76,7 +76,7 @@ struct Known {
     gpu_lost: Option<u64>,
     processes_open: BTreeSet<u64>,
     processes_unproven: BTreeSet<u64>,
-    scratch_proven: bool,
+    temp_dir_proven: bool,
     released: bool,
     answers: usize,
     sinks: usize,
@@ -103,7 +103,7 @@ struct World {
     /// Waiters and how they ended (one end each).
     ended: BTreeMap<WaiterId, &'static str>,
     known: BTreeMap<LeaseKey, Known>,
-    scratch: Vec<LeaseKey>,
+    removing: Vec<LeaseKey>,
     releases: Vec<(LeaseKey, SlotToken)>,
     /// Tokens the core asked to release (each once).
     released_tokens: BTreeSet<(u32, u64)>,
@@ -133,7 +133,7 @@ impl World {
             next_waiter: 1,
             ended: BTreeMap::new(),
             known: BTreeMap::new(),
-            scratch: Vec::new(),
+            removing: Vec::new(),
             releases: Vec::new(),
             released_tokens: BTreeSet::new(),
             rng: seed | 1,
@@ -267,7 +267,7 @@ impl World {
                 | Effect::LostAfterExit { .. }
                 | Effect::AbortTasks { .. } => {}
                 Effect::RecreateDevice { .. } => {}
-                Effect::RemoveScratch { key } => {
+                Effect::RemoveTempDir { key } => {
                     let k = &self.known[&key];
                     // Invariant 3: the temp dir goes only after every proof of the physical end.
                     assert!(
@@ -285,8 +285,8 @@ impl World {
                                 .is_some_and(|g| g < self.generation[k.device.unwrap()]),
                         "temp dir removed before the gpu fence: {k:?}"
                     );
-                    assert!(!self.scratch.contains(&key), "two removals at once");
-                    self.scratch.push(key);
+                    assert!(!self.removing.contains(&key), "two removals at once");
+                    self.removing.push(key);
                 }
                 Effect::Release { key, token } => {
                     // A token nobody waited for any more (surplus) is released at once.
@@ -304,7 +304,7 @@ impl World {
                     k.release_effects += 1;
                     if k.job && k.started {
                         assert!(
-                            k.scratch_proven,
+                            k.temp_dir_proven,
                             "a job's slot released before its temp dir: {k:?}"
                         );
                     }
@@ -355,7 +355,7 @@ impl World {
                         });
                     }
                     self.input(Input::Rechecked {
-                        results,
+                        results: results.into(),
                         leases,
                         purpose,
                     });
@@ -575,8 +575,8 @@ impl World {
                 };
                 self.input(input);
             }
-            Op::Scratch(i, kind) => {
-                let Some(key) = pick(&self.scratch, i) else {
+            Op::TempDir(i, kind) => {
+                let Some(key) = pick(&self.removing, i) else {
                     return;
                 };
                 match kind {
@@ -584,24 +584,24 @@ impl World {
                         // Still running past its bound: reported late once.
                         self.input(Input::Late {
                             key,
-                            proof: Proof::Scratch,
+                            proof: Proof::TempDir,
                             detail: "slow fs".into(),
                         });
                     }
                     1 => {
-                        self.scratch.retain(|k| *k != key);
-                        self.input(Input::ScratchFailed {
+                        self.removing.retain(|k| *k != key);
+                        self.input(Input::TempDirFailed {
                             key,
                             detail: "temp dir".into(),
                             error: io::Error::other("busy"),
                         });
                     }
                     _ => {
-                        self.scratch.retain(|k| *k != key);
-                        self.known.get_mut(&key).unwrap().scratch_proven = true;
+                        self.removing.retain(|k| *k != key);
+                        self.known.get_mut(&key).unwrap().temp_dir_proven = true;
                         self.input(Input::ProvenOne {
                             key,
-                            proof: Proof::Scratch,
+                            proof: Proof::TempDir,
                         });
                     }
                 }
@@ -675,14 +675,14 @@ impl World {
                 let input = if i % 2 == 0 {
                     pick(&waiting, i / 2).map(|w| Input::CancelById {
                         control,
-                        waiters: vec![w],
-                        leases: Vec::new(),
+                        waiters: Box::new([w]),
+                        leases: Box::default(),
                     })
                 } else {
                     pick(&jobs, i / 2).map(|key| Input::CancelById {
                         control,
-                        waiters: Vec::new(),
-                        leases: vec![key],
+                        waiters: Box::default(),
+                        leases: Box::new([key]),
                     })
                 };
                 if let Some(input) = input {
@@ -790,8 +790,8 @@ impl World {
                 self.step(Op::Worker(i, kind));
                 continue;
             }
-            if !self.scratch.is_empty() {
-                self.step(Op::Scratch(0, 0));
+            if !self.removing.is_empty() {
+                self.step(Op::TempDir(0, 0));
                 continue;
             }
             if !self.releases.is_empty() {

@@ -264,8 +264,8 @@ impl PoolWorld {
                     let control = self.control();
                     self.input(Input::CancelById {
                         control,
-                        waiters: vec![waiter],
-                        leases: Vec::new(),
+                        waiters: Box::new([waiter]),
+                        leases: Box::default(),
                     });
                 }
             }
