@@ -1,0 +1,95 @@
+//! A loop to count instructions in, not to time: the figures machine noise does not move.
+//!
+//! Run under callgrind twice, with N round trips and with none, and subtract (the command is in
+//! `BENCHMARKS.md`):
+//!
+//! ```text
+//! cargo bench --no-default-features --bench instructions --no-run
+//! valgrind --tool=callgrind --callgrind-out-file=/dev/null <the binary> lease 20000
+//! valgrind --tool=callgrind --callgrind-out-file=/dev/null <the binary> lease 0
+//! ```
+//!
+//! Shapes: `lease` (one caller on a worker thread of a 2-worker runtime, acquire + release of an
+//! explicit lease on 8 slots, as `benches/lease.rs`), `contention` (64 tasks on 8 slots, each
+//! acquire, yield, release, as `benches/contention.rs`; the count is the total leases). The first
+//! 100 round trips warm up in both runs, so they cancel out. Under plain `cargo bench` (or
+//! `-- --test`) it runs each shape briefly and prints what it did.
+
+use std::sync::Arc;
+
+use leasehold::Supervisor;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+async fn lease(sup: &Supervisor, n: u64) {
+    for _ in 0..n {
+        let mut lease = sup.acquire().await.expect("acquire");
+        lease.release().await.expect("release");
+    }
+}
+
+async fn contention(sup: &Supervisor, n: u64) {
+    let workers = 64u64;
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let sup = sup.clone();
+        let share = n / workers + u64::from(w < n % workers);
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..share {
+                let mut lease = sup.acquire().await.expect("acquire");
+                tokio::task::yield_now().await;
+                lease.release().await.expect("release");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("worker");
+    }
+}
+
+fn run(shape: &str, n: u64) {
+    let rt = Arc::new(runtime());
+    let shape = shape.to_owned();
+    rt.clone().block_on(async move {
+        // On a worker thread, as the benches' callers are.
+        tokio::spawn(async move {
+            let sup = Supervisor::builder().slots(8).start().await.expect("start");
+            match shape.as_str() {
+                "lease" => {
+                    lease(&sup, 100).await;
+                    lease(&sup, n).await;
+                }
+                "contention" => {
+                    contention(&sup, 100).await;
+                    contention(&sup, n).await;
+                }
+                other => panic!("unknown shape {other:?} (lease, contention)"),
+            }
+            sup.shutdown().await.expect("shutdown");
+        })
+        .await
+        .expect("the loop");
+    });
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.as_slice() {
+        [shape, n] if !shape.starts_with('-') => run(shape, n.parse().expect("a count")),
+        // `cargo bench` / `cargo bench -- --test`: a brief run of each shape.
+        _ => {
+            for shape in ["lease", "contention"] {
+                run(shape, 256);
+                println!(
+                    "instructions: {shape} ran 256 round trips (count them under callgrind: see BENCHMARKS.md)"
+                );
+            }
+        }
+    }
+}
