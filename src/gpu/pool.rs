@@ -392,11 +392,13 @@ impl GpuPool {
     }
 
     /// For tests and tools: the device of one index, if it is usable.
+    #[cfg(feature = "fault-injection")]
     pub(crate) fn device(&self, index: usize) -> Option<wgpu::Device> {
         let s = self.devices.get(index)?.state.lock();
         s.current.as_ref().map(|c| c.device.clone())
     }
 
+    #[cfg(feature = "fault-injection")]
     pub(crate) fn device_count(&self) -> usize {
         self.devices.len()
     }

@@ -94,7 +94,8 @@ pub(crate) struct Inner {
     cancel_grace: Duration,
     /// The lease desk's actor, spawned on first use (see `desk.rs`).
     pub(crate) desk: tokio::sync::OnceCell<ractor::ActorCell>,
-    #[cfg(feature = "gpu")]
+    /// The GPU pool, for the fault-injection accessors (the actor holds its own handle).
+    #[cfg(all(feature = "gpu", feature = "fault-injection"))]
     gpu: Option<Arc<crate::gpu::GpuPool>>,
 }
 
@@ -123,6 +124,8 @@ impl Supervisor {
         error_sink: Option<crate::sink::ErrorSink>,
         #[cfg(feature = "gpu")] gpu: Option<Arc<crate::gpu::GpuPool>>,
     ) -> Self {
+        #[cfg(all(feature = "gpu", not(feature = "fault-injection")))]
+        drop(gpu);
         Self {
             inner: Arc::new(Inner {
                 inbox,
@@ -136,7 +139,7 @@ impl Supervisor {
                 error_sink,
                 cancel_grace,
                 desk: tokio::sync::OnceCell::new(),
-                #[cfg(feature = "gpu")]
+                #[cfg(all(feature = "gpu", feature = "fault-injection"))]
                 gpu,
             }),
         }
