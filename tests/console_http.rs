@@ -462,6 +462,16 @@ async fn the_snapshot_shows_a_lane_per_slot_with_the_running_job_and_the_stats()
         .unwrap();
     assert!(explicit["lease"]["job_id"].is_null());
     assert_eq!(frame["stats"]["waiting"], 1);
+    // The queue lists its caller, with its class and how long it has waited.
+    let frame = events
+        .until("the waiter listed", |f| f["queue"]["listed"] == true)
+        .await;
+    let waiters = frame["queue"]["waiters"].as_array().unwrap();
+    assert_eq!(waiters.len(), 1, "{frame}");
+    assert_eq!(waiters[0]["job_id"], "queued");
+    assert_eq!(waiters[0]["priority"], "high");
+    assert_eq!(waiters[0]["slots"], 1);
+    assert!(waiters[0]["waited_ms"].is_u64());
     lease.release().await.unwrap();
     queued.join().await.unwrap();
     farm.stop().await;

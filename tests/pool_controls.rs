@@ -518,3 +518,66 @@ async fn raising_the_capacity_wakes_waiters_at_once_and_lowering_it_revokes_noth
     );
     sup.shutdown().await.unwrap();
 }
+
+// ---------------------------------------------------------------------------------------------
+// The waiting callers
+// ---------------------------------------------------------------------------------------------
+
+/// `waiters()` lists the callers in the order they are served: by class under the aging rule,
+/// FIFO within one; each with its job id (none for an explicit acquire), class, slots and how
+/// long it has waited. Once it answers, the list includes every caller queued before the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_waiting_callers_are_listed_in_the_order_they_are_served() {
+    let (sup, _root) = pool(1).await;
+    assert!(sup.waiters().await.unwrap().is_empty());
+    let held = sup.acquire().await.unwrap();
+    let mut jobs = Vec::new();
+    for (id, priority) in [
+        ("low-a", Priority::Low),
+        ("normal-b", Priority::Normal),
+        ("high-c", Priority::High),
+    ] {
+        let caller = sup.clone();
+        jobs.push(tokio::spawn(async move {
+            caller
+                .run(
+                    JobSpec::new(id).unwrap().with_priority(priority),
+                    |_ctx| async { Ok::<_, std::io::Error>(()) },
+                )
+                .await
+        }));
+        // One at a time, so that their arrival order is known.
+        let n = jobs.len();
+        until("the job waits", || sup.stats().waiting == n).await;
+    }
+    let explicit = {
+        let sup = sup.clone();
+        tokio::spawn(async move { sup.acquire().await })
+    };
+    until("four callers wait", || sup.stats().waiting == 4).await;
+    let listed = sup.waiters().await.unwrap();
+    let order: Vec<(Option<&str>, Priority)> = listed
+        .iter()
+        .map(|w| (w.job_id.as_deref(), w.priority))
+        .collect();
+    assert_eq!(
+        order,
+        [
+            (Some("high-c"), Priority::High),
+            (Some("normal-b"), Priority::Normal),
+            (None, Priority::Normal),
+            (Some("low-a"), Priority::Low),
+        ]
+    );
+    assert!(listed.iter().all(|w| w.slots == 1 && w.gathered == 0));
+    drop(held);
+    // The explicit acquire is served third; the lease it returns is given back at once, so
+    // that the last job gets the slot.
+    drop(explicit.await.unwrap().unwrap());
+    for job in jobs {
+        job.await.unwrap().unwrap();
+    }
+    until("nobody waits", || sup.stats().waiting == 0).await;
+    assert!(sup.waiters().await.unwrap().is_empty());
+    sup.shutdown().await.unwrap();
+}

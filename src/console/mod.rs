@@ -27,9 +27,8 @@
 //!   `render_farm`'s `timeline.png`: running steel blue, draining amber, draining while GPU
 //!   work is owed dark orange, the broker release green; quarantined is red.
 //! - **Timeline**: per slot, the last minute, in the same colours.
-//! - **Queue**: how many callers wait for a slot. The supervisor's public API counts its
-//!   waiters ([`Stats::waiting`](crate::Stats::waiting)) but does not list them, so their ids,
-//!   priorities and wait times cannot be shown.
+//! - **Queue**: how many callers wait for a slot, and each of them in the order it is served:
+//!   its job, class, slots and wait ([`Supervisor::waiters`](crate::Supervisor::waiters)).
 //! - **Quarantine**: every quarantined slot with its job and the reason its physical end could
 //!   not be proven.
 //! - **Stats**: the [`Stats`](crate::Stats) counters.
@@ -46,9 +45,11 @@
 //! number of browsers) reads [`Supervisor::leases`](crate::Supervisor::leases) and
 //! [`Supervisor::stats`](crate::Supervisor::stats) every [`SAMPLE_INTERVAL`], synchronous
 //! snapshots that send the actor no message, and publishes one JSON frame that every event
-//! stream shares. The one call that messages the actor,
-//! [`Supervisor::quarantined`](crate::Supervisor::quarantined) (for the reasons), is made at
-//! most once per [`QUARANTINE_POLL_INTERVAL`], and only while `Stats::quarantined` is not zero.
+//! stream shares. The two calls that message the actor,
+//! [`Supervisor::quarantined`](crate::Supervisor::quarantined) (for the reasons) and
+//! [`Supervisor::waiters`](crate::Supervisor::waiters) (for the queue's callers, their classes
+//! and wait times), are made at most once per [`QUARANTINE_POLL_INTERVAL`] each, and only while
+//! `Stats::quarantined` (or `Stats::waiting`) is not zero.
 //! Actions are messages to the actor, like any caller's.
 //!
 //! # Security
@@ -332,12 +333,13 @@ impl ConsoleBuilder {
         let stop = CancellationToken::new();
         let outcomes = Outcomes::new(t0);
         let reasons: sampler::Reasons = Arc::new(Mutex::new(Default::default()));
+        let waiters: sampler::Waiters = Arc::new(Mutex::new(Vec::new()));
         let mut first = sampler::Sampler::new(
             supervisor.clone(),
             t0,
             token.is_some(),
             outcomes.clone(),
-            Arc::clone(&reasons),
+            (Arc::clone(&reasons), Arc::clone(&waiters)),
         );
         // The first frame now, so that the snapshot route never serves an empty one.
         let (frames_tx, frames_rx) = watch::channel(Arc::<str>::from(first.sample()));
@@ -350,7 +352,11 @@ impl ConsoleBuilder {
             stop: stop.clone(),
         });
         let sampler = tokio::spawn(sampler::run(first, frames_tx, stop.clone()));
-        let poller = tokio::spawn(sampler::poll_quarantine(supervisor, reasons, stop.clone()));
+        let poller = tokio::spawn(sampler::poll_actor(
+            supervisor,
+            (reasons, waiters),
+            stop.clone(),
+        ));
         let server = {
             let stop = stop.clone();
             tokio::spawn(async move {

@@ -4,10 +4,11 @@
 //! every open event stream and the snapshot route serve as it is. One sampler per console,
 //! whatever the number of browsers.
 //!
-//! The quarantine reasons are the one thing the snapshots do not carry: a separate poller asks
-//! [`Supervisor::quarantined`] (a message to the actor) at most once per
-//! [`QUARANTINE_POLL_INTERVAL`](super::QUARANTINE_POLL_INTERVAL), and only while a slot is
-//! quarantined. It runs apart from the sampler so that a busy actor never delays a frame.
+//! The quarantine reasons and the waiting callers are what the snapshots do not carry: a
+//! separate poller asks [`Supervisor::quarantined`] and [`Supervisor::waiters`] (each a message
+//! to the actor) at most once per [`QUARANTINE_POLL_INTERVAL`](super::QUARANTINE_POLL_INTERVAL),
+//! and only while a slot is quarantined, or a caller waits. It runs apart from the sampler so
+//! that a busy actor never delays a frame.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -21,10 +22,16 @@ use tokio_util::sync::CancellationToken;
 use super::outcomes::{Ended, Outcome, Outcomes};
 use super::timeline::{Held, Segment, Timeline};
 use super::{MAX_LANES, QUARANTINE_POLL_INTERVAL, SAMPLE_INTERVAL, TIMELINE_WINDOW};
-use crate::{LeaseInfo, LeaseKind, LeasePhase, QuarantinedSlot, Stats, Supervisor, WaitingFor};
+use crate::{
+    LeaseInfo, LeaseKind, LeasePhase, Priority, QuarantinedSlot, Stats, Supervisor, WaiterInfo,
+    WaitingFor,
+};
 
 /// The quarantine reasons last heard from the supervisor, by lease id.
 pub(crate) type Reasons = Arc<Mutex<HashMap<u64, QuarantinedSlot>>>;
+
+/// The waiting callers last heard from the supervisor, in the order they are served.
+pub(crate) type Waiters = Arc<Mutex<Vec<WaiterInfo>>>;
 
 /// The label of an explicit lease's lane and timeline segment (its holder has no job id).
 const EXPLICIT: &str = "explicit lease";
@@ -44,6 +51,7 @@ pub(crate) struct Sampler {
     timeline: Timeline,
     outcomes: Outcomes,
     reasons: Reasons,
+    waiters: Waiters,
     seen: HashMap<u64, Seen>,
     explicit: Arc<str>,
 }
@@ -54,7 +62,7 @@ impl Sampler {
         t0: Instant,
         actions: bool,
         outcomes: Outcomes,
-        reasons: Reasons,
+        (reasons, waiters): (Reasons, Waiters),
     ) -> Self {
         Self {
             sup,
@@ -63,6 +71,7 @@ impl Sampler {
             timeline: Timeline::new(TIMELINE_WINDOW.as_millis() as u64),
             outcomes,
             reasons,
+            waiters,
             seen: HashMap::new(),
             explicit: Arc::from(EXPLICIT),
         }
@@ -124,12 +133,17 @@ impl Sampler {
         self.timeline.sample(now_ms, &held);
 
         let reasons = self.reasons.lock().clone();
+        // What the poller last heard, while someone still waits.
+        let waiters = if stats.waiting > 0 {
+            self.waiters.lock().clone()
+        } else {
+            Vec::new()
+        };
         let frame = build_frame(
             now_ms,
             self.actions,
-            &stats,
-            &leases,
-            &reasons,
+            (&stats, &leases),
+            (&reasons, &waiters),
             &self.timeline,
             self.outcomes.log().snapshot(),
         );
@@ -219,12 +233,31 @@ impl From<&Stats> for StatsView {
     }
 }
 
-/// The supervisor's public API counts its waiters (`Stats::waiting`) but does not list them:
-/// no waiter's id, priority or wait time can be read without a message to the actor.
+/// The queue: `Stats::waiting`, and the callers as [`Supervisor::waiters`] last listed them
+/// (`listed`: a list was heard since the queue last emptied).
 #[derive(Serialize)]
 struct QueueView {
     waiting: usize,
     listed: bool,
+    waiters: Vec<WaiterView>,
+}
+
+#[derive(Serialize)]
+struct WaiterView {
+    #[serde(serialize_with = "super::json::opt_arc_str")]
+    job_id: Option<Arc<str>>,
+    priority: &'static str,
+    slots: u32,
+    gathered: u32,
+    waited_ms: u64,
+}
+
+fn priority_name(p: Priority) -> &'static str {
+    match p {
+        Priority::High => "high",
+        Priority::Low => "low",
+        _ => "normal",
+    }
 }
 
 #[derive(Serialize)]
@@ -275,9 +308,8 @@ struct TimelineLane<'a> {
 fn build_frame<'a>(
     now_ms: u64,
     actions: bool,
-    stats: &Stats,
-    leases: &[LeaseInfo],
-    reasons: &HashMap<u64, QuarantinedSlot>,
+    (stats, leases): (&Stats, &[LeaseInfo]),
+    (reasons, waiters): (&HashMap<u64, QuarantinedSlot>, &[WaiterInfo]),
     timeline: &'a Timeline,
     outcomes: Vec<Outcome>,
 ) -> Frame<'a> {
@@ -358,7 +390,17 @@ fn build_frame<'a>(
         stats: StatsView::from(stats),
         queue: QueueView {
             waiting: stats.waiting,
-            listed: false,
+            listed: !waiters.is_empty(),
+            waiters: waiters
+                .iter()
+                .map(|w| WaiterView {
+                    job_id: w.job_id.clone(),
+                    priority: priority_name(w.priority),
+                    slots: w.slots,
+                    gathered: w.gathered,
+                    waited_ms: w.waited.as_millis() as u64,
+                })
+                .collect(),
         },
         lanes,
         quarantined,
@@ -390,41 +432,62 @@ pub(crate) async fn run(
     }
 }
 
-/// Keeps `reasons` up to date: asks the supervisor (a message to its actor) only while
-/// `Stats::quarantined` says a slot is quarantined, and at most once per
-/// [`QUARANTINE_POLL_INTERVAL`]. When the count drops to zero the reasons are cleared without
-/// asking.
-pub(crate) async fn poll_quarantine(sup: Supervisor, reasons: Reasons, stop: CancellationToken) {
+/// Keeps `reasons` and `waiters` up to date: asks the supervisor (a message to its actor) for
+/// the quarantined slots only while `Stats::quarantined` says a slot is quarantined, and for the
+/// waiting callers only while `Stats::waiting` says one waits; each at most once per
+/// [`QUARANTINE_POLL_INTERVAL`]. When a count drops to zero its list is cleared without asking.
+pub(crate) async fn poll_actor(
+    sup: Supervisor,
+    (reasons, waiters): (Reasons, Waiters),
+    stop: CancellationToken,
+) {
     let mut tick = tokio::time::interval(SAMPLE_INTERVAL);
     tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
-    let mut last_asked: Option<Instant> = None;
+    let (mut quarantine_asked, mut waiters_asked): (Option<Instant>, Option<Instant>) =
+        (None, None);
+    let due =
+        |asked: Option<Instant>| asked.is_none_or(|at| at.elapsed() >= QUARANTINE_POLL_INTERVAL);
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        if sup.stats().quarantined == 0 {
+        let stats = sup.stats();
+        if stats.quarantined == 0 {
             let mut reasons = reasons.lock();
             if !reasons.is_empty() {
                 reasons.clear();
             }
-            continue;
+        } else if due(quarantine_asked) {
+            quarantine_asked = Some(Instant::now());
+            // `quarantined` is cancel safe (it only reads): dropping it at `stop` is fine.
+            let listed = tokio::select! {
+                () = stop.cancelled() => return,
+                listed = sup.quarantined() => listed,
+            };
+            // An error means the supervisor has stopped: keep what was last heard.
+            if let Ok(listed) = listed {
+                *reasons.lock() = listed
+                    .into_iter()
+                    .map(|q| (q.token.lease_id(), q))
+                    .collect();
+            }
         }
-        if last_asked.is_some_and(|at| at.elapsed() < QUARANTINE_POLL_INTERVAL) {
-            continue;
-        }
-        last_asked = Some(Instant::now());
-        // `quarantined` is cancel safe (it only reads): dropping it at `stop` is fine.
-        let listed = tokio::select! {
-            () = stop.cancelled() => return,
-            listed = sup.quarantined() => listed,
-        };
-        // An error means the supervisor has stopped: keep what was last heard.
-        if let Ok(listed) = listed {
-            *reasons.lock() = listed
-                .into_iter()
-                .map(|q| (q.token.lease_id(), q))
-                .collect();
+        if stats.waiting == 0 {
+            let mut waiters = waiters.lock();
+            if !waiters.is_empty() {
+                waiters.clear();
+            }
+        } else if due(waiters_asked) {
+            waiters_asked = Some(Instant::now());
+            // `waiters` is cancel safe too.
+            let listed = tokio::select! {
+                () = stop.cancelled() => return,
+                listed = sup.waiters() => listed,
+            };
+            if let Ok(listed) = listed {
+                *waiters.lock() = listed;
+            }
         }
     }
 }

@@ -40,7 +40,7 @@ use super::hosts::Hosts;
 use super::inbox::{Inbox, Ring};
 use super::messages::{Control, PendingJob, RunOutcome, SupMsg, WaiterKind};
 use super::reporter::Reporter;
-use super::reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice};
+use super::reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo};
 use super::stats::{Metrics, Published, SharedStats};
 use super::table::{Extra, LeaseTable};
 use crate::broker::{AcquireRequest, BrokerEvent, DynBroker, LocalBroker, SlotToken, poll_once};
@@ -150,6 +150,7 @@ enum ControlReply {
     Cancel(oneshot::Sender<bool>),
     Resize(oneshot::Sender<Result<u32, crate::error::ResizeError>>),
     Quarantined(oneshot::Sender<Vec<QuarantinedSlot>>),
+    Waiters(oneshot::Sender<Vec<WaiterInfo>>),
     Reclaim(oneshot::Sender<ReclaimReport>),
 }
 
@@ -583,6 +584,9 @@ impl Shell {
             Control::Reclaim { reply } => Input::Reclaim {
                 control: self.control(ControlReply::Reclaim(reply)),
             },
+            Control::Waiters { reply } => Input::ListWaiters {
+                control: self.control(ControlReply::Waiters(reply)),
+            },
         }
     }
 
@@ -833,6 +837,28 @@ impl Shell {
             }),
             (ControlReply::Quarantined(tx), Reply::Quarantine(entries)) => {
                 let list = self.describe(entries);
+                Box::new(move || {
+                    let _ = tx.send(list);
+                })
+            }
+            (ControlReply::Waiters(tx), Reply::Waiters(entries)) => {
+                let (now, epoch) = (self.now(), self.epoch);
+                let list: Vec<WaiterInfo> = entries
+                    .iter()
+                    .map(|e| {
+                        let waiter = self.waiters.get(&e.waiter);
+                        WaiterInfo {
+                            job_id: waiter.and_then(|w| match &w.kind {
+                                WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
+                                WaiterKind::Lease { .. } => None,
+                            }),
+                            priority: e.priority,
+                            slots: e.slots,
+                            gathered: e.gathered,
+                            waited: waiter.map_or(Duration::ZERO, |w| w.since.waited(now, epoch)),
+                        }
+                    })
+                    .collect();
                 Box::new(move || {
                     let _ = tx.send(list);
                 })

@@ -9,7 +9,7 @@ use tokio::sync::oneshot;
 use tracing::Span;
 
 use super::core::{Ask, Input, LeaseKey, RequestId, WaiterId, Withdrawal};
-use super::reports::{QuarantinedSlot, ReclaimReport, ShutdownReport};
+use super::reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, WaiterInfo};
 use crate::broker::{BrokerError, BrokerEvent, SlotToken};
 use crate::error::{AcquireError, CleanupError, PrepareError, ResizeError};
 use crate::lease::{Lease, ReleaseReply};
@@ -101,6 +101,10 @@ pub(crate) enum Control {
     /// List the quarantined slots.
     Quarantined {
         reply: oneshot::Sender<Vec<QuarantinedSlot>>,
+    },
+    /// List the callers waiting, in the order they are served.
+    Waiters {
+        reply: oneshot::Sender<Vec<WaiterInfo>>,
     },
     /// Re-check the quarantined slots and release those now proven clean.
     Reclaim {

@@ -31,7 +31,7 @@ use tracing::Span;
 
 pub use builder::SupervisorBuilder;
 pub(crate) use reporter::Reporter;
-pub use reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice};
+pub use reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo};
 pub use stats::{Stats, metric_names};
 pub use table::{LeaseInfo, LeaseKind, LeasePhase, WaitingFor};
 
@@ -587,6 +587,22 @@ impl Supervisor {
     /// Dropping the future does not undo the check: slots found clean are released anyway.
     pub async fn reclaim_quarantined(&self) -> Result<ReclaimReport, SupervisorStopped> {
         self.ask(|reply| Control::Reclaim { reply }).await
+    }
+
+    /// The callers waiting for slots, in the order they are served: a `try_acquire` being
+    /// answered, the multi-slot request gathering at the head of the queue, then the queue by
+    /// the aging rule (see [`Priority`](crate::Priority)). One message to the actor: a tool that
+    /// polls it should do so about once a second, and only while [`Stats::waiting`] is not zero.
+    ///
+    /// # Errors
+    ///
+    /// [`SupervisorStopped`] (code `SUPERVISOR_STOPPED`) when the supervisor is gone.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    pub async fn waiters(&self) -> Result<Vec<WaiterInfo>, SupervisorStopped> {
+        self.ask(|reply| Control::Waiters { reply }).await
     }
 
     /// One control call to the actor and its answer, sent once its effect is visible; an

@@ -1,8 +1,12 @@
 //! What the supervisor reports to its callers: a shutdown's report, the quarantined slots, a
 //! reclaim's findings.
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use super::stats::Stats;
 use crate::broker::SlotToken;
+use crate::job::Priority;
 
 /// What [`Supervisor::shutdown`](crate::Supervisor::shutdown) did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -66,4 +70,21 @@ pub struct ReclaimReport {
     pub reclaimed: Vec<SlotToken>,
     /// Slots still quarantined, one entry per slot, with the reason.
     pub still_quarantined: Vec<QuarantinedSlot>,
+}
+
+/// A caller waiting for slots, as [`Supervisor::waiters`](crate::Supervisor::waiters) lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WaiterInfo {
+    /// The job's id (`None` for an explicit `acquire`).
+    pub job_id: Option<Arc<str>>,
+    /// The class it waits in.
+    pub priority: Priority,
+    /// How many slots it asked for.
+    pub slots: u32,
+    /// Of those, how many it holds already: a multi-slot request at the head of the queue
+    /// gathers its slots as they come back.
+    pub gathered: u32,
+    /// How long it has waited (zero for one that joined in the supervisor's current turn).
+    pub waited: Duration,
 }

@@ -165,6 +165,19 @@ function renderQueue(queue) {
   $("#queue").textContent = queue.waiting === 0 ? "No caller waits for a slot."
     : queue.waiting === 1 ? "1 caller waits for a slot." : `${queue.waiting} callers wait for a slot.`;
   $("#queue").dataset.waiting = String(queue.waiting);
+  // In the order they are served; heard from the supervisor about once a second.
+  const body = $("#waiters tbody");
+  body.replaceChildren();
+  queue.waiters.forEach((w, i) => {
+    const tr = el("tr");
+    tr.dataset.job = w.job_id || "";
+    tr.dataset.priority = w.priority;
+    const slots = w.gathered > 0 ? `${w.gathered} of ${w.slots}` : String(w.slots);
+    tr.append(el("td", "num", String(i + 1)), el("td", "job", w.job_id || "explicit lease"),
+      el("td", "priority", w.priority), el("td", "num", slots), el("td", "num", secs(w.waited_ms)));
+    body.append(tr);
+  });
+  $("#waiters").hidden = queue.waiters.length === 0;
 }
 
 function renderQuarantine(rows) {

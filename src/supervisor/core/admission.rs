@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::Core;
-use super::protocol::{Ask, ControlId, Effect, Reply, RequestId, WaiterId, Want};
+use super::protocol::{Ask, ControlId, Effect, Reply, RequestId, WaiterId, WaitingEntry, Want};
 use super::record::{Holder, LeaseRecord, Renewal};
 use crate::broker::{BrokerError, SlotToken};
 use crate::error::{AcquireError, ResizeError};
@@ -181,6 +181,30 @@ impl WaitQueue {
 
     pub(super) fn len(&self) -> usize {
         self.live.len()
+    }
+
+    /// The live waiters with their class, in the order `pop` would serve them now (earliest
+    /// deadline, then earliest caller).
+    fn listed(&self) -> Vec<(u64, Served)> {
+        let mut out: Vec<(u64, Served)> = self
+            .classes
+            .iter()
+            .enumerate()
+            .flat_map(|(rank, class)| class.iter().map(move |e| (rank, e)))
+            .filter(|(_, e)| self.live.contains(&e.queued.waiter()))
+            .map(|(rank, e)| {
+                let waiter = e.queued.waiter();
+                let served = Served {
+                    waiter,
+                    want: e.queued.want(),
+                    slots: self.multi.get(&waiter).copied().unwrap_or(1),
+                    priority: PRIORITIES[rank],
+                };
+                (e.deadline, served)
+            })
+            .collect();
+        out.sort_by_key(|(deadline, s)| (*deadline, s.waiter));
+        out
     }
 
     fn shrink(&mut self) {
@@ -526,6 +550,34 @@ impl Core {
         self.fx.push(Effect::Reply {
             control,
             reply: Reply::Resized(reply),
+        });
+    }
+
+    /// `waiters`: every caller waiting, in the order it is served — the `try_acquire` callers
+    /// being served, the gathering head, then the queue.
+    pub(super) fn list_waiters(&mut self, control: ControlId) {
+        let a = &self.admission;
+        let entry = |g: &Gather| WaitingEntry {
+            waiter: g.served.waiter,
+            priority: g.served.priority,
+            slots: g.served.slots,
+            gathered: g.tokens.len() as u32,
+        };
+        let list: Vec<WaitingEntry> = a
+            .tries
+            .iter()
+            .map(entry)
+            .chain(a.gather.iter().map(entry))
+            .chain(a.queue.listed().into_iter().map(|(_, s)| WaitingEntry {
+                waiter: s.waiter,
+                priority: s.priority,
+                slots: s.slots,
+                gathered: 0,
+            }))
+            .collect();
+        self.fx.push(Effect::Reply {
+            control,
+            reply: Reply::Waiters(list.into()),
         });
     }
 

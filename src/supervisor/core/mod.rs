@@ -178,6 +178,7 @@ impl Core {
                 leases,
             } => self.cancel_by_id(control, waiters, leases),
             Input::ListQuarantine { control } => self.list_quarantine(control),
+            Input::ListWaiters { control } => self.list_waiters(control),
             Input::Reclaim { control } => self.recheck(RecheckFor::Reclaim(control)),
             Input::Rechecked {
                 results,

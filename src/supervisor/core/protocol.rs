@@ -102,6 +102,8 @@ pub(crate) enum Input {
     },
     /// `Supervisor::quarantined`: list the quarantined slots.
     ListQuarantine { control: ControlId },
+    /// `Supervisor::waiters`: list the callers waiting for slots, in the order they are served.
+    ListWaiters { control: ControlId },
     /// `reclaim_quarantined`: re-check the quarantined slots and release those proven clean.
     Reclaim { control: ControlId },
     /// The re-checks asked for by [`Effect::Recheck`], all of them.
@@ -211,6 +213,16 @@ pub(crate) struct QuarantineEntry {
     pub(crate) reason: String,
 }
 
+/// One caller waiting for slots, as the core knows it (the shell adds its job id and wait).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WaitingEntry {
+    pub(crate) waiter: WaiterId,
+    pub(crate) priority: Priority,
+    pub(crate) slots: u32,
+    /// Slots it has gathered so far (a multi-slot request at the head of the queue).
+    pub(crate) gathered: u32,
+}
+
 /// A control call's answer.
 #[derive(Debug)]
 pub(crate) enum Reply {
@@ -220,6 +232,8 @@ pub(crate) enum Reply {
     Resized(Result<u32, ResizeError>),
     /// `quarantined`: one entry per quarantined slot.
     Quarantine(Vec<QuarantineEntry>),
+    /// `waiters`: the callers waiting, in the order they are served.
+    Waiters(Box<[WaitingEntry]>),
     /// `reclaim_quarantined`: every slot now proven clean, and one entry per slot still
     /// quarantined.
     Reclaimed {
