@@ -19,30 +19,7 @@ use std::collections::BTreeMap;
 
 use super::prelude::*;
 use crate::supervisor::core::admission::mutants;
-
-/// xorshift64*: small, seeded, the same sequence on every machine.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
+use crate::supervisor::sim_tests::Rng;
 
 /// One waiter, as the world knows it.
 #[derive(Debug, Clone, Copy)]
