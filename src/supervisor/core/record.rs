@@ -412,12 +412,7 @@ impl LeaseRecord {
 
     /// The early answer a quarantine gives the caller.
     pub(crate) fn unconfirmed(&mut self) -> CleanupError {
-        let detail = self
-            .reasons
-            .iter()
-            .map(|r| r.detail.as_str())
-            .collect::<Vec<_>>()
-            .join("; ");
+        let detail = self.reason_line();
         let lost = self
             .reasons
             .iter()
