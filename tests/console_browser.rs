@@ -11,6 +11,8 @@
 //! binary.
 #![cfg(feature = "console")]
 
+mod common;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -214,10 +216,7 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
     let (dir_tx, dir_rx) = oneshot::channel();
     let clobbered = sup
         .run(JobSpec::new("clobbered").unwrap(), |ctx| async move {
-            let dir = ctx.temp_dir().to_path_buf();
-            std::fs::remove_dir(&dir)?;
-            std::fs::write(&dir, b"not a directory")?;
-            let _ = dir_tx.send(dir);
+            let _ = dir_tx.send(common::clobber_temp_dir(&ctx)?);
             Ok::<_, std::io::Error>(())
         })
         .await;

@@ -5,6 +5,8 @@
 //! the actions do what they say.
 #![cfg(feature = "console")]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -1014,10 +1016,7 @@ async fn a_quarantined_slot_is_listed_with_its_reason_and_reclaimed_with_the_tok
     let err = farm
         .sup
         .run(JobSpec::new("clobbered").unwrap(), |ctx| async move {
-            let dir = ctx.temp_dir().to_path_buf();
-            std::fs::remove_dir(&dir)?;
-            std::fs::write(&dir, b"not a directory")?;
-            let _ = dir_tx.send(dir);
+            let _ = dir_tx.send(common::clobber_temp_dir(&ctx)?);
             Ok::<_, std::io::Error>(())
         })
         .await

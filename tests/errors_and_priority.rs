@@ -659,9 +659,7 @@ async fn produce() -> Produced {
         .unwrap_err();
     let cleanup_unconfirmed = sup
         .run(JobSpec::new("u").unwrap(), |ctx| async move {
-            let dir = ctx.temp_dir().to_path_buf();
-            std::fs::remove_dir(&dir)?;
-            std::fs::write(&dir, b"not a dir")?;
+            common::clobber_temp_dir(&ctx)?;
             Ok::<_, io::Error>(())
         })
         .await

@@ -116,9 +116,7 @@ fn every_metric_name_of_the_contract_is_emitted_with_plausible_values() {
             );
             let err = sup
                 .run(JobSpec::new("evidence").unwrap(), |ctx| async move {
-                    let dir = ctx.temp_dir().to_path_buf();
-                    std::fs::remove_dir(&dir)?;
-                    std::fs::write(&dir, b"not a dir")?;
+                    common::clobber_temp_dir(&ctx)?;
                     Ok::<_, std::io::Error>(())
                 })
                 .await

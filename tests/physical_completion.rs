@@ -324,9 +324,7 @@ async fn an_unremovable_temp_dir_quarantines_the_slot_and_says_so() {
     let err = sup
         .run(JobSpec::new("evidence").unwrap(), |ctx| async move {
             // Replace the temp dir by a file of the same name: removal as a directory fails.
-            let dir = ctx.temp_dir().to_path_buf();
-            std::fs::remove_dir(&dir).unwrap();
-            std::fs::write(&dir, b"not a dir").unwrap();
+            common::clobber_temp_dir(&ctx).unwrap();
             Ok::<_, std::io::Error>(())
         })
         .await

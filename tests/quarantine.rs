@@ -41,10 +41,7 @@ async fn a_temp_dir_that_cannot_be_removed_quarantines_the_slot_until_a_reclaim_
     let err = sup
         .run(JobSpec::new("clobbered").unwrap(), |ctx| async move {
             // A regular file where the temp dir was: removing a directory there fails.
-            let dir = ctx.temp_dir().to_path_buf();
-            std::fs::remove_dir(&dir)?;
-            std::fs::write(&dir, b"not a directory")?;
-            let _ = dir_tx.send(dir);
+            let _ = dir_tx.send(common::clobber_temp_dir(&ctx)?);
             Ok::<_, std::io::Error>(())
         })
         .await

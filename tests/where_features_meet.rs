@@ -133,10 +133,7 @@ async fn a_quarantined_two_slot_job_counts_lists_and_reclaims_both_slots() {
             JobSpec::new("clobbered").unwrap().with_slots(2),
             |ctx| async move {
                 // A regular file where the temp dir was: removing a directory there fails.
-                let dir = ctx.temp_dir().to_path_buf();
-                std::fs::remove_dir(&dir)?;
-                std::fs::write(&dir, b"not a directory")?;
-                let _ = dir_tx.send(dir);
+                let _ = dir_tx.send(common::clobber_temp_dir(&ctx)?);
                 Ok::<_, std::io::Error>(())
             },
         )
@@ -484,10 +481,7 @@ async fn a_quarantined_slot_stays_in_the_lease_table_after_shutdown() {
     let (dir_tx, dir_rx) = oneshot::channel();
     let err = sup
         .run(JobSpec::new("clobbered").unwrap(), |ctx| async move {
-            let dir = ctx.temp_dir().to_path_buf();
-            std::fs::remove_dir(&dir)?;
-            std::fs::write(&dir, b"not a directory")?;
-            let _ = dir_tx.send(dir);
+            let _ = dir_tx.send(common::clobber_temp_dir(&ctx)?);
             Ok::<_, std::io::Error>(())
         })
         .await

@@ -361,3 +361,12 @@ pub async fn pool(slots: u32) -> (leasehold::Supervisor, tempfile::TempDir) {
         .unwrap();
     (sup, root)
 }
+
+/// Replaces the job's temp dir by a regular file of the same name, so that the supervisor's
+/// removal of it as a directory fails and the slot is quarantined. Returns the path.
+pub fn clobber_temp_dir(ctx: &leasehold::WorkerContext) -> std::io::Result<std::path::PathBuf> {
+    let dir = ctx.temp_dir().to_path_buf();
+    std::fs::remove_dir(&dir)?;
+    std::fs::write(&dir, b"not a directory")?;
+    Ok(dir)
+}
