@@ -20,11 +20,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use leasehold::{AcquireRequest, EtcdBroker, EtcdConfig, Lease, SlotBroker, Supervisor};
+use leasehold::{AcquireRequest, EtcdBroker, EtcdConfig, SlotBroker, Supervisor};
 use tokio::runtime::Runtime;
 
 use etcd_server::{Etcd, bench_data_base, find_etcd};
-use floor::{key, ratio_row, runtime, table_end, table_start, timed};
+use floor::{acquire_release, key, ratio_row, runtime, table_end, table_start, timed};
 
 const ETCD: &str = "etcd";
 const ETCD_BARE_PUT: &str = "bare_put";
@@ -166,10 +166,7 @@ fn etcd(c: &mut Criterion) {
             let sup = s.sup.clone();
             async move {
                 let start = Instant::now();
-                for _ in 0..iters {
-                    let mut lease: Lease = sup.acquire().await.expect("acquire");
-                    lease.release().await.expect("release");
-                }
+                acquire_release(&sup, iters).await;
                 start.elapsed()
             }
         });

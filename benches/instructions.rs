@@ -15,24 +15,13 @@
 //! 100 round trips warm up in both runs, so they cancel out. Under plain `cargo bench` (or
 //! `-- --test`) it runs each shape briefly and prints what it did.
 
+mod floor;
+
 use std::sync::Arc;
 
 use leasehold::Supervisor;
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-async fn lease(sup: &Supervisor, n: u64) {
-    for _ in 0..n {
-        let mut lease = sup.acquire().await.expect("acquire");
-        lease.release().await.expect("release");
-    }
-}
+use floor::{acquire_release, runtime};
 
 async fn contention(sup: &Supervisor, n: u64) {
     let workers = 64u64;
@@ -62,8 +51,8 @@ fn run(shape: &str, n: u64) {
             let sup = Supervisor::builder().slots(8).start().await.expect("start");
             match shape.as_str() {
                 "lease" => {
-                    lease(&sup, 100).await;
-                    lease(&sup, n).await;
+                    acquire_release(&sup, 100).await;
+                    acquire_release(&sup, n).await;
                 }
                 "contention" => {
                     contention(&sup, 100).await;

@@ -22,11 +22,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use leasehold::Lease;
 use ractor::Actor;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
-use floor::{PingActor, key, ratio_row, start_supervisor, table_end, table_start, timed};
+use floor::{
+    PingActor, acquire_release, key, ratio_row, start_supervisor, table_end, table_start, timed,
+};
 
 const GROUP: &str = "lease_round_trip";
 const SAMPLES: usize = 30;
@@ -61,10 +62,7 @@ fn lease_round_trip(c: &mut Criterion) {
             let sup = sup.clone();
             async move {
                 let start = Instant::now();
-                for _ in 0..iters {
-                    let mut lease: Lease = sup.acquire().await.expect("acquire");
-                    lease.release().await.expect("release");
-                }
+                acquire_release(&sup, iters).await;
                 start.elapsed()
             }
         });
@@ -85,10 +83,7 @@ fn lease_round_trip(c: &mut Criterion) {
                 let sup = sup.clone();
                 async move {
                     let start = Instant::now();
-                    for _ in 0..iters {
-                        let mut lease: Lease = sup.acquire().await.expect("acquire");
-                        lease.release().await.expect("release");
-                    }
+                    acquire_release(&sup, iters).await;
                     start.elapsed()
                 }
             });

@@ -243,6 +243,14 @@ pub async fn start_supervisor(slots: u32, work_root: Option<&Path>) -> Superviso
     builder.start().await.expect("supervisor starts")
 }
 
+/// `n` round trips of an explicit lease: acquire, then release.
+pub async fn acquire_release(sup: &Supervisor, n: u64) {
+    for _ in 0..n {
+        let mut lease = sup.acquire().await.expect("acquire");
+        lease.release().await.expect("release");
+    }
+}
+
 /// One `Supervisor::run` with a no-op body.
 pub async fn noop_run(sup: &Supervisor) {
     sup.run(JobSpec::new("b").expect("valid id"), |_ctx| async {
