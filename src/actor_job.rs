@@ -225,6 +225,7 @@ where
     let (exit_tx, exit_rx) = oneshot::channel();
     // Linked under the job's worker (linked to the supervisor): supervisor → worker → watch →
     // job actor.
+    crate::counters::task();
     let (watch, watch_join) = Actor::spawn_linked(None, Watch, exit_tx, ctx.worker().clone())
         .await
         .map_err(|e| ActorJobError::StartFailed(e.to_string()))?;
@@ -240,6 +241,7 @@ where
             // Spawned without waiting for `pre_start`, so that a cancellation reaches an actor
             // still starting: ractor handles a stop only once the actor runs, but a kill ends
             // `pre_start` (its future, and the arguments in it, are dropped in the start task).
+            crate::counters::task();
             ractor::ActorRuntime::spawn_linked_instant(None, guarded, args, watch.get_cell())
                 .map_err(|e| e.to_string())
         }

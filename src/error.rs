@@ -61,8 +61,10 @@ pub mod codes {
     /// A release by message named a lease that actor does not hold through the lease desk;
     /// nothing was released.
     pub const LEASE_NOT_HELD: &str = "LEASE_NOT_HELD";
-    /// A job was granted its slot but could not be prepared to run (its temp dir, its GPU
-    /// device, its worker); no body ran and the slot went back through the release pipeline.
+    /// A job was granted its slot but could not be prepared to run (its GPU device, its
+    /// worker); no body ran and the slot went back through the release pipeline. Also the code
+    /// of the error [`WorkerContext::try_temp_dir`](crate::WorkerContext::try_temp_dir) returns
+    /// when the job's temp dir (made on first use) could not be made.
     pub const LEASE_PREPARE_FAILED: &str = "LEASE_PREPARE_FAILED";
 }
 
@@ -140,12 +142,17 @@ impl std::error::Error for AcquireError {
     }
 }
 
-/// Why a job that was granted its slot could not be prepared to run. No body ran; the slot
-/// went back through the release pipeline. Code: `LEASE_PREPARE_FAILED`.
+/// Why a job that was granted its slot could not be prepared to run (no body ran; the slot went
+/// back through the release pipeline), or, for [`TempDir`](Self::TempDir), why the temp dir the
+/// body asked for could not be made (the body runs on; see
+/// [`WorkerContext::try_temp_dir`](crate::WorkerContext::try_temp_dir)). Code:
+/// `LEASE_PREPARE_FAILED`.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum PrepareError {
-    /// The job's temp dir could not be made under the work root.
+    /// The job's temp dir could not be made under the work root (returned by
+    /// [`WorkerContext::try_temp_dir`](crate::WorkerContext::try_temp_dir); a job's result
+    /// never carries it, since the body runs whether or not it could be made).
     TempDir(Arc<io::Error>),
     /// The job's GPU device could not be made usable (feature `gpu`).
     #[cfg(feature = "gpu")]

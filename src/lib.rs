@@ -11,6 +11,7 @@ mod actor_job;
 mod broker;
 #[cfg(feature = "console")]
 pub mod console;
+mod counters;
 mod desk;
 mod error;
 mod fencing;
@@ -31,6 +32,9 @@ pub use broker::{
     AcquireRequest, BrokerError, BrokerErrorKind, BrokerEvent, BrokerEvents, LocalBroker,
     SlotBroker, SlotToken,
 };
+#[cfg(feature = "fault-injection")]
+#[doc(hidden)]
+pub use counters::Counts;
 pub use desk::{ActorLease, LeaseMsg, ReleaseError};
 pub use error::{
     AcquireError, BodyError, BodyErrorKind, CleanupError, CleanupErrorKind, JobError,

@@ -125,12 +125,11 @@ async fn cancelled_job_keeps_temp_dir_and_slot_until_its_blocking_thread_ends() 
     broker.assert_quiescent(sup.stats());
 }
 
-/// The worker actor has ended (so its supervision event has been sent) while a task it spawned
-/// through its context still runs. On tokio's paused clock nothing else can happen until that
-/// task's timer fires, so a release made on the supervision event (or on the actor's join handle)
-/// alone would be seen here deterministically.
+/// The worker actor has ended (its join handle has resolved) while a task it spawned through its
+/// context still runs. On tokio's paused clock nothing else can happen until that task's timer
+/// fires, so a release made on the worker's end alone would be seen here deterministically.
 #[tokio::test(start_paused = true)]
-async fn a_supervision_event_alone_never_releases_the_slot() {
+async fn the_workers_end_alone_never_releases_the_slot() {
     let broker = TestBroker::new(1);
     let sup = Supervisor::builder()
         .broker(broker.clone())

@@ -301,6 +301,7 @@ impl GpuPool {
             return Err(l);
         }
         let (fence, scratch) = (self.opts.fence_policy, self.opts.scratch_policy);
+        crate::counters::task();
         let mut wait = tokio::task::spawn_blocking(move || {
             let result = fence_blocking(&inner, fence, scratch);
             if let Err(reason) = &result {

@@ -33,7 +33,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Span;
 
 use super::core::{
-    Answer, ControlId, Core, CoreConfig, Effect, Holder, Input, LeaseKey, Proof, Proofs,
+    Answer, ControlId, Core, CoreConfig, DirEnd, Effect, Holder, Input, LeaseKey, Proof, Proofs,
     QuarantineEntry, RecheckFor, Rechecked, Reply, RequestId, WaiterId, Want,
 };
 use super::hosts::Hosts;
@@ -164,7 +164,6 @@ pub(crate) struct Shell {
     published: Published,
     waiters: FxHashMap<WaiterId, Waiter>,
     jobs: FxHashMap<LeaseKey, JobRt>,
-    workers: FxHashMap<ActorId, LeaseKey>,
     explicit: FxHashMap<LeaseKey, Explicit>,
     /// Replies to a `release` of a lease already gone (answered `Ok` by the core).
     late_replies: Vec<(LeaseKey, ReleaseReply)>,
@@ -242,7 +241,6 @@ impl Actor for SupervisorActor {
             published: Published::default(),
             waiters: FxHashMap::default(),
             jobs: FxHashMap::default(),
-            workers: FxHashMap::default(),
             explicit: FxHashMap::default(),
             late_replies: Vec::new(),
             metrics: Metrics::register(),
@@ -303,33 +301,20 @@ impl Actor for SupervisorActor {
         &self,
         _myself: ActorRef<Ring>,
         evt: SupervisionEvent,
-        state: &mut Shell,
+        _state: &mut Shell,
     ) -> Result<(), ActorProcessingErr> {
-        let id = match evt {
+        match evt {
+            // A worker unlinks from the supervisor before it ends (its driver proves its end
+            // from the join handle), so a worker's event reaches us only if it was killed while
+            // linked: it carries no state, and proves nothing.
             SupervisionEvent::ActorTerminated(cell, last_state, _) => {
-                // On a normal stop ractor moves the worker's state into this event. It is dropped
-                // here, before the event counts as a proof of the worker's physical end.
                 drop(last_state);
-                cell.get_id()
+                tracing::debug!(actor = %cell.get_id(), "a linked actor ended");
             }
             SupervisionEvent::ActorFailed(cell, err) => {
-                // Not expected (the worker catches its body's panics), and not proof of anything
-                // on its own: ractor may deliver this before the worker's state is dropped, which
-                // is why the join handle is a proof of its own.
-                tracing::error!(error = %err, "worker actor failed");
-                cell.get_id()
+                tracing::error!(actor = %cell.get_id(), error = %err, "a linked actor failed");
             }
-            _ => return Ok(()),
-        };
-        if let Some(key) = state.workers.remove(&id) {
-            state
-                .apply(Input::ProvenOne {
-                    key,
-                    proof: Proof::EventHandled,
-                })
-                .await;
-            state.settle().await;
-            state.end_batch();
+            _ => {}
         }
         Ok(())
     }
@@ -398,7 +383,6 @@ impl Shell {
             self.core.shrink_idle();
             shrink(&mut self.waiters);
             shrink(&mut self.jobs);
-            shrink(&mut self.workers);
             shrink(&mut self.explicit);
             shrink(&mut self.acquires);
             shrink(&mut self.renewals);

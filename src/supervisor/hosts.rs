@@ -41,6 +41,7 @@ impl TempDirHost for FsTempDirs {
     fn remove(&self, path: PathBuf) -> BoxFuture<'static, io::Result<()>> {
         // On the blocking pool: a file system that hangs holds one of its threads, never the
         // supervisor (nor, on a current-thread runtime, everything else).
+        crate::counters::task();
         let task = tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&path) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             other => other,

@@ -79,6 +79,7 @@ impl Inbox {
                 return Err(msg);
             }
             state.queue.push(msg);
+            crate::counters::message();
             !mem::replace(&mut state.rung, true)
         };
         if ring && !self.ring_again() {
@@ -108,7 +109,10 @@ impl Inbox {
         match self.actor.get() {
             // Not bound yet: `bind` rings.
             None => true,
-            Some(actor) => actor.send_message(Ring).is_ok(),
+            Some(actor) => {
+                crate::counters::ring();
+                actor.send_message(Ring).is_ok()
+            }
         }
     }
 

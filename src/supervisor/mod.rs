@@ -659,6 +659,7 @@ impl Supervisor {
         // If the runtime is gone the task is dropped unrun, the sender with it, and the handle
         // answers SUPERVISOR_STOPPED.
         let sink = self.inner.error_sink.clone();
+        crate::counters::task();
         drop(self.inner.runtime.spawn(async move {
             let job_id = job.id().to_owned();
             if let Err(Err(err)) = tx.send(sup.run(job, body).await)

@@ -33,6 +33,7 @@ impl Reporter {
     }
 
     /// The worker could not prepare the job: no body runs.
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
     pub(crate) fn unprepared(&self, why: PrepareError) {
         self.input(Input::Unprepared { key: self.key, why });
     }

@@ -661,6 +661,9 @@ struct JobScript {
     /// A tracked task that outlives the body (and whether it ignores cancellation).
     tracked: Option<(Duration, bool)>,
     process: Option<String>,
+    /// Where the job first asks for its temp dir (made on first use): 0 never (unless its
+    /// process needs it), 1 its body, 2 its tracked task (its body when it has none).
+    uses_dir: u64,
     /// Cancel after this long (with the token, or by dropping the future).
     cancel: Option<(Duration, bool)>,
     /// A cancel with the token goes through `Supervisor::cancel(job_id)` instead.
@@ -693,6 +696,7 @@ fn script(rng: &mut Rng, n: usize) -> Vec<JobScript> {
                 body,
                 tracked: rng.chance(30).then(|| (rng.ms(800), rng.chance(30))),
                 process,
+                uses_dir: rng.below(3),
                 cancel: rng.chance(25).then(|| (rng.ms(800), rng.chance(50))),
                 cancel_by_id: rng.chance(50),
                 priority: match rng.below(4) {
@@ -759,14 +763,21 @@ fn start_side_work(ctx: &WorkerContext, s: &JobScript, ledger: &Shared) {
     ledger.lock().job(&s.id).lease_id = Some(ctx.lease_id());
     if let Some((d, ignore)) = s.tracked {
         let (l3, id, c) = (Arc::clone(ledger), s.id.clone(), ctx.clone());
+        let make_dir = s.uses_dir == 2;
         drop(ctx.spawn(async move {
             let _task = Alive::new(&l3, &id, "task");
+            if make_dir {
+                let _ = c.temp_dir();
+            }
             if ignore {
                 tokio::time::sleep(d).await;
             } else {
                 tokio::select! { biased; () = c.cancelled() => {}, () = tokio::time::sleep(d) => {} }
             }
         }));
+    }
+    if s.uses_dir == 1 || (s.uses_dir == 2 && s.tracked.is_none()) {
+        let _ = ctx.temp_dir();
     }
     if let Some(p) = &s.process {
         let spec = ProcessSpec::new(format!("{p}@{}", s.id));

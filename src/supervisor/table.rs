@@ -83,7 +83,9 @@ pub enum LeasePhase {
 pub enum WaitingFor {
     /// The job's worker: its body, then its actor's task.
     Worker,
-    /// The worker's supervision event (its state dropped).
+    /// The worker's supervision event (its state dropped). No longer reported: the worker
+    /// unlinks from the supervisor before it ends, and its join handle proves its end
+    /// ([`Worker`](Self::Worker)). Kept so that code matching on it still builds.
     SupervisionEvent,
     /// Tasks and blocking closures spawned through the job's context.
     Tasks,
@@ -163,20 +165,14 @@ impl Row {
         self.waiting_for.clear();
         // The hot path (an explicit lease, a release) owes nothing: no iterator to run.
         if !lease.owed.is_empty() {
-            // Pipeline order: the worker's end comes first when it is owed.
-            let owes_worker = lease.owing().next() == Some(Proof::WorkerJoined);
-            self.waiting_for.extend(lease.owing().filter_map(|proof| {
-                Some(match proof {
+            self.waiting_for
+                .extend(lease.owing().map(|proof| match proof {
                     Proof::WorkerJoined => WaitingFor::Worker,
-                    // The worker's two proofs name one thing for a reader: its end.
-                    Proof::EventHandled if owes_worker => return None,
-                    Proof::EventHandled => WaitingFor::SupervisionEvent,
                     Proof::TasksJoined => WaitingFor::Tasks,
                     Proof::Process(p) => WaitingFor::ProcessGroup(pid(p).unwrap_or(0)),
                     Proof::GpuFence => WaitingFor::GpuFence,
                     Proof::TempDir => WaitingFor::TempDir,
-                })
-            }));
+                }));
         }
         if lease.is_releasing() {
             self.waiting_for.push(WaitingFor::BrokerRelease);

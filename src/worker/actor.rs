@@ -1,5 +1,6 @@
-//! The worker actor: makes the job's temp dir, checks out its GPU, then runs the body in its
-//! own task, under the job's span, with the cancel-then-grace rule.
+//! The worker actor: checks out the job's GPU, then runs the body in its own task, under the
+//! job's span, with the cancel-then-grace rule. The job's temp dir is made on first use, by
+//! the context.
 
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
@@ -71,14 +72,22 @@ impl Actor for WorkerActor {
             let span = args.span.clone();
             run_job(args, myself.get_cell()).instrument(span).await;
         }
-        // The body (and everything it owned) has been dropped inside this task, before the
-        // stop: nothing of the job travels inside the supervision event.
+        // The body (and everything it owned) has been dropped inside this task. The worker was
+        // linked to the supervisor while the body ran (a supervisor that dies takes it along);
+        // it unlinks now, before ractor would send the supervisor `ActorStarted` (after this
+        // callback) and `ActorTerminated`: neither carries anything of the job, and the job's
+        // driver proves the worker's end from its join handle. The supervisor hears one report
+        // per job's end, not three.
+        let cell = myself.get_cell();
+        if let Some(supervisor) = cell.try_get_supervisor() {
+            cell.unlink(supervisor);
+        }
         myself.stop(None);
         Ok(())
     }
 }
 
-/// Prepares the job (temp dir, GPU) and runs its body; every failure is recorded in
+/// Prepares the job (its GPU) and runs its body; every failure is recorded in
 /// `JobShared`, never propagated (the worker always ends normally).
 async fn run_job(args: WorkerArgs, worker: ActorCell) {
     let WorkerArgs {
@@ -97,21 +106,12 @@ async fn run_job(args: WorkerArgs, worker: ActorCell) {
         #[cfg(feature = "gpu")]
         gpu,
     } = args;
-    // The temp dir is made here, in the worker's task: a slow or hung file system holds this
-    // job, never the supervisor's mailbox.
-    let temp_dir = match hosts.temp_dirs.create(&work_root, &job_id) {
-        Ok(dir) => dir,
-        Err(err) => {
-            tracing::error!(error = %err, "could not create the job's temp dir; the body does not run");
-            reporter.unprepared(crate::error::PrepareError::TempDir(Arc::new(err)));
-            return;
-        }
-    };
-    shared.set_temp_dir(temp_dir.clone());
+    // The temp dir is made on the body's first use of it, in the body's task: a slow or hung
+    // file system holds this job, never the supervisor's mailbox.
     let ctx = WorkerContext::new(
         (token, more_tokens),
         job_id,
-        temp_dir,
+        (work_root, Arc::clone(&hosts.temp_dirs)),
         Arc::clone(&shared),
         tracker,
         span,

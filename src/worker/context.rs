@@ -4,7 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use futures_util::FutureExt;
 use tokio::task::JoinHandle;
@@ -14,8 +14,10 @@ use tracing::{Instrument, Span};
 
 use super::{JobShared, PathRefused};
 use crate::broker::SlotToken;
+use crate::error::PrepareError;
 use crate::process::{JobProcess, ProcessError, ProcessHost, ProcessPolicy, ProcessSpec};
 use crate::supervisor::Reporter;
+use crate::supervisor::hosts::TempDirHost;
 
 /// The job body's view of its lease. Cheap to clone; clones may be moved into sibling tasks.
 ///
@@ -34,7 +36,11 @@ struct Inner {
     /// The other tokens of a multi-slot job.
     more_tokens: Box<[SlotToken]>,
     job_id: Arc<str>,
-    temp_dir: PathBuf,
+    /// Where the temp dir is made, on first use.
+    work_root: Arc<PathBuf>,
+    temp_dirs: Arc<dyn TempDirHost>,
+    /// The temp dir once asked for: its path, and why it could not be made.
+    temp_dir: OnceLock<(PathBuf, Option<PrepareError>)>,
     shared: Arc<JobShared>,
     tracker: TaskTracker,
     span: Span,
@@ -52,7 +58,7 @@ impl WorkerContext {
     pub(crate) fn new(
         (token, more_tokens): (SlotToken, Box<[SlotToken]>),
         job_id: Arc<str>,
-        temp_dir: PathBuf,
+        (work_root, temp_dirs): (Arc<PathBuf>, Arc<dyn TempDirHost>),
         shared: Arc<JobShared>,
         tracker: TaskTracker,
         span: Span,
@@ -65,7 +71,9 @@ impl WorkerContext {
                 token,
                 more_tokens,
                 job_id,
-                temp_dir,
+                work_root,
+                temp_dirs,
+                temp_dir: OnceLock::new(),
                 shared,
                 tracker,
                 span,
@@ -123,10 +131,56 @@ impl WorkerContext {
         &self.inner.job_id
     }
 
-    /// The job's own temp dir, strictly inside the work root. It exists while the worker lives
-    /// and is removed only after the worker and all its tracked tasks have physically ended.
+    /// The job's own temp dir, strictly inside the work root, made on the first call (by this
+    /// context or any clone of it). It then exists while the worker lives and is removed only
+    /// after the worker and all its tracked tasks have physically ended. A job that never
+    /// asks for it (nor calls [`path`](Self::path) or [`spawn_process`](Self::spawn_process),
+    /// which use it) costs no directory at all, and nothing is removed after it.
+    ///
+    /// When the directory cannot be made (the work root is full, or unwritable), the failure
+    /// is logged and this returns a path under the work root that does not exist, so that the
+    /// body's first file operation in it fails with the file system's own error; the cause,
+    /// as a [`PrepareError::TempDir`] (`LEASE_PREPARE_FAILED`), is what
+    /// [`try_temp_dir`](Self::try_temp_dir) returns. Whatever the body makes at that path is
+    /// still removed with the job. A context kept past its job's end makes nothing.
     pub fn temp_dir(&self) -> &Path {
-        &self.inner.temp_dir
+        &self.made_temp_dir().0
+    }
+
+    /// [`temp_dir`](Self::temp_dir), or why it could not be made.
+    ///
+    /// # Errors
+    ///
+    /// [`PrepareError::TempDir`] (code `LEASE_PREPARE_FAILED`) with the file system's error,
+    /// the same on every call: the directory is made once or not at all. Also when the job's
+    /// lease has ended before the first call (a context kept past its job).
+    pub fn try_temp_dir(&self) -> Result<&Path, PrepareError> {
+        match self.made_temp_dir() {
+            (path, None) => Ok(path),
+            (_, Some(err)) => Err(err.clone()),
+        }
+    }
+
+    /// Makes the temp dir on the first call, in the caller's task (never in the supervisor's
+    /// mailbox), and keeps the answer.
+    fn made_temp_dir(&self) -> &(PathBuf, Option<PrepareError>) {
+        let inner = &*self.inner;
+        inner.temp_dir.get_or_init(|| {
+            match inner
+                .shared
+                .make_temp_dir(&*inner.temp_dirs, &inner.work_root, &inner.job_id)
+            {
+                Ok(path) => (path, None),
+                Err((path, err)) => {
+                    let cause = match &err {
+                        PrepareError::TempDir(io) => io.to_string(),
+                        other => other.to_string(),
+                    };
+                    tracing::error!(path = %path.display(), error = %cause, "could not create the job's temp dir");
+                    (path, Some(err))
+                }
+            }
+        })
     }
 
     /// The GPU of this lease (feature `gpu`): the device its slot belongs to, its queue, adapter
@@ -148,7 +202,7 @@ impl WorkerContext {
     /// [`PathRefused`] (code `JOB_PATH_REFUSED`) for an absolute path, a `..` component, or a
     /// symlink that leads out of the temp dir.
     pub fn path(&self, relative: impl AsRef<Path>) -> Result<PathBuf, PathRefused> {
-        crate::worker::confine(&self.inner.temp_dir, relative.as_ref())
+        crate::worker::confine(self.temp_dir(), relative.as_ref())
     }
 
     /// Starts a child process as the leader of its own process group, in the job's temp dir,
@@ -173,21 +227,26 @@ impl WorkerContext {
                 "the job's lease has ended: nothing more may start under it",
             )));
         }
-        let (process, keeper) = inner.processes.spawn(
-            spec,
-            &inner.temp_dir,
-            &inner.shared.cancel,
-            inner.process_policy,
-        )?;
+        let dir = self
+            .try_temp_dir()
+            .map_err(|err| ProcessError::Spawn(std::io::Error::other(err)))?;
+        let (process, keeper) =
+            inner
+                .processes
+                .spawn(spec, dir, &inner.shared.cancel, inner.process_policy)?;
         // Reported before the keeper runs, and the keeper is a tracked task: the supervisor
         // hears of the group before it hears that the job's tasks have all ended.
         let id = inner.reporter.process_started(process.pid());
         let reporter = inner.reporter.clone();
+        let shared = Arc::clone(&inner.shared);
+        crate::counters::task();
         inner.tracker.spawn(
             async move {
                 let unproven = keeper.await;
                 if let Some(evidence) = &unproven {
                     tracing::error!(reason = %evidence.reason(), "a job's processes could not be proven gone");
+                    // Before the keeper ends: the driver reads it once every tracked task has.
+                    shared.mark_unproven_group();
                 }
                 reporter.process_ended(id, unproven);
             }
@@ -291,7 +350,7 @@ impl fmt::Debug for WorkerContext {
         f.debug_struct("WorkerContext")
             .field("job_id", &self.inner.job_id)
             .field("token", &self.inner.token)
-            .field("temp_dir", &self.inner.temp_dir)
+            .field("temp_dir", &self.inner.temp_dir.get().map(|(path, _)| path))
             .field("cancelled", &self.is_cancelled())
             .finish()
     }

@@ -1,13 +1,17 @@
 //! What a job's body, its sibling tasks and its caller share.
 
 use std::any::Any;
+use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use tokio::task::AbortHandle;
 use tokio_util::sync::CancellationToken;
+
+use crate::error::PrepareError;
+use crate::supervisor::hosts::TempDirHost;
 
 /// Per-job record written by the worker and its tracked tasks, read by `run` only after the
 /// whole release pipeline has finished (so after every writer has ended).
@@ -21,9 +25,22 @@ pub(crate) struct JobShared {
     records: Mutex<Option<Box<Records>>>,
     /// `QUEUED`, `STARTED` (the body was called) or `CLOSED` (every tracked task has ended).
     stage: AtomicU8,
-    /// Made by the worker before the body runs; removed by the supervisor after its end.
-    temp_dir: OnceLock<Box<Path>>,
+    /// The temp dir: made on the job's first use of it, removed by its driver after the
+    /// worker's physical end; none is made once the driver has closed it.
+    temp_dir: Mutex<TempDir>,
 }
+
+/// Where a job's temp dir stands.
+#[derive(Debug, Default)]
+struct TempDir {
+    /// The path handed out (made, or the one handed out when making failed).
+    path: Option<Box<Path>>,
+    /// The driver took it: nothing more is made for this job.
+    closed: bool,
+}
+
+/// Numbers the paths handed out when a temp dir could not be made.
+static UNMADE: AtomicU64 = AtomicU64::new(0);
 
 const QUEUED: u8 = 0;
 const STARTED: u8 = 1;
@@ -41,6 +58,9 @@ struct Records {
     /// The body applies the cancel-then-grace rule itself (a job actor's host, which stops
     /// then kills the actor): the worker must not drop it after the grace.
     stops_itself: bool,
+    /// A process group the job started could not be proven empty (its keeper said so before
+    /// it ended): the driver leaves the temp dir to the core.
+    unproven_group: bool,
     /// The job's GPU, once checked out (read by the driver for the release fence).
     #[cfg(feature = "gpu")]
     gpu: Option<crate::gpu::JobGpu>,
@@ -52,7 +72,7 @@ impl JobShared {
             cancel,
             records: Mutex::new(None),
             stage: AtomicU8::new(QUEUED),
-            temp_dir: OnceLock::new(),
+            temp_dir: Mutex::new(TempDir::default()),
         }
     }
 
@@ -108,13 +128,59 @@ impl JobShared {
         self.read(|r| r.lease_lost.take())
     }
 
-    pub(crate) fn set_temp_dir(&self, dir: PathBuf) {
-        let _ = self.temp_dir.set(dir.into_boxed_path());
+    /// Makes the job's temp dir under `root` (the context calls it once, on first use, and
+    /// keeps the answer). Refused once the driver has closed it. When making fails, the path
+    /// handed out instead (which does not exist) is recorded all the same, so that whatever
+    /// the body might make there is removed with the job.
+    pub(crate) fn make_temp_dir(
+        &self,
+        host: &dyn TempDirHost,
+        root: &Path,
+        job_id: &str,
+    ) -> Result<PathBuf, (PathBuf, PrepareError)> {
+        let mut dir = self.temp_dir.lock();
+        let unmade = || {
+            let n = UNMADE.fetch_add(1, Ordering::Relaxed);
+            root.join(format!("{job_id}.unmade-{n}"))
+        };
+        if dir.closed {
+            let path = dir.path.as_deref().map_or_else(unmade, Path::to_path_buf);
+            let err = io::Error::other("the job's lease has ended: no temp dir is made for it");
+            return Err((path, PrepareError::TempDir(Arc::new(err))));
+        }
+        match host.create(root, job_id) {
+            Ok(path) => {
+                dir.path = Some(path.clone().into_boxed_path());
+                Ok(path)
+            }
+            Err(err) => {
+                let path = unmade();
+                dir.path = Some(path.clone().into_boxed_path());
+                Err((path, PrepareError::TempDir(Arc::new(err))))
+            }
+        }
     }
 
-    /// The job's temp dir, once the worker has made it.
-    pub(crate) fn temp_dir(&self) -> Option<&Path> {
-        self.temp_dir.get().map(|dir| &**dir)
+    /// Closes the temp dir (nothing more is made for this job) and says what to remove:
+    /// `None` when the job never asked for one.
+    pub(crate) fn close_temp_dir(&self) -> Option<PathBuf> {
+        let mut dir = self.temp_dir.lock();
+        dir.closed = true;
+        dir.path.as_deref().map(Path::to_path_buf)
+    }
+
+    /// The job's temp dir, if it asked for one.
+    pub(crate) fn temp_dir(&self) -> Option<PathBuf> {
+        self.temp_dir.lock().path.as_deref().map(Path::to_path_buf)
+    }
+
+    /// A process group of the job could not be proven empty.
+    pub(crate) fn mark_unproven_group(&self) {
+        self.write(|r| r.unproven_group = true);
+    }
+
+    pub(crate) fn has_unproven_group(&self) -> bool {
+        self.read(|r| r.unproven_group)
     }
 
     /// Records a tracked task, to abort at shutdown. Handles of finished tasks are dropped now

@@ -50,6 +50,7 @@ impl Shell {
                         let inbox = Arc::clone(&self.inbox);
                         let broker = Arc::clone(broker);
                         let timeout = self.config.cleanup_timeout;
+                        crate::counters::task();
                         let task = tokio::spawn(async move {
                             let result = fut.await;
                             if let Err(SupMsg::Acquired {
@@ -74,6 +75,7 @@ impl Shell {
     pub(super) fn start_renewal(&mut self, key: LeaseKey, token: SlotToken) {
         let lost = self.broker.as_dyn().keep_alive_boxed(token);
         let inbox = Arc::clone(&self.inbox);
+        crate::counters::task();
         let task = tokio::spawn(async move {
             let err = lost.await;
             // Judged by the core: renewal may have been stopped since.
@@ -97,6 +99,7 @@ impl Shell {
                     Poll::Pending => {
                         let (timeout, started) = (self.config.cleanup_timeout, self.now());
                         let inbox = Arc::clone(&self.inbox);
+                        crate::counters::task();
                         tokio::spawn(async move {
                             let result = match tokio::time::timeout(timeout, fut).await {
                                 Ok(Ok(())) => Ok(()),

@@ -1,7 +1,8 @@
-//! A job's life off the mailbox: its worker's start, the [`Driver`] task that awaits its physical
-//! end and reports each proof as it comes, and the removal of its temp dir. None of it decides
-//! anything: every report (a placement refused, a spawn failed, a proof) is an input to the
-//! core.
+//! A job's life off the mailbox: its worker's start, and the [`Driver`] task that awaits its
+//! physical end, removes its temp dir and reports once; and the removal the core asks for
+//! itself (a temp dir left behind an unproven proof, or retried by a reclaim). None of it
+//! decides anything: every report (a placement refused, a spawn failed, a proof) is an input
+//! to the core.
 
 use super::*;
 
@@ -73,9 +74,9 @@ impl Shell {
             #[cfg(feature = "gpu")]
             gpu: placement,
         };
+        crate::counters::task();
         match Actor::spawn_linked(None, WorkerActor, args, self.myself.get_cell()).await {
-            Ok((worker, join)) => {
-                self.workers.insert(worker.get_id(), key);
+            Ok((_worker, join)) => {
                 self.jobs.insert(
                     key,
                     JobRt {
@@ -92,11 +93,14 @@ impl Shell {
                     shared,
                     reporter,
                     drain_timeout: self.config.drain_timeout,
+                    cleanup_timeout: self.config.cleanup_timeout,
+                    temp_dirs: Arc::clone(&self.config.hosts.temp_dirs),
                     #[cfg(feature = "gpu")]
                     gpu: self.config.hosts.gpu.clone(),
                     #[cfg(feature = "gpu")]
                     placement,
                 };
+                crate::counters::task();
                 tokio::spawn(driver.run());
                 #[cfg(feature = "gpu")]
                 let device = placement.map(|p| p.device);
@@ -158,7 +162,7 @@ impl Shell {
         let Some(job) = self.jobs.get(&key) else {
             return;
         };
-        let Some(path) = job.shared.temp_dir().map(PathBuf::from) else {
+        let Some(path) = job.shared.temp_dir() else {
             // The worker made no temp dir (it could not): nothing to remove.
             return self.core.apply(Input::ProvenOne {
                 key,
@@ -175,6 +179,7 @@ impl Shell {
                 key,
             },
         );
+        crate::counters::task();
         tokio::spawn(removal);
     }
 }
@@ -205,17 +210,23 @@ async fn remove_temp_dir(
     });
 }
 
-/// Awaits a job's physical end, outside the supervisor's mailbox, and reports each proof as
-/// it comes: the worker's actor task (its join handle resolves only once the actor is fully
-/// gone, state dropped), every task and blocking closure spawned through its context (process
-/// keepers included), and (with a GPU) every submission made under the lease. It decides
-/// nothing: what follows from the proofs is the core's.
+/// A job's own task: awaits its physical end outside the supervisor's mailbox, removes its temp
+/// dir, and reports once. It proves the worker's actor task ended (its join handle resolves only
+/// once the actor is fully gone, state dropped), then every task and blocking closure spawned
+/// through its context (process keepers included), then (with a GPU) every submission made
+/// under the lease; then, if the job made a temp dir and nothing stands in the way (a process
+/// group unproven, GPU work lost), it removes the dir under `cleanup_timeout`. The common case
+/// is one message, [`Input::Ended`]; a wait that may be long (tasks still running after the
+/// body) is announced first with the worker's end (`Proven`), and a bound that passes with a
+/// `Late`. It decides nothing: what follows from the proofs is the core's.
 struct Driver {
     join: JoinHandle<()>,
     tracker: TaskTracker,
     shared: Arc<JobShared>,
     reporter: Reporter,
     drain_timeout: Option<Duration>,
+    cleanup_timeout: Duration,
+    temp_dirs: Arc<dyn crate::supervisor::hosts::TempDirHost>,
     #[cfg(feature = "gpu")]
     gpu: Option<Arc<dyn crate::supervisor::hosts::GpuHost>>,
     #[cfg(feature = "gpu")]
@@ -248,6 +259,10 @@ impl Driver {
         }
         self.shared.close();
         proofs = proofs.with(Proofs::TASKS);
+        // A process group not proven empty (its keeper said so before it ended) may still
+        // write in the temp dir: the core removes it once the group is proven.
+        #[cfg_attr(not(feature = "gpu"), allow(unused_mut))]
+        let mut clean = !self.shared.has_unproven_group();
         #[cfg(feature = "gpu")]
         if let (Some(gpu), Some(placement)) = (&self.gpu, self.placement) {
             use crate::supervisor::hosts::Fence;
@@ -280,11 +295,46 @@ impl Driver {
                         generation,
                         reason,
                     });
+                    clean = false;
                 }
             }
         }
-        if !proofs.is_empty() {
-            self.reporter.input(Input::Proven { key, proofs });
-        }
+        let dir = match self.shared.close_temp_dir() {
+            // The job never asked for one: nothing to remove, no blocking-pool hop.
+            None => DirEnd::NeverMade,
+            Some(_) if !clean => DirEnd::Left,
+            Some(path) => {
+                let mut removal = self.temp_dirs.remove(path.clone());
+                let bound = self.cleanup_timeout;
+                let result = match tokio::time::timeout(bound, &mut removal).await {
+                    Ok(result) => result,
+                    Err(_) => {
+                        // A hung file system: the slot is quarantined while the removal runs on.
+                        if !proofs.is_empty() {
+                            self.reporter.input(Input::Proven { key, proofs });
+                            proofs = Proofs::default();
+                        }
+                        self.reporter.input(Input::Late {
+                            key,
+                            proof: Proof::TempDir,
+                            detail: format!("the temp dir was not removed within {bound:?}"),
+                        });
+                        removal.await
+                    }
+                };
+                match result {
+                    Ok(()) => DirEnd::Removed,
+                    Err(error) => {
+                        let path = path.display();
+                        tracing::error!(%path, %error, "a job's temp dir could not be removed");
+                        DirEnd::Failed {
+                            detail: format!("temp dir {path} could not be removed"),
+                            error,
+                        }
+                    }
+                }
+            }
+        };
+        self.reporter.input(Input::Ended { key, proofs, dir });
     }
 }

@@ -46,8 +46,8 @@ use std::collections::VecDeque;
 use std::fmt;
 
 pub(crate) use self::protocol::{
-    Answer, Ask, ControlId, Effect, Input, LeaseKey, QuarantineEntry, RecheckFor, Rechecked, Reply,
-    RequestId, StopTally, WaiterId, Want, Withdrawal,
+    Answer, Ask, ControlId, DirEnd, Effect, Input, LeaseKey, QuarantineEntry, RecheckFor,
+    Rechecked, Reply, RequestId, StopTally, WaiterId, Want, Withdrawal,
 };
 pub(crate) use self::record::{Holder, LeaseRecord, Phase, Proof, Proofs};
 
@@ -191,6 +191,7 @@ impl Core {
             Input::Unprepared { key, why } => self.unprepared(key, why),
             Input::Started { key, device } => self.started(key, device),
             Input::Proven { key, proofs } => self.proven(key, proofs, None),
+            Input::Ended { key, proofs, dir } => self.ended(key, proofs, dir),
             Input::ProvenOne { key, proof } => match proof {
                 Proof::Process(p) => self.proven(key, Proofs::default(), Some(p)),
                 other => self.proven(key, Proofs::of(other), None),

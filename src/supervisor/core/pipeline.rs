@@ -5,7 +5,7 @@
 use std::io;
 
 use super::Core;
-use super::protocol::{Answer, ControlId, Effect, LeaseKey, ProcessKey, Reply, WaiterId};
+use super::protocol::{Answer, ControlId, DirEnd, Effect, LeaseKey, ProcessKey, Reply, WaiterId};
 use super::record::{Caller, Holder, Proof, Proofs, Reason, Release, Removal, Renewal, Stop, Why};
 use crate::error::{AcquireError, CleanupError, PrepareError};
 
@@ -27,6 +27,8 @@ impl Core {
                 r.owed.add(Proof::GpuFence);
                 r.device = Some(d);
             }
+            // The job's driver removes its temp dir (or reports it never made one).
+            r.removal = Removal::Driver;
             // Granted just as shutdown began: cancelled with the rest.
             Some(!serving && r.stop == Stop::Running)
         });
@@ -98,6 +100,55 @@ impl Core {
         });
         if proofs.contains(Proof::WorkerJoined) {
             // The body's result exists now: a quarantine found earlier is answered.
+            self.answer_early(key);
+        }
+        self.advance(key);
+    }
+
+    /// A job's driver ended: its last proofs, and the temp dir's fate. The driver removes the
+    /// dir only once it has proven the worker's physical end; the core checks that it agrees.
+    pub(super) fn ended(&mut self, key: LeaseKey, proofs: Proofs, dir: DirEnd) {
+        let fits = self.book.get(key).is_some_and(|r| {
+            r.holder == Holder::Job && r.removal == Removal::Driver && r.owed.owes_all(proofs)
+        });
+        if !fits {
+            return self.fx.illegal(format_args!(
+                "driver's end {proofs:?}/{dir:?} for lease {key}, which does not owe it"
+            ));
+        }
+        let failed = self.book.edit(key, |r| {
+            r.owed.clear(proofs);
+            r.removal = Removal::NotStarted;
+            let failed = match dir {
+                DirEnd::NeverMade => {
+                    r.owed.clear(Proofs::of(Proof::TempDir));
+                    None
+                }
+                DirEnd::Removed if r.owed.physically_done() => {
+                    r.owed.clear(Proofs::of(Proof::TempDir));
+                    None
+                }
+                // The driver removed the dir before the core saw the worker's physical end.
+                DirEnd::Removed => Some(Err(())),
+                DirEnd::Failed { detail, error } => {
+                    r.removal = Removal::Failed;
+                    Some(Ok((detail, error)))
+                }
+                DirEnd::Left => None,
+            };
+            r.drop_answered_reasons();
+            failed
+        });
+        match failed.flatten() {
+            Some(Ok((detail, error))) => {
+                self.missing(key, Proof::TempDir, Why::Unproven, detail, Some(error))
+            }
+            Some(Err(())) => self.fx.illegal(format_args!(
+                "lease {key}'s temp dir removed before its worker's physical end"
+            )),
+            None => {}
+        }
+        if proofs.contains(Proof::WorkerJoined) {
             self.answer_early(key);
         }
         self.advance(key);

@@ -84,6 +84,20 @@ pub(crate) struct Rechecked {
     pub(crate) still: Option<String>,
 }
 
+/// What a job's driver did with the job's temp dir.
+#[derive(Debug)]
+pub(crate) enum DirEnd {
+    /// Never made (the job never asked for one): nothing is owed for it.
+    NeverMade,
+    /// Removed, once the driver had proven the worker's physical end.
+    Removed,
+    /// The removal failed: quarantined until a reclaim removes it.
+    Failed { detail: String, error: io::Error },
+    /// Not tried: the worker's physical end is not proven (a process group unproven, GPU work
+    /// lost), so the core removes it once it is.
+    Left,
+}
+
 /// Everything that can happen to the supervisor, as the core sees it.
 #[derive(Debug)]
 pub(crate) enum Input {
@@ -123,16 +137,25 @@ pub(crate) enum Input {
     /// The job granted by [`Effect::Deliver`] could not start (no worker, no GPU sub-slot); no
     /// body ran. Its caller is answered when its slots are back.
     NotStarted { key: LeaseKey, why: PrepareError },
-    /// The job's worker ran but could not prepare it (temp dir, GPU checkout): no body ran. The
+    /// The job's worker ran but could not prepare it (GPU checkout): no body ran. The
     /// worker still owes its physical end.
+    #[cfg_attr(not(any(feature = "gpu", test)), allow(dead_code))]
     Unprepared { key: LeaseKey, why: PrepareError },
     /// The job's worker is running; `device` is its GPU placement.
     Started {
         key: LeaseKey,
         device: Option<usize>,
     },
-    /// Proofs arrived.
+    /// Proofs arrived (a job's driver, before its end, when what remains may take long).
     Proven { key: LeaseKey, proofs: Proofs },
+    /// A job's driver ended: its last `proofs`, and what became of the temp dir, which the
+    /// driver removes itself once it has proven the worker's physical end. The one report of
+    /// a job's end in the common case.
+    Ended {
+        key: LeaseKey,
+        proofs: Proofs,
+        dir: DirEnd,
+    },
     /// One proof arrived (events, processes, the temp dir).
     ProvenOne { key: LeaseKey, proof: Proof },
     /// A job started a process group; its slot now also waits for it.

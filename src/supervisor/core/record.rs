@@ -26,10 +26,10 @@ pub(crate) enum Holder {
 /// One proof the release of a lease waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Proof {
-    /// The worker's actor task ended (its join handle resolved).
+    /// The worker's actor task ended (its join handle resolved: its state dropped, and no
+    /// supervision event carries anything of the job, since the worker unlinks from the
+    /// supervisor before it ends).
     WorkerJoined,
-    /// The worker's supervision event was handled (any state it carried dropped).
-    EventHandled,
     /// Every task and blocking closure spawned through the job's context returned.
     TasksJoined,
     /// One process group the job started was proven empty.
@@ -45,7 +45,6 @@ impl Proof {
     fn bit(self) -> u8 {
         match self {
             Self::WorkerJoined => Owed::JOINED,
-            Self::EventHandled => Owed::EVENT,
             Self::TasksJoined => Owed::TASKS,
             Self::GpuFence => Owed::GPU,
             Self::TempDir => Owed::TEMP_DIR,
@@ -57,7 +56,6 @@ impl Proof {
     pub(crate) fn describe(self) -> &'static str {
         match self {
             Self::WorkerJoined => "the worker's task",
-            Self::EventHandled => "the worker's supervision event",
             Self::TasksJoined => "tasks spawned through the worker context",
             Self::Process(_) => "a process group",
             Self::GpuFence => "gpu work",
@@ -105,18 +103,17 @@ pub(crate) struct Owed {
 
 impl Owed {
     const JOINED: u8 = 1;
-    const EVENT: u8 = 2;
     const TASKS: u8 = 4;
     const GPU: u8 = 8;
     const TEMP_DIR: u8 = 16;
     /// Everything that makes up the worker's physical end (the pipeline's steps 2 and 3).
-    const PHYSICAL: u8 = Self::JOINED | Self::EVENT | Self::TASKS | Self::GPU;
+    const PHYSICAL: u8 = Self::JOINED | Self::TASKS | Self::GPU;
 
     /// A job owes its worker's physical end and its temp dir from the grant on; GPU work and
     /// process groups are added as they are learnt.
     pub(crate) fn job() -> Self {
         Self {
-            bits: Self::JOINED | Self::EVENT | Self::TASKS | Self::TEMP_DIR,
+            bits: Self::JOINED | Self::TASKS | Self::TEMP_DIR,
             processes: Vec::new(),
         }
     }
@@ -168,21 +165,16 @@ impl Owed {
         self.bits & (Self::JOINED | Self::TASKS | Self::GPU) != 0 || !self.processes.is_empty()
     }
 
-    /// Either proof of the worker's end is in: its body has ended.
+    /// The worker has joined: its body has ended.
     #[inline]
     pub(crate) fn body_ended(&self) -> bool {
-        self.bits & (Self::JOINED | Self::EVENT) != Self::JOINED | Self::EVENT
+        self.bits & Self::JOINED == 0
     }
 
     /// What is owed, in pipeline order (no allocation: the lease table reads it on the actor's
     /// hot path).
     pub(crate) fn iter(&self) -> impl Iterator<Item = Proof> + '_ {
-        const PHYSICAL: [Proof; 4] = [
-            Proof::WorkerJoined,
-            Proof::EventHandled,
-            Proof::TasksJoined,
-            Proof::GpuFence,
-        ];
+        const PHYSICAL: [Proof; 3] = [Proof::WorkerJoined, Proof::TasksJoined, Proof::GpuFence];
         PHYSICAL
             .into_iter()
             .filter(|p| self.bits & p.bit() != 0)
@@ -228,9 +220,13 @@ pub(crate) enum Phase {
 /// The temp dir's removal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Removal {
-    /// Not started (nothing to remove yet, or not removable yet).
+    /// Not started (nothing to remove yet, or not removable yet), or done.
     NotStarted,
-    /// Asked for; its answer is awaited.
+    /// The job's driver removes it (from the job's start until its report): once it has
+    /// proven the worker's physical end, in the job's own task. Its report says what became
+    /// of the dir (removed, never made, failed, or left to the core).
+    Driver,
+    /// Asked for by the core; its answer is awaited.
     Running,
     /// Failed: only a reclaim retries it.
     Failed,
@@ -404,7 +400,9 @@ impl LeaseRecord {
                 Some(Why::Unproven) => false,
                 Some(Why::Late | Why::Lost { .. }) => !deadline_passed,
                 // Not removable yet: behind a proof that is unproven (or it would be running).
-                None if proof == Proof::TempDir => self.removal == Removal::Running,
+                None if proof == Proof::TempDir => {
+                    matches!(self.removal, Removal::Running | Removal::Driver)
+                }
                 None => true,
             }
         })
@@ -451,7 +449,6 @@ mod tests {
             owed.iter().collect::<Vec<_>>(),
             [
                 Proof::WorkerJoined,
-                Proof::EventHandled,
                 Proof::TasksJoined,
                 Proof::GpuFence,
                 Proof::Process(7),
@@ -461,11 +458,7 @@ mod tests {
         assert!(!owed.body_ended());
         owed.clear(Proofs::JOINED);
         assert!(owed.body_ended());
-        owed.clear(
-            Proofs::of(Proof::EventHandled)
-                .with(Proofs::TASKS)
-                .with(Proofs::GPU),
-        );
+        owed.clear(Proofs::TASKS.with(Proofs::GPU));
         assert!(!owed.physically_done(), "the process group is still owed");
         owed.clear_process(7);
         assert!(owed.physically_done());
@@ -482,9 +475,7 @@ mod tests {
             Holder::Job,
             Priority::Normal,
         );
-        lease
-            .owed
-            .clear(Proofs::JOINED.with(Proofs::of(Proof::EventHandled)));
+        lease.owed.clear(Proofs::JOINED);
         lease.owed.add(Proof::Process(3));
         lease.reasons.push(Reason {
             proof: Proof::Process(3),

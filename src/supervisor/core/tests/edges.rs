@@ -122,22 +122,80 @@ fn a_job_is_released_only_after_every_proof_and_its_temp_dir() {
     });
     assert!(drain(&mut core).is_empty());
     assert_eq!(core.lease(key).unwrap().phase(), Phase::Draining);
-    core.apply(Input::ProvenOne {
-        key,
-        proof: Proof::EventHandled,
-    });
-    assert!(drain(&mut core).is_empty(), "tasks are still owed");
-    core.apply(Input::Proven {
+    // The driver removes the temp dir itself: the core never asks while the driver holds it.
+    core.apply(Input::Ended {
         key,
         proofs: Proofs::TASKS,
-    });
-    let effects = drain(&mut core);
-    assert!(matches!(effects.as_slice(), [Effect::RemoveTempDir { .. }]));
-    core.apply(Input::ProvenOne {
-        key,
-        proof: Proof::TempDir,
+        dir: DirEnd::Removed,
     });
     assert_eq!(releases(&drain(&mut core)), 1);
+}
+
+#[test]
+fn a_jobs_end_is_one_report_when_nothing_is_late() {
+    let mut core = Core::new(Some(1), false, false);
+    let key = started_job(&mut core, token(0, 1), None);
+    core.apply(Input::Ended {
+        key,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+        dir: DirEnd::Removed,
+    });
+    let effects = drain(&mut core);
+    assert_eq!(releases(&effects), 1, "{effects:?}");
+    assert!(
+        !effects
+            .iter()
+            .any(|e| matches!(e, Effect::RemoveTempDir { .. } | Effect::Illegal(_))),
+        "{effects:?}"
+    );
+}
+
+#[test]
+fn a_temp_dir_the_driver_removed_before_the_workers_physical_end_is_illegal() {
+    // A process group still owed: the driver must not have removed the dir.
+    let mut core = Core::new(Some(1), false, false);
+    let key = started_job(&mut core, token(0, 1), None);
+    core.apply(Input::ProcessStarted { key, process: 7 });
+    core.apply(Input::Ended {
+        key,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+        dir: DirEnd::Removed,
+    });
+    let effects = drain(&mut core);
+    assert!(
+        effects.iter().any(|e| matches!(e, Effect::Illegal(_))),
+        "{effects:?}"
+    );
+    assert_eq!(releases(&effects), 0, "{effects:?}");
+}
+
+#[test]
+fn a_driver_whose_temp_dir_removal_fails_quarantines_the_slot_and_a_reclaim_retries_it() {
+    let mut core = Core::new(Some(1), false, false);
+    let key = started_job(&mut core, token(0, 1), None);
+    core.apply(Input::Ended {
+        key,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+        dir: DirEnd::Failed {
+            detail: "temp dir x could not be removed".into(),
+            error: io::Error::other("busy"),
+        },
+    });
+    let early = drain(&mut core);
+    assert!(
+        matches!(early.as_slice(), [Effect::Answer { answer: Answer::Job { cleanup: Err(e), .. }, .. }] if e.code() == "LEASE_CLEANUP_UNCONFIRMED"),
+        "{early:?}"
+    );
+    assert_eq!(core.quarantined(), 1);
+    core.apply(Input::Reclaim { control: 1 });
+    let asked = drain(&mut core);
+    let effects = answer_rechecks(&mut core, asked, |_, _| false);
+    assert!(
+        effects
+            .iter()
+            .any(|e| matches!(e, Effect::RemoveTempDir { .. })),
+        "{effects:?}"
+    );
 }
 
 #[test]
@@ -145,13 +203,11 @@ fn a_process_group_started_by_the_job_holds_the_temp_dir_until_it_is_proven_empt
     let mut core = Core::new(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::ProcessStarted { key, process: 7 });
-    core.apply(Input::Proven {
+    // The driver saw the group unproven: it leaves the dir to the core.
+    core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
-    });
-    core.apply(Input::ProvenOne {
-        key,
-        proof: Proof::EventHandled,
+        dir: DirEnd::Left,
     });
     assert!(drain(&mut core).is_empty(), "the group is not proven empty");
     core.apply(Input::ProvenOne {
@@ -188,10 +244,6 @@ fn a_gpu_loss_and_an_unproven_process_group_on_one_lease_both_hold_it() {
         matches!(early.as_slice(), [Effect::Answer { answer: Answer::Job { cleanup: Err(e), .. }, .. }] if e.code() == "LEASE_CLEANUP_UNCONFIRMED"),
         "{early:?}"
     );
-    core.apply(Input::ProvenOne {
-        key,
-        proof: Proof::EventHandled,
-    });
     core.apply(Input::DeviceLost {
         key,
         device: 0,
@@ -202,6 +254,12 @@ fn a_gpu_loss_and_an_unproven_process_group_on_one_lease_both_hold_it() {
         drain(&mut core).as_slice(),
         [Effect::RecreateDevice { device: 0 }]
     ));
+    core.apply(Input::Ended {
+        key,
+        proofs: Proofs::default(),
+        dir: DirEnd::Left,
+    });
+    assert!(drain(&mut core).is_empty());
     core.apply(Input::DeviceReplaced {
         device: 0,
         generation: 2,
@@ -272,19 +330,13 @@ fn a_loss_seen_on_an_older_generation_than_the_replacement_is_proven_by_it_but_n
 fn two_reclaims_back_to_back_start_one_temp_dir_removal_and_apply_no_illegal_edge() {
     let mut core = Core::new(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
-    core.apply(Input::Proven {
+    core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
-    });
-    core.apply(Input::ProvenOne {
-        key,
-        proof: Proof::EventHandled,
-    });
-    drain(&mut core);
-    core.apply(Input::TempDirFailed {
-        key,
-        detail: "temp dir x could not be removed".into(),
-        error: io::Error::other("busy"),
+        dir: DirEnd::Failed {
+            detail: "temp dir x could not be removed".into(),
+            error: io::Error::other("busy"),
+        },
     });
     drain(&mut core);
     let mut effects = Vec::new();

@@ -22,11 +22,14 @@ enum Op {
     Withdraw(usize),
     /// Complete a broker acquire: 0 ok, 1 error, 2 a token colliding with a live lease.
     Acquire(usize, u8),
-    /// A worker event for a started job: 0 join+tasks, 1 join only, 2 tasks, 3 event,
-    /// 4 process start, 5 process end ok, 6 process unproven, 7 tasks late, 8 gpu done,
-    /// 9 gpu late, 10 gpu lost.
+    /// A driver report for a started job: 0 join+tasks, 1 join only, 2 tasks, 3 the driver's
+    /// end (every proof still owed, its temp dir removed, or left when a process group is
+    /// unproven or the GPU lost), 4 process start, 5 process end ok, 6 process unproven,
+    /// 7 tasks late, 8 gpu done, 9 gpu late, 10 gpu lost, 11 the driver's end with its temp
+    /// dir removal failed, 12 the driver's temp dir removal late, 13 the driver's end of a job
+    /// that never made a temp dir.
     Worker(usize, u8),
-    /// Complete a temp dir removal: 0 ok, 1 fail, 2 late (still running).
+    /// Complete a temp dir removal the core asked for: 0 ok, 1 fail, 2 late (still running).
     TempDir(usize, u8),
     /// Complete a broker release: 0 ok, 1 fail, 2 timeout.
     Release(usize, u8),
@@ -46,7 +49,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => prop_oneof![Just(Want::Lease), Just(Want::Job)].prop_map(Op::Enqueue),
         1 => any::<usize>().prop_map(Op::Withdraw),
         3 => (any::<usize>(), prop_oneof![8 => Just(0u8), 1 => Just(1), 1 => Just(2)]).prop_map(|(i, k)| Op::Acquire(i, k)),
-        6 => (any::<usize>(), 0u8..11).prop_map(|(i, k)| Op::Worker(i, k)),
+        6 => (any::<usize>(), 0u8..14).prop_map(|(i, k)| Op::Worker(i, k)),
         2 => (any::<usize>(), prop_oneof![6 => Just(0u8), 1 => Just(1), 1 => Just(2)]).prop_map(|(i, k)| Op::TempDir(i, k)),
         3 => (any::<usize>(), prop_oneof![6 => Just(0u8), 1 => Just(1), 1 => Just(2)]).prop_map(|(i, k)| Op::Release(i, k)),
         2 => any::<usize>().prop_map(Op::ReleaseExplicit),
@@ -71,7 +74,10 @@ struct Known {
     /// Proofs fed so far.
     joined: bool,
     tasks: bool,
-    event: bool,
+    /// The driver's end was reported (`Input::Ended`): the temp dir is the core's from then.
+    ended: bool,
+    /// The driver reported its temp dir removal late.
+    dir_late: bool,
     gpu_done: bool,
     gpu_lost: Option<u64>,
     processes_open: BTreeSet<u64>,
@@ -269,9 +275,10 @@ impl World {
                 Effect::RecreateDevice { .. } => {}
                 Effect::RemoveTempDir { key } => {
                     let k = &self.known[&key];
-                    // Invariant 3: the temp dir goes only after every proof of the physical end.
+                    // Invariant 3: the temp dir goes only after every proof of the physical end,
+                    // and the core asks only once the driver has handed it over.
                     assert!(
-                        k.joined && k.tasks && k.event,
+                        k.joined && k.tasks && k.ended,
                         "temp dir removed before the worker's end: {k:?}"
                     );
                     assert!(
@@ -486,6 +493,11 @@ impl World {
                     return;
                 };
                 let k = self.known[&key].clone();
+                if k.ended {
+                    // The driver has reported its end: nothing more comes from it.
+                    return;
+                }
+                let clean = k.processes_unproven.is_empty() && k.gpu_lost.is_none();
                 let input = match kind {
                     0 if !k.joined && !k.tasks => {
                         let m = self.known.get_mut(&key).unwrap();
@@ -510,11 +522,53 @@ impl World {
                             proofs: Proofs::TASKS,
                         }
                     }
-                    3 if !k.event => {
-                        self.known.get_mut(&key).unwrap().event = true;
-                        Input::ProvenOne {
+                    3 | 11 | 13 if k.processes_open.is_empty() => {
+                        // The driver's end: every proof it has not sent yet, then the dir.
+                        let mut proofs = Proofs::default();
+                        if !k.joined {
+                            proofs = proofs.with(Proofs::JOINED);
+                        }
+                        if !k.tasks {
+                            proofs = proofs.with(Proofs::TASKS);
+                        }
+                        let gpu = k.device.is_some() && !k.gpu_done && k.gpu_lost.is_none();
+                        if gpu {
+                            proofs = proofs.with(Proofs::GPU);
+                        }
+                        let m = self.known.get_mut(&key).unwrap();
+                        m.joined = true;
+                        m.tasks = true;
+                        m.gpu_done |= gpu;
+                        m.ended = true;
+                        let dir = match (clean, kind) {
+                            (_, 13) => {
+                                m.temp_dir_proven = true;
+                                DirEnd::NeverMade
+                            }
+                            (false, _) => DirEnd::Left,
+                            (true, 3) => {
+                                m.temp_dir_proven = true;
+                                DirEnd::Removed
+                            }
+                            (true, _) => DirEnd::Failed {
+                                detail: "temp dir".into(),
+                                error: io::Error::other("busy"),
+                            },
+                        };
+                        Input::Ended { key, proofs, dir }
+                    }
+                    12 if clean
+                        && !k.dir_late
+                        && k.joined
+                        && k.tasks
+                        && k.processes_open.is_empty()
+                        && (k.device.is_none() || k.gpu_done) =>
+                    {
+                        self.known.get_mut(&key).unwrap().dir_late = true;
+                        Input::Late {
                             key,
-                            proof: Proof::EventHandled,
+                            proof: Proof::TempDir,
+                            detail: "slow fs".into(),
                         }
                     }
                     4 if !k.tasks => {
@@ -767,24 +821,10 @@ impl World {
             }
             if let Some(key) = self.jobs().into_iter().find(|key| {
                 let k = &self.known[key];
-                !(k.joined
-                    && k.tasks
-                    && k.event
-                    && k.processes_open.is_empty()
-                    && (k.device.is_none() || k.gpu_done || k.gpu_lost.is_some()))
+                !k.ended || !k.processes_open.is_empty()
             }) {
                 let k = self.known[&key].clone();
-                let kind = if !k.processes_open.is_empty() {
-                    5
-                } else if !k.joined {
-                    0
-                } else if !k.tasks {
-                    2
-                } else if !k.event {
-                    3
-                } else {
-                    8
-                };
+                let kind = if !k.processes_open.is_empty() { 5 } else { 3 };
                 let jobs = self.jobs();
                 let i = jobs.iter().position(|j| *j == key).unwrap();
                 self.step(Op::Worker(i, kind));
