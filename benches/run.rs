@@ -1,20 +1,24 @@
-//! `Supervisor::run` with a no-op body, one job at a time on 8 slots, next to its hand-written
-//! equivalents measured in the same run (see `BENCHMARKS.md`). Every side makes its job temp
-//! dirs in the same work root, on tmpfs when the machine has one (`floor::scratch_dir`):
+//! A job's whole lifecycle, one job at a time on 8 slots, each next to the hand-written
+//! equivalent of the same shape measured in the same run (see `BENCHMARKS.md`). Every side
+//! makes its temp dirs in the same work root, on tmpfs when the machine has one
+//! (`floor::scratch_dir`):
 //!
-//! - `leasehold_run`: `sup.run(JobSpec::new(..)?, |_ctx| async { Ok(()) })`;
-//! - `hand_written_ractor_worker` (the target's floor, `run` ≤ 1.5× of it, issue 11): a tokio
-//!   `Semaphore` permit, a temp dir, a fresh ractor actor per job that runs the body in its
-//!   `post_start` and stops itself, its `JoinHandle` awaited, the dir removed, the permit
-//!   dropped: the shape of `run`, without its guarantees;
-//! - `hand_written_task` (context): the same with the body spawned as a tokio task and joined
-//!   instead of an actor;
-//! - `leasehold_spawn_job` (issue 15): `sup.spawn_job(..)` of an actor that stops itself in
-//!   `post_start`, its outcome joined: a job actor's whole lifecycle (slot, temp dir, the
-//!   worker, the job's watch and the actor spawned and joined, the pipeline), next to `run`'s.
+//! - `leasehold_run` / `hand_written_ractor_noop` (issue 22: ≤ 2.0×): `run` with a no-op body
+//!   that never asks for its temp dir, against a tokio `Semaphore` permit and a fresh ractor
+//!   actor per job that runs the body in its `post_start` and stops itself, joined;
+//! - `leasehold_run_file` / `hand_written_ractor_file` (≤ 1.5×): a body that writes one file in
+//!   its temp dir, against the same with a temp dir made, the file written by the actor's body,
+//!   the dir removed;
+//! - `leasehold_spawn_job` (≤ 1.2× `leasehold_run`): `spawn_job` of an actor that stops in
+//!   `post_start`, its outcome joined, against `run` and against an actor spawned and joined;
+//! - `hand_written_task` (context): a permit, a temp dir, the body as a tokio task, joined.
 //!
-//! criterion ids are `job_lifecycle/<function>/noop_body`. The last "benchmark", `summary`,
-//! prints the ratio rows from the samples criterion took above. `-- --test` runs each once.
+//! criterion ids are `job_lifecycle/<function>/<shape>`. The last "benchmark", `summary`, prints
+//! the ratio rows from the samples criterion took above, then what machine noise does not move:
+//! messages into the supervisor's inbox, doorbells and tasks per job, counted by leasehold
+//! itself over 2 000 jobs of each shape (`leasehold::Counts`). Instructions and system calls
+//! per job: `benches/instructions.rs` under callgrind and `strace -c -f` (`BENCHMARKS.md`).
+//! `-- --test` runs each once.
 
 mod floor;
 
@@ -23,57 +27,70 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use leasehold::{Counts, Supervisor};
 use tokio::sync::Semaphore;
 
 use floor::{key, ratio_row, start_supervisor, table_end, table_start, timed};
 
 const GROUP: &str = "job_lifecycle";
 const SAMPLES: usize = 20;
-const PARAM: &str = "noop_body";
+const NOOP: &str = "noop_body";
+const FILE: &str = "one_file";
 const SLOTS: u32 = 8;
 const LEASEHOLD: &str = "leasehold_run";
-const RACTOR_WORKER: &str = "hand_written_ractor_worker";
+const LEASEHOLD_FILE: &str = "leasehold_run_file";
+const RACTOR_NOOP: &str = "hand_written_ractor_noop";
+const RACTOR_FILE: &str = "hand_written_ractor_file";
 const TASK: &str = "hand_written_task";
 const ACTOR_JOB: &str = "leasehold_spawn_job";
 
-/// A job actor that stops as soon as it has started.
-struct NoopActor;
+/// Targets (issue 22).
+const NOOP_TARGET: f64 = 2.0;
+const FILE_TARGET: f64 = 1.5;
+const ACTOR_JOB_TARGET: f64 = 1.2;
 
-impl ractor::Actor for NoopActor {
-    type Msg = ();
-    type State = ();
-    type Arguments = ();
+/// Jobs per shape for the counts printed by `summary`.
+const COUNTED_JOBS: u64 = 2_000;
 
-    async fn pre_start(
-        &self,
-        _myself: ractor::ActorRef<()>,
-        (): (),
-    ) -> Result<(), ractor::ActorProcessingErr> {
-        Ok(())
-    }
-
-    async fn post_start(
-        &self,
-        myself: ractor::ActorRef<()>,
-        (): &mut (),
-    ) -> Result<(), ractor::ActorProcessingErr> {
-        myself.stop(None);
-        Ok(())
-    }
+/// A supervisor, the floors' semaphore and the work root, for the whole bench.
+struct Setup {
+    rt: tokio::runtime::Runtime,
+    sup: Supervisor,
+    sem: Arc<Semaphore>,
+    root: Arc<PathBuf>,
+    _scratch: tempfile::TempDir,
 }
-/// `run` with a no-op body ≤ 1.5× the hand-written equivalent with a per-job ractor worker
-/// (issue 11, point 6).
-const TARGET: f64 = 1.5;
 
-fn job_lifecycle(c: &mut Criterion) {
+fn setup() -> Setup {
     let rt = floor::runtime();
     let scratch = floor::scratch_dir();
     let sup = rt.block_on(start_supervisor(SLOTS, Some(scratch.path())));
     // The supervisor's own work root (canonicalized), where its job temp dirs go: the floors
     // make theirs there too.
     let root = Arc::new(PathBuf::from(sup.work_root()));
-    let sem = Arc::new(Semaphore::new(SLOTS as usize));
+    Setup {
+        rt,
+        sup,
+        sem: Arc::new(Semaphore::new(SLOTS as usize)),
+        root,
+        _scratch: scratch,
+    }
+}
 
+static SETUP: std::sync::OnceLock<Setup> = std::sync::OnceLock::new();
+
+/// One leasehold job of a shape.
+async fn leasehold_job(sup: &Supervisor, shape: &str) {
+    match shape {
+        LEASEHOLD => floor::noop_run(sup).await,
+        LEASEHOLD_FILE => floor::file_run(sup).await,
+        ACTOR_JOB => floor::noop_spawn_job(sup).await,
+        other => unreachable!("{other}"),
+    }
+}
+
+fn job_lifecycle(c: &mut Criterion) {
+    let s = SETUP.get_or_init(setup);
     let mut group = c.benchmark_group(GROUP);
     group
         .sample_size(SAMPLES)
@@ -84,105 +101,135 @@ fn job_lifecycle(c: &mut Criterion) {
         Duration::from_secs(3),
     );
 
-    let k = key(GROUP, LEASEHOLD, PARAM);
-    group.bench_function(BenchmarkId::new(LEASEHOLD, PARAM), |b| {
-        timed(b, &rt, &k, SAMPLES, |iters| {
-            let sup = sup.clone();
-            async move {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    floor::noop_run(&sup).await;
+    for (function, shape) in [(LEASEHOLD, NOOP), (LEASEHOLD_FILE, FILE), (ACTOR_JOB, NOOP)] {
+        let k = key(GROUP, function, shape);
+        group.bench_function(BenchmarkId::new(function, shape), |b| {
+            timed(b, &s.rt, &k, SAMPLES, |iters| {
+                let sup = s.sup.clone();
+                async move {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        leasehold_job(&sup, function).await;
+                    }
+                    start.elapsed()
                 }
-                start.elapsed()
-            }
+            });
         });
-    });
+    }
 
-    let k = key(GROUP, ACTOR_JOB, PARAM);
-    group.bench_function(BenchmarkId::new(ACTOR_JOB, PARAM), |b| {
-        timed(b, &rt, &k, SAMPLES, |iters| {
-            let sup = sup.clone();
-            async move {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    let job = leasehold::JobSpec::new("bench-actor").expect("valid id");
-                    let (_actor, outcome) = sup
-                        .spawn_job(job, NoopActor, |_ctx| ())
-                        .await
-                        .expect("spawned");
-                    outcome.join().await.expect("stopped");
+    for (function, shape) in [(RACTOR_NOOP, NOOP), (RACTOR_FILE, FILE), (TASK, NOOP)] {
+        let k = key(GROUP, function, shape);
+        group.bench_function(BenchmarkId::new(function, shape), |b| {
+            timed(b, &s.rt, &k, SAMPLES, |iters| {
+                let (sem, root) = (Arc::clone(&s.sem), Arc::clone(&s.root));
+                async move {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        match function {
+                            RACTOR_NOOP => floor::hand_written_ractor_noop(&sem).await,
+                            RACTOR_FILE => floor::hand_written_ractor_file(&sem, &root).await,
+                            _ => floor::hand_written_task_job(&sem, &root).await,
+                        }
+                    }
+                    start.elapsed()
                 }
-                start.elapsed()
-            }
+            });
         });
-    });
-
-    let k = key(GROUP, RACTOR_WORKER, PARAM);
-    group.bench_function(BenchmarkId::new(RACTOR_WORKER, PARAM), |b| {
-        timed(b, &rt, &k, SAMPLES, |iters| {
-            let (sem, root) = (Arc::clone(&sem), Arc::clone(&root));
-            async move {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    floor::hand_written_ractor_job(&sem, &root).await;
-                }
-                start.elapsed()
-            }
-        });
-    });
-
-    let k = key(GROUP, TASK, PARAM);
-    group.bench_function(BenchmarkId::new(TASK, PARAM), |b| {
-        timed(b, &rt, &k, SAMPLES, |iters| {
-            let (sem, root) = (Arc::clone(&sem), Arc::clone(&root));
-            async move {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    floor::hand_written_task_job(&sem, &root).await;
-                }
-                start.elapsed()
-            }
-        });
-    });
+    }
     group.finish();
+}
 
-    rt.block_on(sup.shutdown()).expect("shutdown");
+/// Counts what leasehold did for `n` jobs of a shape (after the timed runs, so nothing else
+/// runs on the supervisor).
+fn counts_per_job(s: &Setup, shape: &'static str, n: u64) -> Counts {
+    let sup = s.sup.clone();
+    s.rt.block_on(async move {
+        tokio::spawn(async move {
+            let before = Counts::now();
+            for _ in 0..n {
+                leasehold_job(&sup, shape).await;
+            }
+            Counts::now().since(before)
+        })
+        .await
+        .expect("the counted loop")
+    })
 }
 
 fn summary(_c: &mut Criterion) {
-    if !table_start("`run` lifecycle", "per job") {
+    if !table_start("a job's lifecycle", "per job") {
         return;
     }
-    let k = |f: &str| key(GROUP, f, PARAM);
     ratio_row(
-        "**`run` no-op / hand-written with a per-job ractor worker** (permit + tempdir + actor spawned and joined + remove)",
-        &k(LEASEHOLD),
-        &k(RACTOR_WORKER),
+        "**`run`, no-op body, no temp dir / a per-job ractor worker** (permit + actor spawned and joined)",
+        &key(GROUP, LEASEHOLD, NOOP),
+        &key(GROUP, RACTOR_NOOP, NOOP),
         1,
-        Some(TARGET),
+        Some(NOOP_TARGET),
     );
     ratio_row(
-        "`run` no-op / hand-written with a tokio task (permit + tempdir + spawn + join + remove)",
-        &k(LEASEHOLD),
-        &k(TASK),
+        "**`run`, writes one file in its temp dir / the same by hand** (permit + temp dir + actor that writes the file, joined + dir removed)",
+        &key(GROUP, LEASEHOLD_FILE, FILE),
+        &key(GROUP, RACTOR_FILE, FILE),
+        1,
+        Some(FILE_TARGET),
+    );
+    ratio_row(
+        "**`spawn_job` (an actor that stops in `post_start`) / `run` no-op**",
+        &key(GROUP, ACTOR_JOB, NOOP),
+        &key(GROUP, LEASEHOLD, NOOP),
+        1,
+        Some(ACTOR_JOB_TARGET),
+    );
+    ratio_row(
+        "`spawn_job` / an actor spawned and joined by hand (permit + actor)",
+        &key(GROUP, ACTOR_JOB, NOOP),
+        &key(GROUP, RACTOR_NOOP, NOOP),
         1,
         None,
     );
     ratio_row(
-        "`spawn_job` (a job actor that stops in `post_start`) / `run` no-op",
-        &k(ACTOR_JOB),
-        &k(LEASEHOLD),
-        1,
-        None,
-    );
-    ratio_row(
-        "`spawn_job` / hand-written with a per-job ractor worker",
-        &k(ACTOR_JOB),
-        &k(RACTOR_WORKER),
+        "`run` no-op / a tokio task by hand (permit + temp dir + spawn + join + remove)",
+        &key(GROUP, LEASEHOLD, NOOP),
+        &key(GROUP, TASK, NOOP),
         1,
         None,
     );
     table_end();
+
+    let Some(s) = SETUP.get() else {
+        return;
+    };
+    let n = if floor::test_mode() { 10 } else { COUNTED_JOBS };
+    println!("What noise does not move, counted by leasehold over {n} jobs of each shape:");
+    println!();
+    println!(
+        "| shape | messages into the inbox / job | doorbells / job | tasks leasehold spawned / job |"
+    );
+    println!("|---|---|---|---|");
+    for (label, shape) in [
+        ("`run`, no-op body, no temp dir", LEASEHOLD),
+        ("`run`, writes one file in its temp dir", LEASEHOLD_FILE),
+        (
+            "`spawn_job`, an actor that stops in `post_start`",
+            ACTOR_JOB,
+        ),
+    ] {
+        let c = counts_per_job(s, shape, n);
+        let per = |x: u64| x as f64 / n as f64;
+        println!(
+            "| {label} | {:.2} | {:.2} | {:.2} |",
+            per(c.messages),
+            per(c.rings),
+            per(c.tasks)
+        );
+    }
+    println!();
+    println!(
+        "(the hand-written floors send no message and spawn one actor task per job; instructions and system calls per job: `benches/instructions.rs`, see BENCHMARKS.md)"
+    );
+    println!();
+    s.rt.block_on(s.sup.clone().shutdown()).expect("shutdown");
 }
 
 criterion_group! {

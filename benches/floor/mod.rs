@@ -357,6 +357,77 @@ pub async fn hand_written_ractor_job(sem: &Semaphore, root: &Path) {
     dir.close().expect("temp dir removed");
 }
 
+/// The floor of a job that needs no temp dir: a permit, a fresh [`JobWorker`] spawned that runs
+/// a no-op body in its `post_start` and stops itself, its `JoinHandle` awaited, the permit
+/// given back. Also the floor of a job actor: an actor spawned and joined.
+pub async fn hand_written_ractor_noop(sem: &Semaphore) {
+    let _permit = sem.acquire().await.expect("semaphore open");
+    let body = || async { Ok::<_, io::Error>(()) };
+    let (_worker, join) = Actor::spawn(None, JobWorker(PhantomData), body)
+        .await
+        .expect("worker starts");
+    join.await.expect("worker joins");
+}
+
+/// What a job that writes one file writes.
+pub const FRAME: &[u8] = b"one small frame of output";
+
+/// The floor of a job that writes one file in its temp dir: a permit, a temp dir made, a fresh
+/// [`JobWorker`] whose body writes the file, its `JoinHandle` awaited, the dir removed, the
+/// permit given back.
+pub async fn hand_written_ractor_file(sem: &Semaphore, root: &Path) {
+    let _permit = sem.acquire().await.expect("semaphore open");
+    let dir = tempfile::tempdir_in(root).expect("temp dir");
+    let file = dir.path().join("frame");
+    let body = move || async move { std::fs::write(file, FRAME) };
+    let (_worker, join) = Actor::spawn(None, JobWorker(PhantomData), body)
+        .await
+        .expect("worker starts");
+    join.await.expect("worker joins");
+    dir.close().expect("temp dir removed");
+}
+
+/// One `Supervisor::run` whose body writes one file in its temp dir.
+pub async fn file_run(sup: &Supervisor) {
+    sup.run(JobSpec::new("f").expect("valid id"), |ctx| async move {
+        std::fs::write(ctx.temp_dir().join("frame"), FRAME)
+    })
+    .await
+    .expect("the file job succeeds");
+}
+
+/// A job actor that stops as soon as it has started.
+pub struct NoopActor;
+
+impl Actor for NoopActor {
+    type Msg = ();
+    type State = ();
+    type Arguments = ();
+
+    async fn pre_start(&self, _myself: ActorRef<()>, (): ()) -> Result<(), ActorProcessingErr> {
+        Ok(())
+    }
+
+    async fn post_start(
+        &self,
+        myself: ActorRef<()>,
+        (): &mut (),
+    ) -> Result<(), ActorProcessingErr> {
+        myself.stop(None);
+        Ok(())
+    }
+}
+
+/// One `Supervisor::spawn_job` of a [`NoopActor`], its outcome joined.
+pub async fn noop_spawn_job(sup: &Supervisor) {
+    let job = JobSpec::new("a").expect("valid id");
+    let (_actor, outcome) = sup
+        .spawn_job(job, NoopActor, |_ctx| ())
+        .await
+        .expect("spawned");
+    outcome.join().await.expect("stopped");
+}
+
 /// A per-job ractor worker: runs the body it was started with in `post_start`, then stops.
 pub struct JobWorker<B>(pub PhantomData<fn() -> B>);
 
