@@ -25,18 +25,6 @@ pub(crate) struct JobShared {
     records: Mutex<Option<Box<Records>>>,
     /// `QUEUED`, `STARTED` (the body was called) or `CLOSED` (every tracked task has ended).
     stage: AtomicU8,
-    /// The temp dir: made on the job's first use of it, removed by its driver after the
-    /// worker's physical end; none is made once the driver has closed it.
-    temp_dir: Mutex<TempDir>,
-}
-
-/// Where a job's temp dir stands.
-#[derive(Debug, Default)]
-struct TempDir {
-    /// The path handed out (made, or the one handed out when making failed).
-    path: Option<Box<Path>>,
-    /// The driver took it: nothing more is made for this job.
-    closed: bool,
 }
 
 /// Numbers the paths handed out when a temp dir could not be made.
@@ -58,6 +46,11 @@ struct Records {
     /// The body applies the cancel-then-grace rule itself (a job actor's host, which stops
     /// then kills the actor): the worker must not drop it after the grace.
     stops_itself: bool,
+    /// The job's temp dir, once the job asked for one: the path handed out (made, or the one
+    /// handed out when making failed). Kept here, allocated with the records on first use, so
+    /// that a job waiting for its slot pays nothing for it. None is made once the job is
+    /// `CLOSED`.
+    temp_dir: Option<Box<Path>>,
     /// A process group the job started could not be proven empty (its keeper said so before
     /// it ended): the driver leaves the temp dir to the core.
     unproven_group: bool,
@@ -72,7 +65,6 @@ impl JobShared {
             cancel,
             records: Mutex::new(None),
             stage: AtomicU8::new(QUEUED),
-            temp_dir: Mutex::new(TempDir::default()),
         }
     }
 
@@ -129,49 +121,44 @@ impl JobShared {
     }
 
     /// Makes the job's temp dir under `root` (the context calls it once, on first use, and
-    /// keeps the answer). Refused once the driver has closed it. When making fails, the path
-    /// handed out instead (which does not exist) is recorded all the same, so that whatever
-    /// the body might make there is removed with the job.
+    /// keeps the answer). Refused once the job is closed (its driver has seen every tracked
+    /// task end). When making fails, the path handed out instead (which does not exist) is
+    /// recorded all the same, so that whatever the body might make there is removed with the
+    /// job.
     pub(crate) fn make_temp_dir(
         &self,
         host: &dyn TempDirHost,
         root: &Path,
         job_id: &str,
     ) -> Result<PathBuf, (PathBuf, PrepareError)> {
-        let mut dir = self.temp_dir.lock();
+        // Under the records' lock, which the driver takes after closing the job to read what
+        // to remove: a dir made here is either seen by the driver, or never made.
+        let mut records = self.records.lock();
         let unmade = || {
             let n = UNMADE.fetch_add(1, Ordering::Relaxed);
             root.join(format!("{job_id}.unmade-{n}"))
         };
-        if dir.closed {
-            let path = dir.path.as_deref().map_or_else(unmade, Path::to_path_buf);
+        if self.is_closed() {
+            let made = records.as_deref().and_then(|r| r.temp_dir.as_deref());
+            let path = made.map_or_else(unmade, Path::to_path_buf);
             let err = io::Error::other("the job's lease has ended: no temp dir is made for it");
             return Err((path, PrepareError::TempDir(Arc::new(err))));
         }
-        match host.create(root, job_id) {
-            Ok(path) => {
-                dir.path = Some(path.clone().into_boxed_path());
-                Ok(path)
-            }
-            Err(err) => {
-                let path = unmade();
-                dir.path = Some(path.clone().into_boxed_path());
-                Err((path, PrepareError::TempDir(Arc::new(err))))
-            }
+        let (path, result) = match host.create(root, job_id) {
+            Ok(path) => (path, None),
+            Err(err) => (unmade(), Some(PrepareError::TempDir(Arc::new(err)))),
+        };
+        records.get_or_insert_with(Box::default).temp_dir = Some(path.clone().into_boxed_path());
+        match result {
+            None => Ok(path),
+            Some(err) => Err((path, err)),
         }
     }
 
-    /// Closes the temp dir (nothing more is made for this job) and says what to remove:
-    /// `None` when the job never asked for one.
-    pub(crate) fn close_temp_dir(&self) -> Option<PathBuf> {
-        let mut dir = self.temp_dir.lock();
-        dir.closed = true;
-        dir.path.as_deref().map(Path::to_path_buf)
-    }
-
-    /// The job's temp dir, if it asked for one.
+    /// The job's temp dir, if it asked for one (what its driver removes once the job is
+    /// closed: nothing more is made after that).
     pub(crate) fn temp_dir(&self) -> Option<PathBuf> {
-        self.temp_dir.lock().path.as_deref().map(Path::to_path_buf)
+        self.read(|r| r.temp_dir.as_deref().map(Path::to_path_buf))
     }
 
     /// A process group of the job could not be proven empty.

@@ -299,7 +299,8 @@ impl Driver {
                 }
             }
         }
-        let dir = match self.shared.close_temp_dir() {
+        // The job is closed (above): nothing more is made after this read.
+        let dir = match self.shared.temp_dir() {
             // The job never asked for one: nothing to remove, no blocking-pool hop.
             None => DirEnd::NeverMade,
             Some(_) if !clean => DirEnd::Left,
