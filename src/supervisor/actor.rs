@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
 use rustc_hash::FxHashMap;
 use tokio::sync::oneshot;
-use tokio::task::{AbortHandle, JoinHandle};
+use tokio::task::AbortHandle;
 use tokio_util::task::TaskTracker;
 use tracing::Span;
 

@@ -74,51 +74,38 @@ impl Shell {
             #[cfg(feature = "gpu")]
             gpu: placement,
         };
+        self.jobs.insert(
+            key,
+            JobRt {
+                job_id,
+                shared: Arc::clone(&shared),
+                reply: Some(reply),
+                #[cfg(feature = "gpu")]
+                placement,
+            },
+        );
+        let driver = Driver {
+            tracker,
+            shared,
+            reporter,
+            drain_timeout: self.config.drain_timeout,
+            cleanup_timeout: self.config.cleanup_timeout,
+            temp_dirs: Arc::clone(&self.config.hosts.temp_dirs),
+            #[cfg(feature = "gpu")]
+            gpu: self.config.hosts.gpu.clone(),
+            #[cfg(feature = "gpu")]
+            placement,
+        };
+        // One task from the mailbox: the driver spawns the worker itself (never an await in
+        // the mailbox), so that the job's tasks run one after another on this worker thread
+        // without waking another one.
         crate::counters::task();
-        match Actor::spawn_linked(None, WorkerActor, args, self.myself.get_cell()).await {
-            Ok((_worker, join)) => {
-                self.jobs.insert(
-                    key,
-                    JobRt {
-                        job_id,
-                        shared: Arc::clone(&shared),
-                        reply: Some(reply),
-                        #[cfg(feature = "gpu")]
-                        placement,
-                    },
-                );
-                let driver = Driver {
-                    join,
-                    tracker,
-                    shared,
-                    reporter,
-                    drain_timeout: self.config.drain_timeout,
-                    cleanup_timeout: self.config.cleanup_timeout,
-                    temp_dirs: Arc::clone(&self.config.hosts.temp_dirs),
-                    #[cfg(feature = "gpu")]
-                    gpu: self.config.hosts.gpu.clone(),
-                    #[cfg(feature = "gpu")]
-                    placement,
-                };
-                crate::counters::task();
-                tokio::spawn(driver.run());
-                #[cfg(feature = "gpu")]
-                let device = placement.map(|p| p.device);
-                #[cfg(not(feature = "gpu"))]
-                let device = None;
-                self.core.apply(Input::Started { key, device });
-            }
-            Err(err) => {
-                // The worker's pre_start only moves its arguments, so the body never ran.
-                tracing::error!(error = %err, "could not spawn the worker actor");
-                #[cfg(feature = "gpu")]
-                if let (Some(gpu), Some(p)) = (&self.config.hosts.gpu, placement) {
-                    gpu.free(p);
-                }
-                let why = PrepareError::WorkerSpawn(err.to_string());
-                self.not_started(key, job_id, shared, reply, why);
-            }
-        }
+        tokio::spawn(driver.run(args, self.myself.get_cell()));
+        #[cfg(feature = "gpu")]
+        let device = placement.map(|p| p.device);
+        #[cfg(not(feature = "gpu"))]
+        let device = None;
+        self.core.apply(Input::Started { key, device });
     }
 
     /// A job that could not start: the core takes its slots back, then its caller hears why.
@@ -220,7 +207,6 @@ async fn remove_temp_dir(
 /// body) is announced first with the worker's end (`Proven`), and a bound that passes with a
 /// `Late`. It decides nothing: what follows from the proofs is the core's.
 struct Driver {
-    join: JoinHandle<()>,
     tracker: TaskTracker,
     shared: Arc<JobShared>,
     reporter: Reporter,
@@ -234,9 +220,21 @@ struct Driver {
 }
 
 impl Driver {
-    async fn run(self) {
+    async fn run(self, args: WorkerArgs, supervisor: ractor::ActorCell) {
         let key = self.reporter.key;
-        let _ = self.join.await;
+        crate::counters::task();
+        let join = match Actor::spawn_linked(None, WorkerActor, args, supervisor).await {
+            Ok((_worker, join)) => join,
+            Err(err) => {
+                // The worker's pre_start only moves its arguments, so the body never ran: a
+                // fact the core takes (it gives the slots back, and the caller hears why).
+                tracing::error!(error = %err, "could not spawn the worker actor");
+                let why = PrepareError::WorkerSpawn(err.to_string());
+                self.reporter.input(Input::NotStarted { key, why });
+                return;
+            }
+        };
+        let _ = join.await;
         let tracker = self.tracker;
         tracker.close();
         let mut proofs = Proofs::JOINED;
