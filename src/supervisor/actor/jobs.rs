@@ -100,7 +100,9 @@ impl Shell {
         // the mailbox), so that the job's tasks run one after another on this worker thread
         // without waking another one.
         crate::counters::task();
-        tokio::spawn(driver.run(args, self.myself.get_cell()));
+        // Boxed: the future holds the worker's arguments and ractor's spawn, several KB that
+        // tokio would otherwise copy three or four times on the way into its task cell.
+        tokio::spawn(Box::pin(driver.run(args, self.myself.get_cell())));
         #[cfg(feature = "gpu")]
         let device = placement.map(|p| p.device);
         #[cfg(not(feature = "gpu"))]
