@@ -301,8 +301,15 @@ impl Actor for SupervisorActor {
         &self,
         _myself: ActorRef<Ring>,
         evt: SupervisionEvent,
-        _state: &mut Shell,
+        state: &mut Shell,
     ) -> Result<(), ActorProcessingErr> {
+        #[cfg(test)]
+        state
+            .stats
+            .supervision_events
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        #[cfg(not(test))]
+        let _ = state;
         match evt {
             // A worker unlinks from the supervisor before it ends (its driver proves its end
             // from the join handle), so a worker's event reaches us only if it was killed while

@@ -116,6 +116,12 @@ impl Inbox {
         }
     }
 
+    /// The actor the inbox rings (tests look at its supervision tree).
+    #[cfg(test)]
+    pub(crate) fn actor(&self) -> Option<&ActorRef<Ring>> {
+        self.actor.get()
+    }
+
     /// Closes the inbox and drops what is queued (their reply senders with them).
     pub(crate) fn close(&self) {
         let queued = {

@@ -6,6 +6,8 @@ mod builder;
 pub(crate) mod core;
 pub(crate) mod hosts;
 pub(crate) mod inbox;
+#[cfg(test)]
+mod link_tests;
 pub(crate) mod messages;
 mod reporter;
 mod reports;

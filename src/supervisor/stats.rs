@@ -92,6 +92,9 @@ pub(crate) struct SharedStats {
     /// `u64::MAX`: unknown.
     capacity: AtomicU64,
     leases: AtomicU64,
+    /// Supervision events the actor received (tests: a worker sends none).
+    #[cfg(test)]
+    pub(crate) supervision_events: AtomicU64,
     shut_down: AtomicBool,
 }
 
