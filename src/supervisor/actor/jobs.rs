@@ -111,6 +111,7 @@ impl Shell {
     }
 
     /// A job that could not start: the core takes its slots back, then its caller hears why.
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
     pub(super) fn not_started(
         &mut self,
         key: LeaseKey,
