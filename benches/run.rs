@@ -16,8 +16,11 @@
 //! criterion ids are `job_lifecycle/<function>/<shape>`. The last "benchmark", `summary`, prints
 //! the ratio rows from the samples criterion took above, then what machine noise does not move:
 //! messages into the supervisor's inbox, doorbells and tasks per job, counted by leasehold
-//! itself over 2 000 jobs of each shape (`leasehold::Counts`). Instructions and system calls
-//! per job: `benches/instructions.rs` under callgrind and `strace -c -f` (`BENCHMARKS.md`).
+//! itself over 2 000 jobs of each shape (`leasehold::Counts`), and, when `strace` and `valgrind`
+//! are installed (and not in test mode), system calls and instructions per job for every shape
+//! and its floor: this binary re-run under `strace -c -f` and callgrind with
+//! `LEASEHOLD_RUN_SHAPE=<shape>:<n>` (run `n` jobs of one shape after 100 to warm up, then exit),
+//! once with n = 2 000 and once with n = 0, the difference divided by 2 000.
 //! `-- --test` runs each once.
 
 mod floor;
@@ -58,7 +61,7 @@ struct Setup {
     sup: Supervisor,
     sem: Arc<Semaphore>,
     root: Arc<PathBuf>,
-    _scratch: tempfile::TempDir,
+    scratch: tempfile::TempDir,
 }
 
 fn setup() -> Setup {
@@ -73,7 +76,7 @@ fn setup() -> Setup {
         sup,
         sem: Arc::new(Semaphore::new(SLOTS as usize)),
         root,
-        _scratch: scratch,
+        scratch,
     }
 }
 
@@ -89,7 +92,39 @@ async fn leasehold_job(sup: &Supervisor, shape: &str) {
     }
 }
 
+/// `LEASEHOLD_RUN_SHAPE=<shape>:<n>`: runs `n` jobs of one shape (after 100 to warm up) and
+/// exits, for `strace` and callgrind (see `counted_externally`).
+fn run_one_shape_and_exit(spec: &str) -> ! {
+    let (shape, n) = spec.split_once(':').expect("<shape>:<n>");
+    let n: u64 = n.parse().expect("a count");
+    let s = setup();
+    let shape = shape.to_owned();
+    let (sup, sem, root) = (s.sup.clone(), Arc::clone(&s.sem), Arc::clone(&s.root));
+    s.rt.block_on(async move {
+        tokio::spawn(async move {
+            for n in [100, n] {
+                for _ in 0..n {
+                    match shape.as_str() {
+                        RACTOR_NOOP => floor::hand_written_ractor_noop(&sem).await,
+                        RACTOR_FILE => floor::hand_written_ractor_file(&sem, &root).await,
+                        other => leasehold_job(&sup, other).await,
+                    }
+                }
+            }
+        })
+        .await
+        .expect("the shape's loop")
+    });
+    s.rt.block_on(s.sup.clone().shutdown()).expect("shutdown");
+    // Removes the scratch dir (an exit would skip its destructor).
+    drop(s);
+    std::process::exit(0)
+}
+
 fn job_lifecycle(c: &mut Criterion) {
+    if let Ok(spec) = std::env::var("LEASEHOLD_RUN_SHAPE") {
+        run_one_shape_and_exit(&spec);
+    }
     let s = SETUP.get_or_init(setup);
     let mut group = c.benchmark_group(GROUP);
     group
@@ -225,11 +260,118 @@ fn summary(_c: &mut Criterion) {
         );
     }
     println!();
+    println!("(the hand-written floors send no message and spawn one actor task per job)");
+    println!();
+    if !floor::test_mode() {
+        counted_externally();
+    }
+    s.rt.block_on(s.sup.clone().shutdown()).expect("shutdown");
+    // `SETUP` is a static, never dropped: its scratch dir is removed here.
+    let _ = std::fs::remove_dir_all(s.scratch.path());
+}
+
+/// Jobs per run under `strace` and callgrind.
+const EXTERNAL_JOBS: u64 = 2_000;
+
+/// What `f` counts over [`EXTERNAL_JOBS`] jobs of `shape`, minus what it counts over none.
+fn per_job(shape: &str, f: &dyn Fn(&str) -> Option<u64>) -> Option<f64> {
+    let with = f(&format!("{shape}:{EXTERNAL_JOBS}"))?;
+    let without = f(&format!("{shape}:0"))?;
+    Some(with.saturating_sub(without) as f64 / EXTERNAL_JOBS as f64)
+}
+
+/// This binary re-run with `LEASEHOLD_RUN_SHAPE`, under `program` and `args`; its stderr, or
+/// the contents of `out` when given.
+fn rerun(
+    program: &str,
+    args: &[&str],
+    spec: &str,
+    out: Option<&std::path::Path>,
+) -> Option<String> {
+    let exe = std::env::current_exe().ok()?;
+    let output = std::process::Command::new(program)
+        .args(args)
+        .arg(&exe)
+        .arg("--bench")
+        .env("LEASEHOLD_RUN_SHAPE", spec)
+        .stdout(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    if !output.status.success() {
+        return None;
+    }
+    match out {
+        Some(path) => std::fs::read_to_string(path).ok(),
+        None => Some(String::from_utf8_lossy(&output.stderr).into_owned()),
+    }
+}
+
+/// System calls (`strace -c -f`: the "total" line) of one re-run.
+fn syscalls(spec: &str) -> Option<u64> {
+    let out = tempfile::NamedTempFile::new().ok()?;
+    let path = out.path().to_str()?.to_owned();
+    let text = rerun("strace", &["-c", "-f", "-o", &path], spec, Some(out.path()))?;
+    let total = text
+        .lines()
+        .rev()
+        .find(|l| l.trim_end().ends_with("total"))?;
+    // `% time  seconds  usecs/call  calls  [errors]  total`: the calls column.
+    let fields: Vec<&str> = total.split_whitespace().collect();
+    fields.get(3)?.parse().ok()
+}
+
+/// Instructions (callgrind's "Collected") of one re-run.
+fn instructions(spec: &str) -> Option<u64> {
+    let text = rerun(
+        "valgrind",
+        &["--tool=callgrind", "--callgrind-out-file=/dev/null"],
+        spec,
+        None,
+    )?;
+    let line = text.lines().find(|l| l.contains("Collected :"))?;
+    line.rsplit(':')
+        .next()?
+        .trim()
+        .replace(',', "")
+        .parse()
+        .ok()
+}
+
+/// System calls and instructions per job of every shape and its floor, when `strace` and
+/// `valgrind` are installed.
+fn counted_externally() {
     println!(
-        "(the hand-written floors send no message and spawn one actor task per job; instructions and system calls per job: `benches/instructions.rs`, see BENCHMARKS.md)"
+        "System calls (`strace -c -f`) and instructions (callgrind) per job, this binary re-run with {EXTERNAL_JOBS} jobs and with none:"
     );
     println!();
-    s.rt.block_on(s.sup.clone().shutdown()).expect("shutdown");
+    println!("| shape | system calls / job | instructions / job |");
+    println!("|---|---|---|");
+    let fmt = |x: Option<f64>| {
+        x.map_or_else(
+            || "not measured (tool missing)".to_owned(),
+            |v| format!("{v:.2}"),
+        )
+    };
+    for (label, shape) in [
+        ("`run`, no-op body, no temp dir", LEASEHOLD),
+        ("floor: permit + actor spawned and joined", RACTOR_NOOP),
+        ("`run`, writes one file in its temp dir", LEASEHOLD_FILE),
+        (
+            "floor: permit + temp dir + actor writes the file + dir removed",
+            RACTOR_FILE,
+        ),
+        (
+            "`spawn_job`, an actor that stops in `post_start`",
+            ACTOR_JOB,
+        ),
+    ] {
+        println!(
+            "| {label} | {} | {} |",
+            fmt(per_job(shape, &syscalls)),
+            fmt(per_job(shape, &instructions)).replace(".00", "")
+        );
+    }
+    println!();
 }
 
 criterion_group! {
