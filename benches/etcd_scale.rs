@@ -16,8 +16,9 @@
 //!   per process, running all its jobs at once, each holding its slot 1–5 ms;
 //! - `broker`: the same leases on the broker alone, driven by as many tasks per process as a
 //!   supervisor keeps acquires in flight (acquire, hold, release);
-//! - one slot: `leases` on a pool of one slot, and etcd's v3 Lock service (`Lock`, hold,
-//!   `Unlock`, one task per process, each process on its own session lease), the same holds.
+//! - one slot: `leases` and `broker` on a pool of one slot, and etcd's v3 Lock service
+//!   (`Lock`, hold, `Unlock`, one task per process, each process on its own session lease),
+//!   the same holds.
 //!
 //! Then, at D = 0, leases with one member (a follower, or the leader) SIGKILLed once a third of
 //! the jobs are done, and the bare loop on the two survivors.
@@ -102,7 +103,11 @@ fn main() {
             .ok()
             .map(|v| {
                 v.split(',')
-                    .map(|d| d.trim().parse().expect("LEASEHOLD_SCALE_DELAYS: ms, comma-separated"))
+                    .map(|d| {
+                        d.trim()
+                            .parse()
+                            .expect("LEASEHOLD_SCALE_DELAYS: ms, comma-separated")
+                    })
                     .collect()
             })
             .unwrap_or_else(|| vec![0, 5]),
@@ -254,6 +259,8 @@ struct AtDelay {
     leases: Figures,
     broker: Figures,
     one_slot: Figures,
+    /// The broker alone at one slot (one task per process).
+    one_broker: Figures,
     lock: Figures,
     /// A unary call's round trip through the proxies (a serializable read), p50 ms.
     call_ms: f64,
@@ -291,7 +298,14 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             label: label.to_owned(),
             kill: None,
         };
-        let bare = bare(&mut procs, &cluster, &net, &all, plan, "bare loop, 3 members");
+        let bare = bare(
+            &mut procs,
+            &cluster,
+            &net,
+            &all,
+            plan,
+            "bare loop, 3 members",
+        );
         let leases = phase(
             &mut procs,
             &mut cluster,
@@ -316,6 +330,14 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             &work,
             &p("leases", 1, plan.one_slot_jobs, "one slot: leasehold"),
         );
+        let one_broker = phase(
+            &mut procs,
+            &mut cluster,
+            &net,
+            &rt,
+            &work,
+            &p("broker", 1, plan.one_slot_jobs, "↳ the broker alone"),
+        );
         let lock = phase(
             &mut procs,
             &mut cluster,
@@ -330,6 +352,7 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             leases,
             broker,
             one_slot,
+            one_broker,
             lock,
             call_ms,
         });
@@ -364,7 +387,14 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             },
         );
         let live: Vec<usize> = all.iter().copied().filter(|i| *i != victim).collect();
-        let bare2 = bare(&mut procs, &cluster, &net, &live, plan, "bare loop, 2 survivors");
+        let bare2 = bare(
+            &mut procs,
+            &cluster,
+            &net,
+            &live,
+            plan,
+            "bare loop, 2 survivors",
+        );
         (killed, bare2)
     });
     for p in &mut procs {
@@ -390,17 +420,26 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
         );
         println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
         r.bare.row(None, r.delay);
-        for f in [&r.leases, &r.broker, &r.one_slot, &r.lock] {
+        for f in [&r.leases, &r.broker, &r.one_slot, &r.one_broker, &r.lock] {
             f.row(Some(&r.bare), r.delay);
         }
         println!(
-            "one slot, {} processes: leasehold {:.0} leases/s against the v3 Lock service's {:.0}: {:.2}×",
+            "one slot, {} processes: leasehold {:.0} leases/s (the broker alone {:.0}) against the v3 Lock service's {:.0}: {:.2}× ({:.2}×)",
             plan.processes,
             r.one_slot.rate,
+            r.one_broker.rate,
             r.lock.rate,
-            r.one_slot.rate / r.lock.rate
+            r.one_slot.rate / r.lock.rate,
+            r.one_broker.rate / r.lock.rate
         );
-        for f in [&r.bare, &r.leases, &r.broker, &r.one_slot, &r.lock] {
+        for f in [
+            &r.bare,
+            &r.leases,
+            &r.broker,
+            &r.one_slot,
+            &r.one_broker,
+            &r.lock,
+        ] {
             println!(
                 "profile, {} per {}: {}",
                 f.label,
@@ -458,13 +497,13 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
     }
     let failed: usize = results
         .iter()
-        .flat_map(|r| [&r.leases, &r.broker, &r.one_slot, &r.lock])
+        .flat_map(|r| [&r.leases, &r.broker, &r.one_slot, &r.one_broker, &r.lock])
         .chain(killed.as_ref().map(|(k, _)| k))
         .map(|f| f.failed)
         .sum();
     let left: i64 = results
         .iter()
-        .flat_map(|r| [&r.leases, &r.broker, &r.one_slot])
+        .flat_map(|r| [&r.leases, &r.broker, &r.one_slot, &r.one_broker])
         .chain(killed.as_ref().map(|(k, _)| k))
         .filter_map(|f| f.left)
         .sum();
@@ -613,6 +652,7 @@ fn phase(
     for p in procs.iter_mut() {
         p.send("go");
     }
+    let profiles = profile_members(cluster, &phase.pool);
     let total = procs.len() * phase.jobs;
     let mut before_kill = Counters::default();
     let mut victim_cpu = 0.0;
@@ -644,6 +684,9 @@ fn phase(
         failed += f[2].parse::<usize>().unwrap();
     }
     let wall = started.elapsed();
+    for p in profiles {
+        let _ = p.join();
+    }
     let b1 = net.bytes();
     let cpu1 = cpu(procs, cluster);
     let alive: Vec<usize> = members
@@ -678,6 +721,40 @@ fn phase(
     }
 }
 
+/// With `LEASEHOLD_SCALE_PPROF=DIR` (and `LEASEHOLD_ETCD_PPROF=1`, which starts the members
+/// with `--enable-pprof`), a CPU profile of each member over the first
+/// `LEASEHOLD_SCALE_PPROF_SECONDS` (6) of the phase, written to `DIR/{pool}-m{i}.pb.gz`.
+fn profile_members(cluster: &Cluster, pool: &str) -> Vec<std::thread::JoinHandle<()>> {
+    let Some(dir) = std::env::var_os("LEASEHOLD_SCALE_PPROF") else {
+        return Vec::new();
+    };
+    let seconds: u64 = std::env::var("LEASEHOLD_SCALE_PPROF_SECONDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(6);
+    (0..cluster.len())
+        .map(|i| {
+            let port = cluster.client_port(i);
+            let file = Path::new(&dir).join(format!("{pool}-m{i}.pb.gz"));
+            std::thread::spawn(move || {
+                use std::io::Read;
+                let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+                    return;
+                };
+                let _ = write!(
+                    s,
+                    "GET /debug/pprof/profile?seconds={seconds} HTTP/1.0\r\nHost: x\r\n\r\n"
+                );
+                let mut body = Vec::new();
+                let _ = s.read_to_end(&mut body);
+                if let Some(at) = body.windows(4).position(|w| w == b"\r\n\r\n") {
+                    let _ = std::fs::write(file, &body[at + 4..]);
+                }
+            })
+        })
+        .collect()
+}
+
 /// Keys under the pool `pool` besides its capacity record, read from a live member directly.
 fn keys_left(rt: &tokio::runtime::Runtime, cluster: &Cluster, alive: &[usize], pool: &str) -> i64 {
     rt.block_on(async {
@@ -686,7 +763,10 @@ fn keys_left(rt: &tokio::runtime::Runtime, cluster: &Cluster, alive: &[usize], p
             .expect("connect to a live member");
         let prefix = format!("leasehold/{pool}/");
         let keys = c
-            .get(prefix.clone(), Some(GetOptions::new().with_prefix().with_keys_only()))
+            .get(
+                prefix.clone(),
+                Some(GetOptions::new().with_prefix().with_keys_only()),
+            )
             .await
             .expect("read the pool");
         let mut left = 0;
@@ -969,10 +1049,12 @@ async fn run_broker(
                             token.slot_id()
                         )
                         .unwrap();
-                        if broker.release(token).await.is_ok() {
-                            ok += 1;
-                        } else {
-                            failed += 1;
+                        match broker.release(token).await {
+                            Ok(()) => ok += 1,
+                            Err(e) => {
+                                eprintln!("release failed: {e}");
+                                failed += 1;
+                            }
                         }
                     }
                     Err(e) => {

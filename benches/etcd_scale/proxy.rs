@@ -122,7 +122,10 @@ async fn pump(
             break;
         }
         counter.fetch_add(n as u64, Ordering::Relaxed);
-        if tx.send((Instant::now() + delay, buf[..n].to_vec())).is_err() {
+        if tx
+            .send((Instant::now() + delay, buf[..n].to_vec()))
+            .is_err()
+        {
             break;
         }
     }
