@@ -819,11 +819,7 @@ impl Cluster {
             .arg("--log-outputs")
             .arg("stderr")
             // For profiling a benchmark's members (`/debug/pprof/` on the client port).
-            .args(
-                std::env::var_os("LEASEHOLD_ETCD_PPROF")
-                    .map(|_| "--enable-pprof")
-                    .into_iter(),
-            )
+            .args(std::env::var_os("LEASEHOLD_ETCD_PPROF").map(|_| "--enable-pprof"))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)

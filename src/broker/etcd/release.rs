@@ -153,7 +153,7 @@ impl Inner {
                 break;
             }
             heads.retain(|w| w.rk != entry.rk && !self.served_lately(w));
-            let chain = &heads[..heads.len().min(chained)];
+            let chain = &heads[..heads.len().min(chained).min(CHAIN_MAX)];
             let read = self.heads_read() << attempt.min(3);
             let txn = self.hand_off(token, chain, &marker, read);
             let resp = self
@@ -520,6 +520,9 @@ impl Inner {
 /// compares two keys and writes three): enough for the releases that race it, with a cache the
 /// slot watch keeps fresh; when all of them are gone, its last link reads the queue instead.
 const CHAIN: usize = 6;
+/// The longest chain: etcd counts each nested level's operations against its limit on one
+/// transaction (`--max-txn-ops`, 128 by default), five per link here.
+const CHAIN_MAX: usize = 16;
 
 /// A count of the slot keys in the pool's slot range (from the index: no key is read).
 fn held_count(l: &super::layout::Layout) -> TxnOp {
