@@ -818,6 +818,8 @@ impl Cluster {
             .arg("zap")
             .arg("--log-outputs")
             .arg("stderr")
+            // For profiling a benchmark's members (`/debug/pprof/` on the client port).
+            .args(std::env::var_os("LEASEHOLD_ETCD_PPROF").map(|_| "--enable-pprof"))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)

@@ -233,13 +233,21 @@ impl Inner {
         let deadline = Instant::now() + self.retry_for;
         let mut again = 0;
         let mut stream = None;
+        let mut slots = None;
         let mut join = false;
         loop {
             let session = self.session(deadline).await?;
             // On a busy pool this acquire will wait: its marker's watch goes first, so that a
-            // grant right after the join is not missed (and no look is needed after it).
+            // grant right after the join is not missed (and no look is needed after it); so
+            // does the broker's slot watch, which confirms the grant without a read (set up at
+            // the same time, on the same stream: one round trip for both).
             if stream.is_none() && (join || self.contended.load(Ordering::Relaxed)) {
-                stream = self.open_marker_watch(rk, &session).await?;
+                let user = slots.get_or_insert_with(|| self.slots_user());
+                let (opened, ()) = tokio::join!(
+                    self.open_marker_watch(rk, &session),
+                    user.ready(self.rpc_timeout)
+                );
+                stream = opened?;
             }
             match self.first(rk, &session, join, deadline).await {
                 Ok(First::Granted(grant)) => return Ok(grant),
@@ -506,6 +514,8 @@ impl Inner {
                     );
                     drop(held);
                     self.watch_unclaimed(token, since);
+                    // This broker will release soon: the oldest waiters it will hand to.
+                    self.heads_for_next_release();
                     return Ok(token);
                 }
             }

@@ -176,6 +176,19 @@ impl Layout {
         format!("{}slot/{index:06}", self.prefix)
     }
 
+    /// The index of slot key `key` of this pool, if it is one (a key that is not is left to
+    /// [`holder`](Self::holder) to refuse).
+    pub(super) fn slot_index(&self, key: &[u8]) -> Option<u32> {
+        let rest = key
+            .strip_prefix(self.prefix.as_bytes())?
+            .strip_prefix(b"slot/".as_slice())?;
+        if rest.len() != 6 || !rest.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let index = std::str::from_utf8(rest).ok()?.parse::<u32>().ok()?;
+        (index < self.capacity).then_some(index)
+    }
+
     pub(super) fn request_key(&self, rk: u64) -> String {
         format!("{}request/{rk:016x}", self.prefix)
     }
@@ -500,6 +513,21 @@ mod tests {
             .flat_map(|i| [place_key(a, i), place_key(b, i)])
             .collect();
         assert_eq!(keys.len(), 2_000);
+    }
+
+    #[test]
+    fn only_the_pools_own_slot_keys_have_a_slot_index() {
+        let layout = Layout::new("leasehold", "p", 8);
+        assert_eq!(layout.slot_index(layout.slot_key(7).as_bytes()), Some(7));
+        for key in [
+            "leasehold/p/slot/000008",
+            "leasehold/p/slot/notes",
+            "leasehold/p/slot/00001",
+            "leasehold/q/slot/000001",
+            "leasehold/p/queue/000001",
+        ] {
+            assert_eq!(layout.slot_index(key.as_bytes()), None, "{key}");
+        }
     }
 
     #[test]

@@ -9,6 +9,8 @@
 //! - `acquire` — the idempotent first transaction, and the cleanup of an acquire given up;
 //! - `queue` — FIFO, work-conserving, herd-free waiting;
 //! - `watches` — one watch stream per broker, shared by its waiters;
+//! - `slots` — the broker's watch of the slot keys while it has waiters: frees, grants
+//!   confirmed without a read, the cache of the oldest waiters kept fresh;
 //! - `release` — the hand-off to the next waiter, and releases settled in the background;
 //! - `trust_tests` — a property test of the decoding and decision functions over arbitrary
 //!   pools.
@@ -21,6 +23,7 @@ mod layout;
 mod queue;
 mod release;
 mod session;
+mod slots;
 #[cfg(test)]
 mod trust_tests;
 mod txn;
@@ -85,7 +88,9 @@ use session::{Held, Session};
 /// A release hands its slot straight to the oldest waiter in its own transaction, writing the
 /// grant into the waiter's marker: no slot sits idle while someone waits, and while every slot
 /// is held a waiter watches only its marker (on one watch stream per broker), so a release costs
-/// one watch event and no read whatever the queue's length. A slot freed without a release (a
+/// no read whatever the queue's length: the grantee's marker event, and the slot key's event to
+/// each broker with waiters (one watch of the slot keys per broker), against which the grantee
+/// checks its grant — a hand-off takes the release's transaction and one event, one round trip. A slot freed without a release (a
 /// holder's session expired) makes the waiters look for their place, and the head claims it. A waiter keeps its place through outages and leader elections and fails
 /// (`ETCD_SESSION_EXPIRED`) only when etcd says its session expired.
 ///
@@ -152,11 +157,22 @@ struct Inner {
     heads: Mutex<Vec<layout::Waiter>>,
     /// A read of `heads` is on its way.
     refreshing: AtomicBool,
+    /// Free slots are being granted (see `fill_free_slots`).
+    filling: AtomicBool,
+    /// The waiter of this broker whose coming grant `heads` was last read for (see
+    /// `heads_for_next_release`).
+    refreshed_for: Mutex<Option<u64>>,
+    /// Cached waiters served since `heads` was last read.
+    pruned: AtomicUsize,
     /// The broker's shared watch stream (see `watches`).
     hub: Arc<watches::Hub>,
-    /// Bumped on every slot deletion while the broker has waiters (see `queue`).
+    /// Bumped on every slot deletion while the broker has waiters (see `slots`).
     frees: tokio::sync::watch::Sender<u64>,
-    frees_ctl: Mutex<queue::FreesCtl>,
+    /// The slot watch's users and task, what it has seen, and a bump on each of its batches
+    /// (see `slots`).
+    slots_ctl: Mutex<slots::SlotsCtl>,
+    slot_view: Mutex<slots::SlotView>,
+    slot_seen: tokio::sync::watch::Sender<u64>,
     /// Whether the queue had waiters when last seen: an acquire then joins it straight away
     /// instead of first trying to claim (a comparison over the whole queue).
     contended: AtomicBool,
@@ -293,8 +309,13 @@ impl EtcdBroker {
             hint: AtomicU32::new((owner % u64::from(config.capacity)) as u32),
             heads: Mutex::new(Vec::new()),
             refreshing: AtomicBool::new(false),
+            filling: AtomicBool::new(false),
+            refreshed_for: Mutex::new(None),
+            pruned: AtomicUsize::new(0),
             frees: tokio::sync::watch::Sender::new(0),
-            frees_ctl: Mutex::new(queue::FreesCtl::default()),
+            slots_ctl: Mutex::new(slots::SlotsCtl::default()),
+            slot_view: Mutex::new(slots::SlotView::default()),
+            slot_seen: tokio::sync::watch::Sender::new(0),
             contended: AtomicBool::new(false),
             places: Mutex::new(Places::default()),
             abandoned: Mutex::new(HashMap::new()),

@@ -2,14 +2,16 @@
 //!
 //! A release hands its slot straight to the oldest waiter, in its own transaction (see
 //! `release`), and writes the grant into that waiter's marker (`request/{rk}`): a waiter learns
-//! of its grant from one watch event on its own marker. While every slot is held that is all a
-//! waiter watches; no waiter reads the pool, and a release costs one watch event (the
-//! grantee's) and no read.
+//! of its grant from one watch event on its own marker, and checks it against the slot key's
+//! event of the same transaction (see `slots`; a read of the slot key when that event does not
+//! come). While every slot is held that is all a waiter watches; no waiter reads the pool, and
+//! a release costs the grantee's marker event, one slot event per broker with waiters, and no
+//! read.
 //!
 //! A slot can be free while someone waits only after a free without a hand-off: a holder's
 //! session expired, or a release found the queue empty just before a waiter joined. Each broker
-//! with waiters watches slot deletions (one watch per broker, not per waiter; in steady
-//! contention there are none: hand-offs are writes, not deletions); a waiter that joins reads the
+//! with waiters watches the slot keys (one watch per broker on its shared stream, not per
+//! waiter; see `slots`), and a deletion makes its waiters look; a waiter that joins reads the
 //! count of held slots as it joins. When a waiter sees fewer slots held than the pool has, it
 //! looks for its predecessor: the head (no predecessor) claims a free slot and grants the others
 //! to the waiters behind it, in queue order, in parallel transactions (one round trip); any
@@ -25,12 +27,11 @@ use std::time::Duration;
 
 use etcd_client::{
     Compare, CompareOp, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
-    WatchFilterType, WatchOptions,
+    WatchOptions,
 };
 use futures_util::future::join_all;
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep};
-use tokio_util::sync::CancellationToken;
 
 use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
@@ -186,7 +187,7 @@ impl Inner {
         mut stream: Option<WaitStream>,
         joined: Option<Look>,
     ) -> Result<Grant, EtcdError> {
-        let _watching_frees = self.frees_user();
+        let _watching_slots = self.slots_user();
         let mut frees = self.frees.subscribe();
         frees.mark_unchanged();
         let mut look = match (&stream, joined) {
@@ -212,7 +213,13 @@ impl Inner {
                         lease: session,
                         mod_rev: revision,
                     };
-                    return match self.confirm(&ticket, &marker).await? {
+                    // The slot key's event (sent with the marker's) if the slot watch has it,
+                    // else a read of the slot key: the same check either way.
+                    let confirmed = match self.confirm_seen(ticket.rk, session, &marker).await {
+                        Some(checked) => checked?,
+                        None => self.confirm(&ticket, &marker).await?,
+                    };
+                    return match confirmed {
                         Confirmed::Held => Ok(Grant {
                             slot,
                             revision,
@@ -523,7 +530,7 @@ impl Inner {
 
     /// Grants `slot` to `waiter` (another request, maybe of another process) if it is still
     /// free and the waiter still queued. Best effort: a failure leaves it to the next head.
-    async fn grant_to(self: &Arc<Self>, waiter: Waiter, slot: u32) {
+    pub(super) async fn grant_to(self: &Arc<Self>, waiter: Waiter, slot: u32) {
         let l = &self.layout;
         let under = || Some(PutOptions::new().with_lease(waiter.lease));
         let txn = Txn::new()
@@ -695,108 +702,6 @@ impl Inner {
             }
             sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_millis(500));
-        }
-    }
-
-    /// Registers a waiter with the broker's watch of slot deletions, which runs while the
-    /// broker has waiters.
-    fn frees_user(self: &Arc<Self>) -> FreesUser {
-        let mut ctl = self.frees_ctl.lock();
-        ctl.users += 1;
-        if ctl.stop.is_none()
-            && let Ok(rt) = tokio::runtime::Handle::try_current()
-        {
-            let stop = CancellationToken::new();
-            ctl.stop = Some(stop.clone());
-            rt.spawn(watch_frees(Arc::downgrade(self), stop));
-        }
-        FreesUser {
-            inner: Arc::clone(self),
-        }
-    }
-}
-
-/// One waiter of a broker's watch of slot deletions; the last one stops it.
-struct FreesUser {
-    inner: Arc<Inner>,
-}
-
-impl Drop for FreesUser {
-    fn drop(&mut self) {
-        let mut ctl = self.inner.frees_ctl.lock();
-        ctl.users -= 1;
-        if ctl.users == 0
-            && let Some(stop) = ctl.stop.take()
-        {
-            stop.cancel();
-        }
-    }
-}
-
-/// The state of a broker's watch of slot deletions.
-#[derive(Debug, Default)]
-pub(super) struct FreesCtl {
-    users: usize,
-    stop: Option<CancellationToken>,
-}
-
-/// Watches slot deletions (frees without a hand-off) for the broker's waiters, from now, and
-/// bumps `frees` on each, and also whenever the watch (re)starts, for what it may have missed.
-async fn watch_frees(inner: std::sync::Weak<Inner>, stop: CancellationToken) {
-    let mut backoff = Duration::from_millis(20);
-    loop {
-        let Some(me) = inner.upgrade() else {
-            return;
-        };
-        let prefix = me.layout.slot_prefix();
-        let opened = tokio::select! {
-            () = stop.cancelled() => return,
-            opened = me.endpoints.call_on("watch the slots", Instant::now() + me.retry_for, |mut c| {
-                let prefix = prefix.clone();
-                async move {
-                    c.watch(
-                        prefix,
-                        Some(WatchOptions::new().with_prefix().with_filters([WatchFilterType::NoPut])),
-                    )
-                    .await
-                }
-            }) => opened,
-        };
-        let (member, mut stream) = match opened {
-            Ok(found) => found,
-            Err(_) => {
-                drop(me);
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    () = sleep(backoff) => {}
-                }
-                backoff = (backoff * 2).min(Duration::from_millis(500));
-                continue;
-            }
-        };
-        backoff = Duration::from_millis(20);
-        me.frees.send_modify(|n| *n += 1);
-        let endpoints = Arc::clone(&me.endpoints);
-        let frees = me.frees.clone();
-        drop(me);
-        let mut members = endpoints.subscribe();
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                msg = stream.message() => match msg {
-                    Ok(Some(resp)) if !resp.canceled() => {
-                        if !resp.events().is_empty() {
-                            frees.send_modify(|n| *n += 1);
-                        }
-                    }
-                    _ => break,
-                },
-                _ = members.changed() => {
-                    if endpoints.is_down(member) {
-                        break;
-                    }
-                }
-            }
         }
     }
 }

@@ -7,8 +7,9 @@
 //! queue key and writes the grant into the head's marker, all at one revision: the new token.
 //! A slot never sits free while someone waits.
 //!
-//! Uncontended, a release is one write. Under contention the chain starts from the oldest
-//! waiters this broker has cached (refreshed in the background after its hand-offs) and
+//! Uncontended, a release is one write. Under contention the chain runs over the first
+//! [`CHAIN`] of the oldest waiters this broker has cached (read in the background when it will
+//! release soon; the waiters granted since are pruned by the slot watch, see `slots`) and
 //! usually hands off in that one transaction. When it knows of no live waiter but one waits,
 //! the transaction's last link reads the slot and the oldest waiters instead, and a second
 //! transaction hands off: two consensus rounds, since etcd sends every transaction that could
@@ -140,9 +141,21 @@ impl Inner {
         // Never itself: a holder read as a waiter before its grant (and its marker would be both
         // written and deleted by one link).
         let mut heads: Vec<Waiter> = self.heads.lock().clone();
-        for _ in 0..16 {
-            heads.retain(|w| w.rk != entry.rk);
-            let txn = self.hand_off(token, &heads, &marker);
+        // The first attempt chains over the first few cached waiters; one whose chain found
+        // them all gone chains over every waiter its last link read, and reads more the next
+        // time: concurrent releases chase the same oldest waiters, and with a round trip of
+        // delay more of them are served before a retry lands.
+        let mut chained = CHAIN;
+        // Bounded by the deadline (`retry_for`), not by a count: under a burst of load more
+        // waiters than one read can be served before its retry lands.
+        for attempt in 0u32.. {
+            if attempt > 0 && Instant::now() >= deadline {
+                break;
+            }
+            heads.retain(|w| w.rk != entry.rk && !self.served_lately(w));
+            let chain = &heads[..heads.len().min(chained).min(CHAIN_MAX)];
+            let read = self.heads_read() << attempt.min(3);
+            let txn = self.hand_off(token, chain, &marker, read);
             let resp = self
                 .endpoints
                 .call("hand the slot on", deadline, |mut c| {
@@ -163,19 +176,20 @@ impl Inner {
                 }
             }
             if link.succeeded() {
-                let handed = depth < heads.len();
+                let handed = depth < chain.len();
                 self.contended.store(handed, Ordering::Relaxed);
                 if handed {
                     // The waiters up to the one served are gone from the queue.
-                    let left = {
+                    {
                         let mut cache = self.heads.lock();
-                        let served = &heads[..=depth];
+                        let served = &chain[..=depth];
                         cache.retain(|w| !served.contains(w));
-                        cache.len()
-                    };
-                    if left < 2 {
-                        self.refresh_heads();
                     }
+                    let held = gets(&link.op_responses()).first().map(|g| g.count());
+                    if held.is_some_and(|n| n < i64::from(self.layout.capacity())) {
+                        self.fill_free_slots(chain[depth].rk);
+                    }
+                    self.heads_for_next_release();
                 } else {
                     self.heads.lock().clear();
                 }
@@ -196,6 +210,7 @@ impl Inner {
                 .map_err(Fail::Fatal)?;
             self.contended.store(!heads.is_empty(), Ordering::Relaxed);
             *self.heads.lock() = heads.clone();
+            chained = heads.len();
         }
         Err(Fail::Ambiguous(
             "the queue kept changing under the release".into(),
@@ -205,7 +220,7 @@ impl Inner {
     /// The chain: for each waiter in `heads`, "if the slot is still the token's and the waiter
     /// still waits, hand it over, else try the next"; last, "if nobody waits, delete it, else
     /// read the slot and the queue's oldest waiters".
-    fn hand_off(&self, token: SlotToken, heads: &[Waiter], marker: &TxnOp) -> Txn {
+    fn hand_off(&self, token: SlotToken, heads: &[Waiter], marker: &TxnOp, read: i64) -> Txn {
         let l = &self.layout;
         let slot_key = l.slot_key(token.slot_id());
         let still_mine =
@@ -218,7 +233,7 @@ impl Inner {
             .and_then([TxnOp::delete(slot_key.clone(), None), marker.clone()])
             .or_else([
                 TxnOp::get(slot_key.clone(), Some(GetOptions::new().with_keys_only())),
-                oldest_waiters(l.queue_prefix(), self.heads_read()),
+                oldest_waiters(l.queue_prefix(), read),
             ]);
         for w in heads.iter().rev() {
             let under = || Some(PutOptions::new().with_lease(w.lease));
@@ -238,19 +253,71 @@ impl Inner {
                         under(),
                     ),
                     marker.clone(),
+                    // How many slots are held after it (from the index): fewer than the pool
+                    // has means slots freed without a hand-off that nobody claimed yet.
+                    held_count(l),
                 ])
                 .or_else([TxnOp::txn(link)]);
         }
         link
     }
 
-    /// How many of the oldest waiters a release reads (and chains over).
+    /// How many of the oldest waiters a release reads when its chain found none of them (in
+    /// its own transaction).
     fn heads_read(&self) -> i64 {
         i64::from(self.layout.capacity().min(16))
     }
 
-    /// Reads the queue's oldest waiters into `heads`, off the release's path (one read on one
-    /// member, while the remaining ones still serve the next releases).
+    /// How many of the oldest waiters a refresh of `heads` reads: enough for the releases of
+    /// the whole pool for a while (the slot watch prunes the ones served).
+    fn heads_cached(&self) -> i64 {
+        i64::from((self.layout.capacity() * 8).clamp(16, 64))
+    }
+
+    /// Reads the oldest waiters again (in the background) when a release of this broker's would
+    /// find its cache short: one of its own waiters is among the first `capacity` cached ones
+    /// (its grant is near) with fewer than [`CHAIN`] cached behind it (once per such waiter:
+    /// the read shows who joined behind it since); or fewer than [`CHAIN`] are cached while it
+    /// waits or holds a slot, after at least [`CHAIN`] were served since the last read (a queue
+    /// that short is not read again and again). Called when the cache shrinks (a grant seen or
+    /// made) and when this broker is granted a slot.
+    pub(super) fn heads_for_next_release(self: &Arc<Self>) {
+        if !self.contended.load(Ordering::Relaxed) {
+            return;
+        }
+        let Some(session) = self.session.lock().as_ref().map(|s| s.id) else {
+            return;
+        };
+        let busy = !self.held.lock().is_empty() || !self.places.lock().by_request.is_empty();
+        let near = (self.layout.capacity() as usize).max(1);
+        let (front, short) = {
+            let heads = self.heads.lock();
+            let front = heads
+                .iter()
+                .take(near)
+                .position(|w| w.lease == session)
+                .map(|i| (heads[i].rk, heads.len() - i - 1));
+            (front, heads.len() < CHAIN)
+        };
+        let read = match front {
+            Some((rk, behind)) => {
+                let mut last = self.refreshed_for.lock();
+                let read = behind < CHAIN && *last != Some(rk);
+                if read {
+                    *last = Some(rk);
+                }
+                read
+            }
+            None => short && busy && self.pruned.load(Ordering::Relaxed) >= CHAIN,
+        };
+        if read {
+            self.refresh_heads();
+        }
+    }
+
+    /// Reads the queue's oldest waiters into `heads`, off the release's path: one serializable
+    /// read on one member (a stale answer only costs a link that fails); the waiters the slot
+    /// watch saw served meanwhile are left out.
     fn refresh_heads(self: &Arc<Self>) {
         if self.refreshing.swap(true, Ordering::AcqRel) {
             return;
@@ -262,7 +329,7 @@ impl Inner {
         let me = Arc::clone(self);
         rt.spawn(async move {
             let prefix = me.layout.queue_prefix();
-            let n = me.heads_read();
+            let n = me.heads_cached();
             let read = me
                 .endpoints
                 .call(
@@ -277,7 +344,8 @@ impl Inner {
                                     GetOptions::new()
                                         .with_prefix()
                                         .with_sort(SortTarget::Create, SortOrder::Ascend)
-                                        .with_limit(n),
+                                        .with_limit(n)
+                                        .with_serializable(),
                                 ),
                             )
                             .await
@@ -286,12 +354,69 @@ impl Inner {
                 )
                 .await;
             if let Ok(resp) = read
-                && let Ok(waiters) = me.layout.waiters(raws(resp.kvs()))
+                && let Ok(mut waiters) = me.layout.waiters(raws(resp.kvs()))
             {
                 me.contended.store(!waiters.is_empty(), Ordering::Relaxed);
+                waiters.retain(|w| !me.served_lately(w));
                 *me.heads.lock() = waiters;
+                me.pruned.store(0, Ordering::Relaxed);
             }
             me.refreshing.store(false, Ordering::Release);
+        });
+    }
+
+    /// Slots are free while waiters wait (freed without a hand-off: a session that expired, a
+    /// release that found the queue empty just before waiters joined): grants them to the
+    /// oldest waiters this broker knows of, after `served` (the one it just handed to), in the
+    /// background. The queue's head would claim them too, but under contention the head is
+    /// usually served by a hand-off before its own claim lands (three round trips), so free
+    /// slots would stay free. Best effort: each grant compares the waiter's place and the slot's
+    /// absence, so it races nobody's claim unsafely.
+    fn fill_free_slots(self: &Arc<Self>, served: u64) {
+        if self.filling.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            self.filling.store(false, Ordering::Release);
+            return;
+        };
+        let me = Arc::clone(self);
+        rt.spawn(async move {
+            let l = &me.layout;
+            let prefix = l.slot_prefix();
+            let read = me
+                .endpoints
+                .call(
+                    "read the holders",
+                    Instant::now() + me.rpc_timeout * 2,
+                    |mut c| {
+                        let prefix = prefix.clone();
+                        async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
+                    },
+                )
+                .await;
+            if let Ok(resp) = read
+                && let Ok(holders) = l.holders(raws(resp.kvs()))
+            {
+                let local: Vec<u32> = me.held.lock().keys().map(|t| t.slot_id()).collect();
+                let free: Vec<u32> = (0..l.capacity())
+                    .filter(|i| !holders.iter().any(|h| h.index == *i) && !local.contains(i))
+                    .collect();
+                let waiters: Vec<Waiter> = me
+                    .heads
+                    .lock()
+                    .iter()
+                    .filter(|w| w.rk != served)
+                    .take(free.len())
+                    .cloned()
+                    .collect();
+                let grants = waiters
+                    .into_iter()
+                    .zip(free)
+                    .map(|(w, slot)| me.grant_to(w, slot));
+                futures_util::future::join_all(grants).await;
+            }
+            me.filling.store(false, Ordering::Release);
         });
     }
 
@@ -389,6 +514,23 @@ impl Inner {
             }
         }
     }
+}
+
+/// How many of the cached oldest waiters one hand-off transaction chains over (each link
+/// compares two keys and writes three): enough for the releases that race it, with a cache the
+/// slot watch keeps fresh; when all of them are gone, its last link reads the queue instead.
+const CHAIN: usize = 6;
+/// The longest chain: etcd counts each nested level's operations against its limit on one
+/// transaction (`--max-txn-ops`, 128 by default), five per link here.
+const CHAIN_MAX: usize = 16;
+
+/// A count of the slot keys in the pool's slot range (from the index: no key is read).
+fn held_count(l: &super::layout::Layout) -> TxnOp {
+    let (from, to) = l.slot_range();
+    TxnOp::get(
+        from,
+        Some(GetOptions::new().with_range(to).with_count_only()),
+    )
 }
 
 /// A read of the queue's `n` oldest waiters.
