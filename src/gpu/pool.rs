@@ -363,7 +363,7 @@ impl GpuPool {
                     let _ = tx.send((dev2.index, result));
                 });
             match spawned {
-                Ok(_) => pending.push(dev.index),
+                Ok(thread) => pending.push((dev.index, thread)),
                 Err(e) => unclosed.push(Unclosed {
                     device: dev.index,
                     reason: format!("could not start the close thread: {e}"),
@@ -375,7 +375,14 @@ impl GpuPool {
             let left = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left) {
                 Ok((device, result)) => {
-                    pending.retain(|d| *d != device);
+                    if let Some(i) = pending.iter().position(|(d, _)| *d == device) {
+                        // The thread has sent its last word and only returns now: join it, so
+                        // that its thread-exit destructors (the driver's thread-locals) have
+                        // run before the supervisor reports the device closed — never at the
+                        // same time as the process's exit.
+                        let (_, thread) = pending.swap_remove(i);
+                        let _ = thread.join();
+                    }
                     if let Err(reason) = result {
                         unclosed.push(Unclosed { device, reason });
                     }
@@ -383,7 +390,7 @@ impl GpuPool {
                 Err(_) => break,
             }
         }
-        unclosed.extend(pending.into_iter().map(|device| Unclosed {
+        unclosed.extend(pending.into_iter().map(|(device, _thread)| Unclosed {
             device,
             reason: format!(
                 "gpu work still running {bound:?} into the close; the device is destroyed once it completes"
