@@ -328,7 +328,9 @@ fn instructions(spec: &str) -> Option<u64> {
         spec,
         None,
     )?;
-    let line = text.lines().find(|l| l.contains("Collected :"))?;
+    // The last one is this process's: criterion's `gnuplot --version` probe is a fork that
+    // prints its own before it execs.
+    let line = text.lines().filter(|l| l.contains("Collected :")).last()?;
     line.rsplit(':')
         .next()?
         .trim()
