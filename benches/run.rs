@@ -330,7 +330,7 @@ fn instructions(spec: &str) -> Option<u64> {
     )?;
     // The last one is this process's: criterion's `gnuplot --version` probe is a fork that
     // prints its own before it execs.
-    let line = text.lines().filter(|l| l.contains("Collected :")).last()?;
+    let line = text.lines().rev().find(|l| l.contains("Collected :"))?;
     line.rsplit(':')
         .next()?
         .trim()
@@ -348,12 +348,9 @@ fn counted_externally() {
     println!();
     println!("| shape | system calls / job | instructions / job |");
     println!("|---|---|---|");
-    let fmt = |x: Option<f64>| {
-        x.map_or_else(
-            || "not measured (tool missing)".to_owned(),
-            |v| format!("{v:.2}"),
-        )
-    };
+    let missing = || "not measured (tool missing)".to_owned();
+    let calls = |x: Option<f64>| x.map_or_else(missing, |v| format!("{v:.2}"));
+    let instr = |x: Option<f64>| x.map_or_else(missing, |v| format!("{v:.0}"));
     for (label, shape) in [
         ("`run`, no-op body, no temp dir", LEASEHOLD),
         ("floor: permit + actor spawned and joined", RACTOR_NOOP),
@@ -369,8 +366,8 @@ fn counted_externally() {
     ] {
         println!(
             "| {label} | {} | {} |",
-            fmt(per_job(shape, &syscalls)),
-            fmt(per_job(shape, &instructions)).replace(".00", "")
+            calls(per_job(shape, &syscalls)),
+            instr(per_job(shape, &instructions))
         );
     }
     println!();
