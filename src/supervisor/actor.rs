@@ -502,25 +502,6 @@ impl Shell {
                     }
                 }
             },
-            SupMsg::TempDirRemoved { key, result } => match result {
-                Ok(()) => Input::ProvenOne {
-                    key,
-                    proof: Proof::TempDir,
-                },
-                Err(error) => {
-                    let path = self
-                        .jobs
-                        .get(&key)
-                        .and_then(|j| j.shared.temp_dir().map(|p| p.display().to_string()))
-                        .unwrap_or_default();
-                    tracing::error!(%path, %error, "a job's temp dir could not be removed");
-                    Input::TempDirFailed {
-                        key,
-                        detail: format!("temp dir {path} could not be removed"),
-                        error,
-                    }
-                }
-            },
             SupMsg::GpuClosed { unclosed } => {
                 let unclosed = unclosed.unwrap_or_else(|| {
                     vec![(

@@ -1,7 +1,6 @@
 //! Messages to the supervisor actor (through its [`Inbox`](super::inbox::Inbox)). Every
 //! message that starts work carries the caller's span.
 
-use std::io;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -69,11 +68,6 @@ pub(crate) enum SupMsg {
         key: LeaseKey,
         process: u64,
         unproven: Option<Box<dyn Evidence>>,
-    },
-    /// The temp dir removal ended.
-    TempDirRemoved {
-        key: LeaseKey,
-        result: io::Result<()>,
     },
     /// Time to look for leases held past the held-too-long threshold.
     HeldTick,

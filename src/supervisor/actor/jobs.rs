@@ -174,30 +174,54 @@ impl Shell {
     }
 }
 
-/// Removes a temp dir (off the mailbox) and reports; past `bound` the slot is quarantined
-/// until the removal ends.
+/// Removes a temp dir (off the mailbox) when the core asks, and reports; past `bound` the slot
+/// is quarantined until the removal ends.
 async fn remove_temp_dir(
     host: Arc<dyn crate::supervisor::hosts::TempDirHost>,
     path: PathBuf,
     bound: Duration,
     reporter: Reporter,
 ) {
-    let mut removal = host.remove(path);
+    let key = reporter.key;
+    let removed = removed_within(&*host, &path, bound, |detail| {
+        reporter.input(Input::Late {
+            key,
+            proof: Proof::TempDir,
+            detail,
+        });
+    })
+    .await;
+    reporter.input(match removed {
+        Ok(()) => Input::ProvenOne {
+            key,
+            proof: Proof::TempDir,
+        },
+        Err((detail, error)) => Input::TempDirFailed { key, detail, error },
+    });
+}
+
+/// Removes a job's temp dir under `bound`, for its driver and for the core's own requests:
+/// past the bound `late` hears why (the slot is then quarantined) and the removal is awaited
+/// all the same. A failure is logged, and returned with the detail the slot's reason gives.
+async fn removed_within(
+    host: &dyn crate::supervisor::hosts::TempDirHost,
+    path: &std::path::Path,
+    bound: Duration,
+    late: impl FnOnce(String),
+) -> Result<(), (String, std::io::Error)> {
+    let mut removal = host.remove(path.to_path_buf());
     let result = match tokio::time::timeout(bound, &mut removal).await {
         Ok(result) => result,
         Err(_) => {
-            reporter.input(Input::Late {
-                key: reporter.key,
-                proof: Proof::TempDir,
-                detail: format!("the temp dir was not removed within {bound:?}"),
-            });
+            late(format!("the temp dir was not removed within {bound:?}"));
             removal.await
         }
     };
-    reporter.send(SupMsg::TempDirRemoved {
-        key: reporter.key,
-        result,
-    });
+    result.map_err(|error| {
+        let path = path.display();
+        tracing::error!(%path, %error, "a job's temp dir could not be removed");
+        (format!("temp dir {path} could not be removed"), error)
+    })
 }
 
 /// A job's own task: awaits its physical end outside the supervisor's mailbox, removes its temp
@@ -306,34 +330,23 @@ impl Driver {
             None => DirEnd::NeverMade,
             Some(_) if !clean => DirEnd::Left,
             Some(path) => {
-                let mut removal = self.temp_dirs.remove(path.clone());
                 let bound = self.cleanup_timeout;
-                let result = match tokio::time::timeout(bound, &mut removal).await {
-                    Ok(result) => result,
-                    Err(_) => {
-                        // A hung file system: the slot is quarantined while the removal runs on.
-                        if !proofs.is_empty() {
-                            self.reporter.input(Input::Proven { key, proofs });
-                            proofs = Proofs::default();
-                        }
-                        self.reporter.input(Input::Late {
-                            key,
-                            proof: Proof::TempDir,
-                            detail: format!("the temp dir was not removed within {bound:?}"),
-                        });
-                        removal.await
+                let removed = removed_within(&*self.temp_dirs, &path, bound, |detail| {
+                    // A hung file system: the slot is quarantined while the removal runs on.
+                    if !proofs.is_empty() {
+                        self.reporter.input(Input::Proven { key, proofs });
+                        proofs = Proofs::default();
                     }
-                };
-                match result {
+                    self.reporter.input(Input::Late {
+                        key,
+                        proof: Proof::TempDir,
+                        detail,
+                    });
+                })
+                .await;
+                match removed {
                     Ok(()) => DirEnd::Removed,
-                    Err(error) => {
-                        let path = path.display();
-                        tracing::error!(%path, %error, "a job's temp dir could not be removed");
-                        DirEnd::Failed {
-                            detail: format!("temp dir {path} could not be removed"),
-                            error,
-                        }
-                    }
+                    Err((detail, error)) => DirEnd::Failed { detail, error },
                 }
             }
         };
