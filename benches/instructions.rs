@@ -11,20 +11,15 @@
 //!
 //! Shapes: `lease` (one caller on a worker thread of a 2-worker runtime, acquire + release of an
 //! explicit lease on 8 slots, as `benches/lease.rs`), `contention` (64 tasks on 8 slots, each
-//! acquire, yield, release, as `benches/contention.rs`; the count is the total leases), and one
-//! job at a time as `benches/run.rs` runs them, each with its hand-written floor: `run_noop` /
-//! `floor_noop` (no temp dir), `run_file` / `floor_file` (one file written in the temp dir),
-//! `spawn_job` (its floor is `floor_noop`: an actor spawned and joined). The same binary under
-//! `strace -c -f` gives system calls per job. The first 100 round trips warm up in both runs,
-//! so they cancel out. Under plain `cargo bench` (or `-- --test`) it runs each shape briefly and
-//! prints what it did.
+//! acquire, yield, release, as `benches/contention.rs`; the count is the total leases). The first
+//! 100 round trips warm up in both runs, so they cancel out. Under plain `cargo bench` (or
+//! `-- --test`) it runs each shape briefly and prints what it did.
 
 mod floor;
 
 use std::sync::Arc;
 
 use leasehold::Supervisor;
-use tokio::sync::Semaphore;
 
 use floor::{acquire_release, runtime};
 
@@ -53,15 +48,7 @@ fn run(shape: &str, n: u64) {
     rt.clone().block_on(async move {
         // On a worker thread, as the benches' callers are.
         tokio::spawn(async move {
-            let scratch = floor::scratch_dir();
-            let sup = Supervisor::builder()
-                .slots(8)
-                .work_root(scratch.path())
-                .start()
-                .await
-                .expect("start");
-            let sem = Semaphore::new(8);
-            let root = std::path::PathBuf::from(sup.work_root());
+            let sup = Supervisor::builder().slots(8).start().await.expect("start");
             match shape.as_str() {
                 "lease" => {
                     acquire_release(&sup, 100).await;
@@ -71,22 +58,7 @@ fn run(shape: &str, n: u64) {
                     contention(&sup, 100).await;
                     contention(&sup, n).await;
                 }
-                "run_noop" | "run_file" | "spawn_job" | "floor_noop" | "floor_file" => {
-                    for n in [100, n] {
-                        for _ in 0..n {
-                            match shape.as_str() {
-                                "run_noop" => floor::noop_run(&sup).await,
-                                "run_file" => floor::file_run(&sup).await,
-                                "spawn_job" => floor::noop_spawn_job(&sup).await,
-                                "floor_noop" => floor::hand_written_ractor_noop(&sem).await,
-                                _ => floor::hand_written_ractor_file(&sem, &root).await,
-                            }
-                        }
-                    }
-                }
-                other => panic!(
-                    "unknown shape {other:?} (lease, contention, run_noop, run_file, spawn_job, floor_noop, floor_file)"
-                ),
+                other => panic!("unknown shape {other:?} (lease, contention)"),
             }
             sup.shutdown().await.expect("shutdown");
         })
@@ -101,15 +73,7 @@ fn main() {
         [shape, n] if !shape.starts_with('-') => run(shape, n.parse().expect("a count")),
         // `cargo bench` / `cargo bench -- --test`: a brief run of each shape.
         _ => {
-            for shape in [
-                "lease",
-                "contention",
-                "run_noop",
-                "run_file",
-                "spawn_job",
-                "floor_noop",
-                "floor_file",
-            ] {
+            for shape in ["lease", "contention"] {
                 run(shape, 256);
                 println!(
                     "instructions: {shape} ran 256 round trips (count them under callgrind: see BENCHMARKS.md)"

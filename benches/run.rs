@@ -55,12 +55,33 @@ const ACTOR_JOB_TARGET: f64 = 1.2;
 /// Jobs per shape for the counts printed by `summary`.
 const COUNTED_JOBS: u64 = 2_000;
 
-/// A supervisor, the floors' semaphore and the work root, for the whole bench.
-struct Setup {
-    rt: tokio::runtime::Runtime,
+/// What every shape's job needs: the supervisor, the floors' semaphore and the work root.
+#[derive(Clone)]
+struct Jobs {
     sup: Supervisor,
     sem: Arc<Semaphore>,
     root: Arc<PathBuf>,
+}
+
+impl Jobs {
+    /// One job of a shape: leasehold's, or its hand-written floor's.
+    async fn one(&self, shape: &str) {
+        match shape {
+            LEASEHOLD => floor::noop_run(&self.sup).await,
+            LEASEHOLD_FILE => floor::file_run(&self.sup).await,
+            ACTOR_JOB => floor::noop_spawn_job(&self.sup).await,
+            RACTOR_NOOP => floor::hand_written_ractor_noop(&self.sem).await,
+            RACTOR_FILE => floor::hand_written_ractor_file(&self.sem, &self.root).await,
+            TASK => floor::hand_written_task_job(&self.sem, &self.root).await,
+            other => panic!("unknown shape {other:?}"),
+        }
+    }
+}
+
+/// The runtime, the jobs and the scratch dir, for the whole bench.
+struct Setup {
+    rt: tokio::runtime::Runtime,
+    jobs: Jobs,
     scratch: tempfile::TempDir,
 }
 
@@ -73,24 +94,16 @@ fn setup() -> Setup {
     let root = Arc::new(PathBuf::from(sup.work_root()));
     Setup {
         rt,
-        sup,
-        sem: Arc::new(Semaphore::new(SLOTS as usize)),
-        root,
+        jobs: Jobs {
+            sup,
+            sem: Arc::new(Semaphore::new(SLOTS as usize)),
+            root,
+        },
         scratch,
     }
 }
 
 static SETUP: std::sync::OnceLock<Setup> = std::sync::OnceLock::new();
-
-/// One leasehold job of a shape.
-async fn leasehold_job(sup: &Supervisor, shape: &str) {
-    match shape {
-        LEASEHOLD => floor::noop_run(sup).await,
-        LEASEHOLD_FILE => floor::file_run(sup).await,
-        ACTOR_JOB => floor::noop_spawn_job(sup).await,
-        other => unreachable!("{other}"),
-    }
-}
 
 /// `LEASEHOLD_RUN_SHAPE=<shape>:<n>`: runs `n` jobs of one shape (after 100 to warm up) and
 /// exits, for `strace` and callgrind (see `counted_externally`).
@@ -98,24 +111,20 @@ fn run_one_shape_and_exit(spec: &str) -> ! {
     let (shape, n) = spec.split_once(':').expect("<shape>:<n>");
     let n: u64 = n.parse().expect("a count");
     let s = setup();
-    let shape = shape.to_owned();
-    let (sup, sem, root) = (s.sup.clone(), Arc::clone(&s.sem), Arc::clone(&s.root));
+    let (shape, jobs) = (shape.to_owned(), s.jobs.clone());
     s.rt.block_on(async move {
         tokio::spawn(async move {
             for n in [100, n] {
                 for _ in 0..n {
-                    match shape.as_str() {
-                        RACTOR_NOOP => floor::hand_written_ractor_noop(&sem).await,
-                        RACTOR_FILE => floor::hand_written_ractor_file(&sem, &root).await,
-                        other => leasehold_job(&sup, other).await,
-                    }
+                    jobs.one(&shape).await;
                 }
             }
         })
         .await
         .expect("the shape's loop")
     });
-    s.rt.block_on(s.sup.clone().shutdown()).expect("shutdown");
+    s.rt.block_on(s.jobs.sup.clone().shutdown())
+        .expect("shutdown");
     // Removes the scratch dir (an exit would skip its destructor).
     drop(s);
     std::process::exit(0)
@@ -136,35 +145,22 @@ fn job_lifecycle(c: &mut Criterion) {
         Duration::from_secs(3),
     );
 
-    for (function, shape) in [(LEASEHOLD, NOOP), (LEASEHOLD_FILE, FILE), (ACTOR_JOB, NOOP)] {
+    for (function, shape) in [
+        (LEASEHOLD, NOOP),
+        (LEASEHOLD_FILE, FILE),
+        (ACTOR_JOB, NOOP),
+        (RACTOR_NOOP, NOOP),
+        (RACTOR_FILE, FILE),
+        (TASK, NOOP),
+    ] {
         let k = key(GROUP, function, shape);
         group.bench_function(BenchmarkId::new(function, shape), |b| {
             timed(b, &s.rt, &k, SAMPLES, |iters| {
-                let sup = s.sup.clone();
+                let jobs = s.jobs.clone();
                 async move {
                     let start = Instant::now();
                     for _ in 0..iters {
-                        leasehold_job(&sup, function).await;
-                    }
-                    start.elapsed()
-                }
-            });
-        });
-    }
-
-    for (function, shape) in [(RACTOR_NOOP, NOOP), (RACTOR_FILE, FILE), (TASK, NOOP)] {
-        let k = key(GROUP, function, shape);
-        group.bench_function(BenchmarkId::new(function, shape), |b| {
-            timed(b, &s.rt, &k, SAMPLES, |iters| {
-                let (sem, root) = (Arc::clone(&s.sem), Arc::clone(&s.root));
-                async move {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        match function {
-                            RACTOR_NOOP => floor::hand_written_ractor_noop(&sem).await,
-                            RACTOR_FILE => floor::hand_written_ractor_file(&sem, &root).await,
-                            _ => floor::hand_written_task_job(&sem, &root).await,
-                        }
+                        jobs.one(function).await;
                     }
                     start.elapsed()
                 }
@@ -177,12 +173,12 @@ fn job_lifecycle(c: &mut Criterion) {
 /// Counts what leasehold did for `n` jobs of a shape (after the timed runs, so nothing else
 /// runs on the supervisor).
 fn counts_per_job(s: &Setup, shape: &'static str, n: u64) -> Counts {
-    let sup = s.sup.clone();
+    let jobs = s.jobs.clone();
     s.rt.block_on(async move {
         tokio::spawn(async move {
             let before = Counts::now();
             for _ in 0..n {
-                leasehold_job(&sup, shape).await;
+                jobs.one(shape).await;
             }
             Counts::now().since(before)
         })
@@ -265,7 +261,8 @@ fn summary(_c: &mut Criterion) {
     if !floor::test_mode() {
         counted_externally();
     }
-    s.rt.block_on(s.sup.clone().shutdown()).expect("shutdown");
+    s.rt.block_on(s.jobs.sup.clone().shutdown())
+        .expect("shutdown");
     // `SETUP` is a static, never dropped: its scratch dir is removed here.
     let _ = std::fs::remove_dir_all(s.scratch.path());
 }
