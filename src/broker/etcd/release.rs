@@ -16,8 +16,9 @@
 //! write through raft, whichever branch it takes (measured: a cold hand-off between two
 //! brokers on an idle 3-member cluster takes 2.2–2.6 ms on the 2-vCPU VM, both rounds).
 
+use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp};
@@ -319,49 +320,67 @@ impl Inner {
     /// read on one member (a stale answer only costs a link that fails); the waiters the slot
     /// watch saw served meanwhile are left out.
     fn refresh_heads(self: &Arc<Self>) {
-        if self.refreshing.swap(true, Ordering::AcqRel) {
+        self.spawn_alone(
+            |inner| &inner.refreshing,
+            |me| async move {
+                let prefix = me.layout.queue_prefix();
+                let n = me.heads_cached();
+                let read = me
+                    .endpoints
+                    .call(
+                        "read the queue's oldest waiters",
+                        Instant::now() + me.rpc_timeout * 2,
+                        |mut c| {
+                            let prefix = prefix.clone();
+                            async move {
+                                c.get(
+                                    prefix,
+                                    Some(
+                                        GetOptions::new()
+                                            .with_prefix()
+                                            .with_sort(SortTarget::Create, SortOrder::Ascend)
+                                            .with_limit(n)
+                                            .with_serializable(),
+                                    ),
+                                )
+                                .await
+                            }
+                        },
+                    )
+                    .await;
+                if let Ok(resp) = read
+                    && let Ok(mut waiters) = me.layout.waiters(raws(resp.kvs()))
+                {
+                    me.contended.store(!waiters.is_empty(), Ordering::Relaxed);
+                    waiters.retain(|w| !me.served_lately(w));
+                    *me.heads.lock() = waiters;
+                    me.pruned.store(0, Ordering::Relaxed);
+                }
+            },
+        );
+    }
+
+    /// Runs `work` in the background unless the run `busy` guards is still in flight (or no
+    /// runtime is at hand); `busy` is cleared when it ends.
+    fn spawn_alone<F>(
+        self: &Arc<Self>,
+        busy: fn(&Self) -> &AtomicBool,
+        work: impl FnOnce(Arc<Self>) -> F,
+    ) where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        if busy(self).swap(true, Ordering::AcqRel) {
             return;
         }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            self.refreshing.store(false, Ordering::Release);
+            busy(self).store(false, Ordering::Release);
             return;
         };
         let me = Arc::clone(self);
+        let work = work(Arc::clone(self));
         rt.spawn(async move {
-            let prefix = me.layout.queue_prefix();
-            let n = me.heads_cached();
-            let read = me
-                .endpoints
-                .call(
-                    "read the queue's oldest waiters",
-                    Instant::now() + me.rpc_timeout * 2,
-                    |mut c| {
-                        let prefix = prefix.clone();
-                        async move {
-                            c.get(
-                                prefix,
-                                Some(
-                                    GetOptions::new()
-                                        .with_prefix()
-                                        .with_sort(SortTarget::Create, SortOrder::Ascend)
-                                        .with_limit(n)
-                                        .with_serializable(),
-                                ),
-                            )
-                            .await
-                        }
-                    },
-                )
-                .await;
-            if let Ok(resp) = read
-                && let Ok(mut waiters) = me.layout.waiters(raws(resp.kvs()))
-            {
-                me.contended.store(!waiters.is_empty(), Ordering::Relaxed);
-                waiters.retain(|w| !me.served_lately(w));
-                *me.heads.lock() = waiters;
-                me.pruned.store(0, Ordering::Relaxed);
-            }
-            me.refreshing.store(false, Ordering::Release);
+            work.await;
+            busy(&me).store(false, Ordering::Release);
         });
     }
 
@@ -373,18 +392,12 @@ impl Inner {
     /// slots would stay free. Best effort: each grant compares the waiter's place and the slot's
     /// absence, so it races nobody's claim unsafely.
     fn fill_free_slots(self: &Arc<Self>, served: u64) {
-        if self.filling.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            self.filling.store(false, Ordering::Release);
-            return;
-        };
-        let me = Arc::clone(self);
-        rt.spawn(async move {
-            let l = &me.layout;
-            let prefix = l.slot_prefix();
-            let read = me
+        self.spawn_alone(
+            |inner| &inner.filling,
+            |me| async move {
+                let l = &me.layout;
+                let prefix = l.slot_prefix();
+                let read = me
                 .endpoints
                 .call(
                     "read the holders",
@@ -395,29 +408,29 @@ impl Inner {
                     },
                 )
                 .await;
-            if let Ok(resp) = read
-                && let Ok(holders) = l.holders(raws(resp.kvs()))
-            {
-                let local: Vec<u32> = me.held.lock().keys().map(|t| t.slot_id()).collect();
-                let free: Vec<u32> = (0..l.capacity())
-                    .filter(|i| !holders.iter().any(|h| h.index == *i) && !local.contains(i))
-                    .collect();
-                let waiters: Vec<Waiter> = me
-                    .heads
-                    .lock()
-                    .iter()
-                    .filter(|w| w.rk != served)
-                    .take(free.len())
-                    .cloned()
-                    .collect();
-                let grants = waiters
-                    .into_iter()
-                    .zip(free)
-                    .map(|(w, slot)| me.grant_to(w, slot));
-                futures_util::future::join_all(grants).await;
-            }
-            me.filling.store(false, Ordering::Release);
-        });
+                if let Ok(resp) = read
+                    && let Ok(holders) = l.holders(raws(resp.kvs()))
+                {
+                    let local: Vec<u32> = me.held.lock().keys().map(|t| t.slot_id()).collect();
+                    let free: Vec<u32> = (0..l.capacity())
+                        .filter(|i| !holders.iter().any(|h| h.index == *i) && !local.contains(i))
+                        .collect();
+                    let waiters: Vec<Waiter> = me
+                        .heads
+                        .lock()
+                        .iter()
+                        .filter(|w| w.rk != served)
+                        .take(free.len())
+                        .cloned()
+                        .collect();
+                    let grants = waiters
+                        .into_iter()
+                        .zip(free)
+                        .map(|(w, slot)| me.grant_to(w, slot));
+                    futures_util::future::join_all(grants).await;
+                }
+            },
+        );
     }
 
     /// [`settle`](Self::settle) in a task `close` waits for (counted in `settling`).
