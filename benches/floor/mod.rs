@@ -341,22 +341,6 @@ pub async fn hand_written_task_job(sem: &Semaphore, root: &Path) {
     dir.close().expect("temp dir removed");
 }
 
-/// The hand-written equivalent of `run` with a no-op body *with a per-job ractor worker*, which
-/// is the shape of leasehold's `run`: a permit, a temp dir, a fresh [`JobWorker`] spawned that
-/// runs the body in its `post_start` and stops itself, its `JoinHandle` awaited, the dir
-/// removed, the permit given back. The body's result stays in the worker (a no-op body cannot
-/// fail), so this floor does a little less than `run`, which hands the result to its caller.
-pub async fn hand_written_ractor_job(sem: &Semaphore, root: &Path) {
-    let _permit = sem.acquire().await.expect("semaphore open");
-    let dir = tempfile::tempdir_in(root).expect("temp dir");
-    let body = || async { Ok::<_, io::Error>(()) };
-    let (_worker, join) = Actor::spawn(None, JobWorker(PhantomData), body)
-        .await
-        .expect("worker starts");
-    join.await.expect("worker joins");
-    dir.close().expect("temp dir removed");
-}
-
 /// The floor of a job that needs no temp dir: a permit, a fresh [`JobWorker`] spawned that runs
 /// a no-op body in its `post_start` and stops itself, its `JoinHandle` awaited, the permit
 /// given back. Also the floor of a job actor: an actor spawned and joined.
