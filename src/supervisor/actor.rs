@@ -279,7 +279,7 @@ impl Actor for SupervisorActor {
                 return Ok(());
             }
             for msg in batch.drain(..) {
-                state.on_message(msg).await;
+                state.on_message(msg);
             }
             // A flood's batch is large once; its memory is not kept for ever (the inbox swaps
             // this vector in as its queue at the next drain).
@@ -287,7 +287,7 @@ impl Actor for SupervisorActor {
                 batch.shrink_to(BATCH_KEEP);
             }
             state.batch = batch;
-            state.settle().await;
+            state.settle();
             state.end_batch();
         }
         // Mail may have arrived during the last drain; the doorbell is still marked rung.
@@ -346,32 +346,27 @@ impl Drop for Shell {
 
 impl Shell {
     /// Applies one input and performs every effect it leads to.
-    async fn apply(&mut self, input: Input) {
+    fn apply(&mut self, input: Input) {
         self.core.apply(input);
-        self.perform_all().await;
+        self.perform_all();
     }
 
     /// Performs every effect queued; whether there was one.
-    async fn perform_all(&mut self) -> bool {
+    fn perform_all(&mut self) -> bool {
         let mut any = false;
         while let Some(effect) = self.core.pop_effect() {
             any = true;
-            // Only a job's start awaits (its worker's spawn); every other effect is immediate.
-            if let Some(start) = self.perform(effect) {
-                // Boxed: the worker's spawn is a large future, and the rare one; every other
-                // message's turn stays small.
-                Box::pin(self.start_job(start)).await;
-            }
+            self.perform(effect);
         }
         any
     }
 
     /// After each batch: a shutdown that has nothing left to wait for ends, then stats, gauges
     /// and the lease table are brought up to date, and only then do this turn's callers hear.
-    async fn settle(&mut self) {
+    fn settle(&mut self) {
         loop {
             self.core.settle();
-            if !self.perform_all().await {
+            if !self.perform_all() {
                 break;
             }
         }
@@ -419,7 +414,7 @@ impl Shell {
         control
     }
 
-    async fn on_message(&mut self, msg: SupMsg) {
+    fn on_message(&mut self, msg: SupMsg) {
         let input = match msg {
             SupMsg::Acquire { waiter, kind, ask } => {
                 debug_assert_eq!(
@@ -516,7 +511,7 @@ impl Shell {
                 Input::GpuClosed
             }
         };
-        self.apply(input).await;
+        self.apply(input);
     }
 
     /// A control call as an input; its reply channel is kept until the core answers.
@@ -562,8 +557,9 @@ impl Shell {
         }
     }
 
-    /// Performs one effect; a job to start is handed back (its worker's spawn is awaited).
-    fn perform(&mut self, effect: Effect) -> Option<JobStart> {
+    /// Performs one effect (none awaits: a job's start spawns its driver, which spawns the
+    /// worker).
+    fn perform(&mut self, effect: Effect) {
         match effect {
             Effect::Acquire {
                 request,
@@ -579,7 +575,7 @@ impl Shell {
                 key,
                 token,
                 more,
-            } => return self.deliver(waiter, key, token, more),
+            } => self.deliver(waiter, key, token, more),
             Effect::Refuse { waiter, error } => self.refuse(waiter, error),
             Effect::ResizePool { slots } => {
                 if let BrokerPort::Local(pool) = &self.broker {
@@ -638,7 +634,6 @@ impl Shell {
                 tracing::error!(%detail, "the supervisor's core refused an input");
             }
         }
-        None
     }
 
     fn deliver(
@@ -647,11 +642,10 @@ impl Shell {
         key: LeaseKey,
         token: SlotToken,
         more: Box<[SlotToken]>,
-    ) -> Option<JobStart> {
+    ) {
         let Some(Waiter { kind, since }) = self.waiters.remove(&waiter) else {
             tracing::error!(waiter, "a grant for a waiter the shell does not know");
-            self.core.apply(Input::Undelivered { key });
-            return None;
+            return self.core.apply(Input::Undelivered { key });
         };
         match kind {
             WaiterKind::Lease {
@@ -660,8 +654,7 @@ impl Shell {
                 holder,
             } => {
                 if reply.is_closed() {
-                    self.core.apply(Input::Undelivered { key });
-                    return None;
+                    return self.core.apply(Input::Undelivered { key });
                 }
                 self.record_grant(span.get(), since, token, 1 + more.len());
                 let cell = Arc::new(LeaseCell::new());
@@ -682,7 +675,6 @@ impl Shell {
                     self.explicit.remove(&key);
                     self.core.apply(Input::Undelivered { key });
                 }
-                None
             }
             WaiterKind::Job(job) => {
                 // A grant racing with the caller's cancellation: the caller has left.
@@ -690,16 +682,15 @@ impl Shell {
                     let _ = job
                         .reply
                         .send(RunOutcome::NotGranted(Box::new(AcquireError::Cancelled)));
-                    self.core.apply(Input::Undelivered { key });
-                    return None;
+                    return self.core.apply(Input::Undelivered { key });
                 }
                 self.record_grant(job.span.get(), since, token, 1 + more.len());
-                Some(JobStart {
+                self.start_job(JobStart {
                     key,
                     token,
                     more,
                     job,
-                })
+                });
             }
         }
     }

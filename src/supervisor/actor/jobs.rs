@@ -6,7 +6,7 @@
 
 use super::*;
 
-/// A job granted a slot, to start (its worker's spawn is awaited).
+/// A job granted a slot, to start (its driver task spawns the worker).
 pub(super) struct JobStart {
     pub(super) key: LeaseKey,
     pub(super) token: SlotToken,
@@ -25,7 +25,7 @@ pub(super) struct JobRt {
 }
 
 impl Shell {
-    pub(super) async fn start_job(&mut self, start: JobStart) {
+    pub(super) fn start_job(&mut self, start: JobStart) {
         let JobStart {
             key,
             token,
