@@ -1,6 +1,7 @@
 //! The worker is linked to the supervisor while its body runs (a supervisor that dies takes it
 //! along) and unlinks before it ends, so that the supervisor hears no supervision event for it:
-//! the job's driver reports its end, once.
+//! the job's driver reports its end, once. A worker that cannot be spawned is the driver's
+//! report too: the job never started.
 
 use tokio::sync::oneshot;
 
@@ -67,4 +68,50 @@ async fn a_worker_is_linked_while_its_body_runs_and_unlinked_once_it_has_ended()
     }
     assert_eq!(events(), 0);
     sup.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_cannot_be_spawned_gives_its_slots_back_and_its_caller_hears_why() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let sup = Supervisor::builder().slots(3).start().await.unwrap();
+    let ran = Arc::new(AtomicBool::new(false));
+    let job = JobSpec::new(crate::worker::SPAWN_REFUSED_FOR_TEST)
+        .unwrap()
+        .with_slots(2);
+    let run = sup.run(job, {
+        let ran = Arc::clone(&ran);
+        move |_ctx| async move {
+            ran.store(true, Ordering::SeqCst);
+            Ok::<_, std::io::Error>(())
+        }
+    });
+    // A guard against a hang (a driver that never reports leaves its caller waiting), not a
+    // race: the answer comes in a few turns.
+    let err = tokio::time::timeout(std::time::Duration::from_secs(60), run)
+        .await
+        .expect("the caller hears why")
+        .unwrap_err();
+    assert_eq!(err.code(), "LEASE_PREPARE_FAILED", "{err}");
+    assert!(
+        matches!(
+            err.prepare_error(),
+            Some(crate::PrepareError::WorkerSpawn(_))
+        ),
+        "{err:?}"
+    );
+    assert!(!ran.load(Ordering::SeqCst), "the body never ran");
+    // Both slots are back, counted as slots, by the time the caller heard.
+    let stats = sup.stats();
+    assert_eq!(stats.held_slots, 0, "{stats:?}");
+    assert_eq!(stats.active, 0, "{stats:?}");
+    assert_eq!(stats.quarantined, 0, "{stats:?}");
+    assert_eq!(stats.acquired_total, stats.released_total, "{stats:?}");
+    assert!(sup.leases().is_empty());
+    // And they serve the next caller: all three at once.
+    let mut lease = sup.acquire_many(3).await.unwrap();
+    lease.release().await.unwrap();
+    let report = sup.shutdown().await.unwrap();
+    assert_eq!(report.quarantined, 0);
 }

@@ -24,6 +24,10 @@ pub(crate) type BoxedBody = Box<dyn FnOnce(WorkerContext) -> BoxFuture<'static, 
 
 pub(crate) struct WorkerActor;
 
+/// A job of this id gets a worker whose spawn fails (tests only).
+#[cfg(test)]
+pub(crate) const SPAWN_REFUSED_FOR_TEST: &str = "worker-spawn-refused-under-test";
+
 /// Everything a worker needs; moved into its task and dropped there, before it stops, so
 /// nothing of the job travels inside its supervision event.
 pub(crate) struct WorkerArgs {
@@ -60,6 +64,12 @@ impl Actor for WorkerActor {
         _myself: ActorRef<()>,
         args: WorkerArgs,
     ) -> Result<WorkerState, ActorProcessingErr> {
+        // The one way to make a worker's spawn fail (its pre_start only moves its arguments):
+        // for the test of the driver's `NotStarted` report.
+        #[cfg(test)]
+        if &*args.job_id == SPAWN_REFUSED_FOR_TEST {
+            return Err("this worker's spawn is refused under test".into());
+        }
         Ok(WorkerState { args: Some(args) })
     }
 

@@ -10,6 +10,8 @@ mod context;
 mod paths;
 mod shared;
 
+#[cfg(test)]
+pub(crate) use actor::SPAWN_REFUSED_FOR_TEST;
 pub(crate) use actor::{BoxedBody, WorkerActor, WorkerArgs};
 pub use context::WorkerContext;
 pub(crate) use paths::confine;
