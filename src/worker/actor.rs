@@ -51,18 +51,20 @@ pub(crate) struct WorkerArgs {
 
 /// Empty once the body has run: the worker's state carries nothing of the job.
 pub(crate) struct WorkerState {
-    args: Option<WorkerArgs>,
+    args: Option<Box<WorkerArgs>>,
 }
 
 impl Actor for WorkerActor {
     type Msg = ();
     type State = WorkerState;
-    type Arguments = WorkerArgs;
+    /// Boxed: ractor moves the arguments through several futures on the way into the
+    /// worker's task, and a pointer is cheaper to move than the job's whole kit.
+    type Arguments = Box<WorkerArgs>;
 
     async fn pre_start(
         &self,
         _myself: ActorRef<()>,
-        args: WorkerArgs,
+        args: Box<WorkerArgs>,
     ) -> Result<WorkerState, ActorProcessingErr> {
         // The one way to make a worker's spawn fail (its pre_start only moves its arguments):
         // for the test of the driver's `NotStarted` report.
@@ -80,7 +82,7 @@ impl Actor for WorkerActor {
     ) -> Result<(), ActorProcessingErr> {
         if let Some(args) = state.args.take() {
             let span = args.span.clone();
-            run_job(args, myself.get_cell()).instrument(span).await;
+            run_job(*args, myself.get_cell()).instrument(span).await;
         }
         // The body (and everything it owned) has been dropped inside this task. The worker was
         // linked to the supervisor while the body ran (a supervisor that dies takes it along);

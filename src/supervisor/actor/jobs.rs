@@ -58,7 +58,7 @@ impl Shell {
             inbox: Arc::clone(&self.inbox),
             key,
         };
-        let args = WorkerArgs {
+        let args = Box::new(WorkerArgs {
             body,
             token,
             more_tokens: more,
@@ -73,7 +73,7 @@ impl Shell {
             reporter: reporter.clone(),
             #[cfg(feature = "gpu")]
             gpu: placement,
-        };
+        });
         self.jobs.insert(
             key,
             JobRt {
@@ -247,7 +247,7 @@ struct Driver {
 }
 
 impl Driver {
-    async fn run(self, args: WorkerArgs, supervisor: ractor::ActorCell) {
+    async fn run(self, args: Box<WorkerArgs>, supervisor: ractor::ActorCell) {
         let key = self.reporter.key;
         crate::counters::task();
         let join = match Actor::spawn_linked(None, WorkerActor, args, supervisor).await {
