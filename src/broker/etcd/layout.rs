@@ -18,7 +18,7 @@
 //! set of key names (etcd keeps every name a range ever held until it is compacted, and a range
 //! read visits them all).
 
-use etcd_client::KeyValue;
+use etcd_client::{GetOptions, KeyValue, SortOrder, SortTarget};
 
 use super::error::{EtcdError, EtcdErrorKind};
 
@@ -467,6 +467,15 @@ fn shown(bytes: &[u8]) -> String {
 }
 
 /// Exactly sixteen hex digits.
+/// A read of the queue's `n` oldest waiters, oldest first (under [`Layout::queue_prefix`]): the
+/// queue's order is its keys' create revisions, and every read of its head uses this one.
+pub(super) fn oldest_waiters(n: i64) -> GetOptions {
+    GetOptions::new()
+        .with_prefix()
+        .with_sort(SortTarget::Create, SortOrder::Ascend)
+        .with_limit(n)
+}
+
 pub(super) fn parse_hex(hex: &str) -> Option<u64> {
     if hex.len() != 16 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;

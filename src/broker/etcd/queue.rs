@@ -35,7 +35,7 @@ use tokio::time::{Instant, sleep};
 
 use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
-use super::layout::{Confirmed, Layout, Marker, MarkerState, Raw, Waiter, raws};
+use super::layout::{Confirmed, Layout, Marker, MarkerState, Raw, Waiter, oldest_waiters, raws};
 use super::session::Session;
 use super::txn::{Grant, gets, slot_counts, txn_shape};
 use super::watches::{Seen, Watch};
@@ -463,18 +463,7 @@ impl Inner {
                 let first = self
                     .patiently(ticket, "read the queue's head", |mut c| {
                         let prefix = l.queue_prefix();
-                        async move {
-                            c.get(
-                                prefix,
-                                Some(
-                                    GetOptions::new()
-                                        .with_prefix()
-                                        .with_sort(SortTarget::Create, SortOrder::Ascend)
-                                        .with_limit(n),
-                                ),
-                            )
-                            .await
-                        }
+                        async move { c.get(prefix, Some(oldest_waiters(n))).await }
                     })
                     .await?;
                 let waiters = l.waiters(raws(first.kvs()))?;

@@ -21,12 +21,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 use tokio::time::{Instant, sleep};
 
 use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
-use super::layout::{MarkerState, Waiter, raws};
+use super::layout::{MarkerState, Waiter, oldest_waiters, raws};
 use super::session::{Claim, Held, Settling};
 use super::txn::{gets, txn_shape};
 use crate::broker::{BrokerError, SlotToken};
@@ -234,7 +234,7 @@ impl Inner {
             .and_then([TxnOp::delete(slot_key.clone(), None), marker.clone()])
             .or_else([
                 TxnOp::get(slot_key.clone(), Some(GetOptions::new().with_keys_only())),
-                oldest_waiters(l.queue_prefix(), read),
+                TxnOp::get(l.queue_prefix(), Some(oldest_waiters(read))),
             ]);
         for w in heads.iter().rev() {
             let under = || Some(PutOptions::new().with_lease(w.lease));
@@ -333,17 +333,8 @@ impl Inner {
                         |mut c| {
                             let prefix = prefix.clone();
                             async move {
-                                c.get(
-                                    prefix,
-                                    Some(
-                                        GetOptions::new()
-                                            .with_prefix()
-                                            .with_sort(SortTarget::Create, SortOrder::Ascend)
-                                            .with_limit(n)
-                                            .with_serializable(),
-                                    ),
-                                )
-                                .await
+                                c.get(prefix, Some(oldest_waiters(n).with_serializable()))
+                                    .await
                             }
                         },
                     )
@@ -543,18 +534,5 @@ fn held_count(l: &super::layout::Layout) -> TxnOp {
     TxnOp::get(
         from,
         Some(GetOptions::new().with_range(to).with_count_only()),
-    )
-}
-
-/// A read of the queue's `n` oldest waiters.
-fn oldest_waiters(queue_prefix: String, n: i64) -> TxnOp {
-    TxnOp::get(
-        queue_prefix,
-        Some(
-            GetOptions::new()
-                .with_prefix()
-                .with_sort(SortTarget::Create, SortOrder::Ascend)
-                .with_limit(n),
-        ),
     )
 }
