@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::core::{Input, LeaseKey};
+use super::core::{Input, LeaseKey, Proofs};
 use super::inbox::Inbox;
 use super::messages::SupMsg;
 use crate::error::PrepareError;
@@ -30,6 +30,17 @@ impl Reporter {
     /// A report the core takes as it is.
     pub(crate) fn input(&self, input: Input) {
         self.send(SupMsg::Input(input));
+    }
+
+    /// The proofs gathered so far, if any, reported now (before a report that must follow
+    /// them, or a wait that may be long); `proofs` starts empty again.
+    pub(crate) fn proven_so_far(&self, proofs: &mut Proofs) {
+        if !proofs.is_empty() {
+            self.input(Input::Proven {
+                key: self.key,
+                proofs: std::mem::take(proofs),
+            });
+        }
     }
 
     /// The worker could not prepare the job: no body runs.

@@ -267,8 +267,7 @@ impl Driver {
         let mut proofs = Proofs::JOINED;
         if !tracker.is_empty() {
             // Tell the supervisor the body has ended; the tasks are waited for.
-            self.reporter.input(Input::Proven { key, proofs });
-            proofs = Proofs::default();
+            self.reporter.proven_so_far(&mut proofs);
             if let Some(after) = self.drain_timeout
                 && tokio::time::timeout(after, tracker.wait()).await.is_err()
             {
@@ -294,8 +293,7 @@ impl Driver {
             let job = self.shared.take_gpu();
             let mut fence = gpu.fence(placement, job).await;
             if let Fence::Late { detail, rest } = fence {
-                self.reporter.input(Input::Proven { key, proofs });
-                proofs = Proofs::default();
+                self.reporter.proven_so_far(&mut proofs);
                 self.reporter.input(Input::Late {
                     key,
                     proof: Proof::GpuFence,
@@ -310,10 +308,7 @@ impl Driver {
                     generation,
                     reason,
                 } => {
-                    if !proofs.is_empty() {
-                        self.reporter.input(Input::Proven { key, proofs });
-                        proofs = Proofs::default();
-                    }
+                    self.reporter.proven_so_far(&mut proofs);
                     self.reporter.input(Input::DeviceLost {
                         key,
                         device,
@@ -333,10 +328,7 @@ impl Driver {
                 let bound = self.cleanup_timeout;
                 let removed = removed_within(&*self.temp_dirs, &path, bound, |detail| {
                     // A hung file system: the slot is quarantined while the removal runs on.
-                    if !proofs.is_empty() {
-                        self.reporter.input(Input::Proven { key, proofs });
-                        proofs = Proofs::default();
-                    }
+                    self.reporter.proven_so_far(&mut proofs);
                     self.reporter.input(Input::Late {
                         key,
                         proof: Proof::TempDir,
