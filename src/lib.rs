@@ -20,6 +20,7 @@ mod gpu;
 mod job;
 mod job_handle;
 mod lease;
+mod outside;
 mod process;
 mod sink;
 mod supervisor;

@@ -51,8 +51,8 @@ pub(crate) fn report_orphaned(
             token,
             error,
         };
-        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink(&failure))).is_err() {
-            tracing::error!("the error sink panicked");
+        if let crate::outside::Outcome::Panicked(panic) = crate::outside::call(|| sink(&failure)) {
+            tracing::error!(%panic, "the error sink panicked");
         }
     }
 }

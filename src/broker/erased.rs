@@ -1,10 +1,6 @@
-//! Type erasure for [`SlotBroker`] (its methods return `impl Future`, so it is not `dyn`-safe)
-//! and the poll-once fast path that lets an in-process broker answer without a task hop.
+//! Type erasure for [`SlotBroker`] (its methods return `impl Future`, so it is not `dyn`-safe).
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
 
 use futures_util::future::BoxFuture;
 
@@ -61,15 +57,4 @@ impl<B: SlotBroker> DynBroker for B {
     fn close_boxed(self: Arc<Self>) -> BoxFuture<'static, Result<(), BrokerError>> {
         Box::pin(async move { SlotBroker::close(&*self).await })
     }
-}
-
-/// Polls `fut` once with a no-op waker.
-///
-/// Used by the supervisor so that a broker which answers at once (the `LocalBroker`) costs no
-/// task spawn and no extra message. When it returns `Pending` the caller moves the same boxed
-/// future into a task, whose first poll registers the real waker; a well-behaved future
-/// re-registers on every poll, so the no-op waker of this first poll is never relied upon.
-pub(crate) fn poll_once<T>(fut: &mut Pin<Box<dyn Future<Output = T> + Send>>) -> Poll<T> {
-    let mut cx = Context::from_waker(Waker::noop());
-    fut.as_mut().poll(&mut cx)
 }

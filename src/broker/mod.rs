@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 pub use local::LocalBroker;
 
-pub(crate) use erased::{DynBroker, poll_once};
+pub(crate) use erased::DynBroker;
 
 /// One slot held under one lease. A plain `Copy` value; the lease id doubles as a fencing token
 /// (the brokers leasehold ships hand out strictly increasing lease ids).
@@ -310,6 +310,10 @@ pub enum BrokerErrorKind {
     DeliveryUnknown,
     /// The broker answered something the supervisor refuses (a token already live).
     InvalidResponse,
+    /// The broker's call panicked (while building its future, in a poll, or when dropped at
+    /// its bound). The supervisor caught it: the acquire failed, or the release counts as
+    /// failed, and every other slot keeps serving. Its code is [`BrokerError::PANICKED`].
+    Panicked,
 }
 
 /// A failure reported by a [`SlotBroker`].
@@ -344,6 +348,15 @@ impl BrokerError {
     /// The broker's answer was refused by the supervisor.
     pub fn invalid_response(message: impl Into<String>) -> Self {
         Self::with_kind(BrokerErrorKind::InvalidResponse, message)
+    }
+
+    /// The stable code of a broker call that panicked ([`BrokerErrorKind::Panicked`]).
+    pub const PANICKED: &'static str = "BROKER_PANICKED";
+
+    /// The broker's call panicked with `message`; the supervisor builds this itself when it
+    /// catches the panic.
+    pub fn panicked(message: impl Into<String>) -> Self {
+        Self::with_kind(BrokerErrorKind::Panicked, message).with_code(Self::PANICKED)
     }
 
     fn with_kind(kind: BrokerErrorKind, message: impl Into<String>) -> Self {
@@ -385,6 +398,7 @@ impl fmt::Display for BrokerError {
             BrokerErrorKind::Unavailable => "broker unavailable",
             BrokerErrorKind::DeliveryUnknown => "broker delivery unknown",
             BrokerErrorKind::InvalidResponse => "invalid broker response",
+            BrokerErrorKind::Panicked => "broker panicked",
         };
         match self.code {
             Some(code) => write!(f, "{what}: {code}: {}", self.message),

@@ -92,12 +92,6 @@ impl Guard {
 }
 
 fn describe(call: BackendCall, payload: &(dyn std::any::Any + Send)) -> String {
-    let message = if let Some(s) = payload.downcast_ref::<&'static str>() {
-        s
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.as_str()
-    } else {
-        "non-string panic payload"
-    };
+    let message = crate::outside::panic_message(payload);
     format!("the gpu backend panicked ({call:?}): {message}")
 }

@@ -22,7 +22,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 #[cfg(test)]
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
@@ -43,7 +42,7 @@ use super::reporter::Reporter;
 use super::reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo};
 use super::stats::{Metrics, Published, SharedStats};
 use super::table::{Extra, LeaseTable};
-use crate::broker::{AcquireRequest, BrokerEvent, DynBroker, LocalBroker, SlotToken, poll_once};
+use crate::broker::{AcquireRequest, BrokerEvent, DynBroker, LocalBroker, SlotToken};
 use crate::error::{AcquireError, CleanupError, PrepareError};
 use crate::lease::{Lease, LeaseCell, ReleaseReply};
 use crate::process::{Evidence, ProcessPolicy};
@@ -131,6 +130,11 @@ enum Outgoing {
         replies: Vec<ReleaseReply>,
         result: Result<(), CleanupError>,
     },
+    /// A caller that gets no slot.
+    Refused {
+        kind: WaiterKind,
+        error: AcquireError,
+    },
     /// A control call's answer.
     Control(Box<dyn FnOnce() + Send>),
 }
@@ -187,6 +191,8 @@ pub(crate) struct Shell {
     outbox: Vec<Outgoing>,
     /// GPU devices the shutdown could not prove idle.
     unclosed: Vec<UnclosedDevice>,
+    /// Why the broker's close at shutdown failed, timed out or panicked.
+    broker_close_failed: Option<crate::broker::BrokerError>,
     owned_root: Option<tempfile::TempDir>,
     /// Whether the owned work root is kept, as the core said when it stopped.
     keep_root: Option<bool>,
@@ -256,6 +262,7 @@ impl Actor for SupervisorActor {
             next_control: 1,
             outbox: Vec::new(),
             unclosed: Vec::new(),
+            broker_close_failed: None,
             owned_root: args.owned_root,
             keep_root: None,
             origin: args.origin,
@@ -370,10 +377,7 @@ impl Shell {
                 break;
             }
         }
-        self.sync_table();
-        let figures = self.core.figures();
-        self.stats.publish(figures, &mut self.published);
-        self.metrics.publish_gauges(&figures);
+        self.publish();
         // Every freed slot has been handed on, and every effect is visible: the callers hear.
         self.send_answers();
         // Memory a flood left behind goes back once it has drained (nothing waits, nothing is
@@ -401,10 +405,15 @@ impl Shell {
         }
     }
 
-    /// Stores the figures `Stats` shows: before every reply, so that a caller who has just
-    /// been answered reads figures that already include what it was answered about.
+    /// Brings everything a caller can read up to date: the lease table's touched rows, the
+    /// figures `Stats` shows, the gauges and the acquire counter. Before every answer, so that
+    /// a caller who has just been answered reads all of them with its effect included
+    /// (invariant 11).
     fn publish(&mut self) {
-        self.stats.publish(self.core.figures(), &mut self.published);
+        self.sync_table();
+        let figures = self.core.figures();
+        self.stats.publish(figures, &mut self.published);
+        self.metrics.publish(&figures);
     }
 
     fn control(&mut self, reply: ControlReply) -> ControlId {
@@ -509,6 +518,10 @@ impl Shell {
                     self.unclosed.push(UnclosedDevice::new(device, reason));
                 }
                 Input::GpuClosed
+            }
+            SupMsg::BrokerClosed { failed } => {
+                self.broker_close_failed = failed;
+                Input::BrokerClosed
             }
         };
         self.apply(input);
@@ -666,6 +679,8 @@ impl Shell {
                         holder: holder.map(|h| *h),
                     },
                 );
+                // Handed over at once, even in the middle of a batch: the table, `Stats`, the
+                // gauges and the acquire counter show it before its holder can look.
                 self.publish();
                 let home = Arc::clone(&self.inbox) as Arc<dyn crate::lease::LeaseReturn>;
                 let lease = Lease::new(key, (token, more), home, cell);
@@ -695,11 +710,11 @@ impl Shell {
         }
     }
 
+    /// A caller that gets no slot hears why with this turn's other answers (see [`Outgoing`]).
     fn refuse(&mut self, waiter: WaiterId, error: AcquireError) {
         let Some(Waiter { kind, .. }) = self.waiters.remove(&waiter) else {
             return;
         };
-        self.publish();
         let span = match &kind {
             WaiterKind::Lease { span, .. } => span.get(),
             WaiterKind::Job(job) => job.span.get(),
@@ -708,14 +723,7 @@ impl Shell {
             let _e = span.enter();
             tracing::warn!(error = %err, "slot acquire failed");
         }
-        match kind {
-            WaiterKind::Lease { reply, .. } => {
-                let _ = reply.send(Err(error));
-            }
-            WaiterKind::Job(job) => {
-                let _ = job.reply.send(RunOutcome::NotGranted(Box::new(error)));
-            }
-        }
+        self.outbox.push(Outgoing::Refused { kind, error });
     }
 
     fn cancel(&mut self, key: LeaseKey, holder: Holder, lost: Option<String>) {
@@ -885,6 +893,14 @@ impl Shell {
                         self.sink(None, err);
                     }
                 }
+                Outgoing::Refused { kind, error } => match kind {
+                    WaiterKind::Lease { reply, .. } => {
+                        let _ = reply.send(Err(error));
+                    }
+                    WaiterKind::Job(job) => {
+                        let _ = job.reply.send(RunOutcome::NotGranted(Box::new(error)));
+                    }
+                },
                 Outgoing::Control(send) => send(),
             }
         }
@@ -1021,8 +1037,7 @@ impl Shell {
             0 => 0.0,
             _ => since.waited(self.now(), self.epoch).as_secs_f64() * 1e3,
         };
-        // Counted in slots, as `Stats::acquired_total` is.
-        self.metrics.acquire_count.increment(slots as u64);
+        // The count itself is published with `Stats::acquired_total` (one definition).
         self.metrics.acquire_ms.record(waited_ms);
         if tracing::enabled!(tracing::Level::DEBUG) {
             let _e = span.enter();

@@ -77,6 +77,8 @@ pub(crate) enum SupMsg {
     GpuClosed {
         unclosed: Option<Vec<(usize, String)>>,
     },
+    /// The broker's close at shutdown ended: `Some` when it failed, timed out or panicked.
+    BrokerClosed { failed: Option<BrokerError> },
 }
 
 /// A control call and where its answer goes.

@@ -27,6 +27,11 @@ pub struct ShutdownReport {
     /// GPU devices (feature `gpu`) whose remaining work could not be proven done when they
     /// were closed: each was left to finish on a thread of its own.
     pub unclosed_devices: Vec<UnclosedDevice>,
+    /// Why the broker's close failed, did not end within the cleanup timeout, or panicked
+    /// (kind [`BrokerErrorKind::Panicked`](crate::BrokerErrorKind::Panicked)); `None` when it
+    /// closed (or had nothing to close). Either way the shutdown went on: what the broker still
+    /// held is left to its own expiry.
+    pub broker_close_failed: Option<crate::BrokerError>,
     /// The counters at the end.
     pub stats: Stats,
 }

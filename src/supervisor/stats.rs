@@ -171,7 +171,10 @@ impl SharedStats {
 /// `start()`): a handle costs one call per update, where the macros would build and hash a key
 /// every time.
 pub(crate) struct Metrics {
-    pub(crate) acquire_count: metrics::Counter,
+    acquire_count: metrics::Counter,
+    /// `Stats::acquired_total` as last added to `acquire_count` (the highest published: a grant
+    /// handed back in the same turn and granted again counts once).
+    acquired_counted: u64,
     pub(crate) acquire_ms: metrics::Histogram,
     pub(crate) release_count: metrics::Counter,
     pub(crate) release_ms: metrics::Histogram,
@@ -187,6 +190,7 @@ impl Metrics {
     pub(crate) fn register() -> Self {
         Self {
             acquire_count: metrics::counter!(metric_names::ACQUIRE_COUNT),
+            acquired_counted: 0,
             acquire_ms: metrics::histogram!(metric_names::ACQUIRE_DURATION_MS),
             release_count: metrics::counter!(metric_names::RELEASE_COUNT),
             release_ms: metrics::histogram!(metric_names::RELEASE_DURATION_MS),
@@ -199,10 +203,18 @@ impl Metrics {
         }
     }
 
-    /// Sets the gauges of DESIGN.md section 5 (once per batch of messages). Every time, even
-    /// unchanged: a recorder may drain gauges when it reads them (metrics-util's
-    /// `DebuggingRecorder` does), and must then see them again.
-    pub(crate) fn publish_gauges(&self, figures: &Figures) {
+    /// Sets the gauges of DESIGN.md section 5 and adds the slots granted since the last call to
+    /// `render_slot.acquire.count`, which so counts exactly what `Stats::acquired_total` does
+    /// (once per batch of messages, and before an answer that leaves within one). The gauges
+    /// are set every time, even unchanged: a recorder may drain gauges when it reads them
+    /// (metrics-util's `DebuggingRecorder` does), and must then see them again.
+    pub(crate) fn publish(&mut self, figures: &Figures) {
+        let acquired = figures.counters.acquired_total;
+        if acquired > self.acquired_counted {
+            self.acquire_count
+                .increment(acquired - self.acquired_counted);
+            self.acquired_counted = acquired;
+        }
         self.active.set(figures.active as f64);
         self.waiting.set(figures.waiting as f64);
         self.quarantined.set(figures.quarantined as f64);

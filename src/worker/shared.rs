@@ -83,13 +83,7 @@ impl JobShared {
     }
 
     pub(crate) fn record_panic(&self, payload: &(dyn Any + Send)) {
-        let msg = if let Some(s) = payload.downcast_ref::<&'static str>() {
-            (*s).to_owned()
-        } else if let Some(s) = payload.downcast_ref::<String>() {
-            s.clone()
-        } else {
-            "non-string panic payload".to_owned()
-        };
+        let msg = crate::outside::panic_message(payload);
         self.write(|r| r.panics.push(msg));
     }
 

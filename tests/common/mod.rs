@@ -24,6 +24,12 @@ pub enum Plan {
     Gate(Arc<Notify>),
     /// Answers only after the gate is notified, then behaves as `Fail`.
     GateThenFail(Arc<Notify>),
+    /// Panics on its first poll, before any await (for a release: the slot is freed
+    /// underneath, as a remote that applied it).
+    Panic,
+    /// Awaits once (so the supervisor finishes the call in a task of its own), then panics (for
+    /// a release: the slot is freed underneath first).
+    PanicAfterAwait,
 }
 
 type Planner = Box<dyn Fn(u64) -> Plan + Send + Sync>;
@@ -33,6 +39,8 @@ pub struct Inner {
     capacity: u32,
     acquire_plan: Mutex<Planner>,
     release_plan: Mutex<Planner>,
+    close_plan: Mutex<Plan>,
+    close_calls: AtomicU64,
     acquire_calls: AtomicU64,
     release_calls: AtomicU64,
     releases_per_token: Mutex<HashMap<SlotToken, u32>>,
@@ -57,6 +65,8 @@ impl TestBroker {
             capacity: slots,
             acquire_plan: Mutex::new(Box::new(|_| Plan::Ok)),
             release_plan: Mutex::new(Box::new(|_| Plan::Ok)),
+            close_plan: Mutex::new(Plan::Ok),
+            close_calls: AtomicU64::new(0),
             acquire_calls: AtomicU64::new(0),
             release_calls: AtomicU64::new(0),
             releases_per_token: Mutex::new(HashMap::new()),
@@ -88,6 +98,16 @@ impl TestBroker {
     pub fn on_release(&self, plan: impl Fn(u64) -> Plan + Send + Sync + 'static) -> &Self {
         *self.0.release_plan.lock() = Box::new(plan);
         self
+    }
+
+    /// What the broker's close at shutdown does.
+    pub fn on_close(&self, plan: Plan) -> &Self {
+        *self.0.close_plan.lock() = plan;
+        self
+    }
+
+    pub fn close_calls(&self) -> u64 {
+        self.0.close_calls.load(Ordering::SeqCst)
     }
 
     pub fn acquire_calls(&self) -> u64 {
@@ -191,6 +211,11 @@ impl SlotBroker for TestBroker {
                 gate.notified().await;
                 return fail();
             }
+            Plan::Panic => panic!("injected panic in acquire {n}"),
+            Plan::PanicAfterAwait => {
+                tokio::task::yield_now().await;
+                panic!("injected panic in acquire {n} after an await")
+            }
         }
         let token = self.0.local.acquire(request).await?;
         let held = self.0.held.fetch_add(1, Ordering::SeqCst) + 1;
@@ -229,6 +254,38 @@ impl SlotBroker for TestBroker {
                 Err(BrokerError::new(format!(
                     "injected failure releasing {token}"
                 )))
+            }
+            Plan::Panic => {
+                self.free(token);
+                panic!("injected panic releasing {token}")
+            }
+            Plan::PanicAfterAwait => {
+                tokio::task::yield_now().await;
+                self.free(token);
+                panic!("injected panic releasing {token} after an await")
+            }
+        }
+    }
+
+    async fn close(&self) -> Result<(), BrokerError> {
+        self.0.close_calls.fetch_add(1, Ordering::SeqCst);
+        let plan = self.0.close_plan.lock().clone();
+        match plan {
+            Plan::Ok => Ok(()),
+            Plan::Fail => Err(BrokerError::new("injected failure closing")),
+            Plan::Hang => std::future::pending().await,
+            Plan::Gate(gate) => {
+                gate.notified().await;
+                Ok(())
+            }
+            Plan::GateThenFail(gate) => {
+                gate.notified().await;
+                Err(BrokerError::new("injected failure closing"))
+            }
+            Plan::Panic => panic!("injected panic closing"),
+            Plan::PanicAfterAwait => {
+                tokio::task::yield_now().await;
+                panic!("injected panic closing after an await")
             }
         }
     }

@@ -1,9 +1,12 @@
 //! Where tokens come from and where they go back: the shell's side of the broker. An in-process
-//! broker is called directly; any other broker's future is polled once in the mailbox and, when
-//! it is not ready, finished in a task of its own that reports back through the inbox (never
-//! awaited in the mailbox). Its answers are inputs to the core, which decides what follows.
+//! broker is called directly; any other broker is called through [`outside`]: built and polled
+//! once in the mailbox under `catch_unwind` and, when it is not ready, finished in a task of its
+//! own that reports back through the inbox (never awaited in the mailbox). Its answers, a panic
+//! included, are inputs to the core, which decides what follows.
 
 use super::*;
+use crate::broker::BrokerError;
+use crate::outside::{self, First, Outcome};
 
 /// Where tokens come from. The in-process broker is called directly (no boxed future, no
 /// poll); any other broker through its object-safe face.
@@ -43,26 +46,28 @@ impl Shell {
                             WaiterKind::Lease { .. } => None,
                         });
                 let req = AcquireRequest::for_job(request, job_id).with_origin(self.origin);
-                let mut fut = Arc::clone(broker).acquire_boxed(req);
-                match poll_once(&mut fut) {
-                    Poll::Ready(result) => result,
-                    Poll::Pending => {
+                let make = || Arc::clone(broker).acquire_boxed(req);
+                match outside::first_poll(make) {
+                    First::Ended(outcome) => acquired(outcome),
+                    First::Pending(fut) => {
                         let inbox = Arc::clone(&self.inbox);
                         let broker = Arc::clone(broker);
                         let timeout = self.config.cleanup_timeout;
-                        crate::counters::task();
-                        let task = tokio::spawn(async move {
-                            let result = fut.await;
+                        // Unbounded: a broker may queue for as long as the caller waits (the
+                        // caller's own timeout or cancellation withdraws it, and the core
+                        // aborts this call then).
+                        let task = outside::finish(fut, None, move |outcome| {
+                            let result = acquired(outcome);
                             if let Err(SupMsg::Acquired {
                                 result: Ok(token), ..
                             }) = inbox.send(SupMsg::Acquired { request, result })
                             {
                                 // The supervisor stopped while this acquire was in flight:
                                 // nobody can hold the token, so it goes straight back, once.
-                                release_orphan(broker, token, timeout).await;
+                                release_orphan(broker, token, timeout);
                             }
                         });
-                        self.acquires.insert(request, task.abort_handle());
+                        self.acquires.insert(request, task);
                         return;
                     }
                 }
@@ -71,41 +76,46 @@ impl Shell {
         self.core.apply(Input::Acquired { request, result });
     }
 
-    /// Keeps the lease alive while it is held, when the broker needs that.
+    /// Keeps the lease alive while it is held, when the broker needs that. The renewal ends
+    /// only when the lease is lost (or the core stops it); a panic in it is a lost lease.
     pub(super) fn start_renewal(&mut self, key: LeaseKey, token: SlotToken) {
-        let lost = self.broker.as_dyn().keep_alive_boxed(token);
+        let broker = self.broker.as_dyn();
         let inbox = Arc::clone(&self.inbox);
-        crate::counters::task();
-        let task = tokio::spawn(async move {
-            let err = lost.await;
-            // Judged by the core: renewal may have been stopped since.
-            let _ = inbox.send(SupMsg::Input(Input::LeaseLost {
-                key,
-                reason: err.to_string(),
-            }));
-        });
-        self.renewals.insert(key, task.abort_handle());
+        let task = outside::spawn(
+            move || broker.keep_alive_boxed(token),
+            None,
+            move |outcome| {
+                let reason = outcome.fold(
+                    |err| err.to_string(),
+                    |panic| {
+                        BrokerError::panicked(format!("the lease's renewal panicked: {panic}"))
+                            .to_string()
+                    },
+                    |_| unreachable!("a renewal has no bound"),
+                );
+                // Judged by the core: renewal may have been stopped since.
+                let _ = inbox.send(SupMsg::Input(Input::LeaseLost { key, reason }));
+            },
+        );
+        self.renewals.insert(key, task);
     }
 
     /// Releases `token` under the cleanup timeout, which is the supervisor's own: no caller's
     /// cancellation reaches it.
     pub(super) fn broker_release(&mut self, key: LeaseKey, token: SlotToken) {
         let result = match &self.broker {
-            BrokerPort::Local(local) => local.give(token),
+            BrokerPort::Local(local) => local
+                .give(token)
+                .map_err(|e| CleanupError::broker(token, e)),
             BrokerPort::Dyn(broker) => {
-                let mut fut = Arc::clone(broker).release_boxed(token);
-                match poll_once(&mut fut) {
-                    Poll::Ready(result) => result,
-                    Poll::Pending => {
-                        let (timeout, started) = (self.config.cleanup_timeout, self.now());
+                let timeout = self.config.cleanup_timeout;
+                match outside::first_poll(|| Arc::clone(broker).release_boxed(token)) {
+                    First::Ended(outcome) => released(token, timeout, outcome),
+                    First::Pending(fut) => {
+                        let started = self.now();
                         let inbox = Arc::clone(&self.inbox);
-                        crate::counters::task();
-                        tokio::spawn(async move {
-                            let result = match tokio::time::timeout(timeout, fut).await {
-                                Ok(Ok(())) => Ok(()),
-                                Ok(Err(e)) => Err(CleanupError::broker(token, e)),
-                                Err(_) => Err(CleanupError::timeout(token, timeout)),
-                            };
+                        let _ = outside::finish(fut, Some(timeout), move |outcome| {
+                            let result = released(token, timeout, outcome);
                             let _ = inbox.send(SupMsg::Released {
                                 key,
                                 result,
@@ -118,23 +128,52 @@ impl Shell {
             }
         };
         // Answered inline, within this turn: no time passed that the batch clock could see.
-        let result = result.map_err(|e| CleanupError::broker(token, e));
         self.record_release(Duration::ZERO, &result);
         self.core.apply(Input::Released { key, result });
     }
 }
 
+/// A broker acquire's answer; a panic is a failed acquire.
+fn acquired(outcome: Outcome<Result<SlotToken, BrokerError>>) -> Result<SlotToken, BrokerError> {
+    outcome.fold(
+        |result| result,
+        |panic| {
+            Err(BrokerError::panicked(format!(
+                "the broker's acquire panicked: {panic}"
+            )))
+        },
+        |_| unreachable!("a broker acquire has no bound of its own"),
+    )
+}
+
+/// A broker release's answer under `timeout`; a panic is a failed release.
+fn released(
+    token: SlotToken,
+    timeout: Duration,
+    outcome: Outcome<Result<(), BrokerError>>,
+) -> Result<(), CleanupError> {
+    outcome.fold(
+        |result| result.map_err(|e| CleanupError::broker(token, e)),
+        |panic| {
+            let message = format!("the broker's release of {token} panicked: {panic}");
+            Err(CleanupError::broker(token, BrokerError::panicked(message)))
+        },
+        |_| Err(CleanupError::timeout(token, timeout)),
+    )
+}
+
 /// Releases a token that arrived after the supervisor stopped, under the cleanup timeout.
-async fn release_orphan(broker: Arc<dyn DynBroker>, token: SlotToken, timeout: Duration) {
-    match tokio::time::timeout(timeout, broker.release_boxed(token)).await {
-        Ok(Ok(())) => {
-            tracing::info!(%token, "released a token granted after the supervisor stopped")
-        }
-        Ok(Err(error)) => {
-            tracing::error!(%token, %error, "could not release a token granted after the supervisor stopped")
-        }
-        Err(_) => {
-            tracing::error!(%token, ?timeout, "release of a token granted after the supervisor stopped timed out")
-        }
-    }
+fn release_orphan(broker: Arc<dyn DynBroker>, token: SlotToken, timeout: Duration) {
+    let _ = outside::spawn(
+        move || broker.release_boxed(token),
+        Some(timeout),
+        move |outcome| match released(token, timeout, outcome) {
+            Ok(()) => {
+                tracing::info!(%token, "released a token granted after the supervisor stopped")
+            }
+            Err(error) => {
+                tracing::error!(%token, %error, "could not release a token granted after the supervisor stopped")
+            }
+        },
+    );
 }

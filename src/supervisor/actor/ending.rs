@@ -2,6 +2,8 @@
 //! what is dropped when the actor stops; and how a quarantined slot is described.
 
 use super::*;
+use crate::broker::BrokerError;
+use crate::outside;
 
 impl Shell {
     pub(super) fn arm_shutdown_timers(&mut self) {
@@ -24,41 +26,63 @@ impl Shell {
         #[cfg(feature = "gpu")]
         if let Some(gpu) = &self.config.hosts.gpu {
             let bound = self.config.cleanup_timeout;
-            let (closing, inbox) = (gpu.close(bound), Arc::clone(&self.inbox));
-            tokio::spawn(async move {
-                // The close bounds itself; this bound is for a close that would not.
-                let unclosed = tokio::time::timeout(bound + bound / 10, closing).await.ok();
-                let _ = inbox.send(SupMsg::GpuClosed { unclosed });
-            });
+            let (gpu, inbox) = (Arc::clone(gpu), Arc::clone(&self.inbox));
+            // The close bounds itself; this bound is for a close that would not, and the panic
+            // catch for a driver that panics while closing.
+            let _ = outside::spawn(
+                move || gpu.close(bound),
+                Some(bound + bound / 10),
+                move |outcome| {
+                    let unclosed = outcome.fold(
+                        Some,
+                        |panic| {
+                            Some(vec![(
+                                usize::MAX,
+                                format!("the devices' close panicked: {panic}"),
+                            )])
+                        },
+                        |_| None,
+                    );
+                    let _ = inbox.send(SupMsg::GpuClosed { unclosed });
+                },
+            );
             return;
         }
         self.core.apply(Input::GpuClosed);
     }
 
     /// Closes the broker under the cleanup timeout, off the mailbox (the in-process pool has
-    /// nothing to close); a failure or a timeout is logged and reported to the error sink,
-    /// and the shutdown goes on.
+    /// nothing to close). A failure, a timeout or a panic is logged, goes to the shutdown's
+    /// report, and the shutdown goes on.
     pub(super) fn close_broker(&mut self) {
         let BrokerPort::Dyn(broker) = &self.broker else {
             return self.core.apply(Input::BrokerClosed);
         };
-        let closing = Arc::clone(broker).close_boxed();
+        let broker = Arc::clone(broker);
         let (bound, inbox) = (self.config.cleanup_timeout, Arc::clone(&self.inbox));
-        tokio::spawn(async move {
-            match tokio::time::timeout(bound, closing).await {
-                Ok(Ok(())) => {}
-                Ok(Err(error)) => {
+        let _ = outside::spawn(
+            move || broker.close_boxed(),
+            Some(bound),
+            move |outcome| {
+                let failed = outcome.fold(
+                    Result::err,
+                    |panic| {
+                        Some(BrokerError::panicked(format!(
+                            "the broker's close panicked: {panic}"
+                        )))
+                    },
+                    |bound| {
+                        Some(BrokerError::timeout(format!(
+                            "the broker's close did not end within {bound:?}"
+                        )))
+                    },
+                );
+                if let Some(error) = &failed {
                     tracing::error!(%error, "the broker's close at shutdown failed; what it held is left to its expiry");
                 }
-                Err(_) => {
-                    tracing::error!(
-                        ?bound,
-                        "the broker's close at shutdown did not end within the cleanup timeout; what it held is left to its expiry"
-                    );
-                }
-            }
-            let _ = inbox.send(SupMsg::Input(Input::BrokerClosed));
-        });
+                let _ = inbox.send(SupMsg::BrokerClosed { failed });
+            },
+        );
     }
 
     pub(super) fn stopped(
@@ -68,7 +92,6 @@ impl Shell {
         keep_work_root: bool,
     ) {
         // The jobs' and leases' callers hear before the shutdown's caller does.
-        self.sync_table();
         self.publish();
         self.send_answers();
         self.keep_root = Some(keep_work_root);
@@ -79,6 +102,7 @@ impl Shell {
             quarantined: quarantine.len(),
             unproven: self.describe(quarantine),
             unclosed_devices: mem::take(&mut self.unclosed),
+            broker_close_failed: self.broker_close_failed.take(),
             stats: self.stats.snapshot(),
         };
         for reply in self.shutdown_replies.drain(..) {

@@ -1,0 +1,443 @@
+//! Where leasehold meets code it did not write (DESIGN.md invariants 9 and 11): a broker that
+//! panics or hangs at any of its calls, a file system that refuses, and answers that leave
+//! only once their effect shows. Each test is named as the behaviour it shows, through the
+//! public API only.
+
+mod common;
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use common::{Plan, TestBroker, until};
+use leasehold::{
+    AcquireError, AcquireRequest, BrokerError, BrokerErrorKind, JobSpec, Lease, LocalBroker,
+    SlotBroker, SlotToken, Supervisor, metric_names,
+};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use parking_lot::Mutex;
+
+/// Turns a hang into a failure (on the paused clock too: it advances when all is idle).
+async fn guarded<F: Future>(what: &str, fut: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(60), fut)
+        .await
+        .unwrap_or_else(|_| panic!("hung: {what}"))
+}
+
+async fn supervisor_on(broker: &TestBroker) -> Supervisor {
+    Supervisor::builder()
+        .broker(broker.clone())
+        .cleanup_timeout(Duration::from_secs(1))
+        .start()
+        .await
+        .unwrap()
+}
+
+fn is_panicked(err: &BrokerError) -> bool {
+    err.kind() == BrokerErrorKind::Panicked && err.code() == Some(BrokerError::PANICKED)
+}
+
+/// After a broker call panicked: the supervisor still grants, runs and releases.
+async fn still_serves(sup: &Supervisor) {
+    let mut lease = guarded("an acquire after the panic", sup.acquire())
+        .await
+        .expect("the supervisor keeps serving after a broker panic");
+    lease.release().await.unwrap();
+    let ran = guarded(
+        "a job after the panic",
+        sup.run(JobSpec::new("after-the-panic").unwrap(), |_| async {
+            Ok::<_, Infallible>(7)
+        }),
+    )
+    .await;
+    assert_eq!(ran.unwrap(), 7);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A broker that panics
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_broker_whose_acquire_panics_on_its_first_poll_fails_that_acquire_and_the_supervisor_keeps_serving()
+ {
+    let broker = TestBroker::new(2);
+    broker.on_acquire(|n| if n == 0 { Plan::Panic } else { Plan::Ok });
+    let sup = supervisor_on(&broker).await;
+    let err = guarded("the panicking acquire", sup.acquire())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "LEASE_ACQUIRE_FAILED");
+    assert!(
+        matches!(&err, AcquireError::Failed(e) if is_panicked(e)),
+        "{err:?}"
+    );
+    still_serves(&sup).await;
+    let report = guarded("shutdown", sup.shutdown()).await.unwrap();
+    assert_eq!(report.broker_close_failed, None);
+    broker.assert_quiescent(sup.stats());
+}
+
+#[tokio::test]
+async fn a_broker_whose_acquire_panics_after_an_await_fails_that_acquire_and_the_supervisor_keeps_serving()
+ {
+    let broker = TestBroker::new(2);
+    broker.on_acquire(|n| {
+        if n == 0 {
+            Plan::PanicAfterAwait
+        } else {
+            Plan::Ok
+        }
+    });
+    let sup = supervisor_on(&broker).await;
+    let err = guarded("the panicking acquire", sup.acquire())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, AcquireError::Failed(e) if is_panicked(e)),
+        "{err:?}"
+    );
+    // A job's acquire that panics: the run hears it, no body ran.
+    broker.on_acquire(|n| if n == 1 { Plan::Panic } else { Plan::Ok });
+    let ran = guarded(
+        "a job whose acquire panics",
+        sup.run(JobSpec::new("no-slot").unwrap(), |_| async {
+            Ok::<_, Infallible>(())
+        }),
+    )
+    .await;
+    assert_eq!(ran.unwrap_err().code(), "LEASE_ACQUIRE_FAILED");
+    still_serves(&sup).await;
+    guarded("shutdown", sup.shutdown()).await.unwrap();
+    broker.assert_quiescent(sup.stats());
+}
+
+#[tokio::test]
+async fn a_broker_whose_release_panics_after_its_first_await_answers_the_release_and_shutdown_returns()
+ {
+    let broker = TestBroker::new(1);
+    broker.on_release(|lease| {
+        if lease == 1 {
+            Plan::PanicAfterAwait
+        } else {
+            Plan::Ok
+        }
+    });
+    let sup = supervisor_on(&broker).await;
+    let mut lease = sup.acquire().await.unwrap();
+    assert_eq!(lease.lease_id().unwrap(), 1);
+    let err = guarded("the panicking release", lease.release())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "LEASE_CLEANUP_FAILED");
+    assert!(err.broker_error().is_some_and(is_panicked), "{err:?}");
+    // Exactly one broker call: a second release is a no-op.
+    guarded("the second release", lease.release())
+        .await
+        .unwrap_or_else(|e| panic!("a second release answers Ok: {e}"));
+    assert_eq!(broker.release_calls(), 1);
+    still_serves(&sup).await;
+    let stats = guarded("shutdown", sup.shutdown()).await.unwrap().stats;
+    assert_eq!(stats.release_failed_total, 1, "{stats:?}");
+    broker.assert_quiescent(sup.stats());
+}
+
+#[tokio::test]
+async fn a_broker_whose_release_panics_on_its_first_poll_fails_that_release_and_the_job_hears_it() {
+    let broker = TestBroker::new(1);
+    broker.on_release(|lease| if lease == 1 { Plan::Panic } else { Plan::Ok });
+    let sup = supervisor_on(&broker).await;
+    let ran = guarded(
+        "a job whose release panics",
+        sup.run(JobSpec::new("release-panics").unwrap(), |_| async {
+            Ok::<_, Infallible>(1)
+        }),
+    )
+    .await;
+    let err = ran.unwrap_err();
+    assert_eq!(err.code(), "LEASE_CLEANUP_FAILED");
+    let cleanup = err.cleanup_error().expect("the cleanup error");
+    assert!(cleanup.broker_error().is_some_and(is_panicked), "{err:?}");
+    still_serves(&sup).await;
+    guarded("shutdown", sup.shutdown()).await.unwrap();
+    broker.assert_quiescent(sup.stats());
+}
+
+#[tokio::test]
+async fn a_lease_whose_release_panics_while_shutdown_waits_for_it_lets_shutdown_return() {
+    let broker = TestBroker::new(1);
+    broker.on_release(|_| Plan::PanicAfterAwait);
+    let sup = supervisor_on(&broker).await;
+    let lease = sup.acquire().await.unwrap();
+    // The supervisor releases it on its holder's behalf; that release panics.
+    let report = guarded("shutdown", sup.shutdown()).await.unwrap();
+    assert_eq!(report.released_leases, 1, "{report:?}");
+    assert_eq!(report.stats.release_failed_total, 1, "{report:?}");
+    drop(lease);
+    assert_eq!(broker.release_calls(), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A broker whose close panics or hangs
+// ---------------------------------------------------------------------------------------------
+
+async fn shutdown_with_close(plan: Plan) -> leasehold::ShutdownReport {
+    let broker = TestBroker::new(1);
+    broker.on_close(plan);
+    let sup = supervisor_on(&broker).await;
+    sup.run(JobSpec::new("before-close").unwrap(), |_| async {
+        Ok::<_, Infallible>(())
+    })
+    .await
+    .unwrap();
+    let report = guarded("shutdown", sup.shutdown()).await.unwrap();
+    assert_eq!(broker.close_calls(), 1);
+    broker.assert_quiescent(sup.stats());
+    report
+}
+
+#[tokio::test]
+async fn a_broker_whose_close_panics_on_its_first_poll_lets_shutdown_return_and_say_so() {
+    let report = shutdown_with_close(Plan::Panic).await;
+    let failed = report.broker_close_failed.expect("the close's failure");
+    assert!(is_panicked(&failed), "{failed:?}");
+}
+
+#[tokio::test]
+async fn a_broker_whose_close_panics_after_an_await_lets_shutdown_return_and_say_so() {
+    let report = shutdown_with_close(Plan::PanicAfterAwait).await;
+    let failed = report.broker_close_failed.expect("the close's failure");
+    assert!(is_panicked(&failed), "{failed:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_broker_whose_close_hangs_lets_shutdown_return_within_the_cleanup_timeout_and_say_so() {
+    let started = tokio::time::Instant::now();
+    let report = shutdown_with_close(Plan::Hang).await;
+    let failed = report.broker_close_failed.expect("the close's failure");
+    assert_eq!(failed.kind(), BrokerErrorKind::Timeout, "{failed:?}");
+    // The cleanup timeout (1 s), and the shutdown's own bounds around it.
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_broker_whose_close_fails_lets_shutdown_return_and_say_so() {
+    let report = shutdown_with_close(Plan::Fail).await;
+    let failed = report.broker_close_failed.expect("the close's failure");
+    assert_eq!(failed.kind(), BrokerErrorKind::Other, "{failed:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Answers leave once their effect shows
+// ---------------------------------------------------------------------------------------------
+
+/// Runs `test` on a current-thread runtime on this thread, with a debugging recorder installed
+/// for this thread only (the supervisor's tasks run here too), so that what it reads is this
+/// supervisor's metrics alone.
+fn with_metrics(test: impl FnOnce(Snapshotter) -> Pin<Box<dyn Future<Output = ()>>>) {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(test(snapshotter));
+    });
+}
+
+/// Counters summed over snapshots (a snapshot drains them); gauges keep their last value.
+#[derive(Default)]
+struct Seen {
+    counters: HashMap<String, u64>,
+    gauges: HashMap<String, f64>,
+}
+
+impl Seen {
+    fn take(&mut self, snapshotter: &Snapshotter) {
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            let name = key.key().name().to_owned();
+            match value {
+                DebugValue::Counter(n) => *self.counters.entry(name).or_default() += n,
+                DebugValue::Gauge(v) => {
+                    self.gauges.insert(name, v.into_inner());
+                }
+                DebugValue::Histogram(_) => {}
+            }
+        }
+    }
+
+    fn counter(&self, name: &str) -> u64 {
+        self.counters.get(name).copied().unwrap_or(0)
+    }
+}
+
+/// A broker whose second acquire runs a probe inside its first poll: the supervisor polls it
+/// inline, in the middle of its batch, right after it handed the first acquire's lease over.
+struct ProbeBroker {
+    local: LocalBroker,
+    calls: AtomicU64,
+    probe: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl SlotBroker for ProbeBroker {
+    async fn acquire(&self, request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 1
+            && let Some(probe) = self.probe.lock().take()
+        {
+            probe();
+        }
+        self.local.acquire(request).await
+    }
+
+    async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
+        self.local.release(token).await
+    }
+
+    fn capacity(&self) -> Option<u32> {
+        Some(2)
+    }
+}
+
+type LeaseFuture = Pin<Box<dyn Future<Output = Result<Lease, AcquireError>> + Send>>;
+
+fn poll_now(fut: &mut LeaseFuture) -> Poll<Result<Lease, AcquireError>> {
+    fut.as_mut().poll(&mut Context::from_waker(Waker::noop()))
+}
+
+/// What the probe saw, mid-batch, once the first lease had been handed over.
+#[derive(Debug, Default)]
+struct MidBatch {
+    answered: bool,
+    lease_id: Option<u64>,
+    table: Vec<u64>,
+    active: usize,
+    acquired_total: u64,
+    active_gauge: f64,
+    acquire_counter: u64,
+}
+
+#[test]
+fn an_acquire_answered_in_the_middle_of_a_batch_is_already_in_the_lease_table_stats_and_gauges() {
+    with_metrics(|snapshotter| {
+        Box::pin(async move {
+            let broker = Arc::new(ProbeBroker {
+                local: LocalBroker::new(2),
+                calls: AtomicU64::new(0),
+                probe: Mutex::new(None),
+            });
+            let sup = Supervisor::builder()
+                .broker(Arc::clone(&broker))
+                .start()
+                .await
+                .unwrap();
+            let first: Arc<Mutex<LeaseFuture>> = Arc::new(Mutex::new(Box::pin({
+                let sup = sup.clone();
+                async move { sup.acquire().await }
+            })));
+            let seen = Arc::new(Mutex::new(MidBatch::default()));
+            *broker.probe.lock() = Some(Box::new({
+                let (sup, first, seen) = (sup.clone(), Arc::clone(&first), Arc::clone(&seen));
+                move || {
+                    let mut seen = seen.lock();
+                    if let Poll::Ready(lease) = poll_now(&mut first.lock()) {
+                        seen.answered = true;
+                        seen.lease_id = lease.unwrap().lease_id().ok();
+                    }
+                    seen.table = sup
+                        .leases()
+                        .iter()
+                        .flat_map(|l| l.tokens.iter().map(|t| t.lease_id()))
+                        .collect();
+                    let stats = sup.stats();
+                    seen.active = stats.active;
+                    seen.acquired_total = stats.acquired_total;
+                    let mut metrics = Seen::default();
+                    metrics.take(&snapshotter);
+                    seen.active_gauge = metrics.gauges[metric_names::ACTIVE_COUNT];
+                    seen.acquire_counter = metrics.counter(metric_names::ACQUIRE_COUNT);
+                }
+            }));
+            // Both acquires are in the inbox before the supervisor's next turn: one batch.
+            assert!(poll_now(&mut first.lock()).is_pending());
+            let mut second: LeaseFuture = Box::pin({
+                let sup = sup.clone();
+                async move { sup.acquire().await }
+            });
+            assert!(poll_now(&mut second).is_pending());
+            let mut second = guarded("the second acquire", second).await.unwrap();
+            let seen = std::mem::take(&mut *seen.lock());
+            assert!(
+                seen.answered,
+                "the first lease is handed over at once: {seen:?}"
+            );
+            let id = seen.lease_id.unwrap();
+            assert_eq!(seen.table, [id], "{seen:?}");
+            assert_eq!(seen.active, 1, "{seen:?}");
+            assert_eq!(seen.active_gauge, 1.0, "{seen:?}");
+            assert_eq!(seen.acquired_total, 1, "{seen:?}");
+            assert_eq!(seen.acquire_counter, 1, "{seen:?}");
+            second.release().await.unwrap();
+            sup.shutdown().await.unwrap();
+        })
+    });
+}
+
+#[test]
+fn a_grant_whose_caller_left_before_the_hand_over_counts_the_same_in_stats_and_the_acquire_counter()
+{
+    with_metrics(|snapshotter| {
+        Box::pin(async move {
+            let broker = TestBroker::new(1);
+            let gate = Arc::new(tokio::sync::Notify::new());
+            broker.on_acquire({
+                let gate = Arc::clone(&gate);
+                move |n| {
+                    if n == 0 {
+                        Plan::Gate(Arc::clone(&gate))
+                    } else {
+                        Plan::Ok
+                    }
+                }
+            });
+            let sup = supervisor_on(&broker).await;
+            let cancel = leasehold::CancellationToken::new();
+            let job = JobSpec::new("left").unwrap().with_cancel(cancel.clone());
+            let mut run = Box::pin(sup.run(job, |_| async { Ok::<_, Infallible>(()) }));
+            let polled = run.as_mut().poll(&mut Context::from_waker(Waker::noop()));
+            assert!(polled.is_pending());
+            broker.0.acquire_entered.notified().await;
+            // The caller leaves (its run future is not polled again until the end) while the
+            // broker answers: the grant comes with nobody to take it, and goes straight back.
+            cancel.cancel();
+            gate.notify_one();
+            until("the grant nobody took went back", || {
+                broker.release_calls() == 1
+            })
+            .await;
+            let err = guarded("the cancelled run", run).await.unwrap_err();
+            assert_eq!(err.code(), "LEASE_ACQUIRE_CANCELLED");
+            let mut lease = sup.acquire().await.unwrap();
+            lease.release().await.unwrap();
+            let stats = sup.stats();
+            let mut seen = Seen::default();
+            seen.take(&snapshotter);
+            assert_eq!(
+                seen.counter(metric_names::ACQUIRE_COUNT),
+                stats.acquired_total,
+                "{stats:?}"
+            );
+            assert_eq!(stats.acquired_total, 2, "{stats:?}");
+            sup.shutdown().await.unwrap();
+            broker.assert_quiescent(sup.stats());
+        })
+    });
+}
