@@ -6,7 +6,9 @@ use super::core::Figures;
 
 /// Metric names, emitted through the [`metrics`] facade (install any exporter).
 pub mod metric_names {
-    /// Counter: slots granted (a k-slot lease counts k).
+    /// Counter: slots the broker granted to this supervisor (a k-slot lease counts k), exactly
+    /// as [`Stats::acquired_total`](crate::Stats::acquired_total) counts them: a grant whose
+    /// caller had left before the hand-over counts too, and its slot goes straight back.
     pub const ACQUIRE_COUNT: &str = "render_slot.acquire.count";
     /// Histogram: milliseconds from joining the queue to the grant (one sample per lease).
     pub const ACQUIRE_DURATION_MS: &str = "render_slot.acquire.duration_ms";
@@ -51,8 +53,11 @@ pub struct Stats {
     pub active: usize,
     /// Callers waiting for a slot (a multi-slot request gathering its slots among them).
     pub waiting: usize,
-    /// Slots granted by the broker and handed out, ever (a k-slot lease counts k; a grant
-    /// whose caller had left before it was handed over is not counted).
+    /// Slots the broker granted to this supervisor, ever (a k-slot lease counts k). A grant
+    /// whose caller had left before it was handed over counts too: its slot went straight
+    /// back, and counts in `released_total` (or `release_failed_total`) once the broker
+    /// answers. A slot handed back and granted again within one turn of the supervisor counts
+    /// once. `render_slot.acquire.count` counts exactly this.
     pub acquired_total: u64,
     /// Slots whose broker release succeeded, ever.
     pub released_total: u64,
