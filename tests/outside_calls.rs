@@ -441,3 +441,39 @@ fn a_grant_whose_caller_left_before_the_hand_over_counts_the_same_in_stats_and_t
         })
     });
 }
+
+// ---------------------------------------------------------------------------------------------
+// The file system
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_temp_dir_that_was_never_made_is_never_removed_and_the_run_keeps_its_result() {
+    let scratch = tempfile::tempdir().unwrap();
+    let root = scratch.path().join("work");
+    std::fs::create_dir(&root).unwrap();
+    let sup = Supervisor::builder()
+        .slots(1)
+        .work_root(&root)
+        .start()
+        .await
+        .unwrap();
+    // The work root is replaced by a file: no temp dir can be made under it.
+    std::fs::remove_dir(&root).unwrap();
+    std::fs::write(&root, b"not a directory").unwrap();
+    let ran = guarded(
+        "a job whose temp dir cannot be made",
+        sup.run(JobSpec::new("no-dir").unwrap(), |ctx| async move {
+            let err = ctx.try_temp_dir().unwrap_err();
+            assert_eq!(err.code(), "LEASE_PREPARE_FAILED");
+            Ok::<_, Infallible>(5)
+        }),
+    )
+    .await;
+    assert_eq!(ran.expect("the run keeps its own result"), 5);
+    let stats = sup.stats();
+    assert_eq!(stats.quarantined, 0, "{stats:?}");
+    assert_eq!(sup.quarantined().await.unwrap(), []);
+    assert_eq!(std::fs::read(&root).unwrap(), b"not a directory");
+    let report = guarded("shutdown", sup.shutdown()).await.unwrap();
+    assert_eq!(report.quarantined, 0, "{report:?}");
+}

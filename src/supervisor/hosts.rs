@@ -18,8 +18,11 @@ pub(crate) trait TempDirHost: Send + Sync + 'static {
     fn create(&self, root: &Path, job_id: &str) -> io::Result<PathBuf>;
 
     /// Removes the directory and everything in it; a directory already gone is removed.
-    /// Never blocks the caller's thread.
-    fn remove(&self, path: PathBuf) -> BoxFuture<'static, io::Result<()>>;
+    /// Never blocks the caller's thread. With `made` false the directory was never made (the
+    /// job's `try_temp_dir` failed): whatever the body may have put at the path is removed,
+    /// and a path that cannot hold anything (its parent is not a directory, or cannot be
+    /// searched) is not an error: nothing was there.
+    fn remove(&self, path: PathBuf, made: bool) -> BoxFuture<'static, io::Result<()>>;
 }
 
 /// Temp dirs on the real file system.
@@ -38,13 +41,25 @@ impl TempDirHost for FsTempDirs {
         Ok(dir.keep())
     }
 
-    fn remove(&self, path: PathBuf) -> BoxFuture<'static, io::Result<()>> {
+    fn remove(&self, path: PathBuf, made: bool) -> BoxFuture<'static, io::Result<()>> {
         // On the blocking pool: a file system that hangs holds one of its threads, never the
         // supervisor (nor, on a current-thread runtime, everything else).
         crate::counters::task();
-        let task = tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&path) {
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            other => other,
+        let task = tokio::task::spawn_blocking(move || {
+            if !made {
+                match std::fs::symlink_metadata(&path) {
+                    // Nothing there, nor could there be (a work root that is a file, or that
+                    // cannot be searched): the dir was never made, and nothing is removed.
+                    Err(_) => return Ok(()),
+                    // The body put something where its dir would have been.
+                    Ok(meta) if !meta.is_dir() => return std::fs::remove_file(&path),
+                    Ok(_) => {}
+                }
+            }
+            match std::fs::remove_dir_all(&path) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+                other => other,
+            }
         });
         Box::pin(async move { task.await.unwrap_or_else(|e| Err(io::Error::other(e))) })
     }

@@ -318,7 +318,7 @@ impl TempDirHost for SimTempDirs {
         Ok(root.join(job_id))
     }
 
-    fn remove(&self, path: PathBuf) -> BoxFuture<'static, io::Result<()>> {
+    fn remove(&self, path: PathBuf, _made: bool) -> BoxFuture<'static, io::Result<()>> {
         let (plan, delay) = {
             let mut rng = self.rng.lock();
             (rng.below(100), rng.ms(900))

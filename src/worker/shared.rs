@@ -51,6 +51,9 @@ struct Records {
     /// that a job waiting for its slot pays nothing for it. None is made once the job is
     /// `CLOSED`.
     temp_dir: Option<Box<Path>>,
+    /// Whether `temp_dir` was made (false: making it failed, and the path handed out instead
+    /// names nothing unless the body put something there).
+    temp_dir_made: bool,
     /// A process group the job started could not be proven empty (its keeper said so before
     /// it ended): the driver leaves the temp dir to the core.
     unproven_group: bool,
@@ -142,17 +145,23 @@ impl JobShared {
             Ok(path) => (path, None),
             Err(err) => (unmade(), Some(PrepareError::TempDir(Arc::new(err)))),
         };
-        records.get_or_insert_with(Box::default).temp_dir = Some(path.clone().into_boxed_path());
+        let records = records.get_or_insert_with(Box::default);
+        records.temp_dir = Some(path.clone().into_boxed_path());
+        records.temp_dir_made = result.is_none();
         match result {
             None => Ok(path),
             Some(err) => Err((path, err)),
         }
     }
 
-    /// The job's temp dir, if it asked for one (what its driver removes once the job is
-    /// closed: nothing more is made after that).
-    pub(crate) fn temp_dir(&self) -> Option<PathBuf> {
-        self.read(|r| r.temp_dir.as_deref().map(Path::to_path_buf))
+    /// The job's temp dir, if it asked for one, and whether it was made (what its driver
+    /// removes once the job is closed: nothing more is made after that).
+    pub(crate) fn temp_dir(&self) -> Option<(PathBuf, bool)> {
+        self.read(|r| {
+            r.temp_dir
+                .as_deref()
+                .map(|path| (path.to_path_buf(), r.temp_dir_made))
+        })
     }
 
     /// A process group of the job could not be proven empty.

@@ -152,7 +152,7 @@ impl Shell {
         let Some(job) = self.jobs.get(&key) else {
             return;
         };
-        let Some(path) = job.shared.temp_dir() else {
+        let Some((path, made)) = job.shared.temp_dir() else {
             // The worker made no temp dir (it could not): nothing to remove.
             return self.core.apply(Input::ProvenOne {
                 key,
@@ -163,6 +163,7 @@ impl Shell {
         let removal = remove_temp_dir(
             Arc::clone(&self.config.hosts.temp_dirs),
             path,
+            made,
             self.config.cleanup_timeout,
             Reporter {
                 inbox: Arc::clone(&self.inbox),
@@ -179,11 +180,12 @@ impl Shell {
 async fn remove_temp_dir(
     host: Arc<dyn crate::supervisor::hosts::TempDirHost>,
     path: PathBuf,
+    made: bool,
     bound: Duration,
     reporter: Reporter,
 ) {
     let key = reporter.key;
-    let removed = removed_within(&*host, &path, bound, |detail| {
+    let removed = removed_within(&*host, &path, made, bound, |detail| {
         reporter.input(Input::Late {
             key,
             proof: Proof::TempDir,
@@ -206,10 +208,11 @@ async fn remove_temp_dir(
 async fn removed_within(
     host: &dyn crate::supervisor::hosts::TempDirHost,
     path: &std::path::Path,
+    made: bool,
     bound: Duration,
     late: impl FnOnce(String),
 ) -> Result<(), (String, std::io::Error)> {
-    let mut removal = host.remove(path.to_path_buf());
+    let mut removal = host.remove(path.to_path_buf(), made);
     let result = match tokio::time::timeout(bound, &mut removal).await {
         Ok(result) => result,
         Err(_) => {
@@ -324,9 +327,9 @@ impl Driver {
             // The job never asked for one: nothing to remove, no blocking-pool hop.
             None => DirEnd::NeverMade,
             Some(_) if !clean => DirEnd::Left,
-            Some(path) => {
+            Some((path, made)) => {
                 let bound = self.cleanup_timeout;
-                let removed = removed_within(&*self.temp_dirs, &path, bound, |detail| {
+                let removed = removed_within(&*self.temp_dirs, &path, made, bound, |detail| {
                     // A hung file system: the slot is quarantined while the removal runs on.
                     self.reporter.proven_so_far(&mut proofs);
                     self.reporter.input(Input::Late {
