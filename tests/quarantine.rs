@@ -64,12 +64,11 @@ async fn a_temp_dir_that_cannot_be_removed_quarantines_the_slot_until_a_reclaim_
         listed[0].reason
     );
 
-    // Still a file: a reclaim retries the removal, which fails again: back in quarantine.
+    // Still a file: a reclaim retries the removal, which fails again: the report says so.
     let report = sup.reclaim_quarantined().await.unwrap();
-    assert_eq!(report.reclaimed.len(), 1, "{report:?}");
-    while sup.quarantined().await.unwrap().is_empty() {
-        tokio::task::yield_now().await;
-    }
+    assert_eq!(report.reclaimed, [], "{report:?}");
+    assert_eq!(report.still_quarantined.len(), 1, "{report:?}");
+    assert_eq!(sup.quarantined().await.unwrap().len(), 1);
     assert_eq!(broker.release_calls(), 0);
 
     // Removable now: the next reclaim removes it and releases the slot.
@@ -77,6 +76,7 @@ async fn a_temp_dir_that_cannot_be_removed_quarantines_the_slot_until_a_reclaim_
     let released = broker.0.released.notified();
     let report = sup.reclaim_quarantined().await.unwrap();
     assert_eq!(report.reclaimed.len(), 1, "{report:?}");
+    assert_eq!(report.still_quarantined, [], "{report:?}");
     released.await;
     assert_eq!(broker.release_calls(), 1);
     let report = sup.shutdown().await.unwrap();
@@ -302,6 +302,7 @@ async fn a_gpu_loss_does_not_release_a_slot_whose_processes_are_unproven() {
     let released = broker.0.released.notified();
     let report = sup.reclaim_quarantined().await.unwrap();
     assert_eq!(report.reclaimed.len(), 1, "{report:?}");
+    assert_eq!(report.still_quarantined, [], "{report:?}");
     released.await;
     assert!(!dir.exists());
     let report = sup.shutdown().await.unwrap();

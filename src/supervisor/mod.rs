@@ -577,8 +577,10 @@ impl Supervisor {
     /// Checks every quarantined slot again: process groups proven empty now (and escaped
     /// descendants proven gone), temp dirs that can be removed now. Those slots continue
     /// through the pipeline (temp dir removal, broker release) and are handed on; the others
-    /// stay quarantined. A slot quarantined by the drain timeout needs no call: it is released
-    /// as soon as its tasks end.
+    /// stay quarantined. It answers once every removal it retried has ended, so a slot is
+    /// reported reclaimed only when its temp dir is gone (bounded by the cleanup timeout: a
+    /// removal still running then is reported still quarantined). A slot quarantined by the
+    /// drain timeout needs no call: it is released as soon as its tasks end.
     ///
     /// # Errors
     ///

@@ -70,10 +70,14 @@ pub struct QuarantinedSlot {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ReclaimReport {
-    /// Slots now proven clean (every slot of a multi-slot lease): their temp dirs are being
-    /// removed and their tokens released.
+    /// Slots whose every re-check succeeded (every slot of a multi-slot lease): each process
+    /// group proven empty, each temp dir retried and removed. Their tokens are being released.
     pub reclaimed: Vec<SlotToken>,
-    /// Slots still quarantined, one entry per slot, with the reason.
+    /// Slots still quarantined, one entry per slot, with the reason: a re-check that failed
+    /// again (a temp dir that still cannot be removed, a process group still alive), or a
+    /// proof the reclaim cannot re-check (GPU work, a lost device). The report is given once
+    /// every retried removal has ended, so it matches what
+    /// [`Supervisor::quarantined`](crate::Supervisor::quarantined) lists then.
     pub still_quarantined: Vec<QuarantinedSlot>,
 }
 

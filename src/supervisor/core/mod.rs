@@ -118,6 +118,8 @@ pub(crate) struct Core {
     ending: Ending,
     /// Re-checks asked for and not yet reported.
     rechecks: usize,
+    /// Reclaims waiting for the temp dir removals they retried.
+    reclaims: Vec<quarantine::PendingReclaim>,
     counters: Counters,
     fx: Effects,
 }
@@ -130,6 +132,7 @@ impl Core {
             book: Book::new(config.pool.is_none()),
             ending: Ending::new(config.gpu_slots.is_some()),
             rechecks: 0,
+            reclaims: Vec::new(),
             counters: Counters::default(),
             fx: Effects::default(),
         }
@@ -237,6 +240,9 @@ impl Core {
             Input::ShutdownDeadline => self.shutdown_deadline(),
             Input::GpuClosed => self.gpu_closed(),
             Input::BrokerClosed => self.broker_closed(),
+        }
+        if !self.reclaims.is_empty() {
+            self.answer_reclaims();
         }
         self.admit();
     }

@@ -109,25 +109,56 @@ impl Core {
         let RecheckFor::Reclaim(control) = purpose else {
             return;
         };
-        let mut reclaimed = Vec::new();
-        let mut still = Vec::new();
-        for key in leases {
-            let Some(r) = self.book.get(key) else {
-                continue;
-            };
-            if r.reasons.is_empty() {
-                reclaimed.extend(r.tokens());
-            } else {
-                still.push(key);
-            }
-        }
-        let still = self.entries_of(&still);
-        self.fx.push(Effect::Reply {
-            control,
-            reply: Reply::Reclaimed {
-                reclaimed: reclaimed.into(),
-                still: still.into(),
-            },
-        });
+        // A temp dir being removed again is part of the re-check: the reply waits for it.
+        let leases = leases
+            .iter()
+            .filter_map(|key| self.book.get(*key).map(|r| (*key, r.tokens().collect())))
+            .collect();
+        self.reclaims.push(PendingReclaim { control, leases });
+        self.answer_reclaims();
     }
+
+    /// Answers every reclaim whose re-checks have all ended: a slot is `reclaimed` only once
+    /// each of its re-checks succeeded (its record is gone, or has no reason left); any other is
+    /// still quarantined, with its reason. Called after every input while one waits.
+    pub(super) fn answer_reclaims(&mut self) {
+        let mut i = 0;
+        while i < self.reclaims.len() {
+            let removing = self.reclaims[i].leases.iter().any(|(key, _)| {
+                self.book.get(*key).is_some_and(|r| {
+                    r.removal == Removal::Running
+                        && !r.reasons.iter().any(|x| x.proof == Proof::TempDir)
+                })
+            });
+            if removing {
+                i += 1;
+                continue;
+            }
+            let PendingReclaim { control, leases } = self.reclaims.swap_remove(i);
+            let mut reclaimed = Vec::new();
+            let mut still = Vec::new();
+            for (key, tokens) in leases {
+                match self.book.get(key) {
+                    Some(r) if !r.reasons.is_empty() => still.push(key),
+                    _ => reclaimed.extend(tokens),
+                }
+            }
+            let still = self.entries_of(&still);
+            self.fx.push(Effect::Reply {
+                control,
+                reply: Reply::Reclaimed {
+                    reclaimed: reclaimed.into(),
+                    still: still.into(),
+                },
+            });
+        }
+    }
+}
+
+/// A reclaim whose re-checks are not all in: the temp dirs it retries are being removed.
+#[derive(Debug)]
+pub(super) struct PendingReclaim {
+    control: ControlId,
+    /// Every lease quarantined when it was asked, with its tokens.
+    leases: Vec<(LeaseKey, Vec<crate::broker::SlotToken>)>,
 }
