@@ -151,6 +151,14 @@ where
     report(bounded(fut, bound).await);
 }
 
+/// `fut` with its panic caught: `Err` carries the panic's message. For a call that is awaited
+/// past a first bound (a temp dir's removal: late at the cleanup timeout, awaited all the same).
+pub(crate) fn caught<F: Future>(fut: F) -> impl Future<Output = Result<F::Output, String>> {
+    AssertUnwindSafe(fut)
+        .catch_unwind()
+        .map(|result| result.map_err(|payload| panic_message(&*payload)))
+}
+
 /// Calls a user's synchronous callback (the error sink, a hook), catching its panic.
 pub(crate) fn call<T>(f: impl FnOnce() -> T) -> Outcome<T> {
     match catch_unwind(AssertUnwindSafe(f)) {

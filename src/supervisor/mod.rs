@@ -4,6 +4,8 @@
 mod actor;
 mod builder;
 pub(crate) mod core;
+#[cfg(test)]
+mod fs_tests;
 pub(crate) mod hosts;
 pub(crate) mod inbox;
 #[cfg(test)]

@@ -4,6 +4,9 @@
 //! decides anything: every report (a placement refused, a spawn failed, a proof) is an input
 //! to the core.
 
+use std::future::Future;
+use std::task::Poll;
+
 use super::*;
 
 /// A job granted a slot, to start (its driver task spawns the worker).
@@ -212,14 +215,29 @@ async fn removed_within(
     bound: Duration,
     late: impl FnOnce(String),
 ) -> Result<(), (String, std::io::Error)> {
-    let mut removal = host.remove(path.to_path_buf(), made);
-    let result = match tokio::time::timeout(bound, &mut removal).await {
-        Ok(result) => result,
-        Err(_) => {
-            late(format!("the temp dir was not removed within {bound:?}"));
-            removal.await
+    // Built and awaited with its panic caught: a panic is a removal that failed.
+    let removal = match crate::outside::call(|| host.remove(path.to_path_buf(), made)) {
+        crate::outside::Outcome::Done(removal) => Some(removal),
+        _ => None,
+    };
+    let result = match removal {
+        None => Err(String::from("the temp dir host panicked")),
+        Some(removal) => {
+            let mut removal = std::pin::pin!(crate::outside::caught(removal));
+            match tokio::time::timeout(bound, &mut removal).await {
+                Ok(result) => result,
+                Err(_) => {
+                    late(format!("the temp dir was not removed within {bound:?}"));
+                    removal.await
+                }
+            }
         }
     };
+    let result = result.unwrap_or_else(|panic| {
+        Err(std::io::Error::other(format!(
+            "the temp dir's removal panicked: {panic}"
+        )))
+    });
     result.map_err(|error| {
         let path = path.display();
         tracing::error!(%path, %error, "a job's temp dir could not be removed");
@@ -247,6 +265,21 @@ struct Driver {
     gpu: Option<Arc<dyn crate::supervisor::hosts::GpuHost>>,
     #[cfg(feature = "gpu")]
     placement: Option<crate::gpu::Placement>,
+}
+
+/// Awaits one of a driver's cleanup steps. When it cannot end at once, the proofs made so far
+/// are reported first, so that while it runs the lease shows `Draining` and waits only for
+/// what is left (a step that ends at once costs no message).
+async fn step<F: Future>(reporter: &Reporter, proofs: &mut Proofs, step: F) -> F::Output {
+    let mut step = std::pin::pin!(step);
+    let first = std::future::poll_fn(|cx| Poll::Ready(step.as_mut().poll(cx))).await;
+    match first {
+        Poll::Ready(out) => out,
+        Poll::Pending => {
+            reporter.proven_so_far(proofs);
+            step.await
+        }
+    }
 }
 
 impl Driver {
@@ -294,7 +327,7 @@ impl Driver {
         if let (Some(gpu), Some(placement)) = (&self.gpu, self.placement) {
             use crate::supervisor::hosts::Fence;
             let job = self.shared.take_gpu();
-            let mut fence = gpu.fence(placement, job).await;
+            let mut fence = step(&self.reporter, &mut proofs, gpu.fence(placement, job)).await;
             if let Fence::Late { detail, rest } = fence {
                 self.reporter.proven_so_far(&mut proofs);
                 self.reporter.input(Input::Late {
@@ -329,16 +362,16 @@ impl Driver {
             Some(_) if !clean => DirEnd::Left,
             Some((path, made)) => {
                 let bound = self.cleanup_timeout;
-                let removed = removed_within(&*self.temp_dirs, &path, made, bound, |detail| {
-                    // A hung file system: the slot is quarantined while the removal runs on.
-                    self.reporter.proven_so_far(&mut proofs);
+                let removal = removed_within(&*self.temp_dirs, &path, made, bound, |detail| {
+                    // A hung file system: the slot is quarantined while the removal runs on
+                    // (the proofs before it were reported when the removal had to wait).
                     self.reporter.input(Input::Late {
                         key,
                         proof: Proof::TempDir,
                         detail,
                     });
-                })
-                .await;
+                });
+                let removed = step(&self.reporter, &mut proofs, removal).await;
                 match removed {
                     Ok(()) => DirEnd::Removed,
                     Err((detail, error)) => DirEnd::Failed { detail, error },
