@@ -801,7 +801,7 @@ impl Supervisor {
     /// ([`SupervisorBuilder::shutdown_timeout`]): a slot whose quarantine would clear on its own
     /// (late tasks, GPU work, a device being re-created) is waited for until then; one that only
     /// a re-check could clear (processes not proven gone, a temp dir not removed) is reported at
-    /// once. A second call returns the same kind of report.
+    /// once. A later call returns the same report.
     ///
     /// # Errors
     ///
@@ -825,12 +825,8 @@ impl Supervisor {
         if let Some(join) = join {
             let _ = join.await;
         }
-        match report {
+        match report.or_else(|| self.inner.stats.shutdown_report()) {
             Some(report) => Ok(report),
-            None if self.inner.stats.is_shut_down() => Ok(ShutdownReport {
-                stats: self.stats(),
-                ..ShutdownReport::default()
-            }),
             None => Err(ShutdownError::new()),
         }
     }

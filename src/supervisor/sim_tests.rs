@@ -101,6 +101,8 @@ struct Ledger {
     orphaned: BTreeMap<u64, u32>,
     /// Broker releases that failed or timed out (each must reach a caller or the sink).
     failed_releases: u64,
+    /// Whether the broker's close (once asked) fails, panics or hangs.
+    close_fails: Option<bool>,
     jobs: BTreeMap<String, Physical>,
     /// GPU sub-slots with work not yet completed (device, sub).
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
@@ -213,6 +215,13 @@ impl SlotBroker for SimBroker {
                 }
                 return Err(BrokerError::delivery_unknown("sim: answer lost"));
             }
+            // Panics on its first poll (the supervisor's inline poll).
+            24..=25 => panic!("sim: acquire panics on its first poll"),
+            // Panics after an await, in the task the supervisor finishes it in.
+            26..=27 => {
+                tokio::time::sleep(delay).await;
+                panic!("sim: acquire panics after an await")
+            }
             _ => {}
         }
         // A slot may be held by an orphan until its TTL: wait for one, as a remote broker
@@ -280,6 +289,17 @@ impl SlotBroker for SimBroker {
                 self.ledger.lock().failed_releases += 1;
                 return Err(BrokerError::new("sim: release refused"));
             }
+            // Panics on its first poll, or after an await: the guard's drop while unwinding
+            // is the TTL that frees the slot.
+            22..=23 => {
+                self.ledger.lock().failed_releases += 1;
+                panic!("sim: release panics on its first poll")
+            }
+            24..=25 => {
+                self.ledger.lock().failed_releases += 1;
+                tokio::time::sleep(delay).await;
+                panic!("sim: release panics after an await")
+            }
             _ => {}
         }
         guard.armed = false;
@@ -289,6 +309,32 @@ impl SlotBroker for SimBroker {
 
     fn capacity(&self) -> Option<u32> {
         Some(self.capacity)
+    }
+
+    async fn close(&self) -> Result<(), BrokerError> {
+        let (plan, delay) = {
+            let mut rng = self.rng.lock();
+            (rng.below(100), rng.ms(300))
+        };
+        {
+            let mut l = self.ledger.lock();
+            l.note(format!("broker close plan {plan}"));
+            l.close_fails = Some(plan < 40);
+        }
+        match plan {
+            0..=9 => panic!("sim: close panics on its first poll"),
+            10..=19 => {
+                tokio::time::sleep(delay).await;
+                panic!("sim: close panics after an await")
+            }
+            // Hangs: the cleanup timeout ends it.
+            20..=29 => std::future::pending().await,
+            30..=39 => Err(BrokerError::unavailable("sim: close refused")),
+            _ => {
+                tokio::time::sleep(delay).await;
+                Ok(())
+            }
+        }
     }
 }
 
@@ -1129,15 +1175,30 @@ fn simulate(seed: u64) -> Result<Vec<String>, (Vec<String>, Vec<String>)> {
             }
         }
         let report = final_stop.await.unwrap();
+        let mut first_report = None;
         if let Some(shutdown) = shutdown {
             let (took, report) = shutdown.await.unwrap();
-            // Invariant 8: within its bounds (shutdown timeout, then releases and the GPU
-            // close bounded by the cleanup timeout each).
-            if took > Duration::from_millis(2000 + 500 + 500 + 100) {
+            // Invariant 8: within its bounds (shutdown timeout, then releases, the GPU close
+            // and the broker's close bounded by the cleanup timeout each).
+            if took > Duration::from_millis(2000 + 500 + 500 + 500 + 100) {
                 ledger.lock().violate(format!("invariant 8: shutdown took {took:?}"));
             }
             if report.is_err() {
                 ledger.lock().violate("invariant 9: shutdown found the supervisor dead".into());
+            }
+            first_report = Some(report);
+        }
+        // Invariant 9: a close that failed, panicked or hung is named in the report of the
+        // shutdown that closed the broker (a later call gets a report without it).
+        if let Some(Ok(report)) = first_report.as_ref().or(Some(&report)) {
+            let l = &mut *ledger.lock();
+            match l.close_fails {
+                None => l.violate("invariant 8: the broker was never closed".into()),
+                Some(fails) if fails != report.broker_close_failed.is_some() => l.violate(format!(
+                    "invariant 9: the broker's close failed: {fails}, the report says {:?}",
+                    report.broker_close_failed
+                )),
+                Some(_) => {}
             }
         }
         // Let every late release, removal and TTL land.

@@ -1,6 +1,6 @@
 //! The synchronous `Stats` snapshot and the metric names.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::core::Figures;
 
@@ -100,7 +100,8 @@ pub(crate) struct SharedStats {
     /// Supervision events the actor received (tests: a worker sends none).
     #[cfg(test)]
     pub(crate) supervision_events: AtomicU64,
-    shut_down: AtomicBool,
+    /// The report of the shutdown that stopped the actor, for a later call.
+    report: parking_lot::Mutex<Option<super::reports::ShutdownReport>>,
 }
 
 /// What the actor last stored into [`SharedStats`] (owned by the actor, their only writer), so
@@ -142,13 +143,14 @@ impl SharedStats {
         self.capacity.store(c, Ordering::Relaxed);
     }
 
-    /// Set by the actor right before it stops after a completed shutdown.
-    pub(crate) fn mark_shut_down(&self) {
-        self.shut_down.store(true, Ordering::Release);
+    /// Set by the actor right before it stops after a completed shutdown, with its report.
+    pub(crate) fn mark_shut_down(&self, report: super::reports::ShutdownReport) {
+        *self.report.lock() = Some(report);
     }
 
-    pub(crate) fn is_shut_down(&self) -> bool {
-        self.shut_down.load(Ordering::Acquire)
+    /// The report of the shutdown that stopped the actor, once it has.
+    pub(crate) fn shutdown_report(&self) -> Option<super::reports::ShutdownReport> {
+        self.report.lock().clone()
     }
 
     pub(crate) fn snapshot(&self) -> Stats {

@@ -108,7 +108,7 @@ impl Shell {
         for reply in self.shutdown_replies.drain(..) {
             let _ = reply.send(report.clone());
         }
-        self.stats.mark_shut_down();
+        self.stats.mark_shut_down(report);
         self.inbox.close();
         self.myself.stop(None);
     }
