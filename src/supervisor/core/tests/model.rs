@@ -48,10 +48,10 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => prop_oneof![Just(Want::Lease), Just(Want::Job)].prop_map(Op::Enqueue),
         1 => any::<usize>().prop_map(Op::Withdraw),
-        3 => (any::<usize>(), prop_oneof![8 => Just(0u8), 1 => Just(1), 1 => Just(2)]).prop_map(|(i, k)| Op::Acquire(i, k)),
+        3 => (any::<usize>(), prop_oneof![8 => Just(0u8), 1 => Just(1), 1 => Just(2), 1 => Just(3)]).prop_map(|(i, k)| Op::Acquire(i, k)),
         6 => (any::<usize>(), 0u8..14).prop_map(|(i, k)| Op::Worker(i, k)),
         2 => (any::<usize>(), prop_oneof![6 => Just(0u8), 1 => Just(1), 1 => Just(2)]).prop_map(|(i, k)| Op::TempDir(i, k)),
-        3 => (any::<usize>(), prop_oneof![6 => Just(0u8), 1 => Just(1), 1 => Just(2)]).prop_map(|(i, k)| Op::Release(i, k)),
+        3 => (any::<usize>(), prop_oneof![6 => Just(0u8), 1 => Just(1), 1 => Just(2), 1 => Just(3)]).prop_map(|(i, k)| Op::Release(i, k)),
         2 => any::<usize>().prop_map(Op::ReleaseExplicit),
         1 => any::<usize>().prop_map(Op::LeaseLost),
         1 => (0usize..2).prop_map(Op::DeviceReplaced),
@@ -454,6 +454,8 @@ impl World {
                 self.acquiring.retain(|r| *r != request);
                 let result = match kind {
                     1 => Err(BrokerError::new("refused")),
+                    // The shell caught the broker's panic (on the first poll or later).
+                    3 => Err(BrokerError::panicked("the broker's acquire panicked")),
                     2 => match self.held.iter().find(|(_, lease)| {
                         !self.releases.iter().any(|(_, t)| t.lease_id() == **lease)
                     }) {
@@ -672,6 +674,11 @@ impl World {
                 }
                 let result = match kind {
                     1 => Err(CleanupError::broker(token, BrokerError::new("refused"))),
+                    // The shell caught the broker's panic: a failed release.
+                    3 => Err(CleanupError::broker(
+                        token,
+                        BrokerError::panicked("the broker's release panicked"),
+                    )),
                     2 => Err(CleanupError::timeout(
                         token,
                         std::time::Duration::from_secs(5),
