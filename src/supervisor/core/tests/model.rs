@@ -367,6 +367,43 @@ impl World {
                         purpose,
                     });
                 }
+                Effect::Reply {
+                    reply: Reply::Reclaimed { reclaimed, still },
+                    ..
+                } => {
+                    // A reclaim answers only once its re-checks are in: what it calls reclaimed
+                    // is out of quarantine, and what it calls still quarantined is in it.
+                    let now: Vec<SlotToken> = self
+                        .core
+                        .quarantine_entries()
+                        .iter()
+                        .map(|e| e.token)
+                        .collect();
+                    for token in reclaimed.iter() {
+                        let removing = self.core.book.keys_where(|r| {
+                            r.removal == crate::supervisor::core::record::Removal::Running
+                                && r.tokens().any(|t| t == *token)
+                        });
+                        assert!(
+                            removing.is_empty(),
+                            "{token} reported reclaimed while its temp dir is still being removed\n{}",
+                            self.log.join("\n")
+                        );
+                        assert!(
+                            !now.contains(token),
+                            "{token} reported reclaimed while still quarantined\n{}",
+                            self.log.join("\n")
+                        );
+                    }
+                    for entry in still.iter() {
+                        assert!(
+                            now.contains(&entry.token),
+                            "{} reported still quarantined, but it is not\n{}",
+                            entry.token,
+                            self.log.join("\n")
+                        );
+                    }
+                }
                 Effect::Reply { .. } | Effect::ResizePool { .. } => {}
                 Effect::ArmShutdownTimers => self.timers_armed = true,
                 Effect::CloseGpu => self.input(Input::GpuClosed),
