@@ -52,9 +52,14 @@ use crate::worker::{JobShared, WorkerActor, WorkerArgs};
 mod brokerage;
 mod ending;
 mod jobs;
+mod rooms;
 
 pub(crate) use brokerage::BrokerPort;
+use brokerage::Brokerage;
 use jobs::{JobRt, JobStart};
+use rooms::{
+    Answers, BatchClock, ControlReply, EndState, Explicit, Kept, Outgoing, Publisher, Since, Waiter,
+};
 
 /// Settings fixed at start.
 pub(crate) struct Config {
@@ -86,125 +91,30 @@ pub(crate) struct SupArgs {
     pub(crate) origin: u64,
 }
 
-struct Waiter {
-    /// Carries the caller's span.
-    kind: WaiterKind,
-    since: Since,
-}
-
-/// When a waiter joined the queue: 0 in the batch being handled (its clock not read yet: a
-/// grant within the same batch waited no time), else the time read when its batch ended, as
-/// nanoseconds past the shell's epoch, plus one. Eight bytes, held by every waiting caller.
-#[derive(Clone, Copy)]
-struct Since(u64);
-
-impl Since {
-    const THIS_BATCH: Self = Self(0);
-
-    fn at(time: Instant, epoch: Instant) -> Self {
-        let nanos = time.saturating_duration_since(epoch).as_nanos();
-        Self(u64::try_from(nanos).unwrap_or(u64::MAX - 1) + 1)
-    }
-
-    /// How long before `now` the waiter joined (zero within its batch).
-    fn waited(self, now: Instant, epoch: Instant) -> Duration {
-        match self.0 {
-            0 => Duration::ZERO,
-            n => now.saturating_duration_since(epoch + Duration::from_nanos(n - 1)),
-        }
-    }
-}
-
-/// An answer to a caller, held until the end of the turn: the pipeline hands the freed slot
-/// to the next waiter (step 6) before the caller hears (step 7), and a control call is
-/// answered only once `Stats` and the lease table show its effect (invariant 11).
-enum Outgoing {
-    /// A job's `run`.
-    Job {
-        job_id: Arc<str>,
-        reply: oneshot::Sender<RunOutcome>,
-        outcome: RunOutcome,
-    },
-    /// The `release` calls of an explicit lease (none for a dropped one).
-    Release {
-        replies: Vec<ReleaseReply>,
-        result: Result<(), CleanupError>,
-    },
-    /// A caller that gets no slot.
-    Refused {
-        kind: WaiterKind,
-        error: AcquireError,
-    },
-    /// A control call's answer.
-    Control(Box<dyn FnOnce() + Send>),
-}
-
-/// What the shell keeps for an explicit lease.
-struct Explicit {
-    /// Shared with the `Lease`: revoked by shutdown, or lost.
-    cell: Arc<LeaseCell>,
-    /// `release` calls waiting for the broker's answer (usually one).
-    replies: Vec<ReleaseReply>,
-    /// The actor a lease desk lease is tied to.
-    holder: Option<ActorId>,
-}
-
-/// Where a control call's answer goes.
-enum ControlReply {
-    Cancel(oneshot::Sender<bool>),
-    Resize(oneshot::Sender<Result<u32, crate::error::ResizeError>>),
-    Quarantined(oneshot::Sender<Vec<QuarantinedSlot>>),
-    Waiters(oneshot::Sender<Vec<WaiterInfo>>),
-    Reclaim(oneshot::Sender<ReclaimReport>),
-}
-
+/// The supervisor actor's state: the pure core, and around it the shell's rooms, each with a
+/// few fields and one job.
 pub(crate) struct Shell {
     core: Core,
     inbox: Arc<Inbox>,
     myself: ActorRef<Ring>,
-    broker: BrokerPort,
     config: Arc<Config>,
-    stats: Arc<SharedStats>,
-    published: Published,
-    waiters: FxHashMap<WaiterId, Waiter>,
-    jobs: FxHashMap<LeaseKey, JobRt>,
-    explicit: FxHashMap<LeaseKey, Explicit>,
-    /// Replies to a `release` of a lease already gone (answered `Ok` by the core).
-    late_replies: Vec<(LeaseKey, ReleaseReply)>,
-    metrics: Metrics,
-    /// The batch's clock, read at most once per batch and only when a wait or a release must be
-    /// measured across batches (an uncontended acquire and release read no clock at all).
-    clock: Option<Instant>,
-    /// What waiters' join times are counted from (see [`Since`]).
-    epoch: Instant,
-    /// Waiters that joined in this batch (stamped when it ends, if they still wait).
-    fresh: Vec<WaiterId>,
-    /// The most leases and waiters at once since the maps were last shrunk.
-    peak: usize,
-    renewals: FxHashMap<LeaseKey, AbortHandle>,
-    acquires: FxHashMap<RequestId, AbortHandle>,
-    evidence: FxHashMap<(LeaseKey, u64), Box<dyn Evidence>>,
-    shutdown_replies: Vec<oneshot::Sender<ShutdownReport>>,
-    controls: FxHashMap<ControlId, ControlReply>,
-    next_control: ControlId,
-    /// This turn's answers, sent by `send_answers`.
-    outbox: Vec<Outgoing>,
-    /// GPU devices the shutdown could not prove idle.
-    unclosed: Vec<UnclosedDevice>,
-    /// Why the broker's close at shutdown failed, timed out or panicked.
-    broker_close_failed: Option<crate::broker::BrokerError>,
-    owned_root: Option<tempfile::TempDir>,
-    /// Whether the owned work root is kept, as the core said when it stopped.
-    keep_root: Option<bool>,
-    origin: u64,
+    /// Calls into the broker and what runs of them (see [`brokerage`]).
+    brokerage: Brokerage,
+    /// What only the shell can hold for waiters and leases.
+    kept: Kept,
+    /// The turn's answers, held until their effects show.
+    answers: Answers,
+    /// The lease table, `Stats`, the gauges and the counters, brought up to date before any
+    /// answer leaves.
+    publisher: Publisher,
+    /// The batch's clock and its waiters' join times.
+    batch_clock: BatchClock,
+    /// What the end of the supervisor reports and keeps.
+    end: EndState,
     /// The batch being handled (kept for its capacity).
     batch: Vec<SupMsg>,
-    /// The live lease table (this actor is its only writer).
-    table: Arc<LeaseTable>,
-    /// Leases whose row is brought up to date at the end of the batch (kept for its capacity).
-    touched: Vec<LeaseKey>,
-    /// Leader pid of each process group a live job started, by process key.
-    pids: FxHashMap<u64, u32>,
+    /// The most leases and waiters at once since the maps were last shrunk.
+    peak: usize,
 }
 
 /// A flood this large (leases and waiters at once) is worth giving memory back after.
@@ -241,35 +151,15 @@ impl Actor for SupervisorActor {
             core: Core::with(args.core),
             inbox: args.inbox,
             myself,
-            broker: args.broker,
             config: args.config,
-            stats: args.stats,
-            published: Published::default(),
-            waiters: FxHashMap::default(),
-            jobs: FxHashMap::default(),
-            explicit: FxHashMap::default(),
-            late_replies: Vec::new(),
-            metrics: Metrics::register(),
-            clock: None,
-            epoch: Instant::now(),
-            fresh: Vec::new(),
-            peak: 0,
-            renewals: FxHashMap::default(),
-            acquires: FxHashMap::default(),
-            evidence: FxHashMap::default(),
-            shutdown_replies: Vec::new(),
-            controls: FxHashMap::default(),
-            next_control: 1,
-            outbox: Vec::new(),
-            unclosed: Vec::new(),
-            broker_close_failed: None,
-            owned_root: args.owned_root,
-            keep_root: None,
-            origin: args.origin,
+            brokerage: Brokerage::new(args.broker, args.origin),
+            kept: Kept::default(),
+            answers: Answers::default(),
+            publisher: Publisher::new(args.stats, args.table),
+            batch_clock: BatchClock::new(),
+            end: EndState::new(args.owned_root),
             batch: Vec::new(),
-            table: args.table,
-            touched: Vec::new(),
-            pids: FxHashMap::default(),
+            peak: 0,
         })
     }
 
@@ -312,6 +202,7 @@ impl Actor for SupervisorActor {
     ) -> Result<(), ActorProcessingErr> {
         #[cfg(test)]
         state
+            .publisher
             .stats
             .supervision_events
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -382,25 +273,17 @@ impl Shell {
         self.send_answers();
         // Memory a flood left behind goes back once it has drained (nothing waits, nothing is
         // held): checked then, not after every batch.
-        let load = self.waiters.len() + self.jobs.len() + self.explicit.len();
+        let load = self.kept.load();
         self.peak = self.peak.max(load);
         if load == 0 && self.peak > SHRINK_AFTER {
             self.peak = 0;
             self.core.shrink_idle();
-            shrink(&mut self.waiters);
-            shrink(&mut self.jobs);
-            shrink(&mut self.explicit);
-            shrink(&mut self.acquires);
-            shrink(&mut self.renewals);
-            shrink(&mut self.evidence);
-            shrink(&mut self.pids);
-            shrink(&mut self.controls);
-            self.table.shrink();
-            self.touched.shrink_to(BATCH_KEEP);
+            self.kept.shrink();
+            self.brokerage.shrink();
+            self.answers.shrink();
+            self.publisher.shrink();
             // A flood's first batch can bring tens of thousands of waiters at once.
-            self.fresh.shrink_to(BATCH_KEEP);
-            self.late_replies.shrink_to(BATCH_KEEP);
-            self.outbox.shrink_to(BATCH_KEEP);
+            self.batch_clock.fresh.shrink_to(BATCH_KEEP);
             self.inbox.shrink();
         }
     }
@@ -410,17 +293,7 @@ impl Shell {
     /// a caller who has just been answered reads all of them with its effect included
     /// (invariant 11).
     fn publish(&mut self) {
-        self.sync_table();
-        let figures = self.core.figures();
-        self.stats.publish(figures, &mut self.published);
-        self.metrics.publish(&figures);
-    }
-
-    fn control(&mut self, reply: ControlReply) -> ControlId {
-        let control = self.next_control;
-        self.next_control += 1;
-        self.controls.insert(control, reply);
-        control
+        self.publisher.publish(&mut self.core, &self.kept);
     }
 
     fn on_message(&mut self, msg: SupMsg) {
@@ -433,14 +306,14 @@ impl Shell {
                         WaiterKind::Job(_) => Want::Job,
                     }
                 );
-                self.waiters.insert(
+                self.kept.waiters.insert(
                     waiter,
                     Waiter {
                         kind,
                         since: Since::THIS_BATCH,
                     },
                 );
-                self.fresh.push(waiter);
+                self.batch_clock.fresh.push(waiter);
                 Input::Enqueue { waiter, ask }
             }
             SupMsg::Control(control) => self.control_input(control),
@@ -451,19 +324,19 @@ impl Shell {
             SupMsg::Withdraw { waiter, why } => Input::Withdraw { waiter, why },
             SupMsg::Release { key, reply } => {
                 if let Some(reply) = reply {
-                    match self.explicit.get_mut(&key) {
+                    match self.kept.explicit.get_mut(&key) {
                         Some(lease) => lease.replies.push(reply),
-                        None => self.late_replies.push((key, reply)),
+                        None => self.answers.late_replies.push((key, reply)),
                     }
                 }
                 Input::ReleaseRequested { key }
             }
             SupMsg::Shutdown { reply } => {
-                self.shutdown_replies.extend(reply);
+                self.answers.shutdown_replies.extend(reply);
                 Input::Shutdown
             }
             SupMsg::Acquired { request, result } => {
-                self.acquires.remove(&request);
+                self.brokerage.acquires.remove(&request);
                 Input::Acquired { request, result }
             }
             SupMsg::Released {
@@ -481,7 +354,7 @@ impl Shell {
             }
             SupMsg::Input(input) => input,
             SupMsg::ProcessStarted { key, process, pid } => {
-                self.pids.insert(process, pid);
+                self.kept.pids.insert(process, pid);
                 Input::ProcessStarted { key, process }
             }
             SupMsg::ProcessEnded {
@@ -490,7 +363,7 @@ impl Shell {
                 unproven,
             } => match unproven {
                 None => {
-                    self.pids.remove(&process);
+                    self.kept.pids.remove(&process);
                     Input::ProvenOne {
                         key,
                         proof: Proof::Process(process),
@@ -498,7 +371,7 @@ impl Shell {
                 }
                 Some(evidence) => {
                     let detail = evidence.reason().to_owned();
-                    self.evidence.insert((key, process), evidence);
+                    self.kept.evidence.insert((key, process), evidence);
                     Input::Unproven {
                         key,
                         proof: Proof::Process(process),
@@ -515,12 +388,12 @@ impl Shell {
                 });
                 for (device, reason) in unclosed {
                     tracing::error!(device, %reason, "gpu device not proven idle at shutdown");
-                    self.unclosed.push(UnclosedDevice::new(device, reason));
+                    self.end.unclosed.push(UnclosedDevice::new(device, reason));
                 }
                 Input::GpuClosed
             }
             SupMsg::BrokerClosed { failed } => {
-                self.broker_close_failed = failed;
+                self.end.broker_close_failed = failed;
                 Input::BrokerClosed
             }
         };
@@ -533,6 +406,7 @@ impl Shell {
             Control::Cancel { job_id, reply } => {
                 // The shell's look-up of what it alone knows (job ids); the core decides.
                 let mut waiters: Vec<WaiterId> = self
+                    .kept
                     .waiters
                     .iter()
                     .filter(
@@ -542,6 +416,7 @@ impl Shell {
                     .collect();
                 waiters.sort_unstable();
                 let mut leases: Vec<LeaseKey> = self
+                    .kept
                     .jobs
                     .iter()
                     .filter(|(_, job)| *job.job_id == *job_id)
@@ -549,23 +424,23 @@ impl Shell {
                     .collect();
                 leases.sort_unstable();
                 Input::CancelById {
-                    control: self.control(ControlReply::Cancel(reply)),
+                    control: self.answers.control(ControlReply::Cancel(reply)),
                     waiters: waiters.into(),
                     leases: leases.into(),
                 }
             }
             Control::Resize { slots, reply } => Input::Resize {
-                control: self.control(ControlReply::Resize(reply)),
+                control: self.answers.control(ControlReply::Resize(reply)),
                 slots,
             },
             Control::Quarantined { reply } => Input::ListQuarantine {
-                control: self.control(ControlReply::Quarantined(reply)),
+                control: self.answers.control(ControlReply::Quarantined(reply)),
             },
             Control::Reclaim { reply } => Input::Reclaim {
-                control: self.control(ControlReply::Reclaim(reply)),
+                control: self.answers.control(ControlReply::Reclaim(reply)),
             },
             Control::Waiters { reply } => Input::ListWaiters {
-                control: self.control(ControlReply::Waiters(reply)),
+                control: self.answers.control(ControlReply::Waiters(reply)),
             },
         }
     }
@@ -578,11 +453,7 @@ impl Shell {
                 request,
                 for_waiter,
             } => self.broker_acquire(request, for_waiter),
-            Effect::AbortAcquire { request } => {
-                if let Some(task) = self.acquires.remove(&request) {
-                    task.abort();
-                }
-            }
+            Effect::AbortAcquire { request } => self.brokerage.abort_acquire(request),
             Effect::Deliver {
                 waiter,
                 key,
@@ -591,23 +462,19 @@ impl Shell {
             } => self.deliver(waiter, key, token, more),
             Effect::Refuse { waiter, error } => self.refuse(waiter, error),
             Effect::ResizePool { slots } => {
-                if let BrokerPort::Local(pool) = &self.broker {
+                if let BrokerPort::Local(pool) = &self.brokerage.port {
                     pool.resize(slots);
                 }
             }
             Effect::StartRenewal { key, token } => self.start_renewal(key, token),
-            Effect::StopRenewal { key } => {
-                if let Some(task) = self.renewals.remove(&key) {
-                    task.abort();
-                }
-            }
+            Effect::StopRenewal { key } => self.brokerage.stop_renewal(key),
             Effect::Cancel { key, holder, lost } => self.cancel(key, holder, lost),
             Effect::LostAfterExit { key, reason } => {
                 tracing::warn!(key, %reason, "lease lost after its worker ended; the slot is still held here until its release");
             }
             Effect::RecreateDevice { device } => self.recreate_device(device),
             Effect::AbortTasks { key } => {
-                if let Some(job) = self.jobs.get(&key) {
+                if let Some(job) = self.kept.jobs.get(&key) {
                     let n = job.shared.abort_tasks();
                     if n > 0 {
                         tracing::warn!(job_id = %job.job_id, tasks = n, "shutdown aborted tracked tasks still running");
@@ -618,7 +485,7 @@ impl Shell {
             Effect::Release { key, token } => self.broker_release(key, token),
             Effect::Answer { key, answer } => self.answer(key, answer),
             Effect::Sink { key, error } => {
-                let job_id = self.jobs.get(&key).map(|j| j.job_id.to_string());
+                let job_id = self.kept.jobs.get(&key).map(|j| j.job_id.to_string());
                 self.sink(job_id, error);
             }
             Effect::Forget { key } => self.forget(key),
@@ -636,7 +503,7 @@ impl Shell {
                 quarantine,
                 keep_work_root,
             } => self.stopped(tally, quarantine, keep_work_root),
-            Effect::OrphanCounted => self.metrics.orphan_expired.increment(1),
+            Effect::OrphanCounted => self.publisher.metrics.orphan_expired.increment(1),
             Effect::TokenRefused(detail) => {
                 tracing::error!(%detail, "refusing a token from the broker");
             }
@@ -656,7 +523,7 @@ impl Shell {
         token: SlotToken,
         more: Box<[SlotToken]>,
     ) {
-        let Some(Waiter { kind, since }) = self.waiters.remove(&waiter) else {
+        let Some(Waiter { kind, since }) = self.kept.waiters.remove(&waiter) else {
             tracing::error!(waiter, "a grant for a waiter the shell does not know");
             return self.core.apply(Input::Undelivered { key });
         };
@@ -671,7 +538,7 @@ impl Shell {
                 }
                 self.record_grant(span.get(), since, token, 1 + more.len());
                 let cell = Arc::new(LeaseCell::new());
-                self.explicit.insert(
+                self.kept.explicit.insert(
                     key,
                     Explicit {
                         cell: Arc::clone(&cell),
@@ -687,7 +554,7 @@ impl Shell {
                 if let Err(Ok(lease)) = reply.send(Ok(lease)) {
                     // The caller left between the check and the send: nobody saw it.
                     lease.defuse();
-                    self.explicit.remove(&key);
+                    self.kept.explicit.remove(&key);
                     self.core.apply(Input::Undelivered { key });
                 }
             }
@@ -712,7 +579,7 @@ impl Shell {
 
     /// A caller that gets no slot hears why with this turn's other answers (see [`Outgoing`]).
     fn refuse(&mut self, waiter: WaiterId, error: AcquireError) {
-        let Some(Waiter { kind, .. }) = self.waiters.remove(&waiter) else {
+        let Some(Waiter { kind, .. }) = self.kept.waiters.remove(&waiter) else {
             return;
         };
         let span = match &kind {
@@ -723,13 +590,13 @@ impl Shell {
             let _e = span.enter();
             tracing::warn!(error = %err, "slot acquire failed");
         }
-        self.outbox.push(Outgoing::Refused { kind, error });
+        self.answers.outbox.push(Outgoing::Refused { kind, error });
     }
 
     fn cancel(&mut self, key: LeaseKey, holder: Holder, lost: Option<String>) {
         match holder {
             Holder::Job => {
-                if let Some(job) = self.jobs.get(&key) {
+                if let Some(job) = self.kept.jobs.get(&key) {
                     if let Some(reason) = lost {
                         tracing::error!(job_id = %job.job_id, %reason, "lease lost: it could not be kept alive");
                         job.shared.mark_lease_lost(reason);
@@ -738,7 +605,7 @@ impl Shell {
                 }
             }
             Holder::Explicit => {
-                if let Some(lease) = self.explicit.get(&key) {
+                if let Some(lease) = self.kept.explicit.get(&key) {
                     if let Some(reason) = &lost {
                         tracing::error!(key, %reason, "lease lost: it could not be kept alive");
                     }
@@ -756,12 +623,12 @@ impl Shell {
                 unprepared,
                 cleanup,
             } => {
-                let Some(job) = self.jobs.get_mut(&key) else {
+                let Some(job) = self.kept.jobs.get_mut(&key) else {
                     return;
                 };
                 let job_id = Arc::clone(&job.job_id);
                 match job.reply.take() {
-                    Some(reply) => self.outbox.push(Outgoing::Job {
+                    Some(reply) => self.answers.outbox.push(Outgoing::Job {
                         job_id,
                         reply,
                         outcome: RunOutcome::Finished {
@@ -778,25 +645,28 @@ impl Shell {
             }
             Answer::Released(result) => {
                 let mut replies = self
+                    .kept
                     .explicit
                     .get_mut(&key)
                     .map(|lease| mem::take(&mut lease.replies))
                     .unwrap_or_default();
-                if !self.late_replies.is_empty() {
-                    let (late, rest) = mem::take(&mut self.late_replies)
+                if !self.answers.late_replies.is_empty() {
+                    let (late, rest) = mem::take(&mut self.answers.late_replies)
                         .into_iter()
                         .partition(|(k, _)| *k == key);
-                    self.late_replies = rest;
+                    self.answers.late_replies = rest;
                     replies.extend(late.into_iter().map(|(_, r): (LeaseKey, ReleaseReply)| r));
                 }
-                self.outbox.push(Outgoing::Release { replies, result });
+                self.answers
+                    .outbox
+                    .push(Outgoing::Release { replies, result });
             }
         }
     }
 
     /// A control call's answer, in the public types (with what the shell alone knows: job ids).
     fn reply(&mut self, control: ControlId, reply: Reply) {
-        let Some(to) = self.controls.remove(&control) else {
+        let Some(to) = self.answers.controls.remove(&control) else {
             return;
         };
         let send: Box<dyn FnOnce() + Send> = match (to, reply) {
@@ -813,11 +683,11 @@ impl Shell {
                 })
             }
             (ControlReply::Waiters(tx), Reply::Waiters(entries)) => {
-                let (now, epoch) = (self.now(), self.epoch);
+                let (now, epoch) = (self.now(), self.batch_clock.epoch);
                 let list: Vec<WaiterInfo> = entries
                     .iter()
                     .map(|e| {
-                        let waiter = self.waiters.get(&e.waiter);
+                        let waiter = self.kept.waiters.get(&e.waiter);
                         WaiterInfo {
                             job_id: waiter.and_then(|w| match &w.kind {
                                 WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
@@ -848,7 +718,7 @@ impl Shell {
                 return;
             }
         };
-        self.outbox.push(Outgoing::Control(send));
+        self.answers.outbox.push(Outgoing::Control(send));
     }
 
     /// The quarantined slots, as users see them.
@@ -857,7 +727,7 @@ impl Shell {
             .into_iter()
             .map(|e| QuarantinedSlot {
                 token: e.token,
-                job_id: self.jobs.get(&e.key).map(|j| j.job_id.to_string()),
+                job_id: self.kept.jobs.get(&e.key).map(|j| j.job_id.to_string()),
                 reason: e.reason,
             })
             .collect()
@@ -868,7 +738,7 @@ impl Shell {
     /// lease table show every effect, and before a shutdown's report.
     pub(super) fn send_answers(&mut self) {
         // Taken and put back: the vector keeps its capacity (no allocation per answer).
-        let mut outbox = mem::take(&mut self.outbox);
+        let mut outbox = mem::take(&mut self.answers.outbox);
         for answer in outbox.drain(..) {
             match answer {
                 Outgoing::Job {
@@ -904,11 +774,11 @@ impl Shell {
                 Outgoing::Control(send) => send(),
             }
         }
-        self.outbox = outbox;
+        self.answers.outbox = outbox;
     }
 
     fn forget(&mut self, key: LeaseKey) {
-        if let Some(job) = self.jobs.remove(&key) {
+        if let Some(job) = self.kept.jobs.remove(&key) {
             #[cfg(feature = "gpu")]
             if let (Some(gpu), Some(p)) = (&self.config.hosts.gpu, job.placement) {
                 // Every proof is in (the fence among them): the sub-slot may serve again.
@@ -916,61 +786,17 @@ impl Shell {
             }
             drop(job);
         }
-        self.explicit.remove(&key);
-        if let Some(task) = self.renewals.remove(&key) {
-            task.abort();
+        self.kept.explicit.remove(&key);
+        self.brokerage.stop_renewal(key);
+        if !self.kept.evidence.is_empty() {
+            self.kept.evidence.retain(|(k, _), _| *k != key);
         }
-        if !self.evidence.is_empty() {
-            self.evidence.retain(|(k, _), _| *k != key);
-        }
-    }
-
-    /// Brings the rows of the leases the core touched in this batch up to date.
-    fn sync_table(&mut self) {
-        self.core.take_touched(&mut self.touched);
-        if self.touched.is_empty() {
-            return;
-        }
-        let mut touched = mem::take(&mut self.touched);
-        for key in touched.drain(..) {
-            let lease = self.core.view(key);
-            let pids = &self.pids;
-            let (jobs, explicit) = (&self.jobs, &self.explicit);
-            let extra = Extra {
-                job_id: &|| jobs.get(&key).map(|j| Arc::clone(&j.job_id)),
-                holder: &|| explicit.get(&key).and_then(|e| e.holder),
-                pid: &|p| pids.get(&p).copied(),
-            };
-            self.table
-                .update(key, lease, extra, tokio::time::Instant::now);
-        }
-        self.touched = touched;
     }
 
     /// Warns once about each lease held past the threshold, naming what it waits for.
     fn report_held_too_long(&mut self) {
-        let Some(threshold) = self.config.held_warning else {
-            return;
-        };
-        for info in self
-            .table
-            .newly_held_too_long(threshold, tokio::time::Instant::now())
-        {
-            self.metrics.held_too_long.increment(1);
-            let waiting_for = info
-                .waiting_for
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join(", ");
-            tracing::warn!(
-                job_id = info.job_id.as_deref().unwrap_or("(explicit lease)"),
-                slot_id = info.slot_id,
-                held_ms = info.held_for.as_millis() as u64,
-                phase = ?info.phase,
-                waiting_for = %if waiting_for.is_empty() { "its holder".to_owned() } else { waiting_for },
-                "a lease has been held too long"
-            );
+        if let Some(threshold) = self.config.held_warning {
+            self.publisher.report_held_too_long(threshold);
         }
     }
 
@@ -989,13 +815,13 @@ impl Shell {
                     Proof::Process(p) => p,
                     _ => u64::MAX,
                 };
-                let still = match self.evidence.get_mut(&(key, process)) {
+                let still = match self.kept.evidence.get_mut(&(key, process)) {
                     Some(evidence) => evidence.recheck(),
                     None => Some(format!("no evidence kept for {}", proof.describe())),
                 };
                 if still.is_none() {
-                    self.evidence.remove(&(key, process));
-                    self.pids.remove(&process);
+                    self.kept.evidence.remove(&(key, process));
+                    self.kept.pids.remove(&process);
                 }
                 Rechecked { key, proof, still }
             })
@@ -1009,36 +835,23 @@ impl Shell {
 
     /// The batch's time, read once per batch when first needed.
     fn now(&mut self) -> Instant {
-        *self.clock.get_or_insert_with(Instant::now)
+        self.batch_clock.now()
     }
 
-    /// A batch of messages has been handled: waiters that joined in it and still wait get its
-    /// time (read only now, and only if there are any).
+    /// A batch of messages has been handled: its waiters get its time.
     fn end_batch(&mut self) {
-        if !self.fresh.is_empty() {
-            let mut fresh = mem::take(&mut self.fresh);
-            // Only callers still waiting are in `waiters`.
-            if !self.waiters.is_empty() {
-                let since = Since::at(self.now(), self.epoch);
-                for waiter in &fresh {
-                    if let Some(w) = self.waiters.get_mut(waiter) {
-                        w.since = since;
-                    }
-                }
-            }
-            fresh.clear();
-            self.fresh = fresh;
-        }
-        self.clock = None;
+        self.batch_clock.end_batch(&mut self.kept.waiters);
     }
 
     fn record_grant(&mut self, span: &Span, since: Since, token: SlotToken, slots: usize) {
-        let waited_ms = match since.0 {
-            0 => 0.0,
-            _ => since.waited(self.now(), self.epoch).as_secs_f64() * 1e3,
+        let waited_ms = if since.is_this_batch() {
+            0.0
+        } else {
+            let (now, epoch) = (self.now(), self.batch_clock.epoch);
+            since.waited(now, epoch).as_secs_f64() * 1e3
         };
         // The count itself is published with `Stats::acquired_total` (one definition).
-        self.metrics.acquire_ms.record(waited_ms);
+        self.publisher.metrics.acquire_ms.record(waited_ms);
         if tracing::enabled!(tracing::Level::DEBUG) {
             let _e = span.enter();
             tracing::debug!(
@@ -1052,10 +865,13 @@ impl Shell {
     }
 
     fn record_release(&self, took: Duration, result: &Result<(), CleanupError>) {
-        self.metrics.release_ms.record(took.as_secs_f64() * 1e3);
-        self.metrics.release_count.increment(1);
+        self.publisher
+            .metrics
+            .release_ms
+            .record(took.as_secs_f64() * 1e3);
+        self.publisher.metrics.release_count.increment(1);
         if result.is_err() {
-            self.metrics.release_failed.increment(1);
+            self.publisher.metrics.release_failed.increment(1);
         }
     }
 

@@ -32,20 +32,70 @@ impl BrokerPort {
     }
 }
 
+/// The broker and the calls into it that are still running: acquires the core may withdraw,
+/// renewals it may stop.
+pub(super) struct Brokerage {
+    pub(super) port: BrokerPort,
+    /// Random per supervisor (see `AcquireRequest::origin`).
+    pub(super) origin: u64,
+    pub(super) acquires: FxHashMap<RequestId, AbortHandle>,
+    pub(super) renewals: FxHashMap<LeaseKey, AbortHandle>,
+}
+
+impl Brokerage {
+    pub(super) fn new(port: BrokerPort, origin: u64) -> Self {
+        Self {
+            port,
+            origin,
+            acquires: FxHashMap::default(),
+            renewals: FxHashMap::default(),
+        }
+    }
+
+    /// Stops a broker acquire the core no longer wants.
+    pub(super) fn abort_acquire(&mut self, request: RequestId) {
+        if let Some(task) = self.acquires.remove(&request) {
+            task.abort();
+        }
+    }
+
+    /// Stops a lease's renewal.
+    pub(super) fn stop_renewal(&mut self, key: LeaseKey) {
+        if let Some(task) = self.renewals.remove(&key) {
+            task.abort();
+        }
+    }
+
+    /// Stops every call still running (the supervisor is gone).
+    pub(super) fn abort_all(&mut self) {
+        for (_, task) in self.renewals.drain() {
+            task.abort();
+        }
+        for (_, task) in self.acquires.drain() {
+            task.abort();
+        }
+    }
+
+    pub(super) fn shrink(&mut self) {
+        shrink(&mut self.acquires);
+        shrink(&mut self.renewals);
+    }
+}
+
 impl Shell {
     pub(super) fn broker_acquire(&mut self, request: RequestId, for_waiter: Option<WaiterId>) {
-        let result = match &self.broker {
+        let result = match &self.brokerage.port {
             // Answers at once (the core asks only while a slot is free).
             BrokerPort::Local(local) => local.take(),
             BrokerPort::Dyn(broker) => {
-                let job_id =
-                    for_waiter
-                        .and_then(|w| self.waiters.get(&w))
-                        .and_then(|w| match &w.kind {
-                            WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
-                            WaiterKind::Lease { .. } => None,
-                        });
-                let req = AcquireRequest::for_job(request, job_id).with_origin(self.origin);
+                let job_id = for_waiter
+                    .and_then(|w| self.kept.waiters.get(&w))
+                    .and_then(|w| match &w.kind {
+                        WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
+                        WaiterKind::Lease { .. } => None,
+                    });
+                let req =
+                    AcquireRequest::for_job(request, job_id).with_origin(self.brokerage.origin);
                 let make = || Arc::clone(broker).acquire_boxed(req);
                 match outside::first_poll(make) {
                     First::Ended(outcome) => acquired(outcome),
@@ -67,7 +117,7 @@ impl Shell {
                                 release_orphan(broker, token, timeout);
                             }
                         });
-                        self.acquires.insert(request, task);
+                        self.brokerage.acquires.insert(request, task);
                         return;
                     }
                 }
@@ -79,7 +129,7 @@ impl Shell {
     /// Keeps the lease alive while it is held, when the broker needs that. The renewal ends
     /// only when the lease is lost (or the core stops it); a panic in it is a lost lease.
     pub(super) fn start_renewal(&mut self, key: LeaseKey, token: SlotToken) {
-        let broker = self.broker.as_dyn();
+        let broker = self.brokerage.port.as_dyn();
         let inbox = Arc::clone(&self.inbox);
         let task = outside::spawn(
             move || broker.keep_alive_boxed(token),
@@ -97,13 +147,13 @@ impl Shell {
                 let _ = inbox.send(SupMsg::Input(Input::LeaseLost { key, reason }));
             },
         );
-        self.renewals.insert(key, task);
+        self.brokerage.renewals.insert(key, task);
     }
 
     /// Releases `token` under the cleanup timeout, which is the supervisor's own: no caller's
     /// cancellation reaches it.
     pub(super) fn broker_release(&mut self, key: LeaseKey, token: SlotToken) {
-        let result = match &self.broker {
+        let result = match &self.brokerage.port {
             BrokerPort::Local(local) => local
                 .give(token)
                 .map_err(|e| CleanupError::broker(token, e)),

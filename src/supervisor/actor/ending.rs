@@ -55,7 +55,7 @@ impl Shell {
     /// nothing to close). A failure, a timeout or a panic is logged, goes to the shutdown's
     /// report, and the shutdown goes on.
     pub(super) fn close_broker(&mut self) {
-        let BrokerPort::Dyn(broker) = &self.broker else {
+        let BrokerPort::Dyn(broker) = &self.brokerage.port else {
             return self.core.apply(Input::BrokerClosed);
         };
         let broker = Arc::clone(broker);
@@ -94,21 +94,21 @@ impl Shell {
         // The jobs' and leases' callers hear before the shutdown's caller does.
         self.publish();
         self.send_answers();
-        self.keep_root = Some(keep_work_root);
+        self.end.keep_root = Some(keep_work_root);
         let report = ShutdownReport {
             refused_waiters: tally.refused_waiters,
             cancelled_jobs: tally.cancelled_jobs,
             released_leases: tally.released_leases,
             quarantined: quarantine.len(),
             unproven: self.describe(quarantine),
-            unclosed_devices: mem::take(&mut self.unclosed),
-            broker_close_failed: self.broker_close_failed.take(),
-            stats: self.stats.snapshot(),
+            unclosed_devices: mem::take(&mut self.end.unclosed),
+            broker_close_failed: self.end.broker_close_failed.take(),
+            stats: self.publisher.stats.snapshot(),
         };
-        for reply in self.shutdown_replies.drain(..) {
+        for reply in self.answers.shutdown_replies.drain(..) {
             let _ = reply.send(report.clone());
         }
-        self.stats.mark_shut_down(report);
+        self.publisher.stats.mark_shut_down(report);
         self.inbox.close();
         self.myself.stop(None);
     }
@@ -119,22 +119,18 @@ impl Shell {
         // Answers of an unfinished turn still reach their callers.
         self.send_answers();
         self.inbox.close();
-        for (_, task) in self.renewals.drain() {
-            task.abort();
-        }
-        for (_, task) in self.acquires.drain() {
-            task.abort();
-        }
+        self.brokerage.abort_all();
         // Waiters still queued hear SUPERVISOR_STOPPED when their reply senders drop.
-        self.waiters.clear();
-        self.controls.clear();
+        self.kept.waiters.clear();
+        self.answers.controls.clear();
         // Nobody keeps the table up to date any more: what it still shows is what stays held,
         // the quarantined slots.
-        self.table.retain_quarantined();
+        self.publisher.table.retain_quarantined();
         let keep = self
+            .end
             .keep_root
             .unwrap_or_else(|| self.core.abandon().keep_work_root);
-        if let Some(root) = self.owned_root.take()
+        if let Some(root) = self.end.owned_root.take()
             && keep
         {
             // Quarantined temp dirs are evidence (and a dir a job still uses is not removed

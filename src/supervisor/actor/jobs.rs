@@ -77,7 +77,7 @@ impl Shell {
             #[cfg(feature = "gpu")]
             gpu: placement,
         });
-        self.jobs.insert(
+        self.kept.jobs.insert(
             key,
             JobRt {
                 job_id,
@@ -123,7 +123,7 @@ impl Shell {
         reply: oneshot::Sender<RunOutcome>,
         why: PrepareError,
     ) {
-        self.jobs.insert(
+        self.kept.jobs.insert(
             key,
             JobRt {
                 job_id,
@@ -152,7 +152,7 @@ impl Shell {
     }
 
     pub(super) fn remove_temp_dir(&mut self, key: LeaseKey) {
-        let Some(job) = self.jobs.get(&key) else {
+        let Some(job) = self.kept.jobs.get(&key) else {
             return;
         };
         let Some((path, made)) = job.shared.temp_dir() else {

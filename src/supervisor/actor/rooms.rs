@@ -1,0 +1,298 @@
+//! The shell's rooms: each holds a few fields and does one job. The handlers in `actor.rs`
+//! move between them; none of them decides anything (the core does).
+
+use super::*;
+
+/// What the shell keeps that the core cannot hold: the callers' reply channels and spans, the
+/// jobs' shared state, the explicit leases' cells, the process evidence to re-check and the
+/// pids to show.
+#[derive(Default)]
+pub(super) struct Kept {
+    pub(super) waiters: FxHashMap<WaiterId, Waiter>,
+    pub(super) jobs: FxHashMap<LeaseKey, JobRt>,
+    pub(super) explicit: FxHashMap<LeaseKey, Explicit>,
+    pub(super) evidence: FxHashMap<(LeaseKey, u64), Box<dyn Evidence>>,
+    /// Leader pid of each process group a live job started, by process key.
+    pub(super) pids: FxHashMap<u64, u32>,
+}
+
+impl Kept {
+    /// How many callers and leases it holds.
+    pub(super) fn load(&self) -> usize {
+        self.waiters.len() + self.jobs.len() + self.explicit.len()
+    }
+
+    pub(super) fn shrink(&mut self) {
+        shrink(&mut self.waiters);
+        shrink(&mut self.jobs);
+        shrink(&mut self.explicit);
+        shrink(&mut self.evidence);
+        shrink(&mut self.pids);
+    }
+}
+
+/// The turn's answers, sent once every effect of the turn shows (invariant 11), and where the
+/// control calls' answers go.
+pub(super) struct Answers {
+    pub(super) outbox: Vec<Outgoing>,
+    pub(super) controls: FxHashMap<ControlId, ControlReply>,
+    pub(super) next_control: ControlId,
+    /// Replies to a `release` of a lease already gone (answered `Ok` by the core).
+    pub(super) late_replies: Vec<(LeaseKey, ReleaseReply)>,
+    pub(super) shutdown_replies: Vec<oneshot::Sender<ShutdownReport>>,
+}
+
+impl Default for Answers {
+    fn default() -> Self {
+        Self {
+            outbox: Vec::new(),
+            controls: FxHashMap::default(),
+            next_control: 1,
+            late_replies: Vec::new(),
+            shutdown_replies: Vec::new(),
+        }
+    }
+}
+
+impl Answers {
+    /// Keeps a control call's reply channel until the core answers it.
+    pub(super) fn control(&mut self, reply: ControlReply) -> ControlId {
+        let control = self.next_control;
+        self.next_control += 1;
+        self.controls.insert(control, reply);
+        control
+    }
+
+    pub(super) fn shrink(&mut self) {
+        shrink(&mut self.controls);
+        self.late_replies.shrink_to(BATCH_KEEP);
+        self.outbox.shrink_to(BATCH_KEEP);
+    }
+}
+
+/// What a caller can read without a message: the lease table, `Stats`, the gauges and the
+/// counters. The actor is their only writer; it brings them up to date before any answer
+/// leaves.
+pub(super) struct Publisher {
+    pub(super) stats: Arc<SharedStats>,
+    pub(super) published: Published,
+    pub(super) metrics: Metrics,
+    /// The live lease table (this actor is its only writer).
+    pub(super) table: Arc<LeaseTable>,
+    /// Leases whose row is brought up to date at the next publication (kept for its capacity).
+    pub(super) touched: Vec<LeaseKey>,
+}
+
+impl Publisher {
+    pub(super) fn new(stats: Arc<SharedStats>, table: Arc<LeaseTable>) -> Self {
+        Self {
+            stats,
+            published: Published::default(),
+            metrics: Metrics::register(),
+            table,
+            touched: Vec::new(),
+        }
+    }
+
+    /// Brings the touched rows, the figures, the gauges and the acquire counter up to date.
+    pub(super) fn publish(&mut self, core: &mut Core, kept: &Kept) {
+        self.sync_table(core, kept);
+        let figures = core.figures();
+        self.stats.publish(figures, &mut self.published);
+        self.metrics.publish(&figures);
+    }
+
+    /// Brings the rows of the leases the core touched since the last call up to date.
+    fn sync_table(&mut self, core: &mut Core, kept: &Kept) {
+        core.take_touched(&mut self.touched);
+        if self.touched.is_empty() {
+            return;
+        }
+        let mut touched = mem::take(&mut self.touched);
+        for key in touched.drain(..) {
+            let lease = core.view(key);
+            let extra = Extra {
+                job_id: &|| kept.jobs.get(&key).map(|j| Arc::clone(&j.job_id)),
+                holder: &|| kept.explicit.get(&key).and_then(|e| e.holder),
+                pid: &|p| kept.pids.get(&p).copied(),
+            };
+            self.table
+                .update(key, lease, extra, tokio::time::Instant::now);
+        }
+        self.touched = touched;
+    }
+
+    /// Warns once about each lease held past `threshold`, naming what it waits for.
+    pub(super) fn report_held_too_long(&mut self, threshold: Duration) {
+        for info in self
+            .table
+            .newly_held_too_long(threshold, tokio::time::Instant::now())
+        {
+            self.metrics.held_too_long.increment(1);
+            let waiting_for = info
+                .waiting_for
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ");
+            tracing::warn!(
+                job_id = info.job_id.as_deref().unwrap_or("(explicit lease)"),
+                slot_id = info.slot_id,
+                held_ms = info.held_for.as_millis() as u64,
+                phase = ?info.phase,
+                waiting_for = %if waiting_for.is_empty() { "its holder".to_owned() } else { waiting_for },
+                "a lease has been held too long"
+            );
+        }
+    }
+
+    pub(super) fn shrink(&mut self) {
+        self.table.shrink();
+        self.touched.shrink_to(BATCH_KEEP);
+    }
+}
+
+/// The batch's clock, read at most once per batch and only when a wait or a release must be
+/// measured across batches (an uncontended acquire and release read no clock at all), and the
+/// join times of the waiters that came in the batch.
+pub(super) struct BatchClock {
+    pub(super) now: Option<Instant>,
+    /// What waiters' join times are counted from (see [`Since`]).
+    pub(super) epoch: Instant,
+    /// Waiters that joined in this batch (stamped when it ends, if they still wait).
+    pub(super) fresh: Vec<WaiterId>,
+}
+
+impl BatchClock {
+    pub(super) fn new() -> Self {
+        Self {
+            now: None,
+            epoch: Instant::now(),
+            fresh: Vec::new(),
+        }
+    }
+
+    /// The batch's time, read once per batch when first needed.
+    pub(super) fn now(&mut self) -> Instant {
+        *self.now.get_or_insert_with(Instant::now)
+    }
+
+    /// A batch of messages has been handled: waiters that joined in it and still wait get its
+    /// time (read only now, and only if there are any).
+    pub(super) fn end_batch(&mut self, waiters: &mut FxHashMap<WaiterId, Waiter>) {
+        if !self.fresh.is_empty() {
+            let mut fresh = mem::take(&mut self.fresh);
+            // Only callers still waiting are in `waiters`.
+            if !waiters.is_empty() {
+                let since = Since::at(self.now(), self.epoch);
+                for waiter in &fresh {
+                    if let Some(w) = waiters.get_mut(waiter) {
+                        w.since = since;
+                    }
+                }
+            }
+            fresh.clear();
+            self.fresh = fresh;
+        }
+        self.now = None;
+    }
+}
+
+/// What the end of the supervisor reports and keeps.
+pub(super) struct EndState {
+    /// GPU devices the shutdown could not prove idle.
+    pub(super) unclosed: Vec<UnclosedDevice>,
+    /// Why the broker's close at shutdown failed, timed out or panicked.
+    pub(super) broker_close_failed: Option<crate::broker::BrokerError>,
+    pub(super) owned_root: Option<tempfile::TempDir>,
+    /// Whether the owned work root is kept, as the core said when it stopped.
+    pub(super) keep_root: Option<bool>,
+}
+
+impl EndState {
+    pub(super) fn new(owned_root: Option<tempfile::TempDir>) -> Self {
+        Self {
+            unclosed: Vec::new(),
+            broker_close_failed: None,
+            owned_root,
+            keep_root: None,
+        }
+    }
+}
+
+pub(super) struct Waiter {
+    /// Carries the caller's span.
+    pub(super) kind: WaiterKind,
+    pub(super) since: Since,
+}
+
+/// When a waiter joined the queue: 0 in the batch being handled (its clock not read yet: a
+/// grant within the same batch waited no time), else the time read when its batch ended, as
+/// nanoseconds past the shell's epoch, plus one. Eight bytes, held by every waiting caller.
+#[derive(Clone, Copy)]
+pub(super) struct Since(u64);
+
+impl Since {
+    pub(super) const THIS_BATCH: Self = Self(0);
+
+    /// Joined in the batch being handled.
+    pub(super) fn is_this_batch(self) -> bool {
+        self.0 == 0
+    }
+
+    pub(super) fn at(time: Instant, epoch: Instant) -> Self {
+        let nanos = time.saturating_duration_since(epoch).as_nanos();
+        Self(u64::try_from(nanos).unwrap_or(u64::MAX - 1) + 1)
+    }
+
+    /// How long before `now` the waiter joined (zero within its batch).
+    pub(super) fn waited(self, now: Instant, epoch: Instant) -> Duration {
+        match self.0 {
+            0 => Duration::ZERO,
+            n => now.saturating_duration_since(epoch + Duration::from_nanos(n - 1)),
+        }
+    }
+}
+
+/// An answer to a caller, held until the end of the turn: the pipeline hands the freed slot
+/// to the next waiter (step 6) before the caller hears (step 7), and a control call is
+/// answered only once `Stats` and the lease table show its effect (invariant 11).
+pub(super) enum Outgoing {
+    /// A job's `run`.
+    Job {
+        job_id: Arc<str>,
+        reply: oneshot::Sender<RunOutcome>,
+        outcome: RunOutcome,
+    },
+    /// The `release` calls of an explicit lease (none for a dropped one).
+    Release {
+        replies: Vec<ReleaseReply>,
+        result: Result<(), CleanupError>,
+    },
+    /// A caller that gets no slot.
+    Refused {
+        kind: WaiterKind,
+        error: AcquireError,
+    },
+    /// A control call's answer.
+    Control(Box<dyn FnOnce() + Send>),
+}
+
+/// What the shell keeps for an explicit lease.
+pub(super) struct Explicit {
+    /// Shared with the `Lease`: revoked by shutdown, or lost.
+    pub(super) cell: Arc<LeaseCell>,
+    /// `release` calls waiting for the broker's answer (usually one).
+    pub(super) replies: Vec<ReleaseReply>,
+    /// The actor a lease desk lease is tied to.
+    pub(super) holder: Option<ActorId>,
+}
+
+/// Where a control call's answer goes.
+pub(super) enum ControlReply {
+    Cancel(oneshot::Sender<bool>),
+    Resize(oneshot::Sender<Result<u32, crate::error::ResizeError>>),
+    Quarantined(oneshot::Sender<Vec<QuarantinedSlot>>),
+    Waiters(oneshot::Sender<Vec<WaiterInfo>>),
+    Reclaim(oneshot::Sender<ReclaimReport>),
+}
