@@ -238,15 +238,12 @@ impl WorkerContext {
         // hears of the group before it hears that the job's tasks have all ended.
         let id = inner.reporter.process_started(process.pid());
         let reporter = inner.reporter.clone();
-        let shared = Arc::clone(&inner.shared);
         crate::counters::task();
         inner.tracker.spawn(
             async move {
                 let unproven = keeper.await;
                 if let Some(evidence) = &unproven {
                     tracing::error!(reason = %evidence.reason(), "a job's processes could not be proven gone");
-                    // Before the keeper ends: the driver reads it once every tracked task has.
-                    shared.mark_unproven_group();
                 }
                 reporter.process_ended(id, unproven);
             }

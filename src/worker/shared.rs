@@ -54,9 +54,6 @@ struct Records {
     /// Whether `temp_dir` was made (false: making it failed, and the path handed out instead
     /// names nothing unless the body put something there).
     temp_dir_made: bool,
-    /// A process group the job started could not be proven empty (its keeper said so before
-    /// it ended): the driver leaves the temp dir to the core.
-    unproven_group: bool,
     /// The job's GPU, once checked out (read by the driver for the release fence).
     #[cfg(feature = "gpu")]
     gpu: Option<crate::gpu::JobGpu>,
@@ -162,15 +159,6 @@ impl JobShared {
                 .as_deref()
                 .map(|path| (path.to_path_buf(), r.temp_dir_made))
         })
-    }
-
-    /// A process group of the job could not be proven empty.
-    pub(crate) fn mark_unproven_group(&self) {
-        self.write(|r| r.unproven_group = true);
-    }
-
-    pub(crate) fn has_unproven_group(&self) -> bool {
-        self.read(|r| r.unproven_group)
     }
 
     /// Records a tracked task, to abort at shutdown. Handles of finished tasks are dropped now

@@ -92,8 +92,6 @@ impl Shell {
             shared,
             reporter,
             drain_timeout: self.config.drain_timeout,
-            cleanup_timeout: self.config.cleanup_timeout,
-            temp_dirs: Arc::clone(&self.config.hosts.temp_dirs),
             #[cfg(feature = "gpu")]
             gpu: self.config.hosts.gpu.clone(),
             #[cfg(feature = "gpu")]
@@ -245,22 +243,20 @@ async fn removed_within(
     })
 }
 
-/// A job's own task: awaits its physical end outside the supervisor's mailbox, removes its temp
-/// dir, and reports once. It proves the worker's actor task ended (its join handle resolves only
-/// once the actor is fully gone, state dropped), then every task and blocking closure spawned
-/// through its context (process keepers included), then (with a GPU) every submission made
-/// under the lease; then, if the job made a temp dir and nothing stands in the way (a process
-/// group unproven, GPU work lost), it removes the dir under `cleanup_timeout`. The common case
-/// is one message, [`Input::Ended`]; a wait that may be long (tasks still running after the
-/// body) is announced first with the worker's end (`Proven`), and a bound that passes with a
-/// `Late`. It decides nothing: what follows from the proofs is the core's.
+/// A job's own task: awaits its physical end outside the supervisor's mailbox and reports. It
+/// proves the worker's actor task ended (its join handle resolves only once the actor is fully
+/// gone, state dropped), then every task and blocking closure spawned through its context
+/// (process keepers included), then (with a GPU) every submission made under the lease, and
+/// says whether the job asked for a temp dir. The common case is one message,
+/// [`Input::Ended`]; a step that must wait (tasks still running after the body, a fence) is
+/// announced first with the proofs made so far (`Proven`), and a bound that passes with a
+/// `Late`. It decides nothing: what follows from the proofs (the temp dir's removal among it) is
+/// the core's.
 struct Driver {
     tracker: TaskTracker,
     shared: Arc<JobShared>,
     reporter: Reporter,
     drain_timeout: Option<Duration>,
-    cleanup_timeout: Duration,
-    temp_dirs: Arc<dyn crate::supervisor::hosts::TempDirHost>,
     #[cfg(feature = "gpu")]
     gpu: Option<Arc<dyn crate::supervisor::hosts::GpuHost>>,
     #[cfg(feature = "gpu")]
@@ -319,10 +315,6 @@ impl Driver {
         }
         self.shared.close();
         proofs = proofs.with(Proofs::TASKS);
-        // A process group not proven empty (its keeper said so before it ended) may still
-        // write in the temp dir: the core removes it once the group is proven.
-        #[cfg_attr(not(feature = "gpu"), allow(unused_mut))]
-        let mut clean = !self.shared.has_unproven_group();
         #[cfg(feature = "gpu")]
         if let (Some(gpu), Some(placement)) = (&self.gpu, self.placement) {
             use crate::supervisor::hosts::Fence;
@@ -351,32 +343,16 @@ impl Driver {
                         generation,
                         reason,
                     });
-                    clean = false;
                 }
             }
         }
-        // The job is closed (above): nothing more is made after this read.
+        // The job is closed (above): nothing more is made after this read. Whether and when
+        // the dir is removed is the core's decision (once the worker's physical end is
+        // proven: a process group unproven or GPU work lost holds it back).
         let dir = match self.shared.temp_dir() {
             // The job never asked for one: nothing to remove, no blocking-pool hop.
             None => DirEnd::NeverMade,
-            Some(_) if !clean => DirEnd::Left,
-            Some((path, made)) => {
-                let bound = self.cleanup_timeout;
-                let removal = removed_within(&*self.temp_dirs, &path, made, bound, |detail| {
-                    // A hung file system: the slot is quarantined while the removal runs on
-                    // (the proofs before it were reported when the removal had to wait).
-                    self.reporter.input(Input::Late {
-                        key,
-                        proof: Proof::TempDir,
-                        detail,
-                    });
-                });
-                let removed = step(&self.reporter, &mut proofs, removal).await;
-                match removed {
-                    Ok(()) => DirEnd::Removed,
-                    Err((detail, error)) => DirEnd::Failed { detail, error },
-                }
-            }
+            Some(_) => DirEnd::Asked,
         };
         self.reporter.input(Input::Ended { key, proofs, dir });
     }

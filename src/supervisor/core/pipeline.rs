@@ -105,8 +105,9 @@ impl Core {
         self.advance(key);
     }
 
-    /// A job's driver ended: its last proofs, and the temp dir's fate. The driver removes the
-    /// dir only once it has proven the worker's physical end; the core checks that it agrees.
+    /// A job's driver ended: its last proofs, and whether the job asked for a temp dir. The
+    /// dir is removed (`advance`) once the worker's physical end is proven: here, or when the
+    /// last unproven proof arrives.
     pub(super) fn ended(&mut self, key: LeaseKey, proofs: Proofs, dir: DirEnd) {
         let fits = self.book.get(key).is_some_and(|r| {
             r.holder == Holder::Job && r.removal == Removal::Driver && r.owed.owes_all(proofs)
@@ -116,38 +117,14 @@ impl Core {
                 "driver's end {proofs:?}/{dir:?} for lease {key}, which does not owe it"
             ));
         }
-        let failed = self.book.edit(key, |r| {
+        self.book.edit(key, |r| {
             r.owed.clear(proofs);
             r.removal = Removal::NotStarted;
-            let failed = match dir {
-                DirEnd::NeverMade => {
-                    r.owed.clear(Proofs::of(Proof::TempDir));
-                    None
-                }
-                DirEnd::Removed if r.owed.physically_done() => {
-                    r.owed.clear(Proofs::of(Proof::TempDir));
-                    None
-                }
-                // The driver removed the dir before the core saw the worker's physical end.
-                DirEnd::Removed => Some(Err(())),
-                DirEnd::Failed { detail, error } => {
-                    r.removal = Removal::Failed;
-                    Some(Ok((detail, error)))
-                }
-                DirEnd::Left => None,
-            };
-            r.drop_answered_reasons();
-            failed
-        });
-        match failed.flatten() {
-            Some(Ok((detail, error))) => {
-                self.missing(key, Proof::TempDir, Why::Unproven, detail, Some(error))
+            if dir == DirEnd::NeverMade {
+                r.owed.clear(Proofs::of(Proof::TempDir));
             }
-            Some(Err(())) => self.fx.illegal(format_args!(
-                "lease {key}'s temp dir removed before its worker's physical end"
-            )),
-            None => {}
-        }
+            r.drop_answered_reasons();
+        });
         if proofs.contains(Proof::WorkerJoined) {
             self.answer_early(key);
         }

@@ -84,18 +84,15 @@ pub(crate) struct Rechecked {
     pub(crate) still: Option<String>,
 }
 
-/// What a job's driver did with the job's temp dir.
-#[derive(Debug)]
+/// Whether a job asked for a temp dir, as its driver reports once the job is closed (nothing
+/// more is made after that). The core alone decides when it is removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum DirEnd {
-    /// Never made (the job never asked for one): nothing is owed for it.
+    /// Never asked for: nothing is owed for it.
     NeverMade,
-    /// Removed, once the driver had proven the worker's physical end.
-    Removed,
-    /// The removal failed: quarantined until a reclaim removes it.
-    Failed { detail: String, error: io::Error },
-    /// Not tried: the worker's physical end is not proven (a process group unproven, GPU work
-    /// lost), so the core removes it once it is.
-    Left,
+    /// Asked for (made, or a path handed out when making it failed): removed once the worker's
+    /// physical end is proven.
+    Asked,
 }
 
 /// Everything that can happen to the supervisor, as the core sees it.

@@ -122,23 +122,33 @@ fn a_job_is_released_only_after_every_proof_and_its_temp_dir() {
     });
     assert!(drain(&mut core).is_empty());
     assert_eq!(core.lease(key).unwrap().phase(), Phase::Draining);
-    // The driver removes the temp dir itself: the core never asks while the driver holds it.
+    // The driver says the job asked for a temp dir: the core has it removed, then releases.
     core.apply(Input::Ended {
         key,
         proofs: Proofs::TASKS,
-        dir: DirEnd::Removed,
+        dir: DirEnd::Asked,
+    });
+    let effects = drain(&mut core);
+    assert!(
+        matches!(effects.as_slice(), [Effect::RemoveTempDir { .. }]),
+        "{effects:?}"
+    );
+    assert_eq!(core.lease(key).unwrap().phase(), Phase::Draining);
+    core.apply(Input::ProvenOne {
+        key,
+        proof: Proof::TempDir,
     });
     assert_eq!(releases(&drain(&mut core)), 1);
 }
 
 #[test]
-fn a_jobs_end_is_one_report_when_nothing_is_late() {
+fn a_job_without_a_temp_dir_ends_in_one_report_when_nothing_is_late() {
     let mut core = Core::new(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: DirEnd::Removed,
+        dir: DirEnd::NeverMade,
     });
     let effects = drain(&mut core);
     assert_eq!(releases(&effects), 1, "{effects:?}");
@@ -151,35 +161,38 @@ fn a_jobs_end_is_one_report_when_nothing_is_late() {
 }
 
 #[test]
-fn a_temp_dir_the_driver_removed_before_the_workers_physical_end_is_illegal() {
-    // A process group still owed: the driver must not have removed the dir.
+fn the_core_never_removes_a_temp_dir_before_the_workers_physical_end() {
+    // A process group still owed: the dir stays, whatever the driver's end says.
     let mut core = Core::new(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::ProcessStarted { key, process: 7 });
     core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: DirEnd::Removed,
+        dir: DirEnd::Asked,
     });
     let effects = drain(&mut core);
-    assert!(
-        effects.iter().any(|e| matches!(e, Effect::Illegal(_))),
-        "{effects:?}"
-    );
-    assert_eq!(releases(&effects), 0, "{effects:?}");
+    assert!(effects.is_empty(), "{effects:?}");
 }
 
 #[test]
-fn a_driver_whose_temp_dir_removal_fails_quarantines_the_slot_and_a_reclaim_retries_it() {
+fn a_temp_dir_removal_that_fails_quarantines_the_slot_and_a_reclaim_retries_it() {
     let mut core = Core::new(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: DirEnd::Failed {
-            detail: "temp dir x could not be removed".into(),
-            error: io::Error::other("busy"),
-        },
+        dir: DirEnd::Asked,
+    });
+    let asked = drain(&mut core);
+    assert!(
+        matches!(asked.as_slice(), [Effect::RemoveTempDir { .. }]),
+        "{asked:?}"
+    );
+    core.apply(Input::TempDirFailed {
+        key,
+        detail: "temp dir x could not be removed".into(),
+        error: io::Error::other("busy"),
     });
     let early = drain(&mut core);
     assert!(
@@ -203,11 +216,11 @@ fn a_process_group_started_by_the_job_holds_the_temp_dir_until_it_is_proven_empt
     let mut core = Core::new(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::ProcessStarted { key, process: 7 });
-    // The driver saw the group unproven: it leaves the dir to the core.
+    // The group is not proven yet: the core keeps the dir.
     core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: DirEnd::Left,
+        dir: DirEnd::Asked,
     });
     assert!(drain(&mut core).is_empty(), "the group is not proven empty");
     core.apply(Input::ProvenOne {
@@ -257,7 +270,7 @@ fn a_gpu_loss_and_an_unproven_process_group_on_one_lease_both_hold_it() {
     core.apply(Input::Ended {
         key,
         proofs: Proofs::default(),
-        dir: DirEnd::Left,
+        dir: DirEnd::Asked,
     });
     assert!(drain(&mut core).is_empty());
     core.apply(Input::DeviceReplaced {
@@ -342,10 +355,13 @@ fn two_reclaims_back_to_back_start_one_temp_dir_removal_and_apply_no_illegal_edg
     core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: DirEnd::Failed {
-            detail: "temp dir x could not be removed".into(),
-            error: io::Error::other("busy"),
-        },
+        dir: DirEnd::Asked,
+    });
+    drain(&mut core);
+    core.apply(Input::TempDirFailed {
+        key,
+        detail: "temp dir x could not be removed".into(),
+        error: io::Error::other("busy"),
     });
     drain(&mut core);
     let mut effects = Vec::new();

@@ -76,8 +76,6 @@ struct Known {
     tasks: bool,
     /// The driver's end was reported (`Input::Ended`): the temp dir is the core's from then.
     ended: bool,
-    /// The driver reported its temp dir removal late.
-    dir_late: bool,
     gpu_done: bool,
     gpu_lost: Option<u64>,
     processes_open: BTreeSet<u64>,
@@ -536,7 +534,6 @@ impl World {
                     // The driver has reported its end: nothing more comes from it.
                     return;
                 }
-                let clean = k.processes_unproven.is_empty() && k.gpu_lost.is_none();
                 let input = match kind {
                     0 if !k.joined && !k.tasks => {
                         let m = self.known.get_mut(&key).unwrap();
@@ -579,36 +576,13 @@ impl World {
                         m.tasks = true;
                         m.gpu_done |= gpu;
                         m.ended = true;
-                        let dir = match (clean, kind) {
-                            (_, 13) => {
-                                m.temp_dir_proven = true;
-                                DirEnd::NeverMade
-                            }
-                            (false, _) => DirEnd::Left,
-                            (true, 3) => {
-                                m.temp_dir_proven = true;
-                                DirEnd::Removed
-                            }
-                            (true, _) => DirEnd::Failed {
-                                detail: "temp dir".into(),
-                                error: io::Error::other("busy"),
-                            },
+                        let dir = if kind == 13 {
+                            m.temp_dir_proven = true;
+                            DirEnd::NeverMade
+                        } else {
+                            DirEnd::Asked
                         };
                         Input::Ended { key, proofs, dir }
-                    }
-                    12 if clean
-                        && !k.dir_late
-                        && k.joined
-                        && k.tasks
-                        && k.processes_open.is_empty()
-                        && (k.device.is_none() || k.gpu_done) =>
-                    {
-                        self.known.get_mut(&key).unwrap().dir_late = true;
-                        Input::Late {
-                            key,
-                            proof: Proof::TempDir,
-                            detail: "slow fs".into(),
-                        }
                     }
                     4 if !k.tasks => {
                         let p = self.next_process;
