@@ -298,13 +298,9 @@ impl SupervisorBuilder {
             },
         });
         let stats = Arc::new(SharedStats::default());
-        let capacity = match (broker.capacity(), gpu_capacity) {
-            (Some(b), Some(g)) => Some(b.min(g)),
-            (b, g) => b.or(g),
-        };
-        stats.set_capacity(capacity);
+        stats.set_capacity(super::core::capacity(broker.capacity(), gpu_capacity));
         let core = CoreConfig {
-            capacity,
+            broker_capacity: broker.capacity(),
             pool: match &broker {
                 BrokerPort::Local(pool) => Some(pool.slots()),
                 BrokerPort::Dyn(_) => None,

@@ -530,7 +530,7 @@ impl Core {
             Err(ResizeError::Unsupported)
         } else {
             a.pool = Some(slots);
-            let capacity = a.gpu_cap.map_or(slots, |gpu| slots.min(gpu));
+            let capacity = super::capacity(Some(slots), a.gpu_cap).unwrap_or(slots);
             a.capacity = Some(capacity as usize);
             a.strip_retired();
             self.fx.push(Effect::ResizePool { slots });

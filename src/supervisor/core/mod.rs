@@ -96,9 +96,9 @@ impl Effects {
 /// How a core is set up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct CoreConfig {
-    /// The capacity granted up to: the broker's (the pool's size), capped by the GPU sub-slots;
-    /// `None` when the broker does not say.
-    pub(crate) capacity: Option<u32>,
+    /// The broker's capacity (the pool's size), `None` when the broker does not say. The core
+    /// grants up to [`capacity`] of it and the GPU sub-slots.
+    pub(crate) broker_capacity: Option<u32>,
     /// The supervisor's own in-process pool's size: its tokens are trusted, and it serves
     /// multi-slot leases, `try_acquire` and resizing. `None` for any other broker.
     pub(crate) pool: Option<u32>,
@@ -107,6 +107,16 @@ pub(crate) struct CoreConfig {
     pub(crate) gpu_slots: Option<u32>,
     /// The broker renews leases (start a renewal per grant).
     pub(crate) renews: bool,
+}
+
+/// The capacity rule, the one place it is written: the supervisor grants up to the broker's
+/// capacity (the pool's size), capped by the GPU sub-slots when it owns GPU devices; `None` when
+/// neither says. At start and after every resize.
+pub(crate) fn capacity(broker: Option<u32>, gpu_slots: Option<u32>) -> Option<u32> {
+    match (broker, gpu_slots) {
+        (Some(b), Some(g)) => Some(b.min(g)),
+        (b, g) => b.or(g),
+    }
 }
 
 /// The core: admission, the lease book, shutdown, the counters and the effects.
@@ -128,7 +138,11 @@ impl Core {
     pub(crate) fn with(config: CoreConfig) -> Self {
         Self {
             renews: config.renews,
-            admission: Admission::new(config.capacity, config.pool, config.gpu_slots),
+            admission: Admission::new(
+                capacity(config.broker_capacity, config.gpu_slots),
+                config.pool,
+                config.gpu_slots,
+            ),
             book: Book::new(config.pool.is_none()),
             ending: Ending::new(config.gpu_slots.is_some()),
             rechecks: 0,
@@ -142,7 +156,7 @@ impl Core {
     #[cfg(test)]
     pub(crate) fn new(capacity: Option<u32>, renews: bool, gpu: bool) -> Self {
         Self::with(CoreConfig {
-            capacity,
+            broker_capacity: capacity,
             pool: None,
             gpu_slots: gpu.then_some(u32::MAX),
             renews,
@@ -153,7 +167,7 @@ impl Core {
     #[cfg(test)]
     pub(crate) fn pool(slots: u32) -> Self {
         Self::with(CoreConfig {
-            capacity: Some(slots),
+            broker_capacity: Some(slots),
             pool: Some(slots),
             gpu_slots: None,
             renews: false,
