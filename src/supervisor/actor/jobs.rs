@@ -4,7 +4,9 @@
 //! decides anything: every report (a placement refused, a spawn failed, a proof) is an input
 //! to the core.
 
+#[cfg(feature = "gpu")]
 use std::future::Future;
+#[cfg(feature = "gpu")]
 use std::task::Poll;
 
 use super::*;
@@ -263,6 +265,7 @@ struct Driver {
     placement: Option<crate::gpu::Placement>,
 }
 
+#[cfg(feature = "gpu")]
 /// Awaits one of a driver's cleanup steps. When it cannot end at once, the proofs made so far
 /// are reported first, so that while it runs the lease shows `Draining` and waits only for
 /// what is left (a step that ends at once costs no message).
