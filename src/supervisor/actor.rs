@@ -58,7 +58,8 @@ pub(crate) use brokerage::BrokerPort;
 use brokerage::Brokerage;
 use jobs::{JobRt, JobStart};
 use rooms::{
-    Answers, BatchClock, ControlReply, EndState, Explicit, Kept, Outgoing, Publisher, Since, Waiter,
+    Answers, BatchClock, ControlReply, EndState, Explicit, Grant, Kept, Outgoing, Publisher, Since,
+    Waiter,
 };
 
 /// Settings fixed at start.
@@ -263,14 +264,19 @@ impl Shell {
     /// and the lease table are brought up to date, and only then do this turn's callers hear.
     fn settle(&mut self) {
         loop {
-            self.core.settle();
-            if !self.perform_all() {
+            loop {
+                self.core.settle();
+                if !self.perform_all() {
+                    break;
+                }
+            }
+            self.publish();
+            // Every freed slot has been handed on, and every effect is visible: the callers
+            // hear. A lease whose caller has left meanwhile goes back to the core: once more.
+            if !self.send_answers() {
                 break;
             }
         }
-        self.publish();
-        // Every freed slot has been handed on, and every effect is visible: the callers hear.
-        self.send_answers();
         // Memory a flood left behind goes back once it has drained (nothing waits, nothing is
         // held): checked then, not after every batch.
         let load = self.kept.load();
@@ -546,17 +552,11 @@ impl Shell {
                         holder: holder.map(|h| *h),
                     },
                 );
-                // Handed over at once, even in the middle of a batch: the table, `Stats`, the
-                // gauges and the acquire counter show it before its holder can look.
-                self.publish();
                 let home = Arc::clone(&self.inbox) as Arc<dyn crate::lease::LeaseReturn>;
                 let lease = Lease::new(key, (token, more), home, cell);
-                if let Err(Ok(lease)) = reply.send(Ok(lease)) {
-                    // The caller left between the check and the send: nobody saw it.
-                    lease.defuse();
-                    self.kept.explicit.remove(&key);
-                    self.core.apply(Input::Undelivered { key });
-                }
+                // Handed over with the turn's other answers, once the table, `Stats`, the
+                // gauges and the counters show it.
+                self.answers.grants.push(Grant { key, reply, lease });
             }
             WaiterKind::Job(job) => {
                 // A grant racing with the caller's cancellation: the caller has left.
@@ -736,7 +736,21 @@ impl Shell {
     /// Sends the answers of this turn. Called at the end of [`settle`](Self::settle), once every
     /// freed slot has gone to the next waiter (or back to the broker) and the stats and the
     /// lease table show every effect, and before a shutdown's report.
-    pub(super) fn send_answers(&mut self) {
+    pub(super) fn send_answers(&mut self) -> bool {
+        let mut undelivered = false;
+        // Grants first: the next waiter has its slot before the job that freed it is answered.
+        let mut grants = mem::take(&mut self.answers.grants);
+        for Grant { key, reply, lease } in grants.drain(..) {
+            if let Err(Ok(lease)) = reply.send(Ok(lease)) {
+                // The caller left before the hand-over: nobody saw it. Its tokens go back in
+                // hand (to the next waiter), in another pass of the turn.
+                lease.defuse();
+                self.kept.explicit.remove(&key);
+                self.core.apply(Input::Undelivered { key });
+                undelivered = true;
+            }
+        }
+        self.answers.grants = grants;
         // Taken and put back: the vector keeps its capacity (no allocation per answer).
         let mut outbox = mem::take(&mut self.answers.outbox);
         for answer in outbox.drain(..) {
@@ -775,6 +789,7 @@ impl Shell {
             }
         }
         self.answers.outbox = outbox;
+        undelivered
     }
 
     fn forget(&mut self, key: LeaseKey) {

@@ -34,6 +34,9 @@ impl Kept {
 /// The turn's answers, sent once every effect of the turn shows (invariant 11), and where the
 /// control calls' answers go.
 pub(super) struct Answers {
+    /// Explicit leases handed over in this turn: sent first (the freed slot reaches the next
+    /// waiter before the caller of the job that held it hears, DESIGN.md section 2).
+    pub(super) grants: Vec<Grant>,
     pub(super) outbox: Vec<Outgoing>,
     pub(super) controls: FxHashMap<ControlId, ControlReply>,
     pub(super) next_control: ControlId,
@@ -45,6 +48,7 @@ pub(super) struct Answers {
 impl Default for Answers {
     fn default() -> Self {
         Self {
+            grants: Vec::new(),
             outbox: Vec::new(),
             controls: FxHashMap::default(),
             next_control: 1,
@@ -66,6 +70,7 @@ impl Answers {
     pub(super) fn shrink(&mut self) {
         shrink(&mut self.controls);
         self.late_replies.shrink_to(BATCH_KEEP);
+        self.grants.shrink_to(BATCH_KEEP);
         self.outbox.shrink_to(BATCH_KEEP);
     }
 }
@@ -252,6 +257,13 @@ impl Since {
             n => now.saturating_duration_since(epoch + Duration::from_nanos(n - 1)),
         }
     }
+}
+
+/// An explicit lease handed over in this turn, held until its effects show.
+pub(super) struct Grant {
+    pub(super) key: LeaseKey,
+    pub(super) reply: oneshot::Sender<Result<Lease, AcquireError>>,
+    pub(super) lease: Lease,
 }
 
 /// An answer to a caller, held until the end of the turn: the pipeline hands the freed slot
