@@ -4,10 +4,7 @@
 //! may be the last handles of a device generation, happens on the blocking pool.
 
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-
-use futures_util::FutureExt;
 
 /// Where the pool calls into the GPU backend (feature `fault-injection`, for leasehold's own
 /// fault-injection tests; see `GpuOptions::backend_hook`).
@@ -62,13 +59,17 @@ impl Guard {
         sub: Option<usize>,
         f: impl FnOnce() -> T,
     ) -> Result<T, String> {
-        std::panic::catch_unwind(AssertUnwindSafe(|| {
+        // Through leasehold's one way of calling code it did not write.
+        match crate::outside::call(|| {
             if let Some(hook) = &self.hook {
                 hook(call, device, sub);
             }
             f()
-        }))
-        .map_err(|payload| describe(call, &*payload))
+        }) {
+            crate::outside::Outcome::Done(value) => Ok(value),
+            crate::outside::Outcome::Panicked(message) => Err(describe(call, &message)),
+            crate::outside::Outcome::TimedOut(_) => unreachable!("a synchronous call has no bound"),
+        }
     }
 
     /// [`run`](Self::run) for an async backend call (enumeration, device requests).
@@ -79,19 +80,17 @@ impl Guard {
         fut: F,
     ) -> Result<F::Output, String> {
         let hook = self.hook.clone();
-        AssertUnwindSafe(async move {
+        crate::outside::caught(async move {
             if let Some(hook) = hook {
                 hook(call, device, None);
             }
             fut.await
         })
-        .catch_unwind()
         .await
-        .map_err(|payload| describe(call, &*payload))
+        .map_err(|message| describe(call, &message))
     }
 }
 
-fn describe(call: BackendCall, payload: &(dyn std::any::Any + Send)) -> String {
-    let message = crate::outside::panic_message(payload);
+fn describe(call: BackendCall, message: &str) -> String {
     format!("the gpu backend panicked ({call:?}): {message}")
 }
