@@ -138,6 +138,8 @@ struct SimBroker {
     next_lease: AtomicU64,
     /// Notified whenever a slot is freed: a waiting acquire looks again.
     freed: Arc<tokio::sync::Notify>,
+    /// Leases lapse unless renewed: the supervisor keeps each alive while it holds it.
+    renews: bool,
 }
 
 /// Frees a slot when dropped unanswered (a hung release: the broker's TTL gives it back).
@@ -309,6 +311,35 @@ impl SlotBroker for SimBroker {
 
     fn capacity(&self) -> Option<u32> {
         Some(self.capacity)
+    }
+
+    fn renews(&self) -> bool {
+        self.renews
+    }
+
+    /// A renewal that holds, loses the lease, or panics (on its first poll or later). A lost
+    /// lease is not freed here: the supervisor still releases it, once.
+    async fn keep_alive(&self, token: SlotToken) -> BrokerError {
+        let (plan, delay) = {
+            let mut rng = self.rng.lock();
+            (rng.below(100), rng.ms(1500))
+        };
+        self.ledger
+            .lock()
+            .note(format!("broker renews {token} plan {plan}"));
+        match plan {
+            0..=4 => panic!("sim: renewal panics on its first poll"),
+            5..=9 => {
+                tokio::time::sleep(delay).await;
+                panic!("sim: renewal panics after an await")
+            }
+            10..=19 => {
+                tokio::time::sleep(delay).await;
+                self.ledger.lock().note(format!("broker loses {token}"));
+                BrokerError::unavailable("sim: lease lost")
+            }
+            _ => std::future::pending().await,
+        }
     }
 
     async fn close(&self) -> Result<(), BrokerError> {
@@ -1067,6 +1098,7 @@ fn simulate(seed: u64) -> Result<Vec<String>, (Vec<String>, Vec<String>)> {
             capacity,
             next_lease: AtomicU64::new(1),
             freed: Arc::new(tokio::sync::Notify::new()),
+            renews: rng.chance(30),
         };
         #[allow(unused_mut)]
         let mut hosts = Hosts {
