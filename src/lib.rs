@@ -1,4 +1,5 @@
 #![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(
     missing_docs,
     missing_debug_implementations,
@@ -27,6 +28,11 @@ mod supervisor;
 mod worker;
 
 pub use actor_job::{ActorExit, ActorJobError, CANCEL_STOP_REASON};
+/// A conformance suite for [`SlotBroker`] implementations (feature `conformance`): run it
+/// against your own broker.
+#[cfg(feature = "conformance")]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
+pub use broker::conformance;
 #[cfg(feature = "etcd")]
 pub use broker::etcd::{EtcdBroker, EtcdConfig, EtcdError, EtcdErrorKind};
 pub use broker::{
