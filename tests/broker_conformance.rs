@@ -12,7 +12,9 @@ use leasehold::{AcquireRequest, BrokerError, LocalBroker, SlotBroker, SlotToken}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_in_process_broker_passes_the_conformance_suite() {
-    let report = Conformance::new(|| LocalBroker::new(3)).run().await;
+    let report = Conformance::new(|| async { LocalBroker::new(3) })
+        .run()
+        .await;
     println!("{report}");
     report.assert_passed();
     let skipped: Vec<_> = report.checks().iter().filter_map(|c| c.skipped()).collect();
@@ -91,7 +93,9 @@ impl SlotBroker for Faulty {
 }
 
 async fn failed_checks(fault: Fault) -> Vec<&'static str> {
-    let report = Conformance::new(move || Faulty::new(fault)).run().await;
+    let report = Conformance::new(move || async move { Faulty::new(fault) })
+        .run()
+        .await;
     println!("{report}");
     report
         .checks()

@@ -27,7 +27,7 @@
 //! use leasehold::LocalBroker;
 //! use leasehold::conformance::Conformance;
 //!
-//! let report = Conformance::new(|| LocalBroker::new(2)).run().await;
+//! let report = Conformance::new(|| async { LocalBroker::new(2) }).run().await;
 //! report.assert_passed();
 //! assert!(report.checks().iter().any(|c| c.name() == "fifo" && c.passed()));
 //! # });
@@ -49,11 +49,12 @@ use crate::{
 const STEP: Duration = Duration::from_secs(30);
 
 type Loser<B> = Arc<dyn Fn(&B, SlotToken) + Send + Sync>;
+type Restorer<B> = Arc<dyn Fn(&B) + Send + Sync>;
 
 /// The suite, for brokers made by `make` (one fresh broker per check).
 pub struct Conformance<B, F> {
     make: F,
-    lose: Option<Loser<B>>,
+    lose: Option<(Loser<B>, Restorer<B>)>,
 }
 
 impl<B, F> fmt::Debug for Conformance<B, F> {
@@ -64,19 +65,30 @@ impl<B, F> fmt::Debug for Conformance<B, F> {
     }
 }
 
-impl<B: SlotBroker, F: Fn() -> B> Conformance<B, F> {
-    /// The suite for the brokers `make` builds. Each must report its capacity
-    /// ([`SlotBroker::capacity`]) for the capacity check to apply, and should have at least two
-    /// slots (the FIFO and cancel checks hold every slot, then queue callers behind them).
+impl<B, F, Fut> Conformance<B, F>
+where
+    B: SlotBroker,
+    F: Fn() -> Fut,
+    Fut: Future<Output = B>,
+{
+    /// The suite for the brokers `make` builds (an async factory: a remote broker connects).
+    /// Each must report its capacity ([`SlotBroker::capacity`]) for the capacity check to
+    /// apply, and should have at least two slots (the FIFO and cancel checks hold every slot,
+    /// then queue callers behind them). Give each broker a pool of its own: one check's
+    /// leftovers must not reach the next.
     pub fn new(make: F) -> Self {
         Self { make, lose: None }
     }
 
-    /// How to make the broker lose a granted lease (expire it, revoke it at the coordinator),
-    /// for a broker that [`renews`](SlotBroker::renews): without it, the `lost leases` check is
-    /// skipped.
-    pub fn lose_with(mut self, lose: impl Fn(&B, SlotToken) + Send + Sync + 'static) -> Self {
-        self.lose = Some(Arc::new(lose));
+    /// How to make the broker lose a granted lease (cut it off from its coordinator, revoke
+    /// the lease there), and how to undo that once the lease has ended, for a broker that
+    /// [`renews`](SlotBroker::renews): without it, the `lost leases` check is skipped.
+    pub fn lose_with(
+        mut self,
+        lose: impl Fn(&B, SlotToken) + Send + Sync + 'static,
+        restore: impl Fn(&B) + Send + Sync + 'static,
+    ) -> Self {
+        self.lose = Some((Arc::new(lose), Arc::new(restore)));
         self
     }
 
@@ -103,8 +115,8 @@ impl<B: SlotBroker, F: Fn() -> B> Conformance<B, F> {
         Report { checks }
     }
 
-    fn observed(&self) -> (Observed<B>, Option<u32>) {
-        let broker = (self.make)();
+    async fn observed(&self) -> (Observed<B>, Option<u32>) {
+        let broker = (self.make)().await;
         let capacity = broker.capacity();
         (Observed::new(broker), capacity)
     }
@@ -112,7 +124,7 @@ impl<B: SlotBroker, F: Fn() -> B> Conformance<B, F> {
     /// More jobs than slots, all at once: capacity, one release per token, no double grant,
     /// fencing.
     async fn churn(&self) -> (Outcome, Outcome, Outcome, Outcome) {
-        let (broker, capacity) = self.observed();
+        let (broker, capacity) = self.observed().await;
         let run = async {
             let sup = start(&broker).await?;
             let jobs = 4 * capacity.unwrap_or(4).clamp(1, 16);
@@ -163,7 +175,7 @@ impl<B: SlotBroker, F: Fn() -> B> Conformance<B, F> {
 
     /// Every slot held; callers queued one after another; slots given back one by one.
     async fn fifo(&self) -> Outcome {
-        let (broker, capacity) = self.observed();
+        let (broker, capacity) = self.observed().await;
         let Some(n) = capacity else {
             return Outcome::Skipped("the broker reports no capacity".into());
         };
@@ -220,7 +232,7 @@ impl<B: SlotBroker, F: Fn() -> B> Conformance<B, F> {
 
     /// Every slot held; callers give up while they wait; every slot comes back.
     async fn cancel_safety(&self) -> Outcome {
-        let (broker, capacity) = self.observed();
+        let (broker, capacity) = self.observed().await;
         let Some(n) = capacity else {
             return Outcome::Skipped("the broker reports no capacity".into());
         };
@@ -283,7 +295,7 @@ impl<B: SlotBroker, F: Fn() -> B> Conformance<B, F> {
 
     /// Shutdown closes the broker once, after its last release.
     async fn close(&self) -> Outcome {
-        let (broker, _) = self.observed();
+        let (broker, _) = self.observed().await;
         let check = async {
             let sup = start(&broker).await?;
             // A lease left for the shutdown to release.
@@ -308,11 +320,11 @@ impl<B: SlotBroker, F: Fn() -> B> Conformance<B, F> {
 
     /// A lease the broker loses ends under its holder, and is released once.
     async fn lost_leases(&self) -> Outcome {
-        let (broker, _) = self.observed();
+        let (broker, _) = self.observed().await;
         if !broker.0.broker.renews() {
             return Outcome::Skipped("the broker does not renew leases".into());
         }
-        let Some(lose) = self.lose.clone() else {
+        let Some((lose, restore)) = self.lose.clone() else {
             return Outcome::Skipped(
                 "no way to make the broker lose a lease (Conformance::lose_with)".into(),
             );
@@ -324,7 +336,9 @@ impl<B: SlotBroker, F: Fn() -> B> Conformance<B, F> {
                 .map_err(|e| e.to_string())?;
             let token = lease.token().map_err(|e| e.to_string())?;
             lose(&broker.0.broker, token);
-            bounded("the lease to end under its holder", lease.lost()).await?;
+            let ended = bounded("the lease to end under its holder", lease.lost()).await;
+            restore(&broker.0.broker);
+            ended?;
             let _ = bounded("its release", lease.release()).await?;
             bounded("shutdown", sup.shutdown())
                 .await?
@@ -336,7 +350,7 @@ impl<B: SlotBroker, F: Fn() -> B> Conformance<B, F> {
 
     /// Releases of tokens the broker never granted, or already took back, are refused.
     async fn bad_tokens(&self) -> Outcome {
-        let broker = (self.make)();
+        let broker = (self.make)().await;
         let check = async {
             let foreign = SlotToken::new(u32::MAX - 1, u64::MAX - 1);
             if bounded("a foreign release", broker.release(foreign))
