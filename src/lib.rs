@@ -10,6 +10,9 @@
 
 mod actor_job;
 mod broker;
+#[cfg(feature = "conformance")]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
+pub mod conformance;
 #[cfg(feature = "console")]
 pub mod console;
 mod counters;
@@ -28,11 +31,6 @@ mod supervisor;
 mod worker;
 
 pub use actor_job::{ActorExit, ActorJobError, CANCEL_STOP_REASON};
-/// A conformance suite for [`SlotBroker`] implementations (feature `conformance`): run it
-/// against your own broker.
-#[cfg(feature = "conformance")]
-#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
-pub use broker::conformance;
 #[cfg(feature = "etcd")]
 pub use broker::etcd::{EtcdBroker, EtcdConfig, EtcdError, EtcdErrorKind};
 pub use broker::{

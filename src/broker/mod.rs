@@ -4,8 +4,6 @@
 //! awaits a broker inside its mailbox: a broker future that does not finish on its first poll
 //! is moved to a task of its own and its result comes back as a message.
 
-#[cfg(feature = "conformance")]
-pub mod conformance;
 mod erased;
 #[cfg(feature = "etcd")]
 pub(crate) mod etcd;

@@ -39,7 +39,9 @@ use super::hosts::Hosts;
 use super::inbox::{Inbox, Ring};
 use super::messages::{Control, PendingJob, RunOutcome, SupMsg, WaiterKind};
 use super::reporter::Reporter;
-use super::reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo};
+use super::reports::{
+    LastReport, QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo,
+};
 use super::stats::{Metrics, Published, SharedStats};
 use super::table::{Extra, LeaseTable};
 use crate::broker::{AcquireRequest, BrokerEvent, DynBroker, LocalBroker, SlotToken};
@@ -85,6 +87,8 @@ pub(crate) struct SupArgs {
     pub(crate) broker: BrokerPort,
     pub(crate) config: Arc<Config>,
     pub(crate) stats: Arc<SharedStats>,
+    /// Where the shutdown's report is kept for a later `shutdown()` call.
+    pub(crate) last_report: Arc<LastReport>,
     pub(crate) inbox: Arc<Inbox>,
     pub(crate) table: Arc<LeaseTable>,
     pub(crate) owned_root: Option<tempfile::TempDir>,
@@ -158,7 +162,7 @@ impl Actor for SupervisorActor {
             answers: Answers::default(),
             publisher: Publisher::new(args.stats, args.table),
             batch_clock: BatchClock::new(),
-            end: EndState::new(args.owned_root),
+            end: EndState::new(args.owned_root, args.last_report),
             batch: Vec::new(),
             peak: 0,
         })

@@ -13,6 +13,7 @@ use super::core::CoreConfig;
 use super::hosts::Hosts;
 use super::inbox::Inbox;
 use super::messages::SupMsg;
+use super::reports::LastReport;
 use super::stats::SharedStats;
 use super::table::LeaseTable;
 use crate::broker::{BrokerEvents, DynBroker, LocalBroker, SlotBroker};
@@ -320,12 +321,14 @@ impl SupervisorBuilder {
             h.finish().max(1)
         };
         let inbox = Arc::new(Inbox::new());
+        let last_report = Arc::new(LastReport::default());
         let args = SupArgs {
             origin,
             core,
             broker,
             config,
             stats: Arc::clone(&stats),
+            last_report: Arc::clone(&last_report),
             inbox: Arc::clone(&inbox),
             table: Arc::clone(&table),
             owned_root,
@@ -345,7 +348,7 @@ impl SupervisorBuilder {
         Ok(Supervisor::from_parts(
             inbox,
             join,
-            (stats, table),
+            (stats, table, last_report),
             (self.acquire_timeout, self.cancel_grace),
             work_root,
             self.error_sink,

@@ -13,8 +13,11 @@ use futures_util::future::BoxFuture;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
+use super::Supervisor;
 use super::hosts::{Hosts, TempDirHost};
-use crate::{JobSpec, LeasePhase, Supervisor, WaitingFor};
+use super::table::{LeaseInfo, LeasePhase, WaitingFor};
+use crate::error::JobError;
+use crate::job::JobSpec;
 
 /// The errnos a file system answers a job's temp dir with: a root that is not a directory, that
 /// cannot be written, that is full, or busy.
@@ -96,10 +99,7 @@ async fn supervisor(dirs: &Arc<ScriptedDirs>, slots: u32) -> Supervisor {
 async fn job_with_dir(
     sup: &Supervisor,
     id: &str,
-) -> (
-    Result<u32, crate::JobError<io::Error>>,
-    Option<&'static str>,
-) {
+) -> (Result<u32, JobError<io::Error>>, Option<&'static str>) {
     let heard = Arc::new(Mutex::new(None));
     let result = sup
         .run(JobSpec::new(id).unwrap(), {
@@ -180,7 +180,7 @@ async fn a_temp_dir_host_that_panics_quarantines_that_slot_alone_and_the_supervi
 }
 
 /// The lease's row, once the supervisor has handled everything sent before this call.
-async fn row(sup: &Supervisor) -> crate::LeaseInfo {
+async fn row(sup: &Supervisor) -> LeaseInfo {
     // A round trip through the mailbox: every report sent before it has been handled.
     sup.waiters().await.unwrap();
     let mut rows = sup.leases();

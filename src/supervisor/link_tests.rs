@@ -5,7 +5,8 @@
 
 use tokio::sync::oneshot;
 
-use crate::{JobSpec, Supervisor};
+use super::Supervisor;
+use crate::job::JobSpec;
 
 fn children(sup: &Supervisor) -> Vec<ractor::ActorCell> {
     sup.inner()
@@ -97,7 +98,7 @@ async fn a_worker_that_cannot_be_spawned_gives_its_slots_back_and_its_caller_hea
     assert!(
         matches!(
             err.prepare_error(),
-            Some(crate::PrepareError::WorkerSpawn(_))
+            Some(crate::error::PrepareError::WorkerSpawn(_))
         ),
         "{err:?}"
     );

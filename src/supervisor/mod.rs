@@ -35,6 +35,7 @@ use tracing::Span;
 
 pub use builder::SupervisorBuilder;
 pub(crate) use reporter::Reporter;
+use reports::LastReport;
 pub use reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo};
 pub use stats::{Stats, metric_names};
 pub use table::{LeaseInfo, LeaseKind, LeasePhase, WaitingFor};
@@ -87,6 +88,8 @@ pub(crate) struct Inner {
     join: Mutex<Option<JoinHandle<()>>>,
     stats: Arc<SharedStats>,
     table: Arc<LeaseTable>,
+    /// The report of the shutdown that stopped the actor, for a later `shutdown()` call.
+    last_report: Arc<LastReport>,
     acquire_timeout: Option<Duration>,
     next_waiter: AtomicU64,
     work_root: PathBuf,
@@ -122,7 +125,7 @@ impl Supervisor {
     fn from_parts(
         inbox: Arc<Inbox>,
         join: JoinHandle<()>,
-        (stats, table): (Arc<SharedStats>, Arc<LeaseTable>),
+        (stats, table, last_report): (Arc<SharedStats>, Arc<LeaseTable>, Arc<LastReport>),
         (acquire_timeout, cancel_grace): (Option<Duration>, Duration),
         work_root: PathBuf,
         error_sink: Option<crate::sink::ErrorSink>,
@@ -136,6 +139,7 @@ impl Supervisor {
                 join: Mutex::new(Some(join)),
                 stats,
                 table,
+                last_report,
                 acquire_timeout,
                 next_waiter: AtomicU64::new(1),
                 work_root,
@@ -825,7 +829,7 @@ impl Supervisor {
         if let Some(join) = join {
             let _ = join.await;
         }
-        match report.or_else(|| self.inner.stats.shutdown_report()) {
+        match report.or_else(|| self.inner.last_report.get()) {
             Some(report) => Ok(report),
             None => Err(ShutdownError::new()),
         }

@@ -31,9 +31,24 @@ pub struct ShutdownReport {
     /// (kind [`BrokerErrorKind::Panicked`](crate::BrokerErrorKind::Panicked)); `None` when it
     /// closed (or had nothing to close). Either way the shutdown went on: what the broker still
     /// held is left to its own expiry.
-    pub broker_close_failed: Option<crate::BrokerError>,
+    pub broker_close_failed: Option<crate::broker::BrokerError>,
     /// The counters at the end.
     pub stats: Stats,
+}
+
+/// The report of the shutdown that stopped the supervisor, kept for a later `shutdown()` call:
+/// the actor writes it once, right before it stops.
+#[derive(Debug, Default)]
+pub(crate) struct LastReport(parking_lot::Mutex<Option<ShutdownReport>>);
+
+impl LastReport {
+    pub(crate) fn set(&self, report: ShutdownReport) {
+        *self.0.lock() = Some(report);
+    }
+
+    pub(crate) fn get(&self) -> Option<ShutdownReport> {
+        self.0.lock().clone()
+    }
 }
 
 /// A GPU device a shutdown could not prove idle (see [`ShutdownReport::unclosed_devices`]).

@@ -100,8 +100,6 @@ pub(crate) struct SharedStats {
     /// Supervision events the actor received (tests: a worker sends none).
     #[cfg(test)]
     pub(crate) supervision_events: AtomicU64,
-    /// The report of the shutdown that stopped the actor, for a later call.
-    report: parking_lot::Mutex<Option<super::reports::ShutdownReport>>,
 }
 
 /// What the actor last stored into [`SharedStats`] (owned by the actor, their only writer), so
@@ -141,16 +139,6 @@ impl SharedStats {
     pub(crate) fn set_capacity(&self, capacity: Option<u32>) {
         let c = capacity.map_or(u64::MAX, u64::from);
         self.capacity.store(c, Ordering::Relaxed);
-    }
-
-    /// Set by the actor right before it stops after a completed shutdown, with its report.
-    pub(crate) fn mark_shut_down(&self, report: super::reports::ShutdownReport) {
-        *self.report.lock() = Some(report);
-    }
-
-    /// The report of the shutdown that stopped the actor, once it has.
-    pub(crate) fn shutdown_report(&self) -> Option<super::reports::ShutdownReport> {
-        self.report.lock().clone()
     }
 
     pub(crate) fn snapshot(&self) -> Stats {

@@ -108,7 +108,7 @@ impl Shell {
         for reply in self.answers.shutdown_replies.drain(..) {
             let _ = reply.send(report.clone());
         }
-        self.publisher.stats.mark_shut_down(report);
+        self.end.last_report.set(report);
         self.inbox.close();
         self.myself.stop(None);
     }

@@ -212,15 +212,18 @@ pub(super) struct EndState {
     pub(super) owned_root: Option<tempfile::TempDir>,
     /// Whether the owned work root is kept, as the core said when it stopped.
     pub(super) keep_root: Option<bool>,
+    /// Where the shutdown's report is kept for a later `shutdown()` call.
+    pub(super) last_report: Arc<LastReport>,
 }
 
 impl EndState {
-    pub(super) fn new(owned_root: Option<tempfile::TempDir>) -> Self {
+    pub(super) fn new(owned_root: Option<tempfile::TempDir>, last_report: Arc<LastReport>) -> Self {
         Self {
             unclosed: Vec::new(),
             broker_close_failed: None,
             owned_root,
             keep_root: None,
+            last_report,
         }
     }
 }
