@@ -21,10 +21,12 @@ mod error;
 mod fencing;
 #[cfg(feature = "gpu")]
 mod gpu;
+mod hosts;
 mod job;
 mod job_handle;
 mod lease;
 mod outside;
+mod paths;
 mod process;
 mod sink;
 mod supervisor;
@@ -53,6 +55,7 @@ pub use gpu::{FencePolicy, GpuError, GpuOptions, JobGpu, ScratchPolicy, SlotScra
 pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN, PRIORITY_AGING_GRANTS, Priority};
 pub use job_handle::JobHandle;
 pub use lease::Lease;
+pub use paths::{PathRefused, PathRefusedReason};
 pub use process::{JobProcess, ProcessError, ProcessSpec};
 pub use sink::OrphanedFailure;
 pub use supervisor::{
@@ -62,7 +65,7 @@ pub use supervisor::{
 /// Re-exported (feature `gpu`) so that jobs use exactly the wgpu the supervisor was built with.
 #[cfg(feature = "gpu")]
 pub use wgpu;
-pub use worker::{PathRefused, PathRefusedReason, WorkerContext};
+pub use worker::WorkerContext;
 
 /// Re-exported so that job actors ([`Supervisor::spawn_job`]) and lease desk callers
 /// ([`LeaseMsg`]) implement and call exactly the ractor the supervisor was built with.

@@ -35,7 +35,7 @@ use tokio::process::{ChildStderr, ChildStdin, ChildStdout};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::worker::PathRefused;
+use crate::paths::PathRefused;
 
 /// How a job's processes are stopped and proven gone.
 #[derive(Debug, Clone, Copy)]
@@ -166,7 +166,7 @@ impl ProcessSpec {
 
     /// Builds the command with every path confined to `root`; nothing is spawned.
     fn command(self, root: &Path) -> Result<tokio::process::Command, ProcessError> {
-        let confine = |p: &Path| crate::worker::confine(root, p).map_err(ProcessError::Path);
+        let confine = |p: &Path| crate::paths::confine(root, p).map_err(ProcessError::Path);
         let mut cmd = tokio::process::Command::new(&self.program);
         for arg in &self.args {
             match arg {

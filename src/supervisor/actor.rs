@@ -35,7 +35,6 @@ use super::core::{
     Answer, ControlId, Core, CoreConfig, DirEnd, Effect, Holder, Input, LeaseKey, Proof, Proofs,
     QuarantineEntry, RecheckFor, Rechecked, Reply, RequestId, WaiterId, Want,
 };
-use super::hosts::Hosts;
 use super::inbox::{Inbox, Ring};
 use super::messages::{Control, PendingJob, RunOutcome, SupMsg, WaiterKind};
 use super::reporter::Reporter;
@@ -46,6 +45,7 @@ use super::stats::{Metrics, Published, SharedStats};
 use super::table::{Extra, LeaseTable};
 use crate::broker::{AcquireRequest, BrokerEvent, DynBroker, LocalBroker, SlotToken};
 use crate::error::{AcquireError, CleanupError, PrepareError};
+use crate::hosts::Hosts;
 use crate::lease::{Lease, LeaseCell, ReleaseReply};
 use crate::process::{Evidence, ProcessPolicy};
 use crate::sink::ErrorSink;

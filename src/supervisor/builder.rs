@@ -10,7 +10,6 @@ use ractor::Actor;
 use super::Supervisor;
 use super::actor::{BrokerPort, Config, SupArgs, SupervisorActor};
 use super::core::CoreConfig;
-use super::hosts::Hosts;
 use super::inbox::Inbox;
 use super::messages::SupMsg;
 use super::reports::LastReport;
@@ -18,6 +17,7 @@ use super::stats::SharedStats;
 use super::table::LeaseTable;
 use crate::broker::{BrokerEvents, DynBroker, LocalBroker, SlotBroker};
 use crate::error::StartError;
+use crate::hosts::Hosts;
 use crate::process::ProcessPolicy;
 use crate::sink::{ErrorSink, OrphanedFailure};
 
@@ -240,7 +240,7 @@ impl SupervisorBuilder {
         };
         #[cfg(feature = "gpu")]
         if let Some(pool) = &gpu {
-            hosts.gpu = Some(Arc::new(super::hosts::PoolHost(Arc::clone(pool))));
+            hosts.gpu = Some(Arc::new(crate::hosts::PoolHost(Arc::clone(pool))));
         }
         #[cfg(feature = "gpu")]
         let gpu_capacity = hosts.gpu.as_ref().map(|g| g.capacity());

@@ -14,9 +14,9 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 
 use super::Supervisor;
-use super::hosts::{Hosts, TempDirHost};
 use super::table::{LeaseInfo, LeasePhase, WaitingFor};
 use crate::error::JobError;
+use crate::hosts::{Hosts, TempDirHost};
 use crate::job::JobSpec;
 
 /// The errnos a file system answers a job's temp dir with: a root that is not a directory, that

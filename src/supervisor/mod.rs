@@ -6,7 +6,6 @@ mod builder;
 pub(crate) mod core;
 #[cfg(test)]
 mod fs_tests;
-pub(crate) mod hosts;
 pub(crate) mod inbox;
 #[cfg(test)]
 mod link_tests;
@@ -34,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Span;
 
 pub use builder::SupervisorBuilder;
-pub(crate) use reporter::Reporter;
+
 use reports::LastReport;
 pub use reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo};
 pub use stats::{Stats, metric_names};

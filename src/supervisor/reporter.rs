@@ -10,6 +10,7 @@ use super::inbox::Inbox;
 use super::messages::SupMsg;
 use crate::error::PrepareError;
 use crate::process::Evidence;
+use crate::worker::JobReports;
 
 /// Reports about one lease.
 #[derive(Clone)]
@@ -42,15 +43,10 @@ impl Reporter {
             });
         }
     }
+}
 
-    /// The worker could not prepare the job: no body runs.
-    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
-    pub(crate) fn unprepared(&self, why: PrepareError) {
-        self.input(Input::Unprepared { key: self.key, why });
-    }
-
-    /// A job started a process group: its slot now waits for it too.
-    pub(crate) fn process_started(&self, pid: u32) -> u64 {
+impl JobReports for Reporter {
+    fn process_started(&self, pid: u32) -> u64 {
         let process = NEXT_PROCESS.fetch_add(1, Ordering::Relaxed);
         self.send(SupMsg::ProcessStarted {
             key: self.key,
@@ -60,12 +56,15 @@ impl Reporter {
         process
     }
 
-    /// A process group's keeper ended.
-    pub(crate) fn process_ended(&self, process: u64, unproven: Option<Box<dyn Evidence>>) {
+    fn process_ended(&self, process: u64, unproven: Option<Box<dyn Evidence>>) {
         self.send(SupMsg::ProcessEnded {
             key: self.key,
             process,
             unproven,
         });
+    }
+
+    fn unprepared(&self, why: PrepareError) {
+        self.input(Input::Unprepared { key: self.key, why });
     }
 }

@@ -31,8 +31,8 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::hosts::{Hosts, TempDirHost};
 use crate::broker::{AcquireRequest, BrokerError, SlotBroker, SlotToken};
+use crate::hosts::{Hosts, TempDirHost};
 use crate::job::{JobSpec, Priority};
 use crate::process::{
     Evidence, JobProcess, Keeper, ProcessError, ProcessHost, ProcessPolicy, ProcessSpec,
@@ -553,7 +553,7 @@ impl ProcessHost for SimProcesses {
 mod sim_gpu {
     use super::*;
     use crate::gpu::{GpuError, JobGpu, Placement};
-    use crate::supervisor::hosts::{Fence, GpuHost};
+    use crate::hosts::{Fence, GpuHost};
 
     type Hook = Box<dyn Fn(usize, u64) + Send + Sync>;
 

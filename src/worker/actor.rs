@@ -13,11 +13,10 @@ use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span};
 
-use super::{JobShared, WorkerContext};
+use super::{JobReports, JobShared, WorkerContext};
 use crate::broker::SlotToken;
+use crate::hosts::Hosts;
 use crate::process::ProcessPolicy;
-use crate::supervisor::Reporter;
-use crate::supervisor::hosts::Hosts;
 
 /// The type-erased body: called once, inside the worker, with its context.
 pub(crate) type BoxedBody = Box<dyn FnOnce(WorkerContext) -> BoxFuture<'static, ()> + Send>;
@@ -43,7 +42,7 @@ pub(crate) struct WorkerArgs {
     pub(crate) policy: ProcessPolicy,
     pub(crate) grace: Duration,
     pub(crate) hosts: Hosts,
-    pub(crate) reporter: Reporter,
+    pub(crate) reporter: Arc<dyn JobReports>,
     /// Where the lease's GPU work runs (checked out before the body).
     #[cfg(feature = "gpu")]
     pub(crate) gpu: Option<crate::gpu::Placement>,

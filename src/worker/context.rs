@@ -12,12 +12,12 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span};
 
-use super::{JobShared, PathRefused};
+use super::{JobReports, JobShared};
 use crate::broker::SlotToken;
 use crate::error::PrepareError;
+use crate::hosts::TempDirHost;
+use crate::paths::PathRefused;
 use crate::process::{JobProcess, ProcessError, ProcessHost, ProcessPolicy, ProcessSpec};
-use crate::supervisor::Reporter;
-use crate::supervisor::hosts::TempDirHost;
 
 /// The job body's view of its lease. Cheap to clone; clones may be moved into sibling tasks.
 ///
@@ -46,7 +46,7 @@ struct Inner {
     span: Span,
     process_policy: ProcessPolicy,
     processes: Arc<dyn ProcessHost>,
-    reporter: Reporter,
+    reporter: Arc<dyn JobReports>,
     /// The job's worker actor (a job actor's watch is linked under it).
     worker: ractor::ActorCell,
     #[cfg(feature = "gpu")]
@@ -64,7 +64,7 @@ impl WorkerContext {
         span: Span,
         process_policy: ProcessPolicy,
         processes: Arc<dyn ProcessHost>,
-        (reporter, worker): (Reporter, ractor::ActorCell),
+        (reporter, worker): (Arc<dyn JobReports>, ractor::ActorCell),
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -89,8 +89,8 @@ impl WorkerContext {
 
     /// How the job's machinery reports to the supervisor.
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
-    pub(crate) fn reporter(&self) -> &Reporter {
-        &self.inner.reporter
+    pub(crate) fn reporter(&self) -> &dyn JobReports {
+        &*self.inner.reporter
     }
 
     /// Every token this job holds, the first one (its [`token`](Self::token)) first: more than
@@ -237,7 +237,7 @@ impl WorkerContext {
         // Reported before the keeper runs, and the keeper is a tracked task: the supervisor
         // hears of the group before it hears that the job's tasks have all ended.
         let id = inner.reporter.process_started(process.pid());
-        let reporter = inner.reporter.clone();
+        let reporter = Arc::clone(&inner.reporter);
         crate::counters::task();
         inner.tracker.spawn(
             async move {

@@ -11,7 +11,7 @@ use tokio::task::AbortHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::PrepareError;
-use crate::supervisor::hosts::TempDirHost;
+use crate::hosts::TempDirHost;
 
 /// Per-job record written by the worker and its tracked tasks, read by `run` only after the
 /// whole release pipeline has finished (so after every writer has ended).

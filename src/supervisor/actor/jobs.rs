@@ -75,7 +75,7 @@ impl Shell {
             policy: self.config.process_policy,
             grace: self.config.cancel_grace,
             hosts: self.config.hosts.clone(),
-            reporter: reporter.clone(),
+            reporter: Arc::new(reporter.clone()),
             #[cfg(feature = "gpu")]
             gpu: placement,
         });
@@ -181,7 +181,7 @@ impl Shell {
 /// Removes a temp dir (off the mailbox) when the core asks, and reports; past `bound` the slot
 /// is quarantined until the removal ends.
 async fn remove_temp_dir(
-    host: Arc<dyn crate::supervisor::hosts::TempDirHost>,
+    host: Arc<dyn crate::hosts::TempDirHost>,
     path: PathBuf,
     made: bool,
     bound: Duration,
@@ -209,7 +209,7 @@ async fn remove_temp_dir(
 /// past the bound `late` hears why (the slot is then quarantined) and the removal is awaited
 /// all the same. A failure is logged, and returned with the detail the slot's reason gives.
 async fn removed_within(
-    host: &dyn crate::supervisor::hosts::TempDirHost,
+    host: &dyn crate::hosts::TempDirHost,
     path: &std::path::Path,
     made: bool,
     bound: Duration,
@@ -260,7 +260,7 @@ struct Driver {
     reporter: Reporter,
     drain_timeout: Option<Duration>,
     #[cfg(feature = "gpu")]
-    gpu: Option<Arc<dyn crate::supervisor::hosts::GpuHost>>,
+    gpu: Option<Arc<dyn crate::hosts::GpuHost>>,
     #[cfg(feature = "gpu")]
     placement: Option<crate::gpu::Placement>,
 }
@@ -320,7 +320,7 @@ impl Driver {
         proofs = proofs.with(Proofs::TASKS);
         #[cfg(feature = "gpu")]
         if let (Some(gpu), Some(placement)) = (&self.gpu, self.placement) {
-            use crate::supervisor::hosts::Fence;
+            use crate::hosts::Fence;
             let job = self.shared.take_gpu();
             let mut fence = step(&self.reporter, &mut proofs, gpu.fence(placement, job)).await;
             if let Fence::Late { detail, rest } = fence {
