@@ -70,10 +70,9 @@ pub(crate) fn task() {
     imp::bump(|l| &l.tasks);
 }
 
-/// What every supervisor in the process has counted so far (feature `fault-injection`, for
-/// leasehold's own benches; not part of the API).
+/// What every supervisor in the process has counted so far: unstable test support (feature
+/// `fault-injection`) for leasehold's own benches, not covered by semantic versioning.
 #[cfg(feature = "fault-injection")]
-#[doc(hidden)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
     /// Messages into supervisors' inboxes.

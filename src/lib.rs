@@ -39,8 +39,10 @@ pub use broker::{
     AcquireRequest, BrokerError, BrokerErrorKind, BrokerEvent, BrokerEvents, LocalBroker,
     SlotBroker, SlotToken,
 };
+/// Unstable test support (feature `fault-injection`): counts of messages, doorbells and tasks
+/// for leasehold's own benches. Not covered by semantic versioning.
 #[cfg(feature = "fault-injection")]
-#[doc(hidden)]
+#[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
 pub use counters::Counts;
 pub use desk::{ActorLease, LeaseMsg, ReleaseError};
 pub use error::{

@@ -379,9 +379,12 @@ impl EtcdBroker {
             .map(|s| s.id)
     }
 
-    /// The queue key an acquire with this request waits under (for tools and tests): `None`
-    /// while the acquire is not in flight. Its place is chosen at its first transaction and
+    /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
+    /// the queue key an acquire with this request waits under, `None` while the acquire is not
+    /// in flight. Its place is chosen at its first transaction and
     /// given up once it is granted or withdrawn; the key exists in etcd while it waits.
+    #[cfg(feature = "fault-injection")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
     pub fn queue_key_for(&self, request: &AcquireRequest) -> Option<String> {
         let rk = self.inner.request_key(request);
         self.inner
@@ -389,8 +392,11 @@ impl EtcdBroker {
             .map(|place| self.inner.layout.queue_key(place))
     }
 
-    /// The request marker an acquire with this request writes first (for tools and tests): it
-    /// exists from the acquire's first transaction until the release.
+    /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
+    /// the request marker an acquire with this request writes first. It exists from the
+    /// acquire's first transaction until the release.
+    #[cfg(feature = "fault-injection")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
     pub fn request_key_for(&self, request: &AcquireRequest) -> String {
         self.inner
             .layout
