@@ -4,7 +4,7 @@
 //! workload, measured in the same run (see `BENCHMARKS.md`). The figure is the time per lease:
 //! one iteration's time over `TOTAL_OPS`.
 //!
-//! The target (issue 11, point 6) is 64 workers / 8 slots ≤ 2.0× the semaphore's time per
+//! The target is 64 workers / 8 slots ≤ 2.0× the semaphore's time per
 //! lease; 1024 / 8 is printed next to it, and the rest of the workers × slots table as context.
 //! Per-acquire wait percentiles (p50 / p99 / p99.9) are collected once per pair, in an untimed
 //! pass before criterion's, and printed after the ratio rows.
@@ -32,7 +32,7 @@ const WORKERS: [usize; 3] = [8, 64, 1024];
 const SLOTS: [u32; 3] = [1, 8, 32];
 /// acquire + release operations per iteration, split evenly over the workers.
 const TOTAL_OPS: u64 = 8192;
-/// 64 workers / 8 slots ≤ 2.0× tokio Semaphore's time per lease (issue 11, point 6).
+/// 64 workers / 8 slots ≤ 2.0× tokio Semaphore's time per lease.
 const TARGET: (usize, u32, f64) = (64, 8, 2.0);
 /// Printed next to the target's row.
 const ALSO: (usize, u32) = (1024, 8);

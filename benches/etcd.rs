@@ -193,7 +193,7 @@ fn etcd(c: &mut Criterion) {
 // Summary
 // ---------------------------------------------------------------------------------------------
 
-/// Uncontended acquire + release in at most two consensus writes: ≤ 2.5× one bare put (issue 12).
+/// Uncontended acquire + release in at most two consensus writes: ≤ 2.5× one bare put.
 const TARGET_BARE_PUT: f64 = 2.5;
 
 /// The etcd rows: `EtcdBroker` acquire + release, alone and through a supervisor, over one bare

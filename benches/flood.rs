@@ -4,7 +4,7 @@
 //!
 //! The timed benchmark is one whole flood per iteration (flat sampling). Before it, an untimed
 //! probe with the counting allocator below gives the bytes each waiting job costs (target ≤ 1 KiB
-//! per waiting job, issue 11, point 6) and asserts no leak: the supervisor's books balance after
+//! per waiting job) and asserts no leak: the supervisor's books balance after
 //! every flood, a second flood leaves nothing more behind than the first, and the heap is back
 //! at its baseline once the supervisor has stopped. Whether a *live* supervisor's heap is back
 //! near its baseline after the drain ("nothing left after the drain") is printed with its
@@ -462,7 +462,7 @@ fn flood(c: &mut Criterion) {
 // Summary
 // ---------------------------------------------------------------------------------------------
 
-/// ≤ 1 KiB per waiting job (issue 11, point 6).
+/// ≤ 1 KiB per waiting job.
 const TARGET_BYTES_PER_JOB: f64 = 1024.0;
 
 fn summary(_c: &mut Criterion) {

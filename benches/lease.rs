@@ -4,13 +4,13 @@
 //! - `tokio_semaphore`: a tokio `Semaphore` permit acquired and dropped;
 //! - `mpsc_oneshot`: a tokio mpsc + oneshot round trip to a task;
 //! - `ractor_call`: one raw ractor `call` to an actor that answers at once: the target's floor,
-//!   acquire + release ≤ 2.2× of it (issue 11);
+//!   acquire + release ≤ 2.2× of it;
 //! - `ractor_call_x2`: two raw calls in a row, context (acquire and release are each a message
 //!   to the supervisor actor).
 //! - `leasehold_console_sse` (feature `console`): the same acquire + release on a supervisor
 //!   whose web console runs with one browser-like client reading its event stream (from its
 //!   own thread, as a browser would be its own process): the console's cost, target within
-//!   5 % of `leasehold` (issue 23). The console and its client exist only while it is
+//!   5 % of `leasehold`. The console and its client exist only while it is
 //!   measured, so the other figures are taken without them.
 //!
 //! criterion ids are `lease_round_trip/<function>/slots=8`. The last "benchmark", `summary`,
@@ -32,9 +32,9 @@ use floor::{
 const GROUP: &str = "lease_round_trip";
 const SAMPLES: usize = 30;
 const PARAM: &str = "slots=8";
-/// acquire + release ≤ 2.2× one raw ractor call (issue 11, point 6).
+/// acquire + release ≤ 2.2× one raw ractor call.
 const TARGET_ONE_CALL: f64 = 2.2;
-/// With the web console and one event-stream client, within 5 % of without (issue 23).
+/// With the web console and one event-stream client, within 5 % of without.
 const TARGET_CONSOLE: f64 = 1.05;
 
 fn lease_round_trip(c: &mut Criterion) {

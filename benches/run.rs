@@ -3,7 +3,7 @@
 //! makes its temp dirs in the same work root, on tmpfs when the machine has one
 //! (`floor::scratch_dir`):
 //!
-//! - `leasehold_run` / `hand_written_ractor_noop` (issue 22: ≤ 2.0×): `run` with a no-op body
+//! - `leasehold_run` / `hand_written_ractor_noop` (≤ 2.0×): `run` with a no-op body
 //!   that never asks for its temp dir, against a tokio `Semaphore` permit and a fresh ractor
 //!   actor per job that runs the body in its `post_start` and stops itself, joined;
 //! - `leasehold_run_file` / `hand_written_ractor_file` (≤ 1.5×): a body that writes one file in
@@ -47,7 +47,7 @@ const RACTOR_FILE: &str = "hand_written_ractor_file";
 const TASK: &str = "hand_written_task";
 const ACTOR_JOB: &str = "leasehold_spawn_job";
 
-/// Targets (issue 22).
+/// Targets.
 const NOOP_TARGET: f64 = 2.0;
 const FILE_TARGET: f64 = 1.5;
 const ACTOR_JOB_TARGET: f64 = 1.2;

@@ -1,4 +1,4 @@
-//! What the supervisor owes an `EtcdBroker` (issue 24), through the supervisor only: acquires
+//! What the supervisor owes an `EtcdBroker`, through the supervisor only: acquires
 //! whose futures are dropped leave the etcd queue at once (behaviour 8), and a process that
 //! calls `shutdown()` and returns from `main` leaves no session lease and no key in etcd,
 //! because `shutdown` awaits `SlotBroker::close` under the cleanup timeout.
