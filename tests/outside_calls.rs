@@ -495,17 +495,8 @@ async fn a_temp_dir_that_was_never_made_is_never_removed_and_the_run_keeps_its_r
 #[tokio::test]
 async fn a_reclaim_lists_a_slot_whose_temp_dir_still_cannot_be_removed_as_still_quarantined() {
     let (sup, _root) = common::pool(1).await;
-    let (dir_tx, dir_rx) = tokio::sync::oneshot::channel();
-    let err = sup
-        .run(JobSpec::new("unremovable").unwrap(), |ctx| async move {
-            // A regular file where the temp dir was: removing a directory there fails.
-            let _ = dir_tx.send(common::clobber_temp_dir(&ctx)?);
-            Ok::<_, std::io::Error>(())
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), "LEASE_CLEANUP_UNCONFIRMED");
-    let path = dir_rx.await.unwrap();
+    // A regular file where the temp dir was: removing a directory there fails.
+    let path = common::quarantine_by_clobbering(&sup, "unremovable").await;
     for _ in 0..3 {
         // The retried removal fails again: the slot is not reported reclaimed.
         let report = guarded("a reclaim", sup.reclaim_quarantined())

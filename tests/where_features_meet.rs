@@ -478,16 +478,7 @@ async fn a_desk_lease_is_named_in_the_table_and_told_when_shutdown_revokes_it() 
 #[tokio::test]
 async fn a_quarantined_slot_stays_in_the_lease_table_after_shutdown() {
     let (sup, _root) = pool(1).await;
-    let (dir_tx, dir_rx) = oneshot::channel();
-    let err = sup
-        .run(JobSpec::new("clobbered").unwrap(), |ctx| async move {
-            let _ = dir_tx.send(common::clobber_temp_dir(&ctx)?);
-            Ok::<_, std::io::Error>(())
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), "LEASE_CLEANUP_UNCONFIRMED");
-    let path = dir_rx.await.unwrap();
+    let path = common::quarantine_by_clobbering(&sup, "clobbered").await;
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.quarantined, 1);
     let table = sup.leases();

@@ -427,3 +427,19 @@ pub fn clobber_temp_dir(ctx: &leasehold::WorkerContext) -> std::io::Result<std::
     std::fs::write(&dir, b"not a directory")?;
     Ok(dir)
 }
+
+/// Runs job `id`, which replaces its temp dir by a regular file: the removal fails, the job
+/// ends `LEASE_CLEANUP_UNCONFIRMED` and its slot is quarantined. Returns the file's path (remove
+/// it to make the dir removable again).
+pub async fn quarantine_by_clobbering(sup: &leasehold::Supervisor, id: &str) -> std::path::PathBuf {
+    let (dir_tx, dir_rx) = tokio::sync::oneshot::channel();
+    let err = sup
+        .run(leasehold::JobSpec::new(id).unwrap(), |ctx| async move {
+            let _ = dir_tx.send(clobber_temp_dir(&ctx)?);
+            Ok::<_, std::io::Error>(())
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "LEASE_CLEANUP_UNCONFIRMED", "{err}");
+    dir_rx.await.unwrap()
+}
