@@ -89,8 +89,15 @@ impl PoolWorld {
             self.trace.push(format!("  -> {effect:?}"));
             match effect {
                 Effect::Acquire { request, .. } => {
-                    let result = self.broker.take();
-                    ensure!(result.is_ok(), "the core asked the pool past its capacity");
+                    // Now and then the broker's call panics before it takes anything (the shell
+                    // catches it and reports a failed acquire).
+                    let result = if self.rng.chance(3) {
+                        Err(BrokerError::panicked("the pool's acquire panicked"))
+                    } else {
+                        let taken = self.broker.take();
+                        ensure!(taken.is_ok(), "the core asked the pool past its capacity");
+                        taken
+                    };
                     self.input(Input::Acquired { request, result });
                 }
                 Effect::ResizePool { slots } => {
@@ -159,10 +166,15 @@ impl PoolWorld {
                     self.broker.give(token).map_err(|e| {
                         format!("released {token}, which the pool does not hold: {e}")
                     })?;
-                    self.input(Input::Released {
-                        key,
-                        result: Ok(()),
-                    });
+                    // Now and then the release panics after it took effect (the shell catches
+                    // it: a failed release, the slot given back all the same).
+                    let result = if self.rng.chance(3) {
+                        let e = BrokerError::panicked("the pool's release panicked");
+                        Err(crate::error::CleanupError::broker(token, e))
+                    } else {
+                        Ok(())
+                    };
+                    self.input(Input::Released { key, result });
                 }
                 Effect::Forget { key } => {
                     self.leases.remove(&key);
