@@ -4,18 +4,19 @@
 //! returns, in order. It keeps only what the core cannot hold (reply channels, bodies, task
 //! handles, the process evidence to re-check, job ids) and decides nothing: it never reads the
 //! core's state to choose what to do (`tests/architecture.rs` checks that no file of the shell
-//! does). It never awaits a broker, the file system or a GPU inside its mailbox: a broker
-//! future gets one inline poll (the in-process broker is called directly) and otherwise runs
-//! in a task that reports back by message; temp dirs are made by the worker and removed by a
-//! task of their own when the core asks; GPU fences run in the driver and the devices are
-//! closed on a thread of their own. The one await in a handler is a worker actor's spawn,
-//! which returns once its `pre_start` (a move of its arguments) is done.
+//! does). Its turn awaits nothing: every call into code leasehold did not write goes through
+//! `crate::outside` (a broker future gets one inline poll under `catch_unwind`, the in-process
+//! broker is called directly, and otherwise it runs in a caught, bounded task that reports
+//! back by message); temp dirs are made by the worker and removed by a task of their own when
+//! the core asks; GPU fences run in the driver and the devices are closed on a thread of their
+//! own; a job's driver task spawns its worker.
 //!
 //! This file is the shell itself: the actor's handlers, each message turned into an input, and
-//! the dispatch of each effect. The effects that reach outside live beside it, one concern each:
-//! [`brokerage`] (broker acquires, releases and renewals), [`jobs`] (a worker's start, the
-//! driver that reports its physical end, temp dir removal) and [`ending`] (shutdown's timers,
-//! the GPU close, the report, what is dropped at the end).
+//! the dispatch of each effect. Its state lives in rooms ([`rooms`]), and the effects that reach
+//! outside live beside it, one concern each: [`brokerage`] (broker acquires, releases and
+//! renewals), [`jobs`] (a worker's start, the driver that reports its physical end, temp dir
+//! removal) and [`ending`] (shutdown's timers, the GPU and broker close, the report, what is
+//! dropped at the end).
 
 use std::mem;
 use std::path::PathBuf;

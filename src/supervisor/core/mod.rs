@@ -20,10 +20,11 @@
 //! # A lease's life
 //!
 //! Each lease carries what is still owed before its slots may be reused (the crate's
-//! DESIGN.md, section 2): the worker's physical end (its task joined, its supervision event
-//! handled, every tracked task and blocking closure joined, every process group proven empty,
-//! every GPU submission completed); then its temp dir removed, started only once every proof
-//! above is in; then the broker release, started only once nothing else is owed.
+//! DESIGN.md, section 2): the worker's physical end (its task joined, every tracked task and
+//! blocking closure joined, every process group proven empty, every GPU submission completed);
+//! then its temp dir removed, started by the core alone only once every proof above is in (the
+//! job's driver only says whether the job asked for one); then the broker release, started
+//! only once nothing else is owed.
 //!
 //! A proof that is not in within its bound does not hold the caller: the lease is
 //! *quarantined* with a [`Reason`] attached to that proof, the caller hears
