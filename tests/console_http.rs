@@ -1134,3 +1134,160 @@ async fn the_last_outcomes_show_recorded_codes_and_observed_job_ends() {
     assert_eq!(rows[0]["job_id"], "gated");
     farm.stop().await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Slow and idle clients
+// ---------------------------------------------------------------------------------------------
+
+/// Opens `n` connections that each send an unfinished header line and then nothing.
+async fn slow_clients(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+    let mut clients = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        // A connection the console closed already (beyond its cap) may refuse the write.
+        let _ = stream
+            .write_all(b"GET /api/snapshot HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a")
+            .await;
+        clients.push(stream);
+    }
+    clients
+}
+
+/// Waits until the snapshot is served again: the console closes a request at once while its
+/// places are still held by connections it has not seen end yet.
+async fn snapshot_answers(addr: SocketAddr) {
+    let raw = format!("GET /api/snapshot HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let mut stream = TcpStream::connect(addr).await.unwrap();
+            let mut reply = Vec::new();
+            if stream.write_all(raw.as_bytes()).await.is_ok()
+                && stream.read_to_end(&mut reply).await.is_ok()
+                && reply.starts_with(b"HTTP/1.1 200")
+            {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the snapshot is served again");
+}
+
+/// Whether the console closed the connection (end of stream or a reset) within `bound`.
+async fn closed_within(mut stream: TcpStream, bound: Duration) -> bool {
+    let mut buf = [0u8; 512];
+    tokio::time::timeout(bound, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                // Whatever the console answers (nothing is expected), keep reading to the end.
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_cap_are_closed_at_once() {
+    let sup = Supervisor::builder().slots(1).start().await.unwrap();
+    let console = Console::builder(sup.clone())
+        .max_connections(4)
+        // Long enough that nothing here is closed by it.
+        .header_read_timeout(Duration::from_secs(600))
+        .start()
+        .await
+        .unwrap();
+    let addr = console.local_addr();
+    let mut clients = slow_clients(addr, 12).await;
+    let beyond = clients.split_off(4);
+    for stream in beyond {
+        assert!(
+            closed_within(stream, WAIT).await,
+            "a connection beyond the cap was left open"
+        );
+    }
+    // The first four hold the console's places; once they go, it answers again.
+    drop(clients);
+    snapshot_answers(addr).await;
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
+}
+
+/// A flood of slow clients (each sends an unfinished header line, then nothing) costs the
+/// console its own connections only: those beyond the cap are closed at once, the others when
+/// their headers have not arrived within the header-read timeout; jobs that make files all
+/// along never lack a descriptor, and the snapshot answers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_slow_clients_is_closed_by_the_console_and_costs_jobs_no_file_descriptor() {
+    // A common default: 1 024 descriptors for the whole process. The 600 slow clients below
+    // hold 600 of them here; a console that held a socket for each of them too would leave
+    // the jobs none.
+    let limit = FdLimit::set(1024);
+    let (sup, _root) = common::pool(2).await;
+    let console = Console::builder(sup.clone())
+        .max_connections(32)
+        .header_read_timeout(Duration::from_secs(1))
+        .start()
+        .await
+        .unwrap();
+    let addr = console.local_addr();
+    let clients = slow_clients(addr, 600).await;
+    // Jobs that each open files in their temp dirs while the flood lasts.
+    for n in 0..20 {
+        let written = sup
+            .run(
+                JobSpec::new(format!("during-the-flood-{n}")).unwrap(),
+                |ctx| async move {
+                    std::fs::write(ctx.temp_dir().join("frame.bin"), [0u8; 64])?;
+                    Ok::<_, std::io::Error>(())
+                },
+            )
+            .await;
+        written.unwrap_or_else(|e| panic!("a job failed during the flood: {e}"));
+    }
+    let closing: Vec<_> = clients
+        .into_iter()
+        .map(|s| tokio::spawn(closed_within(s, Duration::from_secs(30))))
+        .collect();
+    let mut closed = 0;
+    for c in closing {
+        closed += usize::from(c.await.unwrap());
+    }
+    assert!(
+        closed * 10 >= 600 * 9,
+        "only {closed} of 600 slow clients closed by the console"
+    );
+    snapshot_answers(addr).await;
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
+    drop(limit);
+}
+
+/// The process's soft limit on open file descriptors, lowered for a test and put back after.
+struct FdLimit(rustix::process::Rlimit);
+
+impl FdLimit {
+    fn set(soft: u64) -> Self {
+        use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+        let old = getrlimit(Resource::Nofile);
+        let new = Rlimit {
+            current: Some(old.maximum.map_or(soft, |hard| hard.min(soft))),
+            maximum: old.maximum,
+        };
+        setrlimit(Resource::Nofile, new).expect("the soft limit can be lowered");
+        Self(old)
+    }
+}
+
+impl Drop for FdLimit {
+    fn drop(&mut self) {
+        let old = rustix::process::Rlimit {
+            current: self.0.current,
+            maximum: self.0.maximum,
+        };
+        let _ = rustix::process::setrlimit(rustix::process::Resource::Nofile, old);
+    }
+}

@@ -90,6 +90,7 @@ mod json;
 mod outcomes;
 mod router;
 mod sampler;
+mod server;
 mod timeline;
 
 use std::fmt;
@@ -139,6 +140,17 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// `CONSOLE_TOO_MANY_STREAMS`.
 pub const MAX_STREAMS: usize = 16;
 
+/// How many connections the console serves at once unless
+/// [`ConsoleBuilder::max_connections`] says otherwise: one more is closed at once. The console
+/// holds at most this many sockets (and its listener), well under a common limit of 1 024 file
+/// descriptors, so that a flood of clients never takes the descriptors jobs need.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+
+/// How long a client may take to send a request's headers (and how long a kept-alive
+/// connection may stay idle) unless [`ConsoleBuilder::header_read_timeout`] says otherwise:
+/// then hyper closes the connection.
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The shortest actions token accepted, in bytes.
 pub const MIN_TOKEN_LEN: usize = 16;
 
@@ -164,6 +176,10 @@ impl Console {
             addr: DEFAULT_ADDR,
             token: None,
             allowed_hosts: Vec::new(),
+            limits: server::Limits {
+                max_connections: DEFAULT_MAX_CONNECTIONS,
+                header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            },
         }
     }
 }
@@ -247,9 +263,26 @@ pub struct ConsoleBuilder {
     addr: SocketAddr,
     token: Option<ActionsToken>,
     allowed_hosts: Vec<String>,
+    limits: server::Limits,
 }
 
 impl ConsoleBuilder {
+    /// Serves at most `n` connections at once (at least 1; default
+    /// [`DEFAULT_MAX_CONNECTIONS`]): one more is closed at once, before anything is read. An
+    /// open event stream holds one.
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.limits.max_connections = n.max(1);
+        self
+    }
+
+    /// Closes a connection whose client has not sent a request's headers within `timeout`
+    /// (default [`DEFAULT_HEADER_READ_TIMEOUT`]), and a kept-alive connection idle that long:
+    /// a slow or silent client holds a connection no longer than this.
+    pub fn header_read_timeout(mut self, timeout: Duration) -> Self {
+        self.limits.header_read_timeout = timeout;
+        self
+    }
+
     /// Listens on this address instead of [`DEFAULT_ADDR`] (`127.0.0.1`, a port the operating
     /// system picks). Port 0 picks a free port.
     ///
@@ -315,6 +348,7 @@ impl ConsoleBuilder {
             addr,
             token,
             allowed_hosts,
+            limits,
         } = self;
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -359,11 +393,9 @@ impl ConsoleBuilder {
         ));
         let server = {
             let stop = stop.clone();
-            tokio::spawn(async move {
-                axum::serve(listener, router::router(app))
-                    .with_graceful_shutdown(stop.cancelled_owned())
-                    .await
-            })
+            tokio::spawn(
+                async move { server::serve(listener, router::router(app), limits, stop).await },
+            )
         };
         let url = match local_addr {
             SocketAddr::V4(a) => format!("http://{}:{}/", a.ip(), a.port()),
