@@ -123,7 +123,7 @@ const FLOOD_SLOTS: u32 = 8;
 /// blocks). A leak of even 8 bytes per job would be 800 KB.
 const FLOOD_RESIDUAL_SLACK: isize = 256 * 1024;
 /// Set to 1 to also require that a *live* supervisor's heap is back near its pre-flood baseline
-/// after the drain (today it keeps the capacity of its waiter maps; see BENCHMARKS.md).
+/// after the drain (it gives its maps' memory back once a flood has drained; see BENCHMARKS.md).
 const STRICT_RESIDUAL_ENV: &str = "LEASEHOLD_BENCH_STRICT_RESIDUAL";
 
 /// Times of one flood.
