@@ -10,7 +10,7 @@
 //! | `capacity` | with more jobs than slots, at no point are more tokens granted and not yet released than [`SlotBroker::capacity`] says |
 //! | `one release per token` | every token the broker granted is released exactly once, and nothing it never granted is released |
 //! | `no double grant` | a token's slot is never granted again while that token is outstanding |
-//! | `fencing` | lease ids increase strictly, grant after grant |
+//! | `fencing` | a slot's lease id increases strictly from one holder to the next, so a later holder's token fences off an earlier one's |
 //! | `fifo` | callers queued one after another are served in that order as slots come back |
 //! | `cancel safety` | callers that give up while waiting leak nothing: every slot comes back and a later acquire is served |
 //! | `close` | shutdown closes the broker exactly once, after its last release |
@@ -560,8 +560,11 @@ struct Log {
     granted: HashMap<u32, SlotToken>,
     outstanding: usize,
     most_outstanding: usize,
-    /// Lease ids in the order they were granted.
-    lease_ids: Vec<u64>,
+    /// The lease id each slot was last granted under.
+    last_lease: HashMap<u32, u64>,
+    /// Grants whose lease id did not increase over the slot's previous holder's: (slot,
+    /// previous, new).
+    fencing_breaks: Vec<(u32, u64, u64)>,
     /// Releases per token (of every token granted).
     releases: HashMap<SlotToken, u32>,
     /// Releases of tokens never granted.
@@ -590,9 +593,11 @@ impl Log {
     }
 
     fn fencing(&self) -> Outcome {
-        match self.lease_ids.windows(2).find(|w| w[1] <= w[0]) {
+        match self.fencing_breaks.first() {
             None => Outcome::Passed,
-            Some(w) => Outcome::Failed(format!("lease id {} granted after {}", w[1], w[0])),
+            Some((slot, before, after)) => Outcome::Failed(format!(
+                "slot {slot} granted under lease id {after} after lease id {before}"
+            )),
         }
     }
 }
@@ -620,7 +625,14 @@ impl<B: SlotBroker> SlotBroker for Observed<B> {
             log.outstanding += 1;
         }
         log.most_outstanding = log.most_outstanding.max(log.outstanding);
-        log.lease_ids.push(token.lease_id());
+        // A slot is granted again only after its release (checked above), so the order of its
+        // grants is the order they are seen here, concurrent acquires of other slots aside.
+        if let Some(before) = log.last_lease.insert(token.slot_id(), token.lease_id())
+            && token.lease_id() <= before
+        {
+            log.fencing_breaks
+                .push((token.slot_id(), before, token.lease_id()));
+        }
         log.releases.entry(token).or_insert(0);
         Ok(token)
     }
