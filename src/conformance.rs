@@ -145,9 +145,7 @@ where
                 ran.map_err(|e| format!("a job's task failed: {e}"))?
                     .map_err(|e| format!("a job failed: {e}"))?;
             }
-            bounded("shutdown", sup.shutdown())
-                .await?
-                .map_err(|e| e.to_string())?;
+            answered("shutdown", sup.shutdown()).await?;
             Ok::<_, String>(())
         };
         let ran = run.await;
@@ -196,9 +194,7 @@ where
             let mut order = Vec::new();
             for _ in 0..3 {
                 let mut lease = held.pop().ok_or("fewer slots than capacity")?;
-                bounded("a release", lease.release())
-                    .await?
-                    .map_err(|e| e.to_string())?;
+                answered("a release", lease.release()).await?;
                 order.push(
                     bounded("the next grant", rx.recv())
                         .await?
@@ -216,9 +212,7 @@ where
             for mut lease in held {
                 let _ = lease.release().await;
             }
-            bounded("shutdown", sup.shutdown())
-                .await?
-                .map_err(|e| e.to_string())?;
+            answered("shutdown", sup.shutdown()).await?;
             let expected: Vec<usize> = (0..order.len()).collect();
             if order != expected {
                 return Err(format!(
@@ -260,27 +254,17 @@ where
             });
             until("a job to queue", || sup.stats().waiting == 1).await?;
             cancel.cancel();
-            let ran = bounded("the cancelled job", run)
-                .await?
-                .map_err(|e| e.to_string())?;
+            let ran = answered("the cancelled job", run).await?;
             if !matches!(&ran, Err(e) if e.code() == "LEASE_ACQUIRE_CANCELLED") {
                 return Err(format!("a job cancelled while waiting ended {ran:?}"));
             }
             until("both callers to leave", || sup.stats().waiting == 0).await?;
             for mut lease in held {
-                bounded("a release", lease.release())
-                    .await?
-                    .map_err(|e| e.to_string())?;
+                answered("a release", lease.release()).await?;
             }
-            let mut again = bounded("an acquire after the cancellations", sup.acquire())
-                .await?
-                .map_err(|e| e.to_string())?;
-            bounded("its release", again.release())
-                .await?
-                .map_err(|e| e.to_string())?;
-            bounded("shutdown", sup.shutdown())
-                .await?
-                .map_err(|e| e.to_string())?;
+            let mut again = answered("an acquire after the cancellations", sup.acquire()).await?;
+            answered("its release", again.release()).await?;
+            answered("shutdown", sup.shutdown()).await?;
             let log = broker.log();
             if log.outstanding != 0 {
                 return Err(format!(
@@ -299,12 +283,8 @@ where
         let check = async {
             let sup = start(&broker).await?;
             // A lease left for the shutdown to release.
-            let _lease = bounded("an acquire", sup.acquire())
-                .await?
-                .map_err(|e| e.to_string())?;
-            let report = bounded("shutdown", sup.shutdown())
-                .await?
-                .map_err(|e| e.to_string())?;
+            let _lease = answered("an acquire", sup.acquire()).await?;
+            let report = answered("shutdown", sup.shutdown()).await?;
             if let Some(e) = report.broker_close_failed {
                 return Err(format!("the broker's close failed: {e}"));
             }
@@ -331,18 +311,14 @@ where
         };
         let check = async {
             let sup = start(&broker).await?;
-            let mut lease = bounded("an acquire", sup.acquire())
-                .await?
-                .map_err(|e| e.to_string())?;
+            let mut lease = answered("an acquire", sup.acquire()).await?;
             let token = lease.token().map_err(|e| e.to_string())?;
             lose(&broker.0.broker, token);
             let ended = bounded("the lease to end under its holder", lease.lost()).await;
             restore(&broker.0.broker);
             ended?;
             let _ = bounded("its release", lease.release()).await?;
-            bounded("shutdown", sup.shutdown())
-                .await?
-                .map_err(|e| e.to_string())?;
+            answered("shutdown", sup.shutdown()).await?;
             broker.log().releases_once().into_result()
         };
         check.await.into()
@@ -361,12 +337,11 @@ where
                     "a release of {foreign}, never granted, was accepted"
                 ));
             }
-            let token = bounded(
+            let token = answered(
                 "an acquire",
                 broker.acquire(AcquireRequest::new(1, Some("conformance"))),
             )
-            .await?
-            .map_err(|e| e.to_string())?;
+            .await?;
             bounded("a release", broker.release(token))
                 .await?
                 .map_err(|e| format!("the first release of {token} failed: {e}"))?;
@@ -504,6 +479,14 @@ impl From<Result<(), String>> for Outcome {
     }
 }
 
+/// [`bounded`] for a call that answers with a `Result`: its error too becomes the failure.
+async fn answered<T, E: fmt::Display>(
+    what: &str,
+    fut: impl Future<Output = Result<T, E>>,
+) -> Result<T, String> {
+    bounded(what, fut).await?.map_err(|e| e.to_string())
+}
+
 async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> Result<T, String> {
     tokio::time::timeout(STEP, fut)
         .await
@@ -531,11 +514,7 @@ async fn start<B: SlotBroker>(broker: &Observed<B>) -> Result<Supervisor, String
 async fn hold_all(sup: &Supervisor, n: u32) -> Result<Vec<Lease>, String> {
     let mut held = Vec::new();
     for _ in 0..n {
-        held.push(
-            bounded("an acquire", sup.acquire())
-                .await?
-                .map_err(|e| e.to_string())?,
-        );
+        held.push(answered("an acquire", sup.acquire()).await?);
     }
     Ok(held)
 }
