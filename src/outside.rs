@@ -70,22 +70,22 @@ pub(crate) enum First<T> {
 /// the real waker: a well-behaved future re-registers on every poll, so the no-op waker of this
 /// first poll is never relied upon.
 pub(crate) fn first_poll<T>(make: impl FnOnce() -> BoxFuture<'static, T>) -> First<T> {
-    let polled = catch_unwind(AssertUnwindSafe(|| {
+    let polled = call(|| {
         let mut fut = make();
         match poll_once(&mut fut) {
             Poll::Ready(value) => Ok(value),
             Poll::Pending => Err(fut),
         }
-    }));
+    });
     match polled {
         Ok(Ok(value)) => First::Ended(Outcome::Done(value)),
         Ok(Err(fut)) => First::Pending(fut),
-        Err(payload) => First::Ended(Outcome::Panicked(panic_message(&*payload))),
+        Err(panic) => First::Ended(Outcome::Panicked(panic)),
     }
 }
 
 /// Polls `fut` once with a no-op waker (no catching: see [`first_poll`]).
-pub(crate) fn poll_once<T>(fut: &mut Pin<Box<dyn Future<Output = T> + Send>>) -> Poll<T> {
+fn poll_once<T>(fut: &mut Pin<Box<dyn Future<Output = T> + Send>>) -> Poll<T> {
     let mut cx = Context::from_waker(Waker::noop());
     fut.as_mut().poll(&mut cx)
 }
@@ -119,36 +119,31 @@ where
 {
     crate::counters::task();
     tokio::spawn(async move {
-        match catch_unwind(AssertUnwindSafe(make)) {
+        match call(make) {
             Ok(fut) => run(fut, bound, report).await,
-            Err(payload) => report(Outcome::Panicked(panic_message(&*payload))),
+            Err(panic) => report(Outcome::Panicked(panic)),
         }
     })
     .abort_handle()
 }
 
-/// [`finish`] as a future of the caller's (a driver awaiting its job's cleanup calls).
-pub(crate) async fn bounded<F: Future>(fut: F, bound: Option<Duration>) -> Outcome<F::Output> {
-    let caught = AssertUnwindSafe(async move {
-        match bound {
-            Some(bound) => tokio::time::timeout(bound, fut).await.map_err(|_| bound),
-            None => Ok(fut.await),
-        }
-    })
-    .catch_unwind()
-    .await;
-    match caught {
-        Ok(Ok(value)) => Outcome::Done(value),
-        Ok(Err(bound)) => Outcome::TimedOut(bound),
-        Err(payload) => Outcome::Panicked(panic_message(&*payload)),
-    }
-}
-
+/// Runs `fut` under `bound` (none: to its end), its panic caught, and hands the outcome to
+/// `report`.
 async fn run<T, R>(fut: BoxFuture<'static, T>, bound: Option<Duration>, report: R)
 where
     R: FnOnce(Outcome<T>),
 {
-    report(bounded(fut, bound).await);
+    let bounded = caught(async move {
+        match bound {
+            Some(bound) => tokio::time::timeout(bound, fut).await.map_err(|_| bound),
+            None => Ok(fut.await),
+        }
+    });
+    report(match bounded.await {
+        Ok(Ok(value)) => Outcome::Done(value),
+        Ok(Err(bound)) => Outcome::TimedOut(bound),
+        Err(panic) => Outcome::Panicked(panic),
+    });
 }
 
 /// `fut` with its panic caught: `Err` carries the panic's message. For a call that is awaited
@@ -159,12 +154,10 @@ pub(crate) fn caught<F: Future>(fut: F) -> impl Future<Output = Result<F::Output
         .map(|result| result.map_err(|payload| panic_message(&*payload)))
 }
 
-/// Calls a user's synchronous callback (the error sink, a hook), catching its panic.
-pub(crate) fn call<T>(f: impl FnOnce() -> T) -> Outcome<T> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(value) => Outcome::Done(value),
-        Err(payload) => Outcome::Panicked(panic_message(&*payload)),
-    }
+/// Calls code leasehold did not write synchronously (the error sink, a hook, a GPU backend
+/// call, a host building its future), catching its panic: `Err` carries the panic's message.
+pub(crate) fn call<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    catch_unwind(AssertUnwindSafe(f)).map_err(|payload| panic_message(&*payload))
 }
 
 /// A panic's message, when it carries one (`panic!` with a literal or a format string).
@@ -237,7 +230,12 @@ mod tests {
             let _guard = PanicOnDrop;
             std::future::pending::<()>().await;
         };
-        let outcome = bounded(fut, Some(Duration::from_millis(1))).await;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        run(Box::pin(fut), Some(Duration::from_millis(1)), move |o| {
+            let _ = tx.send(o);
+        })
+        .await;
+        let outcome = rx.await.unwrap();
         assert!(
             matches!(&outcome, Outcome::Panicked(m) if m == "in drop"),
             "{outcome:?}"

@@ -51,7 +51,7 @@ pub(crate) fn report_orphaned(
             token,
             error,
         };
-        if let crate::outside::Outcome::Panicked(panic) = crate::outside::call(|| sink(&failure)) {
+        if let Err(panic) = crate::outside::call(|| sink(&failure)) {
             tracing::error!(%panic, "the error sink panicked");
         }
     }

@@ -60,16 +60,13 @@ impl Guard {
         f: impl FnOnce() -> T,
     ) -> Result<T, String> {
         // Through leasehold's one way of calling code it did not write.
-        match crate::outside::call(|| {
+        crate::outside::call(|| {
             if let Some(hook) = &self.hook {
                 hook(call, device, sub);
             }
             f()
-        }) {
-            crate::outside::Outcome::Done(value) => Ok(value),
-            crate::outside::Outcome::Panicked(message) => Err(describe(call, &message)),
-            crate::outside::Outcome::TimedOut(_) => unreachable!("a synchronous call has no bound"),
-        }
+        })
+        .map_err(|message| describe(call, &message))
     }
 
     /// [`run`](Self::run) for an async backend call (enumeration, device requests).

@@ -205,9 +205,9 @@ async fn remove_temp_dir(
     });
 }
 
-/// Removes a job's temp dir under `bound`, for its driver and for the core's own requests:
-/// past the bound `late` hears why (the slot is then quarantined) and the removal is awaited
-/// all the same. A failure is logged, and returned with the detail the slot's reason gives.
+/// Removes a job's temp dir under `bound`, when the core asks: past the bound `late` hears why
+/// (the slot is then quarantined) and the removal is awaited all the same. A failure (a panic
+/// of the host's among them) is logged, and returned with the detail the slot's reason gives.
 async fn removed_within(
     host: &dyn crate::hosts::TempDirHost,
     path: &std::path::Path,
@@ -215,15 +215,11 @@ async fn removed_within(
     bound: Duration,
     late: impl FnOnce(String),
 ) -> Result<(), (String, std::io::Error)> {
+    use crate::outside;
     // Built and awaited with its panic caught: a panic is a removal that failed.
-    let removal = match crate::outside::call(|| host.remove(path.to_path_buf(), made)) {
-        crate::outside::Outcome::Done(removal) => Some(removal),
-        _ => None,
-    };
-    let result = match removal {
-        None => Err(String::from("the temp dir host panicked")),
-        Some(removal) => {
-            let mut removal = std::pin::pin!(crate::outside::caught(removal));
+    let result = match outside::call(|| host.remove(path.to_path_buf(), made)) {
+        Ok(removal) => {
+            let mut removal = std::pin::pin!(outside::caught(removal));
             match tokio::time::timeout(bound, &mut removal).await {
                 Ok(result) => result,
                 Err(_) => {
@@ -232,6 +228,7 @@ async fn removed_within(
                 }
             }
         }
+        Err(panic) => Err(panic),
     };
     let result = result.unwrap_or_else(|panic| {
         Err(std::io::Error::other(format!(
