@@ -4,8 +4,8 @@
 //!
 //! `cargo run --release --example frame_loop`
 //!
-//! With `--console` (feature `console`: `cargo run --release --features console --example
-//! frame_loop -- --console`) it also serves leasehold's live web console on 127.0.0.1
+//! With `--console` (built by leasehold-console: `cargo run --release -p leasehold-console
+//! --example frame_loop_console -- --console`) it also serves leasehold's live web console on 127.0.0.1
 //! (`--console=ADDR` for another address, which exposes it to whoever can reach it), prints its
 //! URL and an actions token, records every bake's outcome there, and keeps serving after the
 //! loop until Enter is pressed.
@@ -71,11 +71,11 @@ fn console_arg() -> Result<Option<std::net::SocketAddr>, Box<dyn std::error::Err
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let console_addr = console_arg()?;
-    #[cfg(not(feature = "console"))]
+    #[cfg(not(leasehold_console))]
     if console_addr.is_some() {
         return Err(
-            "--console needs leasehold's `console` feature: cargo run --release \
-                    --features console --example frame_loop -- --console"
+            "--console needs the web console, which leasehold-console builds in: cargo run \
+                    --release -p leasehold-console --example frame_loop_console -- --console"
                 .into(),
         );
     }
@@ -85,12 +85,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build()?;
     let sup = rt.block_on(Supervisor::builder().slots(2).start())?;
     // The web console, on the supervisor's runtime: the loop itself never awaits it.
-    #[cfg(feature = "console")]
+    #[cfg(leasehold_console)]
     let console = match console_addr {
         Some(addr) => {
-            let token = leasehold::console::ActionsToken::random()?;
+            let token = leasehold_console::ActionsToken::random()?;
             let console = rt.block_on(
-                leasehold::console::Console::builder(sup.clone())
+                leasehold_console::Console::builder(sup.clone())
                     .bind(addr)
                     .actions(token.clone())
                     .start(),
@@ -104,11 +104,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         None => None,
     };
-    #[cfg(feature = "console")]
+    #[cfg(leasehold_console)]
     let outcomes = console.as_ref().map(|c| c.outcomes());
     // Each finished bake's outcome, for the console's list (a no-op without it).
     let record = |_job: &str, _result: &Result<u64, leasehold::JobError<std::io::Error>>| {
-        #[cfg(feature = "console")]
+        #[cfg(leasehold_console)]
         if let Some(outcomes) = &outcomes {
             outcomes.record(_job, _result);
         }
@@ -245,7 +245,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         version,
         "every bake ended one way or the other"
     );
-    #[cfg(feature = "console")]
+    #[cfg(leasehold_console)]
     if let Some(console) = console {
         println!(
             "console: still serving at {}; press Enter to stop",

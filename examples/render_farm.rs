@@ -12,13 +12,13 @@
 //! cargo run --release --example render_farm
 //! cargo run --release --example render_farm -- --jobs 24 --slots 3 --size 640x480
 //! cargo run --release --example render_farm -- --help
-//! cargo run --release --features console --example render_farm -- --console
+//! cargo run --release -p leasehold-console --example render_farm_console -- --console
 //! ```
 //!
 //! Writes `out/render_farm/frames/*.png`, `out/render_farm/trace.json` (open it in
 //! <https://ui.perfetto.dev> or `chrome://tracing`) and `out/render_farm/timeline.png`.
 //!
-//! With `--console` (feature `console`) it also serves leasehold's live web console on
+//! With `--console` (built by leasehold-console, as above) it also serves leasehold's live web console on
 //! 127.0.0.1 (or the address given: `--console 0.0.0.0:8080`, which exposes it to the network),
 //! prints its URL and an actions token, records every job's outcome there, and keeps serving
 //! after the run until Enter is pressed.
@@ -27,25 +27,25 @@
 //! (Debian package `mesa-vulkan-drivers`) or llvmpipe through EGL for GL (`libegl-mesa0`,
 //! `libgl1-mesa-dri`).
 
-#[cfg(feature = "gpu")]
+#[cfg(any(feature = "gpu", leasehold_console))]
 #[path = "render_farm/farm.rs"]
 mod farm;
-#[cfg(feature = "gpu")]
+#[cfg(any(feature = "gpu", leasehold_console))]
 #[path = "render_farm/render.rs"]
 mod render;
-#[cfg(feature = "gpu")]
+#[cfg(any(feature = "gpu", leasehold_console))]
 #[path = "render_farm/report.rs"]
 mod report;
-#[cfg(feature = "gpu")]
+#[cfg(any(feature = "gpu", leasehold_console))]
 #[path = "render_farm/scene.rs"]
 mod scene;
 
-#[cfg(not(feature = "gpu"))]
+#[cfg(not(any(feature = "gpu", leasehold_console)))]
 fn main() {
     eprintln!("render_farm needs leasehold's `gpu` feature (on by default)");
 }
 
-#[cfg(feature = "gpu")]
+#[cfg(any(feature = "gpu", leasehold_console))]
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     use clap::Parser;
@@ -58,8 +58,15 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-#[cfg(feature = "gpu")]
+#[cfg(any(feature = "gpu", leasehold_console))]
 mod app {
+    /// The scene files of the repository's `examples/scenes` (leasehold-console builds this demo
+    /// from its own directory, `console/`).
+    #[cfg(not(leasehold_console))]
+    const SCENES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/scenes");
+    #[cfg(leasehold_console)]
+    const SCENES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/scenes");
+
     use std::collections::HashMap;
     use std::fmt;
     use std::io::IsTerminal;
@@ -109,9 +116,9 @@ mod app {
         #[arg(long)]
         seed: Option<u64>,
         /// Where the scene files are
-        #[arg(long, value_name = "DIR", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/scenes"))]
+        #[arg(long, value_name = "DIR", default_value = SCENES)]
         scenes: PathBuf,
-        /// Serve the live web console (needs `--features console`) on 127.0.0.1, or on ADDR
+        /// Serve the live web console (in the `render_farm_console` build) on 127.0.0.1, or on ADDR
         /// (another address exposes it to whoever can reach it); it keeps serving after the
         /// run until Enter is pressed
         #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:0")]
@@ -417,11 +424,11 @@ mod app {
         if args.slots == 0 {
             return Err("--slots must be at least 1".into());
         }
-        #[cfg(not(feature = "console"))]
+        #[cfg(not(leasehold_console))]
         if args.console.is_some() {
             return Err(
-                "--console needs leasehold's `console` feature: cargo run --release \
-                        --features console --example render_farm -- --console"
+                "--console needs the web console, which leasehold-console builds in: cargo run \
+                        --release -p leasehold-console --example render_farm_console -- --console"
                     .into(),
             );
         }
@@ -510,12 +517,12 @@ mod app {
         };
         let progress = farm.progress();
         // The live web console: started before the jobs so that the page shows the whole run.
-        #[cfg(feature = "console")]
+        #[cfg(leasehold_console)]
         let console = match args.console {
             Some(addr) => Some(web::start(&sup, addr, progress).await?),
             None => None,
         };
-        #[cfg(feature = "console")]
+        #[cfg(leasehold_console)]
         let outcomes = console.as_ref().map(|c| c.outcomes());
         progress.println(format!(
             "render_farm: {} jobs from {}, {} GPU slot(s) on one device, {}x{} frames \
@@ -592,7 +599,7 @@ mod app {
             let gate = plan.after.map(|a| done[a].1.clone());
             let finished = done[index].0.clone();
             let (sup, farm) = (sup.clone(), Arc::clone(&farm));
-            #[cfg(feature = "console")]
+            #[cfg(leasehold_console)]
             let (outcomes, id) = (outcomes.clone(), plan.id.clone());
             jobs.push(Box::pin(async move {
                 if let Some(mut gate) = gate {
@@ -602,7 +609,7 @@ mod app {
                 farm.called(index);
                 let job_farm = Arc::clone(&farm);
                 let result = sup.run(spec, move |ctx| body(ctx, input, job_farm)).await;
-                #[cfg(feature = "console")]
+                #[cfg(leasehold_console)]
                 if let Some(outcomes) = &outcomes {
                     outcomes.record(&id, &result);
                 }
@@ -687,7 +694,7 @@ mod app {
         );
         report::timeline(&timeline_path, &records, t0, args.slots, &title)?;
 
-        #[cfg(feature = "console")]
+        #[cfg(leasehold_console)]
         if let Some(console) = console {
             web::serve_until_enter(console).await?;
         }
@@ -713,13 +720,13 @@ mod app {
         })
     }
 
-    /// The live web console (`--console`, feature `console`).
-    #[cfg(feature = "console")]
+    /// The live web console (`--console`, in the build of leasehold-console).
+    #[cfg(leasehold_console)]
     mod web {
         use std::net::SocketAddr;
 
         use leasehold::Supervisor;
-        use leasehold::console::{ActionsToken, Console, ConsoleHandle};
+        use leasehold_console::{ActionsToken, Console, ConsoleHandle};
 
         use crate::farm::Progress;
 

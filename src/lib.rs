@@ -13,8 +13,6 @@ mod broker;
 #[cfg(feature = "conformance")]
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
-#[cfg(feature = "console")]
-pub mod console;
 mod counters;
 mod desk;
 mod error;
@@ -33,8 +31,6 @@ mod supervisor;
 mod worker;
 
 pub use actor_job::{ActorExit, ActorJobError, CANCEL_STOP_REASON};
-#[cfg(feature = "etcd")]
-pub use broker::etcd::{EtcdBroker, EtcdConfig, EtcdError, EtcdErrorKind};
 pub use broker::{
     AcquireRequest, BrokerError, BrokerErrorKind, BrokerEvent, BrokerEvents, LocalBroker,
     SlotBroker, SlotToken,

@@ -5,8 +5,6 @@
 //! is moved to a task of its own and its result comes back as a message.
 
 mod erased;
-#[cfg(feature = "etcd")]
-pub(crate) mod etcd;
 mod local;
 
 use std::fmt;
@@ -185,7 +183,7 @@ pub trait SlotBroker: Send + Sync + 'static {
     /// lease: a supervisor's [`shutdown`](crate::Supervisor::shutdown) awaits it, under the
     /// cleanup timeout, before it answers (call it yourself on a broker used without a
     /// supervisor). A broker shared by several supervisors closes
-    /// at the last of them: `EtcdBroker` (feature `etcd`) counts the supervisors
+    /// at the last of them: `leasehold_etcd::EtcdBroker` counts the supervisors
     /// [attached](Self::attach) to it, and each close ends one of them. A closed broker may
     /// refuse acquires; closing again answers `Ok` at once. The caller bounds it (the
     /// supervisor by its cleanup timeout): a close cut short leaves the rest to the broker's

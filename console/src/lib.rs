@@ -1,0 +1,542 @@
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    unreachable_pub,
+    rust_2018_idioms
+)]
+#![deny(unused_must_use)]
+//! A live web console of a [leasehold](https://docs.rs/leasehold) supervisor: its slots, leases and their
+//! release pipeline, quarantine, stats and the last outcomes, in a browser, updated ten times a
+//! second; with optional, token-guarded actions (cancel a job, reclaim quarantined slots,
+//! resize the pool).
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use leasehold::Supervisor;
+//! use leasehold_console::{ActionsToken, Console};
+//!
+//! let sup = Supervisor::builder().slots(4).start().await?;
+//! let console = Console::builder(sup.clone())
+//!     .actions(ActionsToken::random()?)   // leave out for a read-only console
+//!     .start()
+//!     .await?;
+//! println!("console: {}", console.url()); // http://127.0.0.1:<port>/
+//! # Ok(()) }
+//! ```
+//!
+//! # What the page shows
+//!
+//! - **Lanes**: one per slot (every slot below the capacity, and any other slot held or seen
+//!   in the last minute). A held slot shows its holder (the job id, or "explicit lease"), the
+//!   lease's phase (`running`, `draining`, `releasing`, `quarantined`), how long it has been
+//!   held, its priority, and what its release still waits for, in pipeline order (the worker,
+//!   tracked tasks, a process group, GPU work, the temp dir, the broker). Colours are those of
+//!   `render_farm`'s `timeline.png`: running steel blue, draining amber, draining while GPU
+//!   work is owed dark orange, the broker release green; quarantined is red.
+//! - **Timeline**: per slot, the last minute, in the same colours.
+//! - **Queue**: how many callers wait for a slot, and each of them in the order it is served:
+//!   its job, class, slots and wait ([`Supervisor::waiters`](leasehold::Supervisor::waiters)).
+//! - **Quarantine**: every quarantined slot with its job and the reason its physical end could
+//!   not be proven.
+//! - **Stats**: the [`Stats`](leasehold::Stats) counters.
+//! - **Last outcomes**: each job end, newest first, with its stable code when the embedder
+//!   reports results through [`Outcomes`]; otherwise as observed (the lease left the table),
+//!   marked "code not reported".
+//! - **Actions** (when turned on): the token field, cancel by job id (also a button on each
+//!   job's lane), reclaim quarantined slots, resize; each answer is shown with its status and
+//!   code.
+//!
+//! # Cost to the supervisor
+//!
+//! The console never slows the supervisor's mailbox: one sampler per console (whatever the
+//! number of browsers) reads [`Supervisor::leases`](leasehold::Supervisor::leases) and
+//! [`Supervisor::stats`](leasehold::Supervisor::stats) every [`SAMPLE_INTERVAL`], synchronous
+//! snapshots that send the actor no message, and publishes one JSON frame that every event
+//! stream shares. The two calls that message the actor,
+//! [`Supervisor::quarantined`](leasehold::Supervisor::quarantined) (for the reasons) and
+//! [`Supervisor::waiters`](leasehold::Supervisor::waiters) (for the queue's callers, their classes
+//! and wait times), are made at most once per [`QUARANTINE_POLL_INTERVAL`] each, and only while
+//! `Stats::quarantined` (or `Stats::waiting`) is not zero.
+//! Actions are messages to the actor, like any caller's.
+//!
+//! # Security
+//!
+//! - The console listens on `127.0.0.1` (an ephemeral port) unless the embedder names another
+//!   address with [`ConsoleBuilder::bind`]. **Binding a non-loopback address exposes the page
+//!   and its JSON (job ids, timings, reasons) to everyone who can reach that address, over
+//!   plain HTTP: no TLS, no login.** Put it behind a TLS proxy with its own authentication, or
+//!   keep it on loopback and reach it through an SSH tunnel.
+//! - Every request must name the console by an IP address, `localhost`, or a host name
+//!   allowed with [`ConsoleBuilder::allow_host`] (`Host` header), which defeats DNS
+//!   rebinding.
+//! - Actions are off unless the embedder passes an [`ActionsToken`]. Then each action must be
+//!   a `POST` with `Content-Type: application/json`, carry the token in an
+//!   `Authorization: Bearer` header (never a cookie, so a browser never sends it on its own;
+//!   compared in constant time), come from the console's own page (`Origin` and
+//!   `Sec-Fetch-Site` are checked), and have a body of at most [`MAX_ACTION_BODY`] bytes.
+//!   Anything else is refused with a 4xx and a stable [`codes`] code, and changes nothing.
+//! - The page loads nothing from elsewhere (no CDN; a strict Content-Security-Policy) and
+//!   keeps the token in memory only.
+//!
+//! # HTTP API
+//!
+//! | route | method | answer |
+//! |---|---|---|
+//! | `/` , `/console.js`, `/console.css` | `GET` | the page |
+//! | `/api/snapshot` | `GET` | the latest frame (JSON) |
+//! | `/api/events` | `GET` | server-sent events: one frame per message, ten a second |
+//! | `/api/actions/cancel` | `POST` | `{"job_id": "render-7"}` → `{"ok": true, ..}`; 404 when no such job waits or runs |
+//! | `/api/actions/reclaim` | `POST` | `{}` → the reclaimed and still quarantined slots |
+//! | `/api/actions/resize` | `POST` | `{"slots": 8}` → `{"ok": true, "capacity": 8}` |
+//!
+//! A refusal is `{"error": {"code": "CONSOLE_FORBIDDEN", "message": "..."}}`, with a
+//! `"cause"` holding the supervisor's own code when it is the supervisor that refused.
+
+mod error;
+mod json;
+mod outcomes;
+mod router;
+mod sampler;
+mod server;
+mod timeline;
+
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+pub use error::{ConsoleError, codes};
+pub use outcomes::Outcomes;
+
+use leasehold::Supervisor;
+
+/// The address a console listens on unless [`ConsoleBuilder::bind`] names another:
+/// `127.0.0.1`, on a port the operating system picks ([`ConsoleHandle::url`] says which).
+pub const DEFAULT_ADDR: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
+
+/// How often the console samples the supervisor's snapshots and sends a frame to each open
+/// event stream.
+pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
+
+/// How often, at most, the console asks the supervisor for its quarantined slots (the one
+/// call that sends its actor a message), and only while a slot is quarantined.
+pub const QUARANTINE_POLL_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How far back the per-slot timeline goes.
+pub const TIMELINE_WINDOW: Duration = Duration::from_secs(60);
+
+/// The largest action body accepted, in bytes; a larger one is refused with
+/// `CONSOLE_PAYLOAD_TOO_LARGE`.
+pub const MAX_ACTION_BODY: usize = 4096;
+
+/// How long an action's body may take to arrive; a slower one is refused with
+/// `CONSOLE_REQUEST_TIMEOUT`.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long [`ConsoleHandle::shutdown`] waits for requests in progress before it returns.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// How many event streams may be open at once (one per browser tab); one more is refused with
+/// `CONSOLE_TOO_MANY_STREAMS`.
+pub const MAX_STREAMS: usize = 16;
+
+/// How many connections the console serves at once unless
+/// [`ConsoleBuilder::max_connections`] says otherwise: one more is closed at once. The console
+/// holds at most this many sockets (and its listener), well under a common limit of 1 024 file
+/// descriptors, so that a flood of clients never takes the descriptors jobs need.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+
+/// How long a client may take to send a request's headers (and how long a kept-alive
+/// connection may stay idle) unless [`ConsoleBuilder::header_read_timeout`] says otherwise:
+/// then hyper closes the connection.
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The shortest actions token accepted, in bytes.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+/// The largest capacity the console's resize action sets (a larger one is refused with
+/// `CONSOLE_BAD_REQUEST`; [`Supervisor::resize`] itself takes more).
+pub const MAX_RESIZE_SLOTS: u32 = 4096;
+
+/// The most lanes shown for the slots below the capacity (held slots are always shown).
+const MAX_LANES: usize = 256;
+
+/// The entry point: [`Console::builder`].
+#[derive(Debug)]
+pub struct Console {
+    _priv: (),
+}
+
+impl Console {
+    /// Starts configuring a console of this supervisor. The console keeps a clone of the
+    /// handle while it runs (so the supervisor lives at least as long as its console).
+    pub fn builder(supervisor: Supervisor) -> ConsoleBuilder {
+        ConsoleBuilder {
+            supervisor,
+            addr: DEFAULT_ADDR,
+            token: None,
+            allowed_hosts: Vec::new(),
+            limits: server::Limits {
+                max_connections: DEFAULT_MAX_CONNECTIONS,
+                header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            },
+        }
+    }
+}
+
+/// The secret that turns the console's actions on. Sent by the page in an
+/// `Authorization: Bearer` header and compared in constant time. Its `Debug` never shows it.
+#[derive(Clone)]
+pub struct ActionsToken {
+    secret: Arc<str>,
+}
+
+impl ActionsToken {
+    /// A token of the embedder's choosing: at least [`MIN_TOKEN_LEN`] bytes of printable ASCII
+    /// without spaces (it travels in an HTTP header).
+    ///
+    /// # Errors
+    ///
+    /// [`ConsoleError::InvalidToken`] (`CONSOLE_TOKEN_INVALID`) for a shorter token or one
+    /// with another character.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold_console::ActionsToken;
+    ///
+    /// let token = ActionsToken::new("correct-horse-battery-staple")?;
+    /// assert_eq!(token.expose(), "correct-horse-battery-staple");
+    /// assert_eq!(ActionsToken::new("hunter2").unwrap_err().code(), "CONSOLE_TOKEN_INVALID");
+    /// # Ok::<(), leasehold_console::ConsoleError>(())
+    /// ```
+    pub fn new(secret: impl Into<String>) -> Result<Self, ConsoleError> {
+        let secret: String = secret.into();
+        if secret.len() < MIN_TOKEN_LEN {
+            return Err(ConsoleError::InvalidToken {
+                why: "shorter than 16 bytes",
+            });
+        }
+        if !secret.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(ConsoleError::InvalidToken {
+                why: "only printable ASCII without spaces can travel in a header",
+            });
+        }
+        Ok(Self {
+            secret: Arc::from(secret),
+        })
+    }
+
+    /// A fresh token of 32 random bytes from the operating system (64 hex digits), for an
+    /// embedder that prints it for its user, as the demos do.
+    ///
+    /// # Errors
+    ///
+    /// [`ConsoleError::Random`] (`CONSOLE_RANDOM_FAILED`) when the operating system's random
+    /// source fails.
+    pub fn random() -> Result<Self, ConsoleError> {
+        let mut bytes = [0u8; 32];
+        getrandom::fill(&mut bytes).map_err(|e| ConsoleError::Random {
+            message: e.to_string(),
+        })?;
+        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        Self::new(hex)
+    }
+
+    /// The secret itself, to hand to the user who will paste it into the page.
+    pub fn expose(&self) -> &str {
+        &self.secret
+    }
+}
+
+impl fmt::Debug for ActionsToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ActionsToken(..)")
+    }
+}
+
+/// Configures a console; [`start`](Self::start) serves it.
+#[derive(Debug)]
+#[must_use = "a console builder does nothing until `.start().await`"]
+pub struct ConsoleBuilder {
+    supervisor: Supervisor,
+    addr: SocketAddr,
+    token: Option<ActionsToken>,
+    allowed_hosts: Vec<String>,
+    limits: server::Limits,
+}
+
+impl ConsoleBuilder {
+    /// Serves at most `n` connections at once (at least 1; default
+    /// [`DEFAULT_MAX_CONNECTIONS`]): one more is closed at once, before anything is read. An
+    /// open event stream holds one.
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.limits.max_connections = n.max(1);
+        self
+    }
+
+    /// Closes a connection whose client has not sent a request's headers within `timeout`
+    /// (default [`DEFAULT_HEADER_READ_TIMEOUT`]), and a kept-alive connection idle that long:
+    /// a slow or silent client holds a connection no longer than this.
+    pub fn header_read_timeout(mut self, timeout: Duration) -> Self {
+        self.limits.header_read_timeout = timeout;
+        self
+    }
+
+    /// Listens on this address instead of [`DEFAULT_ADDR`] (`127.0.0.1`, a port the operating
+    /// system picks). Port 0 picks a free port.
+    ///
+    /// **Risk**: an address other than loopback (`0.0.0.0`, a LAN address) serves the page
+    /// and the JSON API, unencrypted and without a login, to everyone who can reach it; with
+    /// actions on, the token is then the only guard on cancel, reclaim and resize, and it
+    /// crosses that network in clear. A `tracing` warning is logged when a non-loopback
+    /// address is bound.
+    pub fn bind(mut self, addr: SocketAddr) -> Self {
+        self.addr = addr;
+        self
+    }
+
+    /// Turns actions on (cancel a job, reclaim quarantined slots, resize), each guarded by
+    /// this token. Without it, every action is refused with `CONSOLE_ACTIONS_DISABLED`.
+    pub fn actions(mut self, token: ActionsToken) -> Self {
+        self.token = Some(token);
+        self
+    }
+
+    /// Also answers requests whose `Host` is this name (any port), say the name of the
+    /// machine behind a proxy. IP addresses and `localhost` are always answered; any other
+    /// name is refused with `CONSOLE_HOST_REFUSED`, which is what keeps a web page that
+    /// rebinds its own domain to the console's address from reading it.
+    pub fn allow_host(mut self, name: impl Into<String>) -> Self {
+        self.allowed_hosts.push(name.into().to_ascii_lowercase());
+        self
+    }
+
+    /// Binds the address and starts serving, on the tokio runtime this is awaited on (start
+    /// it from the supervisor's runtime so that the console shares it): the HTTP server, the
+    /// sampler and the quarantine poller are tasks of that runtime. Answers once the address
+    /// is bound; the first frame follows within [`SAMPLE_INTERVAL`].
+    ///
+    /// # Errors
+    ///
+    /// [`ConsoleError::Bind`] (`CONSOLE_BIND_FAILED`) when the address cannot be bound.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: nothing is spawned before the address is bound, and dropping the future
+    /// before then closes the listener; no task is left behind.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// use leasehold::Supervisor;
+    /// use leasehold_console::Console;
+    ///
+    /// let sup = Supervisor::builder().slots(2).start().await?;
+    /// let console = Console::builder(sup.clone()).start().await?;
+    /// assert!(console.local_addr().ip().is_loopback());
+    /// assert!(console.url().starts_with("http://127.0.0.1:"));
+    /// console.shutdown().await?;
+    /// sup.shutdown().await?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub async fn start(self) -> Result<ConsoleHandle, ConsoleError> {
+        let Self {
+            supervisor,
+            addr,
+            token,
+            allowed_hosts,
+            limits,
+        } = self;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| ConsoleError::Bind { addr, source })?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|source| ConsoleError::Bind { addr, source })?;
+        if !local_addr.ip().is_loopback() {
+            tracing::warn!(
+                addr = %local_addr,
+                "the leasehold console listens on a non-loopback address: anyone who can reach \
+                 it reads the page over plain HTTP"
+            );
+        }
+        let t0 = Instant::now();
+        let stop = CancellationToken::new();
+        let outcomes = Outcomes::new(t0);
+        let reasons: sampler::Reasons = Arc::new(Mutex::new(Default::default()));
+        let waiters: sampler::Waiters = Arc::new(Mutex::new(Vec::new()));
+        let mut first = sampler::Sampler::new(
+            supervisor.clone(),
+            t0,
+            token.is_some(),
+            outcomes.clone(),
+            (Arc::clone(&reasons), Arc::clone(&waiters)),
+        );
+        // The first frame now, so that the snapshot route never serves an empty one.
+        let (frames_tx, frames_rx) = watch::channel(Arc::<str>::from(first.sample()));
+        let app = Arc::new(router::App {
+            sup: supervisor.clone(),
+            frames: frames_rx,
+            token,
+            allowed_hosts,
+            streams: AtomicUsize::new(0),
+            stop: stop.clone(),
+        });
+        let sampler = tokio::spawn(sampler::run(first, frames_tx, stop.clone()));
+        let poller = tokio::spawn(sampler::poll_actor(
+            supervisor,
+            (reasons, waiters),
+            stop.clone(),
+        ));
+        let server = {
+            let stop = stop.clone();
+            tokio::spawn(
+                async move { server::serve(listener, router::router(app), limits, stop).await },
+            )
+        };
+        let url = match local_addr {
+            SocketAddr::V4(a) => format!("http://{}:{}/", a.ip(), a.port()),
+            SocketAddr::V6(a) => format!("http://[{}]:{}/", a.ip(), a.port()),
+        };
+        Ok(ConsoleHandle {
+            addr: local_addr,
+            url,
+            outcomes,
+            stop,
+            tasks: Some(Tasks {
+                server,
+                sampler,
+                poller,
+            }),
+        })
+    }
+}
+
+struct Tasks {
+    server: JoinHandle<std::io::Result<()>>,
+    sampler: JoinHandle<()>,
+    poller: JoinHandle<()>,
+}
+
+/// A running console. Dropping it stops the console (its tasks end on their own, open event
+/// streams end); [`shutdown`](Self::shutdown) also waits for them.
+#[must_use = "dropping the handle stops the console at once"]
+pub struct ConsoleHandle {
+    addr: SocketAddr,
+    url: String,
+    outcomes: Outcomes,
+    stop: CancellationToken,
+    tasks: Option<Tasks>,
+}
+
+impl fmt::Debug for ConsoleHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsoleHandle")
+            .field("url", &self.url)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConsoleHandle {
+    /// The address the console listens on (with the port the operating system picked).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The page's URL, e.g. `http://127.0.0.1:41237/`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The handle that feeds the "last outcomes" list with jobs' stable codes.
+    pub fn outcomes(&self) -> Outcomes {
+        self.outcomes.clone()
+    }
+
+    /// Stops the console: stops accepting connections, ends every event stream, lets requests
+    /// in progress finish, and waits for its tasks. A request still in progress
+    /// [`SHUTDOWN_GRACE`] later (a client that stalls mid-request) is not waited for: its
+    /// connection ends when that client goes away.
+    ///
+    /// # Errors
+    ///
+    /// [`ConsoleError::Server`] (`CONSOLE_SERVER_FAILED`) when the HTTP server had stopped
+    /// with an I/O error.
+    ///
+    /// # Cancel safety
+    ///
+    /// The console is stopped as soon as this is first polled; dropping the future only stops
+    /// the wait for its tasks, which end on their own.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// use leasehold::Supervisor;
+    /// use leasehold_console::Console;
+    ///
+    /// let sup = Supervisor::builder().slots(1).start().await?;
+    /// let console = Console::builder(sup.clone()).start().await?;
+    /// let addr = console.local_addr();
+    /// console.shutdown().await?;
+    /// assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub async fn shutdown(mut self) -> Result<(), ConsoleError> {
+        self.stop.cancel();
+        let Some(tasks) = self.tasks.take() else {
+            return Ok(());
+        };
+        // A task that panicked has nothing left to wait for; its panic was already reported
+        // by the runtime.
+        let _ = tasks.sampler.await;
+        let _ = tasks.poller.await;
+        match tokio::time::timeout(SHUTDOWN_GRACE, tasks.server).await {
+            Ok(Ok(Err(source))) => Err(ConsoleError::Server { source }),
+            Ok(_) => Ok(()),
+            Err(_) => {
+                tracing::warn!(
+                    "the leasehold console stopped with a request still in progress after {:?}",
+                    SHUTDOWN_GRACE
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Drop for ConsoleHandle {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+// Handles are shareable across threads, and the futures of the public async fns are `Send`.
+const _: fn() = || {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>(_: &T) {}
+    send_sync::<ConsoleHandle>();
+    send_sync::<ConsoleBuilder>();
+    send_sync::<ActionsToken>();
+    send_sync::<Outcomes>();
+    let builder: ConsoleBuilder = unreachable_value();
+    send(&builder.start());
+    let handle: ConsoleHandle = unreachable_value();
+    send(&handle.shutdown());
+};
+
+fn unreachable_value<T>() -> T {
+    unreachable!("only used in a never-called type assertion")
+}

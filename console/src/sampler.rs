@@ -1,0 +1,496 @@
+//! The sampler: ten times a second it reads the supervisor's synchronous snapshots
+//! ([`Supervisor::leases`] and [`Supervisor::stats`], neither of which sends the actor a
+//! message), updates the timeline and the observed outcomes, and publishes one JSON frame that
+//! every open event stream and the snapshot route serve as it is. One sampler per console,
+//! whatever the number of browsers.
+//!
+//! The quarantine reasons and the waiting callers are what the snapshots do not carry: a
+//! separate poller asks [`Supervisor::quarantined`] and [`Supervisor::waiters`] (each a message
+//! to the actor) at most once per [`QUARANTINE_POLL_INTERVAL`](super::QUARANTINE_POLL_INTERVAL),
+//! and only while a slot is quarantined, or a caller waits. It runs apart from the sampler so
+//! that a busy actor never delays a frame.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use serde::Serialize;
+use tokio::sync::watch;
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+
+use super::outcomes::{Ended, Outcome, Outcomes};
+use super::timeline::{Held, Segment, Timeline};
+use super::{MAX_LANES, QUARANTINE_POLL_INTERVAL, SAMPLE_INTERVAL, TIMELINE_WINDOW};
+use leasehold::{
+    LeaseInfo, LeaseKind, LeasePhase, Priority, QuarantinedSlot, Stats, Supervisor, WaiterInfo,
+    WaitingFor,
+};
+
+/// The quarantine reasons last heard from the supervisor, by lease id.
+pub(crate) type Reasons = Arc<Mutex<HashMap<u64, QuarantinedSlot>>>;
+
+/// The waiting callers last heard from the supervisor, in the order they are served.
+pub(crate) type Waiters = Arc<Mutex<Vec<WaiterInfo>>>;
+
+/// The label of an explicit lease's lane and timeline segment (its holder has no job id).
+const EXPLICIT: &str = "explicit lease";
+
+/// A lease as the previous sample saw it.
+struct Seen {
+    job_id: Option<Arc<str>>,
+    slot: u32,
+    phase: LeasePhase,
+    held: std::time::Duration,
+}
+
+pub(crate) struct Sampler {
+    sup: Supervisor,
+    t0: Instant,
+    actions: bool,
+    timeline: Timeline,
+    outcomes: Outcomes,
+    reasons: Reasons,
+    waiters: Waiters,
+    seen: HashMap<u64, Seen>,
+    explicit: Arc<str>,
+}
+
+impl Sampler {
+    pub(crate) fn new(
+        sup: Supervisor,
+        t0: Instant,
+        actions: bool,
+        outcomes: Outcomes,
+        (reasons, waiters): (Reasons, Waiters),
+    ) -> Self {
+        Self {
+            sup,
+            t0,
+            actions,
+            timeline: Timeline::new(TIMELINE_WINDOW.as_millis() as u64),
+            outcomes,
+            reasons,
+            waiters,
+            seen: HashMap::new(),
+            explicit: Arc::from(EXPLICIT),
+        }
+    }
+
+    /// Takes one sample and returns the frame, as JSON.
+    pub(crate) fn sample(&mut self) -> String {
+        let now = Instant::now();
+        let now_ms = now.saturating_duration_since(self.t0).as_millis() as u64;
+        let stats = self.sup.stats();
+        let leases = self.sup.leases();
+
+        // Observed ends: a job's lease in the previous sample and not in this one.
+        let current: HashMap<u64, &LeaseInfo> = leases.iter().map(|l| (lease_id(l), l)).collect();
+        for (id, was) in &self.seen {
+            if current.contains_key(id) {
+                continue;
+            }
+            if let Some(job_id) = &was.job_id {
+                self.outcomes.log().observed(
+                    Ended {
+                        job_id: Arc::clone(job_id),
+                        slot: was.slot,
+                        held: was.held,
+                        last_phase: phase_name(was.phase),
+                    },
+                    now,
+                );
+            }
+        }
+        self.seen = leases
+            .iter()
+            .map(|l| {
+                let seen = Seen {
+                    job_id: l.job_id.clone(),
+                    slot: l.slot_id,
+                    phase: l.phase,
+                    held: l.held_for,
+                };
+                (lease_id(l), seen)
+            })
+            .collect();
+
+        let held: Vec<Held> = leases
+            .iter()
+            .flat_map(|l| {
+                let holder = l
+                    .job_id
+                    .clone()
+                    .unwrap_or_else(|| Arc::clone(&self.explicit));
+                let color = color(l);
+                slots_of(l).map(move |slot| Held {
+                    slot,
+                    color,
+                    holder: Arc::clone(&holder),
+                })
+            })
+            .collect();
+        self.timeline.sample(now_ms, &held);
+
+        let reasons = self.reasons.lock().clone();
+        // What the poller last heard, while someone still waits.
+        let waiters = if stats.waiting > 0 {
+            self.waiters.lock().clone()
+        } else {
+            Vec::new()
+        };
+        let frame = build_frame(
+            now_ms,
+            self.actions,
+            (&stats, &leases),
+            (&reasons, &waiters),
+            &self.timeline,
+            self.outcomes.log().snapshot(),
+        );
+        serde_json::to_string(&frame).expect("a frame always serializes")
+    }
+}
+
+fn lease_id(l: &LeaseInfo) -> u64 {
+    l.tokens.first().map_or(0, |t| t.lease_id())
+}
+
+/// Every slot a lease holds (the first one alone when it lists no tokens).
+fn slots_of(l: &LeaseInfo) -> impl Iterator<Item = u32> + '_ {
+    let first = l.tokens.is_empty().then_some(l.slot_id);
+    first
+        .into_iter()
+        .chain(l.tokens.iter().map(|t| t.slot_id()))
+}
+
+fn phase_name(phase: LeasePhase) -> &'static str {
+    match phase {
+        LeasePhase::Running => "running",
+        LeasePhase::Draining => "draining",
+        LeasePhase::Releasing => "releasing",
+        LeasePhase::Quarantined => "quarantined",
+        // A phase a later leasehold adds, before this console knows its name.
+        _ => "other",
+    }
+}
+
+/// The colour class, as in render_farm's timeline.png: run (steel blue); draining while GPU
+/// work is owed (dark orange); draining otherwise (amber); the broker release (green); and
+/// quarantined (red, which timeline.png has no use for).
+fn color(l: &LeaseInfo) -> &'static str {
+    match l.phase {
+        LeasePhase::Running => "run",
+        LeasePhase::Draining if l.waiting_for.contains(&WaitingFor::GpuFence) => "drain-gpu",
+        LeasePhase::Draining => "drain",
+        LeasePhase::Releasing => "release",
+        LeasePhase::Quarantined => "quarantined",
+        _ => "other",
+    }
+}
+
+/// `job`, `explicit`, or the lowercase name of a holder kind added later.
+fn kind_name(kind: LeaseKind) -> String {
+    format!("{kind:?}").to_lowercase()
+}
+
+#[derive(Serialize)]
+struct Frame<'a> {
+    now_ms: u64,
+    actions: bool,
+    stats: StatsView,
+    queue: QueueView,
+    lanes: Vec<Lane>,
+    quarantined: Vec<QuarantineRow>,
+    outcomes: Vec<Outcome>,
+    timeline: TimelineView<'a>,
+}
+
+#[derive(Serialize)]
+struct StatsView {
+    capacity: Option<usize>,
+    held_slots: usize,
+    active: usize,
+    draining: usize,
+    waiting: usize,
+    quarantined: usize,
+    acquired_total: u64,
+    released_total: u64,
+    release_failed_total: u64,
+    orphan_expired_total: u64,
+}
+
+impl From<&Stats> for StatsView {
+    fn from(s: &Stats) -> Self {
+        Self {
+            capacity: s.capacity,
+            held_slots: s.held_slots,
+            active: s.active,
+            draining: s.draining,
+            waiting: s.waiting,
+            quarantined: s.quarantined,
+            acquired_total: s.acquired_total,
+            released_total: s.released_total,
+            release_failed_total: s.release_failed_total,
+            orphan_expired_total: s.orphan_expired_total,
+        }
+    }
+}
+
+/// The queue: `Stats::waiting`, and the callers as [`Supervisor::waiters`] last listed them
+/// (`listed`: a list was heard since the queue last emptied).
+#[derive(Serialize)]
+struct QueueView {
+    waiting: usize,
+    listed: bool,
+    waiters: Vec<WaiterView>,
+}
+
+#[derive(Serialize)]
+struct WaiterView {
+    #[serde(serialize_with = "super::json::opt_arc_str")]
+    job_id: Option<Arc<str>>,
+    priority: &'static str,
+    slots: u32,
+    gathered: u32,
+    waited_ms: u64,
+}
+
+fn priority_name(p: Priority) -> &'static str {
+    match p {
+        Priority::High => "high",
+        Priority::Low => "low",
+        _ => "normal",
+    }
+}
+
+#[derive(Serialize)]
+struct Lane {
+    slot: u32,
+    lease: Option<LaneLease>,
+}
+
+#[derive(Serialize)]
+struct LaneLease {
+    lease_id: u64,
+    #[serde(serialize_with = "super::json::opt_arc_str")]
+    job_id: Option<Arc<str>>,
+    kind: String,
+    phase: &'static str,
+    color: &'static str,
+    held_ms: u64,
+    waiting_for: Vec<String>,
+    priority: String,
+    slots: Vec<u32>,
+    gpu_device: Option<usize>,
+    child_pids: Vec<u32>,
+    /// For a quarantined lease: why, once the poller has heard it.
+    reason: Option<String>,
+}
+
+#[derive(Serialize)]
+struct QuarantineRow {
+    slot: u32,
+    lease_id: u64,
+    job_id: Option<String>,
+    reason: Option<String>,
+    held_ms: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct TimelineView<'a> {
+    window_ms: u64,
+    lanes: Vec<TimelineLane<'a>>,
+}
+
+#[derive(Serialize)]
+struct TimelineLane<'a> {
+    slot: u32,
+    segments: Vec<&'a Segment>,
+}
+
+fn build_frame<'a>(
+    now_ms: u64,
+    actions: bool,
+    (stats, leases): (&Stats, &[LeaseInfo]),
+    (reasons, waiters): (&HashMap<u64, QuarantinedSlot>, &[WaiterInfo]),
+    timeline: &'a Timeline,
+    outcomes: Vec<Outcome>,
+) -> Frame<'a> {
+    // The lanes: every slot below the capacity (up to MAX_LANES), every slot held now, every
+    // slot with something on the timeline (a slot above a lowered capacity, or a broker's
+    // own slot ids).
+    let mut slots: BTreeSet<u32> = (0..stats.capacity.unwrap_or(0).min(MAX_LANES) as u32).collect();
+    slots.extend(leases.iter().flat_map(slots_of));
+    slots.extend(timeline.slots());
+    let by_slot: HashMap<u32, &LeaseInfo> = leases
+        .iter()
+        .flat_map(|l| slots_of(l).map(move |s| (s, l)))
+        .collect();
+    let lanes = slots
+        .iter()
+        .map(|&slot| Lane {
+            slot,
+            lease: by_slot.get(&slot).map(|l| {
+                let id = lease_id(l);
+                LaneLease {
+                    lease_id: id,
+                    job_id: l.job_id.clone(),
+                    kind: kind_name(l.kind),
+                    phase: phase_name(l.phase),
+                    color: color(l),
+                    held_ms: l.held_for.as_millis() as u64,
+                    waiting_for: l.waiting_for.iter().map(ToString::to_string).collect(),
+                    priority: format!("{:?}", l.priority).to_lowercase(),
+                    slots: slots_of(l).collect(),
+                    gpu_device: l.gpu_device,
+                    child_pids: l.child_pids.clone(),
+                    reason: reasons.get(&id).map(|q| q.reason.clone()),
+                }
+            }),
+        })
+        .collect();
+
+    // Quarantined slots: those the lease table shows, with the reason once heard; and any the
+    // supervisor listed that the table no longer shows (until the next poll says otherwise).
+    let mut quarantined: Vec<QuarantineRow> = leases
+        .iter()
+        .filter(|l| l.phase == LeasePhase::Quarantined)
+        .map(|l| {
+            let id = lease_id(l);
+            let q = reasons.get(&id);
+            QuarantineRow {
+                slot: l.slot_id,
+                lease_id: id,
+                job_id: l.job_id.as_deref().map(str::to_owned),
+                reason: q.map(|q| q.reason.clone()),
+                held_ms: Some(l.held_for.as_millis() as u64),
+            }
+        })
+        .collect();
+    for (id, q) in reasons {
+        if !quarantined.iter().any(|row| row.lease_id == *id) && stats.quarantined > 0 {
+            quarantined.push(QuarantineRow {
+                slot: q.token.slot_id(),
+                lease_id: *id,
+                job_id: q.job_id.clone(),
+                reason: Some(q.reason.clone()),
+                held_ms: None,
+            });
+        }
+    }
+    quarantined.sort_by_key(|row| (row.slot, row.lease_id));
+
+    let lanes_tl = timeline
+        .slots()
+        .map(|slot| TimelineLane {
+            slot,
+            segments: timeline.segments(slot).collect(),
+        })
+        .collect();
+    Frame {
+        now_ms,
+        actions,
+        stats: StatsView::from(stats),
+        queue: QueueView {
+            waiting: stats.waiting,
+            listed: !waiters.is_empty(),
+            waiters: waiters
+                .iter()
+                .map(|w| WaiterView {
+                    job_id: w.job_id.clone(),
+                    priority: priority_name(w.priority),
+                    slots: w.slots,
+                    gathered: w.gathered,
+                    waited_ms: w.waited.as_millis() as u64,
+                })
+                .collect(),
+        },
+        lanes,
+        quarantined,
+        outcomes,
+        timeline: TimelineView {
+            window_ms: timeline.window_ms(),
+            lanes: lanes_tl,
+        },
+    }
+}
+
+/// Samples every [`SAMPLE_INTERVAL`] until `stop`, publishing each frame.
+pub(crate) async fn run(
+    mut sampler: Sampler,
+    frames: watch::Sender<Arc<str>>,
+    stop: CancellationToken,
+) {
+    // The first frame was taken at start: the next one an interval later.
+    let mut tick = tokio::time::interval_at(Instant::now() + SAMPLE_INTERVAL, SAMPLE_INTERVAL);
+    // A late tick (a loaded runtime) is skipped, not made up in a burst.
+    tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let frame = sampler.sample();
+        frames.send_replace(Arc::from(frame));
+    }
+}
+
+/// Keeps `reasons` and `waiters` up to date: asks the supervisor (a message to its actor) for
+/// the quarantined slots only while `Stats::quarantined` says a slot is quarantined, and for the
+/// waiting callers only while `Stats::waiting` says one waits; each at most once per
+/// [`QUARANTINE_POLL_INTERVAL`]. When a count drops to zero its list is cleared without asking.
+pub(crate) async fn poll_actor(
+    sup: Supervisor,
+    (reasons, waiters): (Reasons, Waiters),
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(SAMPLE_INTERVAL);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+    let (mut quarantine_asked, mut waiters_asked): (Option<Instant>, Option<Instant>) =
+        (None, None);
+    let due =
+        |asked: Option<Instant>| asked.is_none_or(|at| at.elapsed() >= QUARANTINE_POLL_INTERVAL);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let stats = sup.stats();
+        if stats.quarantined == 0 {
+            let mut reasons = reasons.lock();
+            if !reasons.is_empty() {
+                reasons.clear();
+            }
+        } else if due(quarantine_asked) {
+            quarantine_asked = Some(Instant::now());
+            // `quarantined` is cancel safe (it only reads): dropping it at `stop` is fine.
+            let listed = tokio::select! {
+                () = stop.cancelled() => return,
+                listed = sup.quarantined() => listed,
+            };
+            // An error means the supervisor has stopped: keep what was last heard.
+            if let Ok(listed) = listed {
+                *reasons.lock() = listed
+                    .into_iter()
+                    .map(|q| (q.token.lease_id(), q))
+                    .collect();
+            }
+        }
+        if stats.waiting == 0 {
+            let mut waiters = waiters.lock();
+            if !waiters.is_empty() {
+                waiters.clear();
+            }
+        } else if due(waiters_asked) {
+            waiters_asked = Some(Instant::now());
+            // `waiters` is cancel safe too.
+            let listed = tokio::select! {
+                () = stop.cancelled() => return,
+                listed = sup.waiters() => listed,
+            };
+            if let Ok(listed) = listed {
+                *waiters.lock() = listed;
+            }
+        }
+    }
+}

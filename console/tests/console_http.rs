@@ -1,0 +1,1292 @@
+//! The console's HTTP API: the page, the snapshot and the event stream are served; every
+//! refusal (actions off, no or a wrong token, another method than POST, another site, a foreign
+//! host name, another content type, a malformed or oversized body, an unknown job, a stopped
+//! supervisor) answers its 4xx/5xx with a stable JSON code and changes nothing; with the token,
+//! the actions do what they say.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use leasehold::{CancellationToken, JobHandle, JobSpec, LeasePhase, Supervisor};
+use leasehold_console::{
+    ActionsToken, BODY_TIMEOUT, Console, ConsoleHandle, MAX_ACTION_BODY, MAX_STREAMS,
+};
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+
+const TOKEN: &str = "test-token-0123456789abcdef";
+/// Bound on every wait for the console to show something (it samples ten times a second).
+const WAIT: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------------------------
+// A minimal HTTP/1.1 client over a raw socket: every header is exactly what the test wrote.
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+
+    /// The error code of a refusal, after checking its status and content type.
+    fn refused(&self, status: u16) -> String {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/json"),
+            "{self:?}"
+        );
+        let code = self.json()["error"]["code"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no error code: {self:?}"))
+            .to_owned();
+        assert!(
+            self.json()["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{self:?}"
+        );
+        code
+    }
+}
+
+fn dechunk(mut raw: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let line_end = raw
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .expect("chunk size line");
+        let size = usize::from_str_radix(
+            std::str::from_utf8(&raw[..line_end])
+                .unwrap()
+                .split(';')
+                .next()
+                .unwrap()
+                .trim(),
+            16,
+        )
+        .unwrap();
+        raw = &raw[line_end + 2..];
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&raw[..size]);
+        raw = &raw[size + 2..];
+    }
+}
+
+fn parse_head(head: &str) -> (u16, Vec<(String, String)>) {
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap();
+    let status = status_line.split(' ').nth(1).unwrap().parse().unwrap();
+    let headers = lines
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let (n, v) = l.split_once(':').unwrap();
+            (n.trim().to_owned(), v.trim().to_owned())
+        })
+        .collect();
+    (status, headers)
+}
+
+/// Sends `raw` as it is and reads the whole answer (`Connection: close`).
+async fn send_raw(addr: SocketAddr, raw: &[u8]) -> Reply {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(raw).await.unwrap();
+    let mut buf = Vec::new();
+    tokio::time::timeout(WAIT, stream.read_to_end(&mut buf))
+        .await
+        .expect("the console answered within the bound")
+        .unwrap();
+    let split = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a head");
+    let (status, headers) = parse_head(std::str::from_utf8(&buf[..split]).unwrap());
+    let mut body = buf[split + 4..].to_vec();
+    let chunked = headers.iter().any(|(n, v)| {
+        n.eq_ignore_ascii_case("transfer-encoding") && v.eq_ignore_ascii_case("chunked")
+    });
+    if chunked {
+        body = dechunk(&body);
+    }
+    Reply {
+        status,
+        headers,
+        body: String::from_utf8(body).unwrap(),
+    }
+}
+
+/// A request with `Host` set to the console's address, `Content-Length` for the body,
+/// `Connection: close`, and the extra headers given.
+async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Reply {
+    let mut raw = format!("{method} {path} HTTP/1.1\r\n");
+    if !headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("host")) {
+        raw.push_str(&format!("Host: {addr}\r\n"));
+    }
+    for (n, v) in headers {
+        raw.push_str(&format!("{n}: {v}\r\n"));
+    }
+    if !body.is_empty() || method == "POST" {
+        raw.push_str(&format!("Content-Length: {}\r\n", body.len()));
+    }
+    raw.push_str("Connection: close\r\n\r\n");
+    raw.push_str(body);
+    send_raw(addr, raw.as_bytes()).await
+}
+
+/// Extra request headers, name and value.
+type Headers<'a> = Vec<(&'a str, &'a str)>;
+
+const BEARER: &str = "Bearer test-token-0123456789abcdef";
+
+/// A POST as the console's own page sends it: JSON, the token, same origin.
+async fn action(addr: SocketAddr, what: &str, body: &str) -> Reply {
+    let origin = format!("http://{addr}");
+    request(
+        addr,
+        "POST",
+        &format!("/api/actions/{what}"),
+        &[
+            ("Content-Type", "application/json"),
+            ("Authorization", BEARER),
+            ("Origin", &origin),
+            ("Sec-Fetch-Site", "same-origin"),
+        ],
+        body,
+    )
+    .await
+}
+
+/// An open event stream, read frame by frame.
+struct Events {
+    lines: BufReader<TcpStream>,
+}
+
+impl Events {
+    async fn open(addr: SocketAddr) -> Result<Events, Reply> {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        let raw = format!(
+            "GET /api/events HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\n\r\n"
+        );
+        stream.write_all(raw.as_bytes()).await.unwrap();
+        let mut lines = BufReader::new(stream);
+        let mut head = String::new();
+        loop {
+            let mut line = String::new();
+            lines.read_line(&mut line).await.unwrap();
+            head.push_str(&line);
+            if line == "\r\n" {
+                break;
+            }
+        }
+        let (status, headers) = parse_head(&head);
+        if status != 200 {
+            let mut body = String::new();
+            // The refusal is small; its length says where it ends.
+            let len: usize = headers
+                .iter()
+                .find(|(n, _)| n.eq_ignore_ascii_case("content-length"))
+                .map_or(0, |(_, v)| v.parse().unwrap());
+            let mut buf = vec![0; len];
+            lines.read_exact(&mut buf).await.unwrap();
+            body.push_str(std::str::from_utf8(&buf).unwrap());
+            return Err(Reply {
+                status,
+                headers,
+                body,
+            });
+        }
+        let ct = headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("content-type"))
+            .map(|(_, v)| v.clone());
+        assert_eq!(ct.as_deref(), Some("text/event-stream"));
+        Ok(Events { lines })
+    }
+
+    /// The next frame (chunk-size lines and keep-alive comments skipped).
+    async fn next(&mut self) -> Value {
+        loop {
+            let mut line = String::new();
+            let n = tokio::time::timeout(WAIT, self.lines.read_line(&mut line))
+                .await
+                .expect("a frame within the bound")
+                .unwrap();
+            assert!(n > 0, "the event stream ended");
+            if let Some(data) = line.trim_end().strip_prefix("data: ") {
+                return serde_json::from_str(data).unwrap();
+            }
+        }
+    }
+
+    /// Frames until one satisfies `pred` (bounded by WAIT).
+    async fn until(&mut self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let frame = self.next().await;
+            if pred(&frame) {
+                return frame;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no frame showed {what}; last: {frame}"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The test farm: a supervisor with one job running until it is cancelled.
+// ---------------------------------------------------------------------------------------------
+
+struct Farm {
+    sup: Supervisor,
+    console: ConsoleHandle,
+    victim: JobHandle<(), std::io::Error>,
+    /// The victim's own cancellation token, as its body sees it.
+    victim_token: CancellationToken,
+}
+
+impl Farm {
+    async fn start(actions: bool) -> Farm {
+        let sup = Supervisor::builder().slots(2).start().await.unwrap();
+        let mut builder = Console::builder(sup.clone()).allow_host("farm.internal");
+        if actions {
+            builder = builder.actions(ActionsToken::new(TOKEN).unwrap());
+        }
+        let console = builder.start().await.unwrap();
+        let (tx, rx) = oneshot::channel();
+        let victim = sup.submit(JobSpec::new("victim").unwrap(), move |ctx| async move {
+            let _ = tx.send(ctx.cancellation_token());
+            ctx.cancelled().await;
+            // Cancellation wins over an ordinary error: LEASE_BODY_CANCELLED.
+            Err::<(), _>(std::io::Error::other("cancelled"))
+        });
+        let victim_token = rx.await.unwrap();
+        Farm {
+            sup,
+            console,
+            victim,
+            victim_token,
+        }
+    }
+
+    fn addr(&self) -> SocketAddr {
+        self.console.local_addr()
+    }
+
+    /// Nothing changed: the victim runs, uncancelled, on a pool of 2 slots, nothing else held.
+    /// (An action's answer comes after its effect: a refused one had none to wait for.)
+    fn assert_unchanged(&self, after: &str) {
+        assert!(
+            !self.victim_token.is_cancelled(),
+            "the victim was cancelled by {after}"
+        );
+        let stats = self.sup.stats();
+        assert_eq!(stats.capacity, Some(2), "{after}: {stats:?}");
+        assert_eq!(stats.active, 1, "{after}: {stats:?}");
+        assert_eq!(stats.quarantined, 0, "{after}: {stats:?}");
+        let leases = self.sup.leases();
+        assert_eq!(leases.len(), 1, "{after}: {leases:?}");
+        assert_eq!(leases[0].job_id.as_deref(), Some("victim"));
+        assert_eq!(leases[0].phase, LeasePhase::Running);
+    }
+
+    async fn stop(self) {
+        self.victim.cancel();
+        let err = self.victim.join().await.unwrap_err();
+        assert_eq!(err.code(), "LEASE_BODY_CANCELLED");
+        self.console.shutdown().await.unwrap();
+        let report = self.sup.shutdown().await.unwrap();
+        assert_eq!(report.quarantined, 0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// What is served
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_and_its_assets_come_from_the_crate_under_a_strict_content_policy() {
+    let farm = Farm::start(false).await;
+    for (path, ct, needle) in [
+        (
+            "/",
+            "text/html; charset=utf-8",
+            "<title>leasehold console</title>",
+        ),
+        (
+            "/console.js",
+            "text/javascript; charset=utf-8",
+            "EventSource",
+        ),
+        ("/console.css", "text/css; charset=utf-8", "--drain-gpu"),
+    ] {
+        let reply = request(farm.addr(), "GET", path, &[], "").await;
+        assert_eq!(reply.status, 200, "{path}: {reply:?}");
+        assert_eq!(reply.header("content-type"), Some(ct), "{path}");
+        assert!(reply.body.contains(needle), "{path}");
+        let csp = reply.header("content-security-policy").unwrap();
+        assert!(
+            csp.contains("default-src 'none'") && csp.contains("script-src 'self'"),
+            "{csp}"
+        );
+        assert_eq!(reply.header("x-content-type-options"), Some("nosniff"));
+        assert_eq!(reply.header("x-frame-options"), Some("DENY"));
+        // Nothing from elsewhere: no absolute URL in the page.
+        assert!(
+            !reply.body.contains("https://"),
+            "{path} loads from elsewhere"
+        );
+    }
+    farm.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_binds_loopback_unless_the_embedder_names_an_address() {
+    let sup = Supervisor::builder().slots(1).start().await.unwrap();
+    let console = Console::builder(sup.clone()).start().await.unwrap();
+    assert!(console.local_addr().ip().is_loopback());
+    assert_eq!(console.url(), format!("http://{}/", console.local_addr()));
+    // The port is taken: a second console named on it cannot bind.
+    let err = Console::builder(sup.clone())
+        .bind(console.local_addr())
+        .start()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "CONSOLE_BIND_FAILED");
+    assert!(std::error::Error::source(&err).is_some());
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
+    assert_eq!(
+        ActionsToken::new("short").unwrap_err().code(),
+        "CONSOLE_TOKEN_INVALID"
+    );
+    assert_eq!(
+        ActionsToken::new("sixteen bytes with spaces")
+            .unwrap_err()
+            .code(),
+        "CONSOLE_TOKEN_INVALID"
+    );
+    let random = ActionsToken::random().unwrap();
+    assert_eq!(random.expose().len(), 64);
+    assert!(!format!("{random:?}").contains(random.expose()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_snapshot_shows_a_lane_per_slot_with_the_running_job_and_the_stats() {
+    let farm = Farm::start(false).await;
+    let mut events = Events::open(farm.addr()).await.unwrap();
+    // The victim was granted before the console's next frame.
+    events
+        .until("the victim running", |f| {
+            f["lanes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|l| l["lease"]["job_id"] == "victim")
+        })
+        .await;
+    let reply = request(farm.addr(), "GET", "/api/snapshot", &[], "").await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.header("content-type"), Some("application/json"));
+    let frame = reply.json();
+    let lanes = frame["lanes"].as_array().unwrap();
+    assert_eq!(lanes.len(), 2, "{frame}");
+    let held: Vec<&Value> = lanes.iter().filter(|l| !l["lease"].is_null()).collect();
+    assert_eq!(held.len(), 1, "{frame}");
+    let lease = &held[0]["lease"];
+    assert_eq!(lease["job_id"], "victim");
+    assert_eq!(lease["phase"], "running");
+    assert_eq!(lease["color"], "run");
+    assert_eq!(lease["kind"], "job");
+    assert_eq!(lease["priority"], "normal");
+    assert_eq!(frame["stats"]["capacity"], 2);
+    assert_eq!(frame["stats"]["active"], 1);
+    assert_eq!(frame["queue"]["waiting"], 0);
+    assert_eq!(frame["queue"]["listed"], false);
+    assert_eq!(frame["actions"], false);
+    let tl = frame["timeline"]["lanes"].as_array().unwrap();
+    assert_eq!(tl.len(), 1, "{frame}");
+    assert_eq!(tl[0]["segments"][0]["holder"], "victim");
+
+    // The other slot held by an explicit lease, and a job queued behind it: the lanes show
+    // the lease, the queue counts the waiter.
+    let mut lease = farm.sup.acquire().await.unwrap();
+    let queued = farm.sup.submit(
+        JobSpec::new("queued")
+            .unwrap()
+            .with_priority(leasehold::Priority::High),
+        |_ctx| async { Ok::<_, std::io::Error>(()) },
+    );
+    let frame = events
+        .until("the explicit lease and one waiter", |f| {
+            f["queue"]["waiting"] == 1
+                && f["lanes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|l| l["lease"]["kind"] == "explicit")
+        })
+        .await;
+    let explicit = frame["lanes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["lease"]["kind"] == "explicit")
+        .unwrap();
+    assert!(explicit["lease"]["job_id"].is_null());
+    assert_eq!(frame["stats"]["waiting"], 1);
+    // The queue lists its caller, with its class and how long it has waited.
+    let frame = events
+        .until("the waiter listed", |f| f["queue"]["listed"] == true)
+        .await;
+    let waiters = frame["queue"]["waiters"].as_array().unwrap();
+    assert_eq!(waiters.len(), 1, "{frame}");
+    assert_eq!(waiters[0]["job_id"], "queued");
+    assert_eq!(waiters[0]["priority"], "high");
+    assert_eq!(waiters[0]["slots"], 1);
+    assert!(waiters[0]["waited_ms"].is_u64());
+    lease.release().await.unwrap();
+    queued.join().await.unwrap();
+    farm.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_event_stream_sends_a_frame_at_once_and_then_ten_a_second() {
+    let farm = Farm::start(false).await;
+    let mut events = Events::open(farm.addr()).await.unwrap();
+    let first = events.next().await;
+    let mut last = first["now_ms"].as_u64().unwrap();
+    for _ in 0..5 {
+        let frame = events.next().await;
+        let now = frame["now_ms"].as_u64().unwrap();
+        assert!(now > last, "frames move forward: {last} then {now}");
+        last = now;
+    }
+    farm.console.shutdown().await.unwrap();
+    // The stream ends with the console.
+    let mut rest = Vec::new();
+    tokio::time::timeout(WAIT, events.lines.read_to_end(&mut rest))
+        .await
+        .expect("the stream ended when the console stopped")
+        .unwrap();
+    farm.victim.cancel();
+    farm.victim.join().await.unwrap_err();
+    farm.sup.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_event_streams_than_the_cap_are_refused_with_429_and_a_closed_one_frees_its_place() {
+    let farm = Farm::start(false).await;
+    let mut open = Vec::new();
+    for _ in 0..MAX_STREAMS {
+        open.push(Events::open(farm.addr()).await.unwrap());
+    }
+    let refused = match Events::open(farm.addr()).await {
+        Err(reply) => reply,
+        Ok(_) => panic!("stream {} was accepted", MAX_STREAMS + 1),
+    };
+    assert_eq!(refused.refused(429), "CONSOLE_TOO_MANY_STREAMS");
+    drop(open.pop());
+    // The closed stream's place is freed once the server has seen the connection go.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match Events::open(farm.addr()).await {
+            Ok(_) => break,
+            Err(reply) => {
+                assert_eq!(reply.status, 429);
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the place was never freed"
+                );
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+    drop(open);
+    farm.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Refusals: each a stable code, none changes anything
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn actions_are_refused_with_403_when_the_embedder_did_not_turn_them_on() {
+    let farm = Farm::start(false).await;
+    for (what, body) in [
+        ("cancel", r#"{"job_id":"victim"}"#),
+        ("reclaim", "{}"),
+        ("resize", r#"{"slots":5}"#),
+    ] {
+        let reply = action(farm.addr(), what, body).await;
+        assert_eq!(reply.refused(403), "CONSOLE_ACTIONS_DISABLED", "{what}");
+        farm.assert_unchanged(what);
+    }
+    farm.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_action_without_the_token_or_with_a_wrong_one_is_refused_with_403_and_changes_nothing() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    let origin = format!("http://{addr}");
+    let cookie = format!("token={TOKEN}");
+    let wrong_same_length = format!("Bearer {}", "x".repeat(TOKEN.len()));
+    let prefix = format!("Bearer {}", &TOKEN[..TOKEN.len() - 1]);
+    let longer = format!("Bearer {TOKEN}0");
+    let basic = format!("Basic {TOKEN}");
+    let no_scheme = TOKEN.to_owned();
+    let cases: Vec<(&str, Headers<'_>, String)> = vec![
+        ("no token", vec![], "/api/actions/cancel".into()),
+        (
+            "a wrong token of the same length",
+            vec![("Authorization", &wrong_same_length)],
+            "/api/actions/cancel".into(),
+        ),
+        (
+            "a prefix of the token",
+            vec![("Authorization", &prefix)],
+            "/api/actions/cancel".into(),
+        ),
+        (
+            "the token and more",
+            vec![("Authorization", &longer)],
+            "/api/actions/cancel".into(),
+        ),
+        (
+            "another scheme",
+            vec![("Authorization", &basic)],
+            "/api/actions/cancel".into(),
+        ),
+        (
+            "no scheme",
+            vec![("Authorization", &no_scheme)],
+            "/api/actions/cancel".into(),
+        ),
+        (
+            "the token in a cookie",
+            vec![("Cookie", &cookie)],
+            "/api/actions/cancel".into(),
+        ),
+        (
+            "the token in the query",
+            vec![],
+            format!("/api/actions/cancel?token={TOKEN}"),
+        ),
+    ];
+    for (why, extra, path) in cases {
+        let mut headers = vec![
+            ("Content-Type", "application/json"),
+            ("Origin", origin.as_str()),
+            ("Sec-Fetch-Site", "same-origin"),
+        ];
+        headers.extend(extra);
+        let reply = request(addr, "POST", &path, &headers, r#"{"job_id":"victim"}"#).await;
+        assert_eq!(reply.refused(403), "CONSOLE_FORBIDDEN", "{why}");
+        farm.assert_unchanged(why);
+    }
+    // The same for the other actions.
+    for (what, body) in [("reclaim", "{}"), ("resize", r#"{"slots":5}"#)] {
+        let reply = request(
+            addr,
+            "POST",
+            &format!("/api/actions/{what}"),
+            &[("Content-Type", "application/json")],
+            body,
+        )
+        .await;
+        assert_eq!(reply.refused(403), "CONSOLE_FORBIDDEN", "{what}");
+        farm.assert_unchanged(what);
+    }
+    farm.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_method_but_post_on_an_action_is_refused_with_405_even_with_the_token() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    for what in ["cancel", "reclaim", "resize"] {
+        for method in ["GET", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS"] {
+            let path = format!("/api/actions/{what}?job_id=victim&slots=5");
+            let reply = request(
+                addr,
+                method,
+                &path,
+                &[
+                    ("Authorization", BEARER),
+                    ("Content-Type", "application/json"),
+                ],
+                if method == "PUT" || method == "PATCH" {
+                    r#"{"job_id":"victim"}"#
+                } else {
+                    ""
+                },
+            )
+            .await;
+            assert_eq!(reply.status, 405, "{method} {what}: {reply:?}");
+            assert_eq!(reply.header("allow"), Some("POST"), "{method} {what}");
+            if method != "HEAD" {
+                assert_eq!(reply.refused(405), "CONSOLE_METHOD_NOT_ALLOWED");
+            }
+            farm.assert_unchanged(&format!("{method} {what}"));
+        }
+    }
+    // And the read-only routes take no POST.
+    for path in ["/", "/api/snapshot", "/api/events"] {
+        let reply = request(
+            addr,
+            "POST",
+            path,
+            &[("Content-Type", "application/json")],
+            "{}",
+        )
+        .await;
+        assert_eq!(reply.refused(405), "CONSOLE_METHOD_NOT_ALLOWED", "{path}");
+    }
+    farm.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_action_from_another_site_is_refused_with_403_even_with_the_token() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    let other_port = format!("http://127.0.0.1:{}", addr.port().wrapping_add(1));
+    let cases: Vec<(&str, Headers<'_>)> = vec![
+        (
+            "another site's Origin",
+            vec![("Origin", "http://evil.example")],
+        ),
+        ("another port's Origin", vec![("Origin", &other_port)]),
+        ("an opaque Origin", vec![("Origin", "null")]),
+        (
+            "Sec-Fetch-Site: cross-site",
+            vec![("Sec-Fetch-Site", "cross-site")],
+        ),
+        (
+            "Sec-Fetch-Site: same-site",
+            vec![("Sec-Fetch-Site", "same-site")],
+        ),
+    ];
+    for (why, extra) in cases {
+        let mut headers = vec![
+            ("Content-Type", "application/json"),
+            ("Authorization", BEARER),
+        ];
+        headers.extend(extra);
+        let reply = request(
+            addr,
+            "POST",
+            "/api/actions/cancel",
+            &headers,
+            r#"{"job_id":"victim"}"#,
+        )
+        .await;
+        assert_eq!(reply.refused(403), "CONSOLE_CROSS_SITE", "{why}");
+        farm.assert_unchanged(why);
+    }
+    farm.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_name_the_console_was_not_told_about_is_refused_on_every_route() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    let evil = format!("evil.example:{}", addr.port());
+    for (method, path) in [
+        ("GET", "/"),
+        ("GET", "/api/snapshot"),
+        ("GET", "/api/events"),
+        ("POST", "/api/actions/cancel"),
+    ] {
+        let reply = request(
+            addr,
+            method,
+            path,
+            &[
+                ("Host", &evil),
+                ("Content-Type", "application/json"),
+                ("Authorization", BEARER),
+            ],
+            if method == "POST" {
+                r#"{"job_id":"victim"}"#
+            } else {
+                ""
+            },
+        )
+        .await;
+        assert_eq!(
+            reply.refused(403),
+            "CONSOLE_HOST_REFUSED",
+            "{method} {path}"
+        );
+        farm.assert_unchanged(path);
+    }
+    // No Host at all (HTTP/1.0) is refused too.
+    let reply = send_raw(addr, b"GET /api/snapshot HTTP/1.0\r\n\r\n").await;
+    assert_eq!(reply.refused(403), "CONSOLE_HOST_REFUSED");
+    // localhost and the allowed name are answered.
+    for host in [
+        format!("localhost:{}", addr.port()),
+        format!("farm.internal:{}", addr.port()),
+    ] {
+        let reply = request(addr, "GET", "/api/snapshot", &[("Host", &host)], "").await;
+        assert_eq!(reply.status, 200, "{host}");
+    }
+    farm.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_action_that_is_not_json_is_refused_with_415() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    for ct in [
+        None,
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        Some("multipart/form-data; boundary=x"),
+        Some("application/jsonx"),
+    ] {
+        let mut headers = vec![("Authorization", BEARER)];
+        if let Some(ct) = ct {
+            headers.push(("Content-Type", ct));
+        }
+        let reply = request(
+            addr,
+            "POST",
+            "/api/actions/cancel",
+            &headers,
+            r#"{"job_id":"victim"}"#,
+        )
+        .await;
+        assert_eq!(
+            reply.refused(415),
+            "CONSOLE_UNSUPPORTED_MEDIA_TYPE",
+            "{ct:?}"
+        );
+        farm.assert_unchanged(&format!("{ct:?}"));
+    }
+    farm.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_action_body_is_refused_with_400() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    for (what, body, cause) in [
+        ("cancel", "", None),
+        ("cancel", "{", None),
+        ("cancel", "victim", None),
+        ("cancel", "{}", None),
+        ("cancel", r#"{"job_id":42}"#, None),
+        ("cancel", r#"{"job_id":"victim","force":true}"#, None),
+        ("cancel", r#"{"job_id":"../etc"}"#, Some("JOB_INVALID")),
+        ("cancel", r#"{"job_id":""}"#, Some("JOB_INVALID")),
+        ("reclaim", r#"{"all":true}"#, None),
+        ("reclaim", "[]", None),
+        ("resize", r#"{"slots":-1}"#, None),
+        ("resize", r#"{"slots":"8"}"#, None),
+        ("resize", r#"{"slots":4294967296}"#, None),
+        ("resize", r#"{"slots":4097}"#, None),
+        ("resize", r#"{"slots":0}"#, Some("LEASE_SLOT_COUNT_INVALID")),
+    ] {
+        let reply = action(addr, what, body).await;
+        assert_eq!(reply.refused(400), "CONSOLE_BAD_REQUEST", "{what} {body}");
+        assert_eq!(
+            reply.json()["error"]["cause"].as_str(),
+            cause,
+            "{what} {body}"
+        );
+        farm.assert_unchanged(&format!("{what} {body}"));
+    }
+    farm.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_action_body_is_refused_with_413() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    let origin = format!("http://{addr}");
+    // Declared: refused from its Content-Length, before it is read.
+    let big = format!(
+        r#"{{"job_id":"victim","pad":"{}"}}"#,
+        "x".repeat(MAX_ACTION_BODY)
+    );
+    let reply = action(addr, "cancel", &big).await;
+    assert_eq!(reply.refused(413), "CONSOLE_PAYLOAD_TOO_LARGE");
+    farm.assert_unchanged("a declared oversized body");
+    // Chunked, no length: cut off at the limit while read.
+    let chunk = "x".repeat(1024);
+    let mut raw = format!(
+        "POST /api/actions/cancel HTTP/1.1\r\nHost: {addr}\r\nOrigin: {origin}\r\n\
+         Authorization: {BEARER}\r\nContent-Type: application/json\r\n\
+         Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    );
+    raw.push_str(&format!(
+        "{:x}\r\n{{\"job_id\":\"victim\",\"pad\":\"\r\n",
+        29
+    ));
+    for _ in 0..(MAX_ACTION_BODY / 1024 + 2) {
+        raw.push_str(&format!("{:x}\r\n{chunk}\r\n", chunk.len()));
+    }
+    raw.push_str("2\r\n\"}\r\n0\r\n\r\n");
+    let reply = send_raw(addr, raw.as_bytes()).await;
+    assert_eq!(reply.refused(413), "CONSOLE_PAYLOAD_TOO_LARGE");
+    farm.assert_unchanged("a chunked oversized body");
+    farm.stop().await;
+}
+
+/// A body that stops arriving is given up at BODY_TIMEOUT with a 408 (on tokio's paused clock,
+/// which jumps there once every task waits), changes nothing, and holds up nothing.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_action_body_that_stops_arriving_is_refused_with_408() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    let started = tokio::time::Instant::now();
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /api/actions/cancel HTTP/1.1\r\nHost: {addr}\r\nAuthorization: {BEARER}\r\n\
+         Content-Type: application/json\r\nContent-Length: 100\r\nConnection: close\r\n\r\n\
+         {{\"job_id\":"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    // Bounded well past BODY_TIMEOUT, so that a missing timeout fails instead of hanging.
+    tokio::time::timeout(BODY_TIMEOUT * 6, stream.read_to_end(&mut buf))
+        .await
+        .expect("the console gave up on the body")
+        .unwrap();
+    assert!(started.elapsed() >= BODY_TIMEOUT);
+    let text = String::from_utf8(buf).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    let (status, headers) = parse_head(head);
+    let reply = Reply {
+        status,
+        headers,
+        body: body.to_owned(),
+    };
+    assert_eq!(reply.refused(408), "CONSOLE_REQUEST_TIMEOUT");
+    farm.assert_unchanged("a stalled body");
+    farm.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_job_or_route_is_404() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    let reply = action(addr, "cancel", r#"{"job_id":"no-such-job"}"#).await;
+    assert_eq!(reply.refused(404), "CONSOLE_NOT_FOUND");
+    farm.assert_unchanged("an unknown job id");
+    for path in [
+        "/api/actions/kill",
+        "/api/nothing",
+        "/index.php",
+        "/api/actions",
+    ] {
+        let reply = request(addr, "GET", path, &[], "").await;
+        assert_eq!(reply.refused(404), "CONSOLE_NOT_FOUND", "{path}");
+    }
+    let reply = action(addr, "kill", r#"{"job_id":"victim"}"#).await;
+    assert_eq!(reply.refused(404), "CONSOLE_NOT_FOUND");
+    farm.assert_unchanged("an unknown action");
+    farm.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_action_on_a_stopped_supervisor_is_503_supervisor_stopped() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    farm.sup.shutdown().await.unwrap();
+    for (what, body) in [
+        ("cancel", r#"{"job_id":"victim"}"#),
+        ("reclaim", "{}"),
+        ("resize", r#"{"slots":3}"#),
+    ] {
+        let reply = action(addr, what, body).await;
+        assert_eq!(reply.refused(503), "CONSOLE_SUPERVISOR_STOPPED", "{what}");
+        assert_eq!(reply.json()["error"]["cause"], "SUPERVISOR_STOPPED");
+    }
+    // The page still serves what it last knew.
+    assert_eq!(
+        request(addr, "GET", "/api/snapshot", &[], "").await.status,
+        200
+    );
+    assert_eq!(
+        farm.victim.join().await.unwrap_err().code(),
+        "LEASE_BODY_CANCELLED"
+    );
+    farm.console.shutdown().await.unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accepted actions, outcomes, quarantine
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_token_cancel_and_resize_do_what_they_say() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    let reply = action(addr, "resize", r#"{"slots":3}"#).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.json()["capacity"], 3);
+    // The answer comes after the effect.
+    assert_eq!(farm.sup.stats().capacity, Some(3));
+
+    // The page's origin by https (the console behind a TLS-terminating proxy) is its own.
+    let https = format!("https://{addr}");
+    let reply = request(
+        addr,
+        "POST",
+        "/api/actions/resize",
+        &[
+            ("Content-Type", "application/json"),
+            ("Authorization", BEARER),
+            ("Origin", &https),
+            ("Sec-Fetch-Site", "same-origin"),
+        ],
+        r#"{"slots":4}"#,
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(farm.sup.stats().capacity, Some(4));
+
+    // A command-line client (no Origin, no Sec-Fetch-Site) with the token is not another site.
+    let reply = request(
+        addr,
+        "POST",
+        "/api/actions/cancel",
+        &[
+            ("Content-Type", "application/json; charset=utf-8"),
+            ("Authorization", BEARER),
+        ],
+        r#"{"job_id":"victim"}"#,
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.json()["cancelled"], true);
+    assert!(farm.victim_token.is_cancelled());
+    assert_eq!(
+        farm.victim.join().await.unwrap_err().code(),
+        "LEASE_BODY_CANCELLED"
+    );
+    // Gone now: a second cancel finds nothing.
+    let reply = action(addr, "cancel", r#"{"job_id":"victim"}"#).await;
+    assert_eq!(reply.refused(404), "CONSOLE_NOT_FOUND");
+    farm.console.shutdown().await.unwrap();
+    farm.sup.shutdown().await.unwrap();
+}
+
+/// A job whose temp dir was replaced by a file: its removal fails and the slot is quarantined
+/// (as in tests/quarantine.rs). The console lists it with the reason; a reclaim with the token,
+/// once the file is gone, frees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantined_slot_is_listed_with_its_reason_and_reclaimed_with_the_token() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    let mut events = Events::open(addr).await.unwrap();
+    let (dir_tx, dir_rx) = oneshot::channel();
+    let err = farm
+        .sup
+        .run(JobSpec::new("clobbered").unwrap(), |ctx| async move {
+            let _ = dir_tx.send(support::clobber_temp_dir(&ctx)?);
+            Ok::<_, std::io::Error>(())
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "LEASE_CLEANUP_UNCONFIRMED");
+    let path = dir_rx.await.unwrap();
+    let frame = events
+        .until("the quarantined slot's reason", |f| {
+            f["quarantined"].as_array().unwrap().iter().any(|q| {
+                q["job_id"] == "clobbered"
+                    && q["reason"]
+                        .as_str()
+                        .is_some_and(|r| r.contains("could not be removed"))
+            })
+        })
+        .await;
+    let lane = frame["lanes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["lease"]["job_id"] == "clobbered")
+        .expect("the quarantined lease keeps its lane");
+    assert_eq!(lane["lease"]["phase"], "quarantined");
+    assert_eq!(lane["lease"]["color"], "quarantined");
+    assert!(
+        lane["lease"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("could not be removed")
+    );
+    assert_eq!(frame["stats"]["quarantined"], 1);
+
+    std::fs::remove_file(&path).unwrap();
+    let reply = action(addr, "reclaim", "{}").await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(
+        reply.json()["reclaimed"].as_array().unwrap().len(),
+        1,
+        "{reply:?}"
+    );
+    events
+        .until("the quarantine emptied", |f| {
+            f["quarantined"].as_array().unwrap().is_empty() && f["stats"]["quarantined"] == 0
+        })
+        .await;
+    farm.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_outcomes_show_recorded_codes_and_observed_job_ends() {
+    let farm = Farm::start(false).await;
+    let addr = farm.addr();
+    let outcomes = farm.console.outcomes();
+    let mut events = Events::open(addr).await.unwrap();
+
+    // Reported only: too short to be sampled, or never granted.
+    let result = farm
+        .sup
+        .run(JobSpec::new("quick").unwrap(), |_ctx| async {
+            Ok::<_, std::io::Error>(1)
+        })
+        .await;
+    outcomes.record("quick", &result);
+    let failed = farm
+        .sup
+        .run(JobSpec::new("broken").unwrap(), |_ctx| async {
+            Err::<(), _>(std::io::Error::other("scene file is corrupt"))
+        })
+        .await;
+    outcomes.record("broken", &failed);
+
+    // Observed: held until the console has shown it, then let go, and not reported.
+    let (gate_tx, gate_rx) = oneshot::channel::<()>();
+    let gated = farm
+        .sup
+        .submit(JobSpec::new("gated").unwrap(), move |_ctx| async move {
+            let _ = gate_rx.await;
+            Ok::<_, std::io::Error>(())
+        });
+    events
+        .until("the gated job running", |f| {
+            f["lanes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|l| l["lease"]["job_id"] == "gated")
+        })
+        .await;
+    gate_tx.send(()).unwrap();
+    gated.join().await.unwrap();
+    let frame = events
+        .until("the gated job's end", |f| {
+            f["outcomes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|o| o["job_id"] == "gated")
+        })
+        .await;
+    let rows = frame["outcomes"].as_array().unwrap();
+    let row = |job: &str| rows.iter().find(|o| o["job_id"] == job).unwrap().clone();
+    assert_eq!(row("quick")["code"], "OK");
+    assert_eq!(row("broken")["code"], "LEASE_BODY_FAILED");
+    assert!(
+        row("broken")["detail"]
+            .as_str()
+            .unwrap()
+            .contains("job body failed")
+    );
+    let gated_row = row("gated");
+    assert!(gated_row["code"].is_null(), "{gated_row}");
+    assert!(gated_row["slot"].is_u64());
+    assert!(gated_row["last_phase"].is_string());
+    // Newest first.
+    assert_eq!(rows[0]["job_id"], "gated");
+    farm.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Slow and idle clients
+// ---------------------------------------------------------------------------------------------
+
+/// Opens `n` connections that each send an unfinished header line and then nothing.
+async fn slow_clients(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+    let mut clients = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        // A connection the console closed already (beyond its cap) may refuse the write.
+        let _ = stream
+            .write_all(b"GET /api/snapshot HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a")
+            .await;
+        clients.push(stream);
+    }
+    clients
+}
+
+/// Waits until the snapshot is served again: the console closes a request at once while its
+/// places are still held by connections it has not seen end yet.
+async fn snapshot_answers(addr: SocketAddr) {
+    let raw = format!("GET /api/snapshot HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let mut stream = TcpStream::connect(addr).await.unwrap();
+            let mut reply = Vec::new();
+            if stream.write_all(raw.as_bytes()).await.is_ok()
+                && stream.read_to_end(&mut reply).await.is_ok()
+                && reply.starts_with(b"HTTP/1.1 200")
+            {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the snapshot is served again");
+}
+
+/// Whether the console closed the connection (end of stream or a reset) within `bound`.
+async fn closed_within(mut stream: TcpStream, bound: Duration) -> bool {
+    let mut buf = [0u8; 512];
+    tokio::time::timeout(bound, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                // Whatever the console answers (nothing is expected), keep reading to the end.
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_cap_are_closed_at_once() {
+    let sup = Supervisor::builder().slots(1).start().await.unwrap();
+    let console = Console::builder(sup.clone())
+        .max_connections(4)
+        // Long enough that nothing here is closed by it.
+        .header_read_timeout(Duration::from_secs(600))
+        .start()
+        .await
+        .unwrap();
+    let addr = console.local_addr();
+    let mut clients = slow_clients(addr, 12).await;
+    let beyond = clients.split_off(4);
+    for stream in beyond {
+        assert!(
+            closed_within(stream, WAIT).await,
+            "a connection beyond the cap was left open"
+        );
+    }
+    // The first four hold the console's places; once they go, it answers again.
+    drop(clients);
+    snapshot_answers(addr).await;
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
+}
+
+/// A flood of slow clients (each sends an unfinished header line, then nothing) costs the
+/// console its own connections only: those beyond the cap are closed at once, the others when
+/// their headers have not arrived within the header-read timeout; jobs that make files all
+/// along never lack a descriptor, and the snapshot answers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_slow_clients_is_closed_by_the_console_and_costs_jobs_no_file_descriptor() {
+    // A common default: 1 024 descriptors for the whole process. The 600 slow clients below
+    // hold 600 of them here; a console that held a socket for each of them too would leave
+    // the jobs none.
+    let limit = FdLimit::set(1024);
+    let (sup, _root) = support::pool(2).await;
+    let console = Console::builder(sup.clone())
+        .max_connections(32)
+        .header_read_timeout(Duration::from_secs(1))
+        .start()
+        .await
+        .unwrap();
+    let addr = console.local_addr();
+    let clients = slow_clients(addr, 600).await;
+    // Jobs that each open files in their temp dirs while the flood lasts.
+    for n in 0..20 {
+        let written = sup
+            .run(
+                JobSpec::new(format!("during-the-flood-{n}")).unwrap(),
+                |ctx| async move {
+                    std::fs::write(ctx.temp_dir().join("frame.bin"), [0u8; 64])?;
+                    Ok::<_, std::io::Error>(())
+                },
+            )
+            .await;
+        written.unwrap_or_else(|e| panic!("a job failed during the flood: {e}"));
+    }
+    let closing: Vec<_> = clients
+        .into_iter()
+        .map(|s| tokio::spawn(closed_within(s, Duration::from_secs(30))))
+        .collect();
+    let mut closed = 0;
+    for c in closing {
+        closed += usize::from(c.await.unwrap());
+    }
+    assert!(
+        closed * 10 >= 600 * 9,
+        "only {closed} of 600 slow clients closed by the console"
+    );
+    snapshot_answers(addr).await;
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
+    drop(limit);
+}
+
+/// The process's soft limit on open file descriptors, lowered for a test and put back after.
+struct FdLimit(rustix::process::Rlimit);
+
+impl FdLimit {
+    fn set(soft: u64) -> Self {
+        use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+        let old = getrlimit(Resource::Nofile);
+        let new = Rlimit {
+            current: Some(old.maximum.map_or(soft, |hard| hard.min(soft))),
+            maximum: old.maximum,
+        };
+        setrlimit(Resource::Nofile, new).expect("the soft limit can be lowered");
+        Self(old)
+    }
+}
+
+impl Drop for FdLimit {
+    fn drop(&mut self) {
+        let old = rustix::process::Rlimit {
+            current: self.0.current,
+            maximum: self.0.maximum,
+        };
+        let _ = rustix::process::setrlimit(rustix::process::Resource::Nofile, old);
+    }
+}

@@ -1,0 +1,603 @@
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    unreachable_pub,
+    rust_2018_idioms
+)]
+#![deny(unused_must_use)]
+
+// The broker by concern:
+// - `config` — [`EtcdConfig`] and its validation;
+// - `error` — [`EtcdError`], [`EtcdErrorKind`] and the classification of failed calls;
+// - `layout` — every key and value in etcd, and the validation of what is read back;
+// - `endpoints` — one client per member, calls sent to a member that answers;
+// - `session` — renewal and loss: the session lease, `keep_alive`, tokens nobody keeps alive;
+// - `acquire` — the idempotent first transaction, and the cleanup of an acquire given up;
+// - `queue` — FIFO, work-conserving, herd-free waiting;
+// - `watches` — one watch stream per broker, shared by its waiters;
+// - `slots` — the broker's watch of the slot keys while it has waiters: frees, grants
+//   confirmed without a read, the cache of the oldest waiters kept fresh;
+// - `release` — the hand-off to the next waiter, and releases settled in the background;
+// - `trust_tests` — a property test of the decoding and decision functions over arbitrary
+//   pools.
+
+mod acquire;
+mod config;
+mod endpoints;
+mod error;
+mod layout;
+mod queue;
+mod release;
+mod session;
+mod slots;
+#[cfg(test)]
+mod trust_tests;
+mod txn;
+mod watches;
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use etcd_client::{Compare, CompareOp, ConnectOptions, GetOptions, Txn, TxnOp};
+use parking_lot::Mutex;
+use tokio::time::{Instant, timeout_at};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use leasehold::{AcquireRequest, BrokerError, BrokerEvents, SlotBroker, SlotToken};
+
+pub use config::EtcdConfig;
+pub use error::{EtcdError, EtcdErrorKind};
+/// The etcd client this broker is built on, for the types its configuration takes (say
+/// [`etcd_client::TlsOptions`] for [`EtcdConfig::tls`], feature `tls`).
+pub use etcd_client;
+
+use acquire::Cleanup;
+use endpoints::Endpoints;
+use error::Fail;
+use layout::Layout;
+use session::{Held, Session};
+
+/// A [`SlotBroker`] whose slots live in etcd and are shared by every broker (in any process,
+/// on any host) configured with the same endpoints, key prefix and pool.
+///
+/// Create it with [`EtcdBroker::connect`] and hand it to
+/// [`SupervisorBuilder::broker`](leasehold::SupervisorBuilder::broker) (an `Arc<EtcdBroker>` works
+/// too, to keep observing it).
+///
+/// # Layout
+///
+/// Everything lives under `{key_prefix}/{pool}/`, and nothing else may:
+///
+/// | key | value | lease |
+/// |---|---|---|
+/// | `capacity` | `leasehold/v1 capacity=N` | none: written once, compared by every broker |
+/// | `request/{rk:016x}` | `leasehold/v1 request waiting`, `… granted slot=N` or `… abandoned` | the broker's session |
+/// | `queue/{qk:016x}` | `leasehold/v1 waiter owner=… request={rk:016x}` | the waiter's session |
+/// | `slot/{index:06}` | `leasehold/v1 holder request={rk:016x}` | the holder's session |
+///
+/// `rk` is derived from the broker's random owner id, the supervisor's
+/// [`AcquireRequest::origin`] and its [`AcquireRequest::request_id`]; `qk` names a queue place
+/// of this broker, reused once free.
+///
+/// # Protocol
+///
+/// Each broker keeps one etcd lease, its session, alive on one keep-alive stream; everything it
+/// writes lives under it, so a process that dies loses its slots and queue places one TTL later.
+/// An acquire on an idle pool is one transaction (claim a slot if nobody waits), a release one
+/// more (delete the slot key if nobody waits): two consensus writes per lease. Both are named by
+/// the request key, so a retry of an ambiguous call (or of the whole acquire with the same
+/// request id) finds what the first attempt did and never takes a second slot.
+///
+/// Otherwise the acquire joins the queue, ordered by the queue key's create revision (FIFO).
+/// A release hands its slot straight to the oldest waiter in its own transaction, writing the
+/// grant into the waiter's marker: no slot sits idle while someone waits, and while every slot
+/// is held a waiter watches only its marker (on one watch stream per broker), so a release costs
+/// no read whatever the queue's length: the grantee's marker event, and the slot key's event to
+/// each broker with waiters (one watch of the slot keys per broker), against which the grantee
+/// checks its grant — a hand-off takes the release's transaction and one event, one round trip. A slot freed without a release (a
+/// holder's session expired) makes the waiters look for their place, and the head claims it. A waiter keeps its place through outages and leader elections and fails
+/// (`ETCD_SESSION_EXPIRED`) only when etcd says its session expired.
+///
+/// The token's lease id is the revision of the grant (the slot key's mod revision), strictly
+/// increasing across the whole etcd cluster: a fencing token.
+///
+/// While a token is held the supervisor drives [`SlotBroker::keep_alive`], which resolves as
+/// soon as the session may lapse before it can be renewed. A token that nobody keeps alive for
+/// one TTL (and that is not released) is given back by the broker itself. A release whose
+/// answer is lost is finished in the background; if it is found to have gone with its expired
+/// session, it is reported through [`BrokerEvents::orphan_expired`]. Calls go to a member that
+/// answers; a member that does not is skipped until a probe finds it healthy.
+///
+/// Nothing the broker reads grants a slot unless leasehold wrote it for that request: a waiter
+/// decides only from a marker under its own session, and takes a grant only once its slot key
+/// says the same (request, session, revision). Anything else under the pool prefix is refused
+/// with a typed [`EtcdError`] (`ETCD_FOREIGN_KEY`, `ETCD_CORRUPT_RECORD`) and the refused
+/// waiter leaves the queue. [`SlotBroker::close`] withdraws what is in flight and revokes the
+/// session, awaited: a process that closes its broker before it exits leaves nothing in etcd.
+///
+/// # Examples
+///
+/// ```no_run
+/// use leasehold::Supervisor;
+/// use leasehold_etcd::{EtcdBroker, EtcdConfig};
+///
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let config = EtcdConfig::new(["http://127.0.0.1:2379"], "render", 3);
+/// let broker = EtcdBroker::connect(config).await?;
+/// let sup = Supervisor::builder().broker(broker).start().await?;
+/// let mut lease = sup.acquire().await?;
+/// println!("fencing token {}", lease.lease_id()?);
+/// lease.release().await?;
+/// # Ok(()) }
+/// ```
+pub struct EtcdBroker {
+    inner: Arc<Inner>,
+}
+
+/// The broker's state, shared with its background tasks.
+struct Inner {
+    layout: Layout,
+    endpoints: Arc<Endpoints>,
+    ttl: Duration,
+    rpc_timeout: Duration,
+    retry_for: Duration,
+    connect_timeout: Duration,
+    /// Random per broker: request ids are only unique per supervisor.
+    owner: u64,
+    /// The live session, if any.
+    session: Mutex<Option<Arc<Session>>>,
+    /// One session grant at a time.
+    granting: tokio::sync::Mutex<()>,
+    /// Tokens this broker granted and has not released.
+    held: Mutex<HashMap<SlotToken, Held>>,
+    /// Woken when a token is released: its slot index may be handed out again.
+    released: tokio::sync::Notify,
+    /// How many tokens were released (see `queue::wait`).
+    releases: AtomicU64,
+    /// Tokens given back unclaimed after a TTL: a late release of one answers `Ok`.
+    forgotten: Mutex<VecDeque<SlotToken>>,
+    /// A slot index likely to be free (the idle pool's first guess).
+    hint: AtomicU32,
+    /// The oldest waiters this broker last read (a release chains over them).
+    heads: Mutex<Vec<layout::Waiter>>,
+    /// A read of `heads` is on its way.
+    refreshing: AtomicBool,
+    /// Free slots are being granted (see `fill_free_slots`).
+    filling: AtomicBool,
+    /// The waiter of this broker whose coming grant `heads` was last read for (see
+    /// `heads_for_next_release`).
+    refreshed_for: Mutex<Option<u64>>,
+    /// Cached waiters served since `heads` was last read.
+    pruned: AtomicUsize,
+    /// The broker's shared watch stream (see `watches`).
+    hub: Arc<watches::Hub>,
+    /// Bumped on every slot deletion while the broker has waiters (see `slots`).
+    frees: tokio::sync::watch::Sender<u64>,
+    /// The slot watch's users and task, what it has seen, and a bump on each of its batches
+    /// (see `slots`).
+    slots_ctl: Mutex<slots::SlotsCtl>,
+    slot_view: Mutex<slots::SlotView>,
+    slot_seen: tokio::sync::watch::Sender<u64>,
+    /// Whether the queue had waiters when last seen: an acquire then joins it straight away
+    /// instead of first trying to claim (a comparison over the whole queue).
+    contended: AtomicBool,
+    /// Queue places in use, by request key, and the free ones (see `layout`).
+    places: Mutex<Places>,
+    /// Cleanups of acquires given up, by request key.
+    abandoned: Mutex<HashMap<u64, Arc<Cleanup>>>,
+    orphans_expired: AtomicU64,
+    /// Give-backs in progress in the background.
+    settling: AtomicUsize,
+    events: Mutex<Vec<BrokerEvents>>,
+    /// Supervisors attached and not yet closed (see [`SlotBroker::close`]).
+    attached: Mutex<usize>,
+    /// Acquire attempts in flight, by request key: a copy of a request sent while another
+    /// runs waits for it (see `acquire`).
+    flights: Mutex<HashMap<u64, tokio::sync::watch::Receiver<()>>>,
+    /// Acquires in flight and the background work that settles what they and releases leave
+    /// (withdrawn queue places, grants passed on, releases finished): what `close` waits for,
+    /// instead of tasks that die with the runtime.
+    tasks: TaskTracker,
+    /// Cancelled when `close` begins: acquires end, no new session is granted.
+    closed: CancellationToken,
+    /// One close at a time; `true` once done.
+    close_done: tokio::sync::Mutex<bool>,
+    /// Set once `close` has revoked the session: the keeper need not revoke it again.
+    revoked: Arc<AtomicBool>,
+    /// Cancelled when the broker goes: its session keeper stops (and revokes the session,
+    /// unless `close` already did).
+    closing: CancellationToken,
+}
+
+/// A broker's queue places: a small index per place, reused once free.
+#[derive(Debug, Default)]
+struct Places {
+    by_request: HashMap<u64, u32>,
+    free: Vec<u32>,
+    next: u32,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.closing.cancel();
+    }
+}
+
+impl fmt::Debug for EtcdBroker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdBroker")
+            .field("prefix", &self.inner.layout.prefix())
+            .field("capacity", &self.inner.layout.capacity())
+            .field("ttl", &self.inner.ttl)
+            .field("owner", &format_args!("{:016x}", self.inner.owner))
+            .field("endpoints", &self.inner.endpoints)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EtcdBroker {
+    /// Connects, records the pool's capacity if the pool is new (or checks it against the one
+    /// recorded), and checks that everything under the pool prefix is leasehold's.
+    ///
+    /// A pool is new only when nothing at all lies under its prefix: a capacity record that is
+    /// missing while other keys are there (slots may be held) is refused, never re-created.
+    /// The pool is created only if it does not lie inside another pool's prefix, in the same
+    /// transaction (so no two pools' keys can nest, whichever connects first).
+    ///
+    /// # Errors
+    ///
+    /// [`EtcdError`]: `ETCD_INVALID_CONFIG`, `ETCD_UNAVAILABLE` (no answer within the connect
+    /// bound and the retries), `ETCD_AUTH_FAILED`, `ETCD_TLS_FAILED`, `ETCD_CAPACITY_MISMATCH`
+    /// (the pool exists with another capacity), `ETCD_CORRUPT_RECORD` (a record leasehold did
+    /// not write, or the capacity record missing from a pool that has keys),
+    /// `ETCD_FOREIGN_KEY` or `ETCD_POOL_NESTED` (the pool lies inside another).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it writes at most the capacity record, which a later connect reads back.
+    pub async fn connect(config: EtcdConfig) -> Result<Self, EtcdError> {
+        config.validate()?;
+        let mut options = ConnectOptions::new()
+            .with_timeout(config.rpc_timeout)
+            .with_connect_timeout(config.connect_timeout)
+            .with_keep_alive(Duration::from_secs(5), config.rpc_timeout)
+            .with_require_leader(true);
+        if let Some((name, password)) = &config.user {
+            options = options
+                .with_user(name.clone(), password.clone())
+                .with_auto_token_refresh(true);
+        }
+        #[cfg(feature = "tls")]
+        if let Some(tls) = config.tls.clone() {
+            options = options.with_tls(tls);
+        }
+        let owner = {
+            let mut h = std::hash::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            h.write_u128(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos()),
+            );
+            h.finish()
+        };
+        let layout = Layout::new(&config.key_prefix, &config.pool, config.capacity);
+        // Processes start on different members, spreading the load.
+        let endpoints = Endpoints::new(
+            &config.endpoints,
+            options,
+            config.connect_timeout,
+            config.rpc_timeout,
+            layout.capacity_key(),
+            owner as usize,
+        );
+        let hub = watches::Hub::new(
+            Arc::clone(&endpoints),
+            layout.capacity_key(),
+            config.retry_for,
+        );
+        let inner = Arc::new(Inner {
+            hub,
+            layout,
+            endpoints,
+            ttl: config.ttl,
+            rpc_timeout: config.rpc_timeout,
+            retry_for: config.retry_for,
+            connect_timeout: config.connect_timeout,
+            owner,
+            session: Mutex::new(None),
+            granting: tokio::sync::Mutex::new(()),
+            held: Mutex::new(HashMap::new()),
+            released: tokio::sync::Notify::new(),
+            releases: AtomicU64::new(0),
+            forgotten: Mutex::new(VecDeque::new()),
+            hint: AtomicU32::new((owner % u64::from(config.capacity)) as u32),
+            heads: Mutex::new(Vec::new()),
+            refreshing: AtomicBool::new(false),
+            filling: AtomicBool::new(false),
+            refreshed_for: Mutex::new(None),
+            pruned: AtomicUsize::new(0),
+            frees: tokio::sync::watch::Sender::new(0),
+            slots_ctl: Mutex::new(slots::SlotsCtl::default()),
+            slot_view: Mutex::new(slots::SlotView::default()),
+            slot_seen: tokio::sync::watch::Sender::new(0),
+            contended: AtomicBool::new(false),
+            places: Mutex::new(Places::default()),
+            abandoned: Mutex::new(HashMap::new()),
+            orphans_expired: AtomicU64::new(0),
+            settling: AtomicUsize::new(0),
+            events: Mutex::new(Vec::new()),
+            attached: Mutex::new(0),
+            flights: Mutex::new(HashMap::new()),
+            tasks: TaskTracker::new(),
+            closed: CancellationToken::new(),
+            close_done: tokio::sync::Mutex::new(false),
+            revoked: Arc::new(AtomicBool::new(false)),
+            closing: CancellationToken::new(),
+        });
+        #[cfg(feature = "tls")]
+        let tls = config.tls.is_some();
+        #[cfg(not(feature = "tls"))]
+        let tls = false;
+        inner.ensure_capacity().await.map_err(|mut e| {
+            if tls && e.kind() == EtcdErrorKind::Unavailable {
+                // A TLS server that refuses the client's certificate (or its absence) just
+                // closes the connection: say what it may have been.
+                e.message.push_str(
+                    " (over TLS: the server may require a client certificate, or have refused this one)",
+                );
+            }
+            e
+        })?;
+        Ok(Self { inner })
+    }
+
+    /// Releases whose answer was lost and that were later found to have gone with this broker's
+    /// expired session (their TTL, not a release, ended them).
+    pub fn orphans_expired(&self) -> u64 {
+        self.inner.orphans_expired.load(Ordering::Relaxed)
+    }
+
+    /// Slots this broker is giving back in the background: releases whose answer was lost (or
+    /// whose future was dropped), and tokens nobody kept alive for a TTL (for tools and tests).
+    pub fn settling(&self) -> usize {
+        self.inner.settling.load(Ordering::Acquire)
+    }
+
+    /// The pool's key prefix (`{key_prefix}/{pool}/`).
+    pub fn pool_prefix(&self) -> &str {
+        self.inner.layout.prefix()
+    }
+
+    /// The etcd lease (this broker's session) behind a token it holds (for tools and tests).
+    pub fn etcd_lease_of(&self, token: SlotToken) -> Option<i64> {
+        self.inner.held.lock().get(&token).map(|h| h.session.id)
+    }
+
+    /// The etcd lease of this broker's live session, if it has one (for tools and tests).
+    pub fn session_lease(&self) -> Option<i64> {
+        self.inner
+            .session
+            .lock()
+            .as_ref()
+            .filter(|s| !s.is_expired())
+            .map(|s| s.id)
+    }
+
+    /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
+    /// the queue key an acquire with this request waits under, `None` while the acquire is not
+    /// in flight. Its place is chosen at its first transaction and
+    /// given up once it is granted or withdrawn; the key exists in etcd while it waits.
+    #[cfg(feature = "fault-injection")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+    pub fn queue_key_for(&self, request: &AcquireRequest) -> Option<String> {
+        let rk = self.inner.request_key(request);
+        self.inner
+            .place_if_any(rk)
+            .map(|place| self.inner.layout.queue_key(place))
+    }
+
+    /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
+    /// the request marker an acquire with this request writes first. It exists from the
+    /// acquire's first transaction until the release.
+    #[cfg(feature = "fault-injection")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+    pub fn request_key_for(&self, request: &AcquireRequest) -> String {
+        self.inner
+            .layout
+            .request_key(self.inner.request_key(request))
+    }
+}
+
+impl SlotBroker for EtcdBroker {
+    async fn acquire(&self, request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+        self.inner
+            .acquire(&request)
+            .await
+            .map_err(EtcdError::into_broker)
+    }
+
+    async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
+        self.inner.release(token).await
+    }
+
+    fn capacity(&self) -> Option<u32> {
+        Some(self.inner.layout.capacity())
+    }
+
+    fn renews(&self) -> bool {
+        true
+    }
+
+    async fn keep_alive(&self, token: SlotToken) -> BrokerError {
+        self.inner.keep_alive(token).await.into_broker()
+    }
+
+    fn attach(&self, events: BrokerEvents) {
+        *self.inner.attached.lock() += 1;
+        self.inner.events.lock().push(events);
+    }
+
+    /// Withdraws every acquire still in flight (their queue places go, a slot granted
+    /// meanwhile is passed on to the next waiter), lets the releases still settling in the
+    /// background finish (bounded by twice the call timeout), then revokes the session —
+    /// every key still under it goes with it, at once, not one TTL later — and waits for
+    /// etcd's answer (retried for `retry_for`). Afterwards acquires fail with
+    /// `ETCD_BROKER_CLOSED` and no session is granted again.
+    ///
+    /// Counted per supervisor attached to the broker: with several, each close ends one of
+    /// them and only the last closes the broker; with none (a broker used directly), the first
+    /// close does. Closing a closed broker answers `Ok` at once.
+    ///
+    /// # Errors
+    ///
+    /// `ETCD_UNAVAILABLE` when etcd did not confirm the revoke: the session, and whatever is
+    /// under it, then goes with its TTL.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: the broker is closed from the first poll on; dropped before the revoke was
+    /// answered, the session is left to its TTL (or to the revoke the broker's drop sends).
+    async fn close(&self) -> Result<(), BrokerError> {
+        {
+            let mut attached = self.inner.attached.lock();
+            if *attached > 1 {
+                *attached -= 1;
+                return Ok(());
+            }
+            *attached = 0;
+        }
+        self.inner.close().await.map_err(EtcdError::into_broker)
+    }
+}
+
+impl Inner {
+    /// Records the capacity if the pool is new (nothing under its prefix) and lies inside no
+    /// other pool, then validates the whole pool.
+    async fn ensure_capacity(self: &Arc<Self>) -> Result<(), EtcdError> {
+        let l = &self.layout;
+        // Bounded by the connect timeout: the client connects lazily, on this first call.
+        let deadline = Instant::now() + self.connect_timeout;
+        let enclosing = l.enclosing_capacity_keys();
+        // One transaction: a pool that another pool's keys would nest in (or that would nest
+        // in another) is never created, whichever connects first.
+        let mut when = vec![
+            // An empty range compares as one absent key: nothing under the prefix.
+            Compare::create_revision(l.prefix(), CompareOp::Equal, 0).with_prefix(),
+        ];
+        when.extend(
+            enclosing
+                .iter()
+                .map(|key| Compare::create_revision(key.as_str(), CompareOp::Equal, 0)),
+        );
+        let txn = Txn::new()
+            .when(when)
+            .and_then([TxnOp::put(l.capacity_key(), l.capacity_value(), None)])
+            .or_else(
+                enclosing
+                    .iter()
+                    .map(|key| TxnOp::get(key.as_str(), Some(GetOptions::new().with_keys_only())))
+                    .collect::<Vec<_>>(),
+            );
+        let created = self
+            .endpoints
+            .call("record the capacity", deadline, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await
+            .map_err(|f| connect_error(f, "record the capacity"))?;
+        if !created.succeeded() {
+            let outer = txn::gets(&created.op_responses())
+                .iter()
+                .flat_map(|g| g.kvs().to_vec())
+                .next();
+            if let Some(outer) = outer {
+                let outer = String::from_utf8_lossy(outer.key());
+                return Err(EtcdError::new(
+                    EtcdErrorKind::NestedPool,
+                    format!(
+                        "the pool prefix {:?} lies inside the pool whose capacity record is {outer:?}: choose a key prefix and pool outside it",
+                        l.prefix()
+                    ),
+                ));
+            }
+        }
+        let prefix = l.prefix().to_owned();
+        let pool = self
+            .endpoints
+            .call("read the pool", deadline, |mut c| {
+                let prefix = prefix.clone();
+                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
+            })
+            .await
+            .map_err(|f| connect_error(f, "read the pool"))?;
+        l.check_pool(layout::raws(pool.kvs()))
+    }
+
+    /// The broker's close (see [`SlotBroker::close`] on [`EtcdBroker`]).
+    async fn close(self: &Arc<Self>) -> Result<(), EtcdError> {
+        let mut done = self.close_done.lock().await;
+        if *done {
+            return Ok(());
+        }
+        // From here the broker is closed: acquires in flight end (each withdraws what it left
+        // in etcd, in a task `tasks` tracks), and none starts a new session.
+        self.closed.cancel();
+        self.tasks.close();
+        // Withdrawals, grants passed on and releases settling, in their own bound: the revoke
+        // below removes what they could not, so it must not be starved by them.
+        let _ = timeout_at(Instant::now() + self.rpc_timeout * 2, self.tasks.wait()).await;
+        let session = self.session.lock().clone();
+        let revoked = match session {
+            None => Ok(()),
+            Some(session) => {
+                let id = session.id;
+                match self
+                    .endpoints
+                    .call(
+                        "revoke the session",
+                        Instant::now() + self.retry_for,
+                        |mut c| async move { c.lease_revoke(id).await },
+                    )
+                    .await
+                {
+                    // Revoked, or already gone: nothing is left under it.
+                    Ok(_) | Err(Fail::NotFound) => {
+                        tracing::debug!(
+                            session = format_args!("{id:016x}"),
+                            "etcd session revoked at close"
+                        );
+                        self.revoked.store(true, Ordering::Release);
+                        self.forget_session(&session);
+                        Ok(())
+                    }
+                    Err(f) => Err(f.into_etcd(
+                        "revoke the session at close (what is under it goes with its ttl)",
+                    )),
+                }
+            }
+        };
+        if revoked.is_ok() {
+            // The keeper stops renewing (and does not revoke again). After a failed revoke it
+            // keeps renewing, so that a second close can try again.
+            self.closing.cancel();
+            *done = true;
+        }
+        revoked
+    }
+}
+
+fn connect_error(fail: Fail, what: &str) -> EtcdError {
+    match fail {
+        Fail::Fatal(e) => e,
+        other => other.into_etcd(what),
+    }
+}

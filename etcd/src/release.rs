@@ -1,0 +1,538 @@
+//! Release: one transaction that hands the slot straight to the queue's head (or deletes it
+//! when nobody waits), and the background settlement of a release whose answer was lost.
+//!
+//! The hand-off compares the slot key's mod revision with the token (so a retry after a lost
+//! answer, or a late copy, does nothing once the slot has moved on) and the head's queue key
+//! with the place read; it writes the slot key under the head's session, deletes the head's
+//! queue key and writes the grant into the head's marker, all at one revision: the new token.
+//! A slot never sits free while someone waits.
+//!
+//! Uncontended, a release is one write. Under contention the chain runs over the first
+//! [`CHAIN`] of the oldest waiters this broker has cached (read in the background when it will
+//! release soon; the waiters granted since are pruned by the slot watch, see `slots`) and
+//! usually hands off in that one transaction. When it knows of no live waiter but one waits,
+//! the transaction's last link reads the slot and the oldest waiters instead, and a second
+//! transaction hands off: two consensus rounds, since etcd sends every transaction that could
+//! write through raft, whichever branch it takes (measured: a cold hand-off between two
+//! brokers on an idle 3-member cluster takes 2.2–2.6 ms on the 2-vCPU VM, both rounds).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
+use tokio::time::{Instant, sleep};
+
+use super::Inner;
+use super::error::{EtcdError, EtcdErrorKind, Fail};
+use super::layout::{MarkerState, Waiter, oldest_waiters, raws};
+use super::session::{Claim, Held, Settling};
+use super::txn::{gets, txn_shape};
+use leasehold::{BrokerError, SlotToken};
+
+/// How a give-back ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum GaveBack {
+    /// This call's transaction moved the slot on.
+    Released,
+    /// The slot no longer carried the token when read: an earlier attempt (whose answer was
+    /// lost) moved it on, or it went with the session.
+    Gone,
+}
+
+/// Settles a release in the background when the release future is dropped or fails with an
+/// unknown outcome.
+struct ReleaseGuard {
+    inner: Arc<Inner>,
+    token: SlotToken,
+    entry: Option<Held>,
+}
+
+impl Drop for ReleaseGuard {
+    fn drop(&mut self) {
+        if let Some(entry) = self.entry.take() {
+            self.inner.settle_in_background(self.token, entry);
+        }
+    }
+}
+
+impl Inner {
+    /// Gives `token` back (see [`SlotBroker::release`](leasehold::SlotBroker::release)).
+    pub(super) async fn release(self: &Arc<Self>, token: SlotToken) -> Result<(), BrokerError> {
+        let entry = self.held.lock().remove(&token);
+        let Some(entry) = entry else {
+            if self.forgotten.lock().contains(&token) {
+                // Given back by the broker after a TTL nobody kept it alive.
+                return Ok(());
+            }
+            return Err(EtcdError::new(
+                EtcdErrorKind::NotOurs,
+                format!("{token} was not granted by this broker, or was already released"),
+            )
+            .into_broker());
+        };
+        // The slot index is this broker's to hand out again (see `park`).
+        self.releases.fetch_add(1, Ordering::AcqRel);
+        self.released.notify_waiters();
+        self.hint.store(token.slot_id(), Ordering::Relaxed);
+        if entry.claim == Claim::Expired {
+            return Ok(()); // the broker gave it back already
+        }
+        if entry.lost {
+            // Lost means lost: `keep_alive` told the holder, whose job ended for it. The slot
+            // is not its any more (or will not be once the session lapses), so the release
+            // answers now instead of retrying against an etcd that may not answer for
+            // `retry_for`; the slot is given back in the background if etcd still has it under
+            // this token, and counted as an orphan that expired if it went with the session.
+            tracing::info!(%token, "release of a lost etcd lease answered at once; settled in the background");
+            self.settle_in_background(token, entry);
+            return Ok(());
+        }
+        let mut guard = ReleaseGuard {
+            inner: Arc::clone(self),
+            token,
+            entry: Some(entry.clone()),
+        };
+        let deadline = Instant::now() + self.retry_for;
+        match self.give_back(token, &entry, None, deadline).await {
+            Ok(_) => {
+                guard.entry = None;
+                Ok(())
+            }
+            Err(Fail::Ambiguous(m)) => Err(BrokerError::delivery_unknown(format!(
+                "release of {token} unanswered: {m}; retried in the background, else the slot goes with the session's ttl"
+            ))
+            .with_code("ETCD_UNAVAILABLE")),
+            // The session is gone, and the slot key with it.
+            Err(Fail::NotFound) => {
+                guard.entry = None;
+                Ok(())
+            }
+            Err(Fail::Fatal(e)) => Err(e.into_broker()),
+        }
+    }
+
+    /// Moves the slot of `token` on: to the oldest waiter, or free when nobody waits. The
+    /// request's marker goes in the same transaction, or becomes a tombstone under the session
+    /// `tombstone` (an acquire given up).
+    ///
+    /// Concurrent releases must not fight over one head: the transaction is a chain of nested
+    /// transactions over the oldest waiters this broker last read (`heads`), and hands the slot
+    /// to the first of them still waiting, all at one revision. Any waiter older than those read
+    /// does not exist (the queue only grows at its young end), so a stale list only risks
+    /// finding nobody left, and then the chain's last link reads the queue again.
+    pub(super) async fn give_back(
+        self: &Arc<Self>,
+        token: SlotToken,
+        entry: &Held,
+        tombstone: Option<i64>,
+        deadline: Instant,
+    ) -> Result<GaveBack, Fail> {
+        let l = &self.layout;
+        let mine = token.lease_id() as i64;
+        let marker = match tombstone {
+            None => TxnOp::delete(l.request_key(entry.rk), None),
+            Some(lease) => TxnOp::put(
+                l.request_key(entry.rk),
+                l.marker_value(MarkerState::Abandoned),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+        };
+        // Never itself: a holder read as a waiter before its grant (and its marker would be both
+        // written and deleted by one link).
+        let mut heads: Vec<Waiter> = self.heads.lock().clone();
+        // The first attempt chains over the first few cached waiters; one whose chain found
+        // them all gone chains over every waiter its last link read, and reads more the next
+        // time: concurrent releases chase the same oldest waiters, and with a round trip of
+        // delay more of them are served before a retry lands.
+        let mut chained = CHAIN;
+        // Bounded by the deadline (`retry_for`), not by a count: under a burst of load more
+        // waiters than one read can be served before its retry lands.
+        for attempt in 0u32.. {
+            if attempt > 0 && Instant::now() >= deadline {
+                break;
+            }
+            heads.retain(|w| w.rk != entry.rk && !self.served_lately(w));
+            let chain = &heads[..heads.len().min(chained).min(CHAIN_MAX)];
+            let read = self.heads_read() << attempt.min(3);
+            let txn = self.hand_off(token, chain, &marker, read);
+            let resp = self
+                .endpoints
+                .call("hand the slot on", deadline, |mut c| {
+                    let txn = txn.clone();
+                    async move { c.txn(txn).await }
+                })
+                .await?;
+            // Walk down the chain to the link that ran.
+            let mut link = resp;
+            let mut depth = 0;
+            while !link.succeeded() {
+                match link.op_responses().into_iter().next() {
+                    Some(etcd_client::TxnOpResponse::Txn(next)) => {
+                        link = next;
+                        depth += 1;
+                    }
+                    _ => break,
+                }
+            }
+            if link.succeeded() {
+                let handed = depth < chain.len();
+                self.contended.store(handed, Ordering::Relaxed);
+                if handed {
+                    // The waiters up to the one served are gone from the queue.
+                    {
+                        let mut cache = self.heads.lock();
+                        let served = &chain[..=depth];
+                        cache.retain(|w| !served.contains(w));
+                    }
+                    let held = gets(&link.op_responses()).first().map(|g| g.count());
+                    if held.is_some_and(|n| n < i64::from(self.layout.capacity())) {
+                        self.fill_free_slots(chain[depth].rk);
+                    }
+                    self.heads_for_next_release();
+                } else {
+                    self.heads.lock().clear();
+                }
+                return Ok(GaveBack::Released);
+            }
+            // The last link's reads: is the slot still this token's, and who waits now.
+            let reads = gets(&link.op_responses());
+            let [slot, oldest] = reads.as_slice() else {
+                return Err(Fail::Fatal(txn_shape("hand the slot on")));
+            };
+            match slot.kvs().first() {
+                Some(kv) if kv.mod_revision() == mine => {}
+                _ => return Ok(GaveBack::Gone),
+            }
+            heads = self
+                .layout
+                .waiters(raws(oldest.kvs()))
+                .map_err(Fail::Fatal)?;
+            self.contended.store(!heads.is_empty(), Ordering::Relaxed);
+            *self.heads.lock() = heads.clone();
+            chained = heads.len();
+        }
+        Err(Fail::Ambiguous(
+            "the queue kept changing under the release".into(),
+        ))
+    }
+
+    /// The chain: for each waiter in `heads`, "if the slot is still the token's and the waiter
+    /// still waits, hand it over, else try the next"; last, "if nobody waits, delete it, else
+    /// read the slot and the queue's oldest waiters".
+    fn hand_off(&self, token: SlotToken, heads: &[Waiter], marker: &TxnOp, read: i64) -> Txn {
+        let l = &self.layout;
+        let slot_key = l.slot_key(token.slot_id());
+        let still_mine =
+            || Compare::mod_revision(slot_key.clone(), CompareOp::Equal, token.lease_id() as i64);
+        let mut link = Txn::new()
+            .when([
+                still_mine(),
+                Compare::version(l.queue_prefix(), CompareOp::Equal, 0).with_prefix(),
+            ])
+            .and_then([TxnOp::delete(slot_key.clone(), None), marker.clone()])
+            .or_else([
+                TxnOp::get(slot_key.clone(), Some(GetOptions::new().with_keys_only())),
+                TxnOp::get(l.queue_prefix(), Some(oldest_waiters(read))),
+            ]);
+        for w in heads.iter().rev() {
+            let under = || Some(PutOptions::new().with_lease(w.lease));
+            link = Txn::new()
+                .when([
+                    still_mine(),
+                    Compare::create_revision(l.queue_key(w.qk), CompareOp::Equal, w.create_rev),
+                ])
+                .and_then([
+                    TxnOp::put(slot_key.clone(), l.holder_value(w.rk), under()),
+                    TxnOp::delete(l.queue_key(w.qk), None),
+                    TxnOp::put(
+                        l.request_key(w.rk),
+                        l.marker_value(MarkerState::Granted {
+                            slot: token.slot_id(),
+                        }),
+                        under(),
+                    ),
+                    marker.clone(),
+                    // How many slots are held after it (from the index): fewer than the pool
+                    // has means slots freed without a hand-off that nobody claimed yet.
+                    held_count(l),
+                ])
+                .or_else([TxnOp::txn(link)]);
+        }
+        link
+    }
+
+    /// How many of the oldest waiters a release reads when its chain found none of them (in
+    /// its own transaction).
+    fn heads_read(&self) -> i64 {
+        i64::from(self.layout.capacity().min(16))
+    }
+
+    /// How many of the oldest waiters a refresh of `heads` reads: enough for the releases of
+    /// the whole pool for a while (the slot watch prunes the ones served).
+    fn heads_cached(&self) -> i64 {
+        i64::from((self.layout.capacity() * 8).clamp(16, 64))
+    }
+
+    /// Reads the oldest waiters again (in the background) when a release of this broker's would
+    /// find its cache short: one of its own waiters is among the first `capacity` cached ones
+    /// (its grant is near) with fewer than [`CHAIN`] cached behind it (once per such waiter:
+    /// the read shows who joined behind it since); or fewer than [`CHAIN`] are cached while it
+    /// waits or holds a slot, after at least [`CHAIN`] were served since the last read (a queue
+    /// that short is not read again and again). Called when the cache shrinks (a grant seen or
+    /// made) and when this broker is granted a slot.
+    pub(super) fn heads_for_next_release(self: &Arc<Self>) {
+        if !self.contended.load(Ordering::Relaxed) {
+            return;
+        }
+        let Some(session) = self.session.lock().as_ref().map(|s| s.id) else {
+            return;
+        };
+        let busy = !self.held.lock().is_empty() || !self.places.lock().by_request.is_empty();
+        let near = (self.layout.capacity() as usize).max(1);
+        let (front, short) = {
+            let heads = self.heads.lock();
+            let front = heads
+                .iter()
+                .take(near)
+                .position(|w| w.lease == session)
+                .map(|i| (heads[i].rk, heads.len() - i - 1));
+            (front, heads.len() < CHAIN)
+        };
+        let read = match front {
+            Some((rk, behind)) => {
+                let mut last = self.refreshed_for.lock();
+                let read = behind < CHAIN && *last != Some(rk);
+                if read {
+                    *last = Some(rk);
+                }
+                read
+            }
+            None => short && busy && self.pruned.load(Ordering::Relaxed) >= CHAIN,
+        };
+        if read {
+            self.refresh_heads();
+        }
+    }
+
+    /// Reads the queue's oldest waiters into `heads`, off the release's path: one serializable
+    /// read on one member (a stale answer only costs a link that fails); the waiters the slot
+    /// watch saw served meanwhile are left out.
+    fn refresh_heads(self: &Arc<Self>) {
+        self.spawn_alone(
+            |inner| &inner.refreshing,
+            |me| async move {
+                let prefix = me.layout.queue_prefix();
+                let n = me.heads_cached();
+                let read = me
+                    .endpoints
+                    .call(
+                        "read the queue's oldest waiters",
+                        Instant::now() + me.rpc_timeout * 2,
+                        |mut c| {
+                            let prefix = prefix.clone();
+                            async move {
+                                c.get(prefix, Some(oldest_waiters(n).with_serializable()))
+                                    .await
+                            }
+                        },
+                    )
+                    .await;
+                if let Ok(resp) = read
+                    && let Ok(mut waiters) = me.layout.waiters(raws(resp.kvs()))
+                {
+                    me.contended.store(!waiters.is_empty(), Ordering::Relaxed);
+                    waiters.retain(|w| !me.served_lately(w));
+                    *me.heads.lock() = waiters;
+                    me.pruned.store(0, Ordering::Relaxed);
+                }
+            },
+        );
+    }
+
+    /// Runs `work` in the background unless the run `busy` guards is still in flight (or no
+    /// runtime is at hand); `busy` is cleared when it ends.
+    fn spawn_alone<F>(
+        self: &Arc<Self>,
+        busy: fn(&Self) -> &AtomicBool,
+        work: impl FnOnce(Arc<Self>) -> F,
+    ) where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        if busy(self).swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            busy(self).store(false, Ordering::Release);
+            return;
+        };
+        let me = Arc::clone(self);
+        let work = work(Arc::clone(self));
+        rt.spawn(async move {
+            work.await;
+            busy(&me).store(false, Ordering::Release);
+        });
+    }
+
+    /// Slots are free while waiters wait (freed without a hand-off: a session that expired, a
+    /// release that found the queue empty just before waiters joined): grants them to the
+    /// oldest waiters this broker knows of, after `served` (the one it just handed to), in the
+    /// background. The queue's head would claim them too, but under contention the head is
+    /// usually served by a hand-off before its own claim lands (three round trips), so free
+    /// slots would stay free. Best effort: each grant compares the waiter's place and the slot's
+    /// absence, so it races nobody's claim unsafely.
+    fn fill_free_slots(self: &Arc<Self>, served: u64) {
+        self.spawn_alone(
+            |inner| &inner.filling,
+            |me| async move {
+                let l = &me.layout;
+                let prefix = l.slot_prefix();
+                let read = me
+                .endpoints
+                .call(
+                    "read the holders",
+                    Instant::now() + me.rpc_timeout * 2,
+                    |mut c| {
+                        let prefix = prefix.clone();
+                        async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
+                    },
+                )
+                .await;
+                if let Ok(resp) = read
+                    && let Ok(holders) = l.holders(raws(resp.kvs()))
+                {
+                    let local: Vec<u32> = me.held.lock().keys().map(|t| t.slot_id()).collect();
+                    let free: Vec<u32> = (0..l.capacity())
+                        .filter(|i| !holders.iter().any(|h| h.index == *i) && !local.contains(i))
+                        .collect();
+                    let waiters: Vec<Waiter> = me
+                        .heads
+                        .lock()
+                        .iter()
+                        .filter(|w| w.rk != served)
+                        .take(free.len())
+                        .cloned()
+                        .collect();
+                    let grants = waiters
+                        .into_iter()
+                        .zip(free)
+                        .map(|(w, slot)| me.grant_to(w, slot));
+                    futures_util::future::join_all(grants).await;
+                }
+            },
+        );
+    }
+
+    /// [`settle`](Self::settle) in a task `close` waits for (counted in `settling`).
+    pub(super) fn settle_in_background(self: &Arc<Self>, token: SlotToken, entry: Held) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(%token, "an etcd slot is left to its session's ttl (no runtime to give it back)");
+            return;
+        };
+        let inner = Arc::clone(self);
+        let settling = Settling::new(&inner);
+        self.tasks.spawn_on(
+            async move {
+                inner.settle(token, entry, true).await;
+                drop(settling);
+            },
+            &rt,
+        );
+    }
+
+    /// Finishes giving a token back in the background, retrying while etcd does not answer.
+    /// With `count_expiry` (a release whose outcome the supervisor did not learn), a slot found
+    /// gone together with the session counts as an orphan that expired; a slot found gone while
+    /// the session lives was moved on by the release's own earlier attempt, and counts as
+    /// nothing more.
+    pub(super) async fn settle(
+        self: &Arc<Self>,
+        token: SlotToken,
+        entry: Held,
+        count_expiry: bool,
+    ) {
+        let give_up = Instant::now() + (self.ttl * 10).max(Duration::from_secs(60));
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            if entry.session.is_expired() {
+                self.gone_with_session(token, &entry, count_expiry);
+                return;
+            }
+            let deadline = Instant::now() + self.retry_for;
+            match self.give_back(token, &entry, None, deadline).await {
+                Ok(GaveBack::Released) => {
+                    tracing::info!(%token, "etcd slot given back in the background");
+                    return;
+                }
+                Ok(GaveBack::Gone) => {
+                    if self.session_lives(&entry).await {
+                        tracing::info!(%token, "an earlier release of this etcd slot had landed");
+                    } else {
+                        self.gone_with_session(token, &entry, count_expiry);
+                    }
+                    return;
+                }
+                Err(Fail::NotFound) => {
+                    self.gone_with_session(token, &entry, count_expiry);
+                    return;
+                }
+                Err(Fail::Fatal(e)) => {
+                    tracing::error!(%token, error = %e, "etcd slot cannot be given back; left to the session's ttl");
+                    return;
+                }
+                Err(Fail::Ambiguous(_)) => {}
+            }
+            if Instant::now() >= give_up {
+                tracing::warn!(%token, "etcd unreachable for too long: slot left to the session's ttl, not counted");
+                return;
+            }
+            sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Whether etcd still knows the entry's session (asked, not assumed).
+    async fn session_lives(self: &Arc<Self>, entry: &Held) -> bool {
+        let id = entry.session.id;
+        let asked = self
+            .endpoints
+            .call(
+                "check the session",
+                Instant::now() + self.retry_for,
+                |mut c| async move { c.lease_time_to_live(id, None).await },
+            )
+            .await;
+        !matches!(asked, Ok(ref resp) if resp.ttl() <= 0) && !matches!(asked, Err(Fail::NotFound))
+    }
+
+    fn gone_with_session(&self, token: SlotToken, entry: &Held, count_expiry: bool) {
+        if !count_expiry {
+            return;
+        }
+        self.orphans_expired.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(%token, "etcd slot whose release went unanswered expired with its session (its ttl ended it, not a release)");
+        for events in self.events.lock().iter() {
+            if events.origin() == 0 || events.origin() == entry.origin || entry.origin == 0 {
+                events.orphan_expired(token.lease_id());
+            }
+        }
+    }
+}
+
+/// How many of the cached oldest waiters one hand-off transaction chains over (each link
+/// compares two keys and writes three): enough for the releases that race it, with a cache the
+/// slot watch keeps fresh; when all of them are gone, its last link reads the queue instead.
+const CHAIN: usize = 6;
+/// The longest chain: etcd counts each nested level's operations against its limit on one
+/// transaction (`--max-txn-ops`, 128 by default), five per link here.
+const CHAIN_MAX: usize = 16;
+
+/// A count of the slot keys in the pool's slot range (from the index: no key is read).
+fn held_count(l: &super::layout::Layout) -> TxnOp {
+    let (from, to) = l.slot_range();
+    TxnOp::get(
+        from,
+        Some(GetOptions::new().with_range(to).with_count_only()),
+    )
+}
