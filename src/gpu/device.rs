@@ -35,6 +35,13 @@ pub(super) struct DevState {
 pub(crate) struct GpuDevice {
     pub(super) index: usize,
     pub(super) info: wgpu::AdapterInfo,
+    /// The engine created it ([`GpuOptions::adopt`](super::GpuOptions::adopt)): never
+    /// re-created, destroyed or waited on at close; a loss waits for the engine's replacement.
+    pub(super) adopted: bool,
+    /// Woken when a new generation is installed (checkouts waiting on a lost adopted device).
+    pub(super) installed: tokio::sync::Notify,
+    /// One replacement of an adopted device at a time (the engine's calls may race).
+    pub(super) replacing: Mutex<()>,
     pub(super) state: Mutex<DevState>,
     /// One creator at a time; the others wait and then see the new device.
     pub(super) create_lock: tokio::sync::Mutex<()>,
@@ -66,6 +73,7 @@ impl GpuDevice {
     pub(super) fn new(
         index: usize,
         info: wgpu::AdapterInfo,
+        adopted: bool,
         guard: Guard,
         slots: usize,
         scratch_size: u64,
@@ -73,6 +81,9 @@ impl GpuDevice {
         Self {
             index,
             info,
+            adopted,
+            installed: tokio::sync::Notify::new(),
+            replacing: Mutex::new(()),
             state: Mutex::new(DevState {
                 current: None,
                 generation: 0,
@@ -112,9 +123,7 @@ impl GpuDevice {
         }
     }
 
-    /// Requests a device from `adapter` and makes it the current generation, with its loss
-    /// callback and new scratch. Every backend call is guarded: a panic is an error here, the
-    /// old generation is left as it was.
+    /// Requests a device from `adapter` and makes it the current generation ([`install`](Self::install)).
     pub(super) async fn open_on(
         self: &Arc<Self>,
         adapter: &wgpu::Adapter,
@@ -133,7 +142,18 @@ impl GpuDevice {
             .await
             .map_err(GpuError::CreateFailed)?
             .map_err(|e| GpuError::CreateFailed(e.to_string()))?;
-        // One installer at a time (`open`, or the holder of `create_lock`): `next` stays right.
+        self.install(device, queue)
+    }
+
+    /// Makes `device` and `queue` the current generation, with its loss callback and new
+    /// scratch, and wakes the checkouts waiting for it. Every backend call is guarded: a panic
+    /// is an error here, the old generation is left as it was. One installer at a time (`open`,
+    /// the holder of `create_lock`, or a replacement the engine hands over under it).
+    pub(super) fn install(
+        self: &Arc<Self>,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+    ) -> Result<u64, GpuError> {
         let next = self.state.lock().generation + 1;
         let made = self
             .guard
@@ -168,6 +188,7 @@ impl GpuDevice {
         if let Some(old) = old {
             Doomed::new(old, self, next - 1).drop_off_thread();
         }
+        self.installed.notify_waiters();
         Ok(next)
     }
 

@@ -12,14 +12,19 @@ pub enum GpuError {
     CreateFailed(String),
     /// The device was lost, or its backend panicked (`LEASE_GPU_DEVICE_LOST`).
     DeviceLost(String),
+    /// [`Supervisor::replace_device`](crate::Supervisor::replace_device) was refused: no such
+    /// device, a device leasehold opened itself (it re-creates those), no GPU, or a
+    /// supervisor that has closed its devices (`GPU_REPLACE_REFUSED`). Nothing was installed.
+    ReplaceRefused(String),
 }
 
 impl GpuError {
-    /// `GPU_UNAVAILABLE` or `LEASE_GPU_DEVICE_LOST`.
+    /// `GPU_UNAVAILABLE`, `LEASE_GPU_DEVICE_LOST` or `GPU_REPLACE_REFUSED`.
     pub fn code(&self) -> &'static str {
         match self {
             Self::NoAdapter | Self::CreateFailed(_) => "GPU_UNAVAILABLE",
             Self::DeviceLost(_) => "LEASE_GPU_DEVICE_LOST",
+            Self::ReplaceRefused(_) => "GPU_REPLACE_REFUSED",
         }
     }
 }
@@ -30,6 +35,7 @@ impl fmt::Display for GpuError {
             Self::NoAdapter => f.write_str("no acceptable gpu adapter"),
             Self::CreateFailed(m) => write!(f, "gpu device creation failed: {m}"),
             Self::DeviceLost(m) => write!(f, "gpu device lost: {m}"),
+            Self::ReplaceRefused(m) => write!(f, "gpu device replacement refused: {m}"),
         }
     }
 }

@@ -1,6 +1,8 @@
 //! GPU devices owned by the supervisor (feature `gpu`).
 //!
-//! The pool creates every device once, at start. A GPU slot is a *sub-slot* of one device:
+//! The pool creates every device once, at start, or adopts the devices the engine created
+//! ([`GpuOptions::adopt`]: never re-created, destroyed or drained by leasehold; a lost one waits
+//! for the engine's replacement). A GPU slot is a *sub-slot* of one device:
 //! `slots_per_device` per device, each with scratch buffers of its own that are handed to the
 //! next lease only after the previous lease's GPU work has completed, and (by default) cleared
 //! to zero. The supervisor places a new lease on the least-loaded device (bookkeeping only, in

@@ -8,13 +8,28 @@ use super::contain::BackendHook;
 
 type AdapterFilter = Arc<dyn Fn(&wgpu::AdapterInfo) -> bool + Send + Sync>;
 
+/// What the engine is asked for when a device it handed over is lost: its index and why.
+pub(super) type ReplacementFor =
+    Arc<dyn Fn(usize, &str) -> Option<(wgpu::Device, wgpu::Queue)> + Send + Sync>;
+
+/// A device the engine created and handed over with [`GpuOptions::adopt`].
+#[derive(Clone, Debug)]
+pub(super) struct Adopted {
+    pub(super) device: wgpu::Device,
+    pub(super) queue: wgpu::Queue,
+    pub(super) info: wgpu::AdapterInfo,
+}
+
 /// Which GPUs a supervisor owns and how it shares them.
 #[derive(Clone)]
 pub struct GpuOptions {
     pub(super) backends: wgpu::Backends,
     pub(super) allow_software: bool,
     pub(super) slots_per_device: u32,
-    pub(super) max_devices: usize,
+    /// Devices the supervisor opens itself: `None` means 1 without adopted devices, 0 with.
+    max_devices: Option<usize>,
+    pub(super) adopted: Vec<Adopted>,
+    pub(super) replacement_for: Option<ReplacementFor>,
     adapter_filter: Option<AdapterFilter>,
     pub(super) fence_timeout: Duration,
     pub(super) scratch_bytes: u64,
@@ -83,7 +98,9 @@ impl GpuOptions {
             backends: wgpu::Backends::from_env().unwrap_or_else(platform_backends),
             allow_software: true,
             slots_per_device: 1,
-            max_devices: 1,
+            max_devices: None,
+            adopted: Vec::new(),
+            replacement_for: None,
             adapter_filter: None,
             fence_timeout: Duration::from_secs(10),
             scratch_bytes: 1 << 20,
@@ -114,11 +131,67 @@ impl GpuOptions {
         self
     }
 
-    /// How many devices to open at most (default 1): the first acceptable adapters, hardware
-    /// before software.
+    /// How many devices the supervisor opens itself, at most: the first acceptable adapters,
+    /// hardware before software. Default 1, or 0 once a device is [adopted](Self::adopt): an
+    /// engine that hands its own device over gets no second one unless it asks.
     pub fn max_devices(mut self, n: usize) -> Self {
-        self.max_devices = n;
+        self.max_devices = Some(n);
         self
+    }
+
+    /// Gives the supervisor sub-slots on a device the engine created and keeps using: the
+    /// supervisor holds clones of `device` and `queue` (types from [`leasehold::wgpu`](crate::wgpu))
+    /// and shares them among [`slots_per_device`](Self::slots_per_device) leases, with
+    /// placement, the fence-gated release and scratch isolation as on its own devices. Call it
+    /// once per device; adopted devices come first, in the order of the calls (indices 0, 1,
+    /// ...), then the devices the supervisor opens itself ([`max_devices`](Self::max_devices),
+    /// 0 by default once a device is adopted).
+    ///
+    /// What leasehold owns and what the engine keeps:
+    /// - leasehold never re-creates, destroys or polls to completion a device it adopted: at
+    ///   `shutdown()` it drops its clones and the engine keeps rendering with the device;
+    /// - the queue is shared: the engine's own submissions are never counted against a lease,
+    ///   but with [`FencePolicy::Queue`] (the default) a lease's fence also waits for engine
+    ///   work queued before it (bounded by [`fence_timeout`](Self::fence_timeout));
+    ///   [`FencePolicy::Recorded`] waits only for what jobs submitted through
+    ///   [`JobGpu::submit`](crate::JobGpu::submit);
+    /// - leasehold sets the device's lost callback (wgpu keeps one per device): the engine hears
+    ///   of a loss through [`replacement_for_lost`](Self::replacement_for_lost). When an adopted
+    ///   device is lost its leases end `LEASE_GPU_DEVICE_LOST` and their slots stay quarantined
+    ///   until the engine hands a replacement over, through that callback or
+    ///   [`Supervisor::replace_device`](crate::Supervisor::replace_device); other devices keep
+    ///   serving meanwhile.
+    pub fn adopt(
+        mut self,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        info: wgpu::AdapterInfo,
+    ) -> Self {
+        self.adopted.push(Adopted {
+            device,
+            queue,
+            info,
+        });
+        self
+    }
+
+    /// Called when an adopted device is lost, with its index and the reason: the engine may
+    /// return a replacement device and queue at once (`None`: it will call
+    /// [`Supervisor::replace_device`](crate::Supervisor::replace_device) later, or never). It
+    /// runs on a blocking thread, never in the supervisor's mailbox; a panic in it counts as
+    /// `None`.
+    pub fn replacement_for_lost(
+        mut self,
+        replacement: impl Fn(usize, &str) -> Option<(wgpu::Device, wgpu::Queue)> + Send + Sync + 'static,
+    ) -> Self {
+        self.replacement_for = Some(Arc::new(replacement));
+        self
+    }
+
+    /// How many devices the supervisor opens itself (see [`max_devices`](Self::max_devices)).
+    pub(super) fn own_devices(&self) -> usize {
+        self.max_devices
+            .unwrap_or(if self.adopted.is_empty() { 1 } else { 0 })
     }
 
     /// Only adapters for which `filter` returns `true`.
@@ -194,7 +267,8 @@ impl fmt::Debug for GpuOptions {
             .field("backends", &self.backends)
             .field("allow_software", &self.allow_software)
             .field("slots_per_device", &self.slots_per_device)
-            .field("max_devices", &self.max_devices)
+            .field("max_devices", &self.own_devices())
+            .field("adopted", &self.adopted.len())
             .field("adapter_filter", &self.adapter_filter.is_some())
             .field("fence_timeout", &self.fence_timeout)
             .field("fence_policy", &self.fence_policy)

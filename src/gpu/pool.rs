@@ -100,39 +100,57 @@ fn keep_vulkan_driver_loaded() {
 }
 
 impl GpuPool {
-    /// Opens up to `max_devices` acceptable adapters, hardware first.
+    /// Installs the adopted devices (indices `0..`), then opens up to `own_devices` acceptable
+    /// adapters, hardware first.
     pub(crate) async fn open(opts: GpuOptions) -> Result<Self, GpuError> {
         let guard = Guard::new(opts.backend_hook.clone());
-        let mut adapters: Vec<_> = enumerate(&guard, opts.backends, 0)
-            .await?
-            .into_iter()
-            .filter(|a| opts.accepts(&a.get_info()))
-            .collect();
-        adapters.sort_by_key(|a| {
-            let info = a.get_info();
-            (
-                info.device_type == wgpu::DeviceType::Cpu,
-                info.backend == wgpu::Backend::Gl,
-            )
-        });
-        adapters.truncate(opts.max_devices.max(1));
-        if adapters.is_empty() {
-            return Err(GpuError::NoAdapter);
-        }
         let slots = opts.slots_per_device as usize;
         let mut devices = Vec::new();
-        for (index, adapter) in adapters.into_iter().enumerate() {
-            let info = adapter.get_info();
+        for adopted in &opts.adopted {
             let dev = Arc::new(GpuDevice::new(
-                index,
-                info,
+                devices.len(),
+                adopted.info.clone(),
+                true,
                 guard.clone(),
                 slots,
                 opts.scratch_size(),
             ));
-            dev.open_on(&adapter).await?;
-            tracing::info!(index, adapter = %dev.info.name, backend = ?dev.info.backend, "gpu device ready");
+            dev.install(adopted.device.clone(), adopted.queue.clone())?;
+            tracing::info!(index = dev.index, adapter = %dev.info.name, backend = ?dev.info.backend, "adopted gpu device ready");
             devices.push(dev);
+        }
+        let own = opts.own_devices();
+        if own > 0 {
+            let mut adapters: Vec<_> = enumerate(&guard, opts.backends, devices.len())
+                .await?
+                .into_iter()
+                .filter(|a| opts.accepts(&a.get_info()))
+                .collect();
+            adapters.sort_by_key(|a| {
+                let info = a.get_info();
+                (
+                    info.device_type == wgpu::DeviceType::Cpu,
+                    info.backend == wgpu::Backend::Gl,
+                )
+            });
+            adapters.truncate(own);
+            for adapter in adapters {
+                let info = adapter.get_info();
+                let dev = Arc::new(GpuDevice::new(
+                    devices.len(),
+                    info,
+                    false,
+                    guard.clone(),
+                    slots,
+                    opts.scratch_size(),
+                ));
+                dev.open_on(&adapter).await?;
+                tracing::info!(index = dev.index, adapter = %dev.info.name, backend = ?dev.info.backend, "gpu device ready");
+                devices.push(dev);
+            }
+        }
+        if devices.is_empty() {
+            return Err(GpuError::NoAdapter);
         }
         let busy = vec![vec![false; slots]; devices.len()];
         Ok(Self {
@@ -154,11 +172,19 @@ impl GpuPool {
         self.devices.len() as u32 * self.opts.slots_per_device
     }
 
-    /// Places a lease on the least-loaded device that is not dead and has a free sub-slot.
+    /// Places a lease on the least-loaded device that is not dead and has a free sub-slot;
+    /// an adopted device that is lost only when no other device has a free sub-slot (its
+    /// checkout then waits for the engine's replacement).
     pub(crate) fn place(&self) -> Option<Placement> {
         let mut busy = self.busy.lock();
         let dead: Vec<bool> = self.devices.iter().map(|d| d.state.lock().dead).collect();
-        let placement = least_loaded(&busy, &dead)?;
+        let awaiting: Vec<bool> = self
+            .devices
+            .iter()
+            .zip(&dead)
+            .map(|(d, dead)| *dead || (d.adopted && !d.usable()))
+            .collect();
+        let placement = least_loaded(&busy, &awaiting).or_else(|| least_loaded(&busy, &dead))?;
         busy[placement.device][placement.sub] = true;
         Some(placement)
     }
@@ -201,6 +227,9 @@ impl GpuPool {
     async fn ensure_ready(&self, dev: &Arc<GpuDevice>) -> Result<(), GpuError> {
         if dev.usable() {
             return Ok(());
+        }
+        if dev.adopted {
+            return self.replacement(dev).await;
         }
         let _creator = dev.create_lock.lock().await;
         if dev.usable() {
@@ -250,6 +279,64 @@ impl GpuPool {
         Err(GpuError::CreateFailed(last))
     }
 
+    /// An adopted device is never re-created: its checkout waits until the engine hands a
+    /// replacement over (or the pool closes; the job's cancel ends the wait in the worker).
+    async fn replacement(&self, dev: &Arc<GpuDevice>) -> Result<(), GpuError> {
+        loop {
+            let installed = dev.installed.notified();
+            tokio::pin!(installed);
+            installed.as_mut().enable();
+            if dev.usable() {
+                return Ok(());
+            }
+            if self.closed.load(Ordering::Relaxed) {
+                return Err(GpuError::DeviceLost(format!(
+                    "device {} is closed",
+                    dev.index
+                )));
+            }
+            installed.await;
+        }
+    }
+
+    /// The engine's replacement for adopted device `index` (see
+    /// [`Supervisor::replace_device`](crate::Supervisor::replace_device)): installed as its next
+    /// generation, and the supervisor told (its quarantined slots on the device come back).
+    pub(crate) fn replace(
+        &self,
+        index: usize,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+    ) -> Result<u64, GpuError> {
+        let dev = self
+            .devices
+            .get(index)
+            .ok_or_else(|| GpuError::ReplaceRefused(format!("there is no gpu device {index}")))?;
+        if !dev.adopted {
+            return Err(GpuError::ReplaceRefused(format!(
+                "gpu device {index} was opened by leasehold, which re-creates it itself"
+            )));
+        }
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(GpuError::ReplaceRefused(
+                "the supervisor's gpu devices are closed".into(),
+            ));
+        }
+        let generation = {
+            let _one = dev.replacing.lock();
+            dev.install(device, queue)?
+        };
+        tracing::info!(
+            index,
+            generation,
+            "adopted gpu device replaced by the engine"
+        );
+        if let Some(hook) = self.replaced.get() {
+            hook(index);
+        }
+        Ok(generation)
+    }
+
     /// A fresh device on the same adapter, from a fresh wgpu instance.
     ///
     /// Why a fresh instance: on GL (EGL), every adapter enumerated from one instance shares
@@ -275,8 +362,45 @@ impl GpuPool {
     }
 
     /// Starts re-creating a lost device in the background (its quarantined slots are waited for).
+    /// For an adopted device: asks the engine's callback, if any, for a replacement.
     pub(crate) fn recreate_in_background(self: &Arc<Self>, device: usize) {
         let pool = Arc::clone(self);
+        if pool.devices[device].adopted {
+            let Some(ask) = pool.opts.replacement_for.clone() else {
+                tracing::warn!(
+                    index = device,
+                    "adopted gpu device lost: its slots stay quarantined until the engine calls Supervisor::replace_device"
+                );
+                return;
+            };
+            let reason = pool.devices[device]
+                .state
+                .lock()
+                .lost
+                .clone()
+                .unwrap_or_default();
+            // The engine's code: on a blocking thread, its panic caught.
+            crate::counters::task();
+            drop(tokio::task::spawn_blocking(
+                move || match crate::outside::call(|| ask(device, &reason)) {
+                    Ok(Some((d, q))) => {
+                        if let Err(e) = pool.replace(device, d, q) {
+                            tracing::error!(index = device, error = %e, "the engine's replacement gpu device could not be installed");
+                        }
+                    }
+                    Ok(None) => tracing::warn!(
+                        index = device,
+                        "adopted gpu device lost and no replacement yet: its slots stay quarantined until Supervisor::replace_device"
+                    ),
+                    Err(panic) => tracing::error!(
+                        index = device,
+                        panic,
+                        "the engine's replacement callback for a lost gpu device panicked"
+                    ),
+                },
+            ));
+            return;
+        }
         tokio::spawn(async move {
             let dev = Arc::clone(&pool.devices[device]);
             let _ = pool.ensure_ready(&dev).await;
@@ -331,8 +455,8 @@ impl GpuPool {
         result.map_err(|reason| FenceFailure::Lost { device, reason })
     }
 
-    /// Waits at most `bound` for the remaining GPU work of every device (unless the device is
-    /// lost), then destroys each device; `gpu_device(i)` is `None` from the start of the call.
+    /// Waits at most `bound` for the remaining GPU work of every device leasehold opened (unless
+    /// the device is lost), then destroys each of them, and lets go of the adopted ones; `gpu_device(i)` is `None` from the start of the call.
     /// Each device is waited for and destroyed on a thread of its own, so a device whose work
     /// never completes (a slot quarantined by the fence timeout) costs the caller `bound`, not
     /// forever: it is reported in the result and left to finish on that thread.
@@ -350,6 +474,12 @@ impl GpuPool {
             let Some(current) = current else {
                 continue;
             };
+            if dev.adopted {
+                // The engine's device: leasehold lets go of its clones (every lease on it has
+                // been fenced by now) and neither waits for the engine's work nor destroys it.
+                Doomed::new(current, dev, generation).drop_off_thread();
+                continue;
+            }
             // Whatever happens to the thread, the handles are dropped guarded.
             let doomed = Doomed::new(current, dev, generation);
             let (dev2, tx) = (Arc::clone(dev), tx.clone());

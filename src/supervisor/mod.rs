@@ -452,6 +452,43 @@ impl Supervisor {
         }
     }
 
+    /// Hands the supervisor a replacement for the adopted GPU device `index` (see
+    /// [`GpuOptions::adopt`](crate::GpuOptions::adopt)), typically after it was lost: the new
+    /// device and queue become its next generation (new scratch, zeroed), its slots quarantined
+    /// with `LEASE_GPU_DEVICE_LOST` come back, and jobs are placed on it again. A replacement
+    /// of a device that was not lost is allowed too: leases already on it keep the old handles
+    /// until they end. When the call answers, the supervisor has taken the replacement in:
+    /// [`stats`](Self::stats) and [`leases`](Self::leases) show the slots back.
+    ///
+    /// # Errors
+    ///
+    /// [`GpuError::ReplaceRefused`] (code `GPU_REPLACE_REFUSED`): no GPU, no device `index`, a
+    /// device leasehold opened itself (it re-creates those on its own), or a supervisor that has
+    /// shut down. [`GpuError::CreateFailed`] when the new device refused the scratch buffers;
+    /// nothing was installed then.
+    ///
+    /// # Cancel safety
+    ///
+    /// The replacement is installed before the first await: dropping the future only stops
+    /// the wait for the supervisor to take it in, which it does anyway.
+    #[cfg(feature = "gpu")]
+    pub async fn replace_device(
+        &self,
+        index: usize,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+    ) -> Result<(), crate::GpuError> {
+        let pool = self.inner.gpu.as_ref().ok_or_else(|| {
+            crate::GpuError::ReplaceRefused("the supervisor has no gpu devices".into())
+        })?;
+        pool.replace(index, device, queue)?;
+        // The replacement reached the supervisor's inbox (first in, first out) inside
+        // `replace`: any call answered after it has been taken in, and answers leave only
+        // after the turn's effects are published.
+        let _ = self.waiters().await;
+        Ok(())
+    }
+
     /// The supervisor's GPU device of that index (features `gpu` and `fault-injection`), of its
     /// current generation: for leasehold's own fault-injection tests (`device.destroy()` simulates a device loss). After a
     /// loss this is still the lost device until its replacement is installed (watch

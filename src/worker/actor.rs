@@ -132,9 +132,17 @@ async fn run_job(args: WorkerArgs, worker: ActorCell) {
     );
     #[cfg(feature = "gpu")]
     if let (Some(placement), Some(host)) = (gpu, &hosts.gpu) {
-        // May re-create a lost device (one creator, with backoff): in the worker, never in the
-        // supervisor's mailbox.
-        match host.checkout(placement).await {
+        // May re-create a lost device (one creator, with backoff), or wait for the engine's
+        // replacement of a lost adopted one: in the worker, never in the supervisor's mailbox,
+        // and ended by the job's cancel.
+        let checkout = tokio::select! {
+            biased;
+            checkout = host.checkout(placement) => checkout,
+            () = ctx.cancelled() => Err(crate::gpu::GpuError::DeviceLost(
+                "the job was cancelled while its gpu device was being replaced".into(),
+            )),
+        };
+        match checkout {
             Ok(job_gpu) => {
                 if let Some(job_gpu) = job_gpu {
                     ctx.set_gpu(job_gpu.clone());

@@ -143,3 +143,39 @@ pub fn pattern(n: u64) -> Vec<u32> {
 pub fn bytes(words: &[u32]) -> Vec<u8> {
     words.iter().flat_map(|w| w.to_le_bytes()).collect()
 }
+
+/// A device the test creates itself, as an engine would (for `GpuOptions::adopt`): on the
+/// backends `WGPU_BACKEND` names (Vulkan and GL otherwise), software adapters accepted. `None`
+/// (said loudly, a failure under `LEASEHOLD_REQUIRE_GPU=1`) when there is no adapter.
+pub async fn engine_device() -> Option<(wgpu::Device, wgpu::Queue, wgpu::AdapterInfo)> {
+    let backends =
+        wgpu::Backends::from_env().unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::GL);
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+    desc.backends = backends;
+    let instance = wgpu::Instance::new(desc);
+    let adapter = match instance
+        .request_adapter(&wgpu::RequestAdapterOptions::default())
+        .await
+    {
+        Ok(adapter) => adapter,
+        Err(e) => {
+            assert_ne!(
+                std::env::var(REQUIRE_GPU_ENV).as_deref(),
+                Ok("1"),
+                "{REQUIRE_GPU_ENV}=1 but no GPU adapter was found for the engine's device \
+                 (WGPU_BACKEND={:?}): {e}",
+                std::env::var("WGPU_BACKEND").ok()
+            );
+            say_skipped();
+            return None;
+        }
+    };
+    let (device, queue) = adapter
+        .request_device(&wgpu::DeviceDescriptor {
+            label: Some("engine"),
+            ..Default::default()
+        })
+        .await
+        .expect("the engine's device");
+    Some((device, queue, adapter.get_info()))
+}

@@ -1,0 +1,588 @@
+//! GPU slots on a device the engine created (`GpuOptions::adopt`): leases, fences and scratch
+//! isolation on it, its loss (quarantine until the engine hands a replacement over, other
+//! devices serving meanwhile), the device still the engine's after `shutdown()`, and a leased
+//! job's texture read by the engine's own pass without a copy through the CPU.
+//!
+//! Runs on whatever adapter the machine has: CI runs it on Vulkan (lavapipe) and again with
+//! `WGPU_BACKEND=gl` (llvmpipe through EGL). Every ordering is read from the GPU's own
+//! completion signals (`on_submitted_work_done`), never from timing.
+
+#![cfg(feature = "gpu")]
+
+mod common;
+mod gpu_support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use common::TestBroker;
+use gpu_support::{dispatch, engine_device, pattern, read_back, start};
+use leasehold::{GpuOptions, JobSpec, ScratchPolicy, Supervisor, wgpu};
+use tokio::sync::oneshot;
+
+/// The engine's device, handed over to a supervisor with `slots` sub-slots on it.
+async fn adopted(slots: u32) -> Option<(Supervisor, wgpu::Device, wgpu::Queue)> {
+    let (device, queue, info) = engine_device().await?;
+    let opts = GpuOptions::new()
+        .adopt(device.clone(), queue.clone(), info)
+        .slots_per_device(slots);
+    let sup = start(Supervisor::builder(), opts).await?;
+    Some((sup, device, queue))
+}
+
+/// A job that fills the first 4 words of its scratch on the GPU and reads them back.
+async fn fill_job(
+    sup: &Supervisor,
+    id: &str,
+) -> Result<Vec<u32>, leasehold::JobError<std::io::Error>> {
+    sup.run(JobSpec::new(id).unwrap(), |ctx| async move {
+        let gpu = ctx.gpu().expect("a gpu slot").clone();
+        let words = ctx
+            .spawn_blocking(move || {
+                gpu.submit([dispatch(&gpu, "fill", 1)]);
+                read_back(&gpu, 4)
+            })
+            .await
+            .unwrap();
+        Ok::<_, std::io::Error>(words)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_leases_a_sub_slot_of_the_engines_device_and_runs_on_it() {
+    let Some((sup, device, _queue)) = adopted(2).await else {
+        return;
+    };
+    assert_eq!(
+        sup.stats().capacity,
+        Some(2),
+        "two sub-slots on the one adopted device"
+    );
+    let same = Arc::new(AtomicBool::new(false));
+    let seen = Arc::clone(&same);
+    let engine = device.clone();
+    let words = sup
+        .run(
+            JobSpec::new("on-the-engines-device").unwrap(),
+            move |ctx| async move {
+                let gpu = ctx.gpu().expect("a gpu slot").clone();
+                seen.store(*gpu.device() == engine, Ordering::SeqCst);
+                let words = ctx
+                    .spawn_blocking(move || {
+                        gpu.submit([dispatch(&gpu, "fill", 1)]);
+                        read_back(&gpu, 4)
+                    })
+                    .await
+                    .unwrap();
+                Ok::<_, std::io::Error>(words)
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(words, [1, 3, 5, 7]);
+    assert!(
+        same.load(Ordering::SeqCst),
+        "the job's device is the engine's own"
+    );
+    let report = sup.shutdown().await.unwrap();
+    assert_eq!(report.quarantined, 0);
+    assert!(
+        report.unclosed_devices.is_empty(),
+        "{:?}",
+        report.unclosed_devices
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_waits_for_engine_work_queued_before_the_lease_ended_on_the_shared_queue() {
+    let Some((sup, device, queue)) = adopted(1).await else {
+        return;
+    };
+    // The engine queues long work on the shared queue while the job runs; the job's release
+    // (FencePolicy::Queue, the default) waits for everything queued before its fence.
+    let (running_tx, running_rx) = oneshot::channel();
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let job = {
+        let sup = sup.clone();
+        tokio::spawn(async move {
+            sup.run(
+                JobSpec::new("shares-the-queue").unwrap(),
+                move |ctx| async move {
+                    running_tx.send(()).unwrap();
+                    go_rx.await.unwrap();
+                    let gpu = ctx.gpu().expect("a gpu slot").clone();
+                    gpu.submit([dispatch(&gpu, "fill", 1)]);
+                    Ok::<_, std::io::Error>(())
+                },
+            )
+            .await
+        })
+    };
+    running_rx.await.unwrap();
+    let engine_done = Arc::new(AtomicBool::new(false));
+    {
+        let engine_buffer = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("engine"),
+            size: 4 * (1024 * 64 + 1),
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        let commands = engine_pass(&device, &engine_buffer, "long", 1024);
+        queue.submit([commands]);
+        let done = Arc::clone(&engine_done);
+        queue.on_submitted_work_done(move || done.store(true, Ordering::SeqCst));
+    }
+    go_tx.send(()).unwrap();
+    job.await.unwrap().unwrap();
+    // Released: the fence on the shared queue came after the engine's work.
+    let _ = device.poll(wgpu::PollType::Poll);
+    assert!(
+        engine_done.load(Ordering::SeqCst),
+        "the lease was released before the engine work queued ahead of its fence completed"
+    );
+    sup.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_lease_on_an_adopted_device_never_reads_the_previous_ones_scratch() {
+    let Some((device, queue, info)) = engine_device().await else {
+        return;
+    };
+    let opts = GpuOptions::new()
+        .adopt(device, queue, info)
+        .scratch_policy(ScratchPolicy::Zeroed);
+    let Some(sup) = start(Supervisor::builder(), opts).await else {
+        return;
+    };
+    let n = 16;
+    sup.run(JobSpec::new("writes").unwrap(), move |ctx| async move {
+        let gpu = ctx.gpu().expect("a gpu slot").clone();
+        gpu.queue()
+            .write_buffer(&gpu.scratch().storage, 0, &gpu_support::bytes(&pattern(n)));
+        gpu.submit(std::iter::empty());
+        Ok::<_, std::io::Error>(())
+    })
+    .await
+    .unwrap();
+    let seen = sup
+        .run(JobSpec::new("reads").unwrap(), move |ctx| async move {
+            let gpu = ctx.gpu().expect("a gpu slot").clone();
+            Ok::<_, std::io::Error>(
+                ctx.spawn_blocking(move || read_back(&gpu, n))
+                    .await
+                    .unwrap(),
+            )
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        seen,
+        vec![0; n as usize],
+        "the previous lease's data leaked"
+    );
+    sup.shutdown().await.unwrap();
+}
+
+/// A lost adopted device: the lease on it ends `LEASE_GPU_DEVICE_LOST` and its slot stays
+/// quarantined (nothing re-creates the engine's device) while the other adopted device serves;
+/// `replace_device` brings the slot back, and a job waiting for it runs on the new device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_adopted_device_stays_quarantined_until_the_engine_replaces_it() {
+    let (Some((d0, q0, i0)), Some((d1, q1, i1))) = (engine_device().await, engine_device().await)
+    else {
+        return;
+    };
+    let broker = TestBroker::new(2);
+    let opts = GpuOptions::new()
+        .adopt(d0.clone(), q0, i0.clone())
+        .adopt(d1, q1, i1);
+    let Some(sup) = start(Supervisor::builder().broker(broker.clone()), opts).await else {
+        return;
+    };
+    let (running_tx, running_rx) = oneshot::channel();
+    let (lost_tx, lost_rx) = oneshot::channel::<()>();
+    let victim = {
+        let sup = sup.clone();
+        tokio::spawn(async move {
+            sup.run(JobSpec::new("victim").unwrap(), move |ctx| async move {
+                let device = ctx.gpu().expect("a gpu slot").device_index();
+                running_tx.send(device).unwrap();
+                lost_rx.await.unwrap();
+                Ok::<_, std::io::Error>(())
+            })
+            .await
+        })
+    };
+    assert_eq!(
+        running_rx.await.unwrap(),
+        0,
+        "the first lease goes to device 0"
+    );
+    // The engine loses device 0 (a driver reset; here, destroy()).
+    d0.destroy();
+    let _ = d0.poll(wgpu::PollType::Poll);
+    lost_tx.send(()).unwrap();
+    let err = victim.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), "LEASE_GPU_DEVICE_LOST", "{err}");
+    assert_eq!(sup.stats().quarantined, 1, "its slot is quarantined");
+    let row = sup.quarantined().await.unwrap();
+    assert_eq!(row.len(), 1);
+    // Device 1 keeps serving, more than once.
+    for i in 0..3 {
+        assert_eq!(
+            fill_job(&sup, &format!("meanwhile-{i}")).await.unwrap(),
+            [1, 3, 5, 7]
+        );
+    }
+    assert_eq!(
+        sup.stats().quarantined,
+        1,
+        "nothing re-created the engine's device"
+    );
+    // The engine hands a replacement over: the quarantine clears by the time the call answers.
+    let Some((d2, q2, _)) = engine_device().await else {
+        return;
+    };
+    sup.replace_device(0, d2.clone(), q2.clone()).await.unwrap();
+    assert_eq!(
+        sup.stats().quarantined,
+        0,
+        "the slot is back when replace_device answers"
+    );
+    // Both sub-slots serve again: two jobs held at once land on both devices.
+    let placed = Arc::new(AtomicUsize::new(0));
+    let (both_tx, both_rx) = tokio::sync::watch::channel(0usize);
+    let jobs: Vec<_> = (0..2)
+        .map(|i| {
+            let (sup, placed, both_tx, mut both_rx) = (
+                sup.clone(),
+                Arc::clone(&placed),
+                both_tx.clone(),
+                both_rx.clone(),
+            );
+            tokio::spawn(async move {
+                sup.run(
+                    JobSpec::new(format!("after-{i}")).unwrap(),
+                    move |ctx| async move {
+                        let gpu = ctx.gpu().expect("a gpu slot").clone();
+                        let device = gpu.device_index();
+                        placed.fetch_or(1 << device, Ordering::SeqCst);
+                        both_tx.send_modify(|n| *n += 1);
+                        both_rx.wait_for(|n| *n == 2).await.unwrap();
+                        let words = ctx
+                            .spawn_blocking(move || {
+                                gpu.submit([dispatch(&gpu, "fill", 1)]);
+                                read_back(&gpu, 4)
+                            })
+                            .await
+                            .unwrap();
+                        Ok::<_, std::io::Error>((device, words))
+                    },
+                )
+                .await
+            })
+        })
+        .collect();
+    drop(both_rx);
+    for job in jobs {
+        let (_, words) = job.await.unwrap().unwrap();
+        assert_eq!(words, [1, 3, 5, 7]);
+    }
+    assert_eq!(
+        placed.load(Ordering::SeqCst),
+        0b11,
+        "one job on each device"
+    );
+    let report = sup.shutdown().await.unwrap();
+    assert_eq!(report.quarantined, 0);
+    broker.assert_quiescent(report.stats);
+    // The replacement is still the engine's after shutdown.
+    assert_eq!(engine_fill(&d2, &q2), [1, 3, 5, 7]);
+}
+
+/// A loss answered by the engine's callback: the replacement comes from it, with no call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engines_callback_can_hand_the_replacement_over_at_once() {
+    let Some((d0, q0, i0)) = engine_device().await else {
+        return;
+    };
+    let Some((d1, q1, _)) = engine_device().await else {
+        return;
+    };
+    let asked: Arc<std::sync::Mutex<Vec<(usize, String)>>> = Arc::default();
+    let spare = std::sync::Mutex::new(Some((d1, q1)));
+    let record = Arc::clone(&asked);
+    let opts = GpuOptions::new()
+        .adopt(d0.clone(), q0, i0)
+        .replacement_for_lost(move |index, reason| {
+            record.lock().unwrap().push((index, reason.to_owned()));
+            spare.lock().unwrap().take()
+        });
+    let Some(sup) = start(Supervisor::builder(), opts).await else {
+        return;
+    };
+    let (running_tx, running_rx) = oneshot::channel();
+    let (lost_tx, lost_rx) = oneshot::channel::<()>();
+    let victim = {
+        let sup = sup.clone();
+        tokio::spawn(async move {
+            sup.run(JobSpec::new("victim").unwrap(), move |_ctx| async move {
+                running_tx.send(()).unwrap();
+                lost_rx.await.unwrap();
+                Ok::<_, std::io::Error>(())
+            })
+            .await
+        })
+    };
+    running_rx.await.unwrap();
+    d0.destroy();
+    let _ = d0.poll(wgpu::PollType::Poll);
+    lost_tx.send(()).unwrap();
+    assert_eq!(
+        victim.await.unwrap().unwrap_err().code(),
+        "LEASE_GPU_DEVICE_LOST"
+    );
+    // The only slot is quarantined until the callback's device is installed: this job waits
+    // for it, then runs on it.
+    assert_eq!(fill_job(&sup, "after").await.unwrap(), [1, 3, 5, 7]);
+    let asked = asked.lock().unwrap().clone();
+    assert_eq!(asked.len(), 1, "asked once: {asked:?}");
+    assert_eq!(asked[0].0, 0);
+    assert!(!asked[0].1.is_empty(), "the loss comes with its reason");
+    let report = sup.shutdown().await.unwrap();
+    assert_eq!(report.quarantined, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replace_device_refuses_what_it_cannot_replace() {
+    let Some((sup, _device, _queue)) = adopted(1).await else {
+        return;
+    };
+    let Some((d, q, _)) = engine_device().await else {
+        return;
+    };
+    let err = sup
+        .replace_device(7, d.clone(), q.clone())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "GPU_REPLACE_REFUSED", "{err}");
+    sup.shutdown().await.unwrap();
+    let err = sup.replace_device(0, d, q).await.unwrap_err();
+    assert_eq!(err.code(), "GPU_REPLACE_REFUSED", "after shutdown: {err}");
+    // A device leasehold opened itself is re-created by leasehold, not replaced.
+    let Some(own) = start(Supervisor::builder(), GpuOptions::new()).await else {
+        return;
+    };
+    let Some((d, q, _)) = engine_device().await else {
+        return;
+    };
+    let err = own.replace_device(0, d, q).await.unwrap_err();
+    assert_eq!(err.code(), "GPU_REPLACE_REFUSED", "{err}");
+    own.shutdown().await.unwrap();
+}
+
+/// After `shutdown()`, the engine's device is neither destroyed nor lost: the engine keeps
+/// using it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engines_device_still_works_after_shutdown() {
+    let Some((sup, device, queue)) = adopted(1).await else {
+        return;
+    };
+    assert_eq!(
+        fill_job(&sup, "before-shutdown").await.unwrap(),
+        [1, 3, 5, 7]
+    );
+    let report = sup.shutdown().await.unwrap();
+    assert!(report.unclosed_devices.is_empty());
+    drop(sup);
+    assert_eq!(engine_fill(&device, &queue), [1, 3, 5, 7]);
+}
+
+/// A leased job writes a texture on the engine's device; once `run` answers (the release,
+/// after the lease's fence), the engine samples it in its own pass: no copy through the CPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_jobs_texture_is_read_by_the_engines_own_pass() {
+    let Some((sup, device, queue)) = adopted(1).await else {
+        return;
+    };
+    let texture = sup
+        .run(JobSpec::new("tile").unwrap(), |ctx| async move {
+            let gpu = ctx.gpu().expect("a gpu slot").clone();
+            let texture = gpu.device().create_texture(&wgpu::TextureDescriptor {
+                label: Some("tile"),
+                size: wgpu::Extent3d {
+                    width: 64,
+                    height: 1,
+                    depth_or_array_layers: 1,
+                },
+                mip_level_count: 1,
+                sample_count: 1,
+                dimension: wgpu::TextureDimension::D2,
+                format: wgpu::TextureFormat::R32Uint,
+                usage: wgpu::TextureUsages::COPY_DST | wgpu::TextureUsages::TEXTURE_BINDING,
+                view_formats: &[],
+            });
+            // On the GPU: fill the scratch (2i + 1), then copy it into the texture.
+            let mut encoder = gpu.device().create_command_encoder(&Default::default());
+            encoder.copy_buffer_to_texture(
+                wgpu::TexelCopyBufferInfo {
+                    buffer: &gpu.scratch().storage,
+                    layout: wgpu::TexelCopyBufferLayout {
+                        offset: 0,
+                        bytes_per_row: Some(256),
+                        rows_per_image: Some(1),
+                    },
+                },
+                texture.as_image_copy(),
+                wgpu::Extent3d {
+                    width: 64,
+                    height: 1,
+                    depth_or_array_layers: 1,
+                },
+            );
+            gpu.submit([dispatch(&gpu, "fill", 1), encoder.finish()]);
+            Ok::<_, std::io::Error>(texture)
+        })
+        .await
+        .unwrap();
+    // The engine's pass: textureLoad into a buffer of its own, then read that buffer.
+    let words = engine_sample(&device, &queue, &texture);
+    let expected: Vec<u32> = (0..64).map(|i| 2 * i + 1 + 1000).collect();
+    assert_eq!(words, expected);
+    sup.shutdown().await.unwrap();
+}
+
+const ENGINE_SHADER: &str = r#"
+@group(0) @binding(0) var tile: texture_2d<u32>;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+
+@compute @workgroup_size(64)
+fn sample(@builtin(global_invocation_id) gid: vec3<u32>) {
+    out[gid.x] = textureLoad(tile, vec2<u32>(gid.x, 0u), 0).x + 1000u;
+}
+"#;
+
+/// The engine's compute pass over `tile`, read back through a buffer of its own.
+fn engine_sample(device: &wgpu::Device, queue: &wgpu::Queue, tile: &wgpu::Texture) -> Vec<u32> {
+    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some("engine"),
+        source: wgpu::ShaderSource::Wgsl(ENGINE_SHADER.into()),
+    });
+    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some("engine sample"),
+        layout: None,
+        module: &module,
+        entry_point: Some("sample"),
+        compilation_options: Default::default(),
+        cache: None,
+    });
+    let out = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("engine out"),
+        size: 256,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let readback = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("engine readback"),
+        size: 256,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let view = tile.create_view(&Default::default());
+    let bind = device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout: &pipeline.get_bind_group_layout(0),
+        entries: &[
+            wgpu::BindGroupEntry {
+                binding: 0,
+                resource: wgpu::BindingResource::TextureView(&view),
+            },
+            wgpu::BindGroupEntry {
+                binding: 1,
+                resource: out.as_entire_binding(),
+            },
+        ],
+    });
+    let mut encoder = device.create_command_encoder(&Default::default());
+    {
+        let mut pass = encoder.begin_compute_pass(&Default::default());
+        pass.set_pipeline(&pipeline);
+        pass.set_bind_group(0, &bind, &[]);
+        pass.dispatch_workgroups(1, 1, 1);
+    }
+    encoder.copy_buffer_to_buffer(&out, 0, &readback, 0, 256);
+    queue.submit([encoder.finish()]);
+    read_mapped(device, &readback)
+}
+
+/// Maps `buffer` (after every submission so far) and reads its words.
+fn read_mapped(device: &wgpu::Device, buffer: &wgpu::Buffer) -> Vec<u32> {
+    buffer.map_async(wgpu::MapMode::Read, .., |r| r.unwrap());
+    device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+    let words = buffer
+        .get_mapped_range(..)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    buffer.unmap();
+    words
+}
+
+/// The engine's own compute pass of `entry` (the test shader) over `buffer`.
+fn engine_pass(
+    device: &wgpu::Device,
+    buffer: &wgpu::Buffer,
+    entry: &str,
+    groups: u32,
+) -> wgpu::CommandBuffer {
+    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some("engine"),
+        source: wgpu::ShaderSource::Wgsl(gpu_support::SHADER.into()),
+    });
+    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(entry),
+        layout: None,
+        module: &module,
+        entry_point: Some(entry),
+        compilation_options: Default::default(),
+        cache: None,
+    });
+    let bind = device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout: &pipeline.get_bind_group_layout(0),
+        entries: &[wgpu::BindGroupEntry {
+            binding: 0,
+            resource: buffer.as_entire_binding(),
+        }],
+    });
+    let mut encoder = device.create_command_encoder(&Default::default());
+    {
+        let mut pass = encoder.begin_compute_pass(&Default::default());
+        pass.set_pipeline(&pipeline);
+        pass.set_bind_group(0, &bind, &[]);
+        pass.dispatch_workgroups(groups, 1, 1);
+    }
+    encoder.finish()
+}
+
+/// The engine fills a buffer of its own on `device` and reads back its first 4 words.
+fn engine_fill(device: &wgpu::Device, queue: &wgpu::Queue) -> Vec<u32> {
+    let buffer = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("engine fill"),
+        size: 256,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let readback = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("engine fill readback"),
+        size: 256,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let mut encoder = device.create_command_encoder(&Default::default());
+    encoder.copy_buffer_to_buffer(&buffer, 0, &readback, 0, 256);
+    queue.submit([engine_pass(device, &buffer, "fill", 1), encoder.finish()]);
+    read_mapped(device, &readback)[..4].to_vec()
+}
