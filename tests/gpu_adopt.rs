@@ -67,7 +67,7 @@ async fn a_job_leases_a_sub_slot_of_the_engines_device_and_runs_on_it() {
             JobSpec::new("on-the-engines-device").unwrap(),
             move |ctx| async move {
                 let gpu = ctx.gpu().expect("a gpu slot").clone();
-                seen.store(*gpu.device() == engine, Ordering::SeqCst);
+                seen.store(same_device(gpu.device(), &engine), Ordering::SeqCst);
                 let words = ctx
                     .spawn_blocking(move || {
                         gpu.submit([dispatch(&gpu, "fill", 1)]);
@@ -585,4 +585,80 @@ fn engine_fill(device: &wgpu::Device, queue: &wgpu::Queue) -> Vec<u32> {
     encoder.copy_buffer_to_buffer(&buffer, 0, &readback, 0, 256);
     queue.submit([engine_pass(device, &buffer, "fill", 1), encoder.finish()]);
     read_mapped(device, &readback)[..4].to_vec()
+}
+
+/// An adopted device and one the supervisor opens itself (`max_devices(1)`) serve side by side:
+/// the adopted one is device 0, leasehold's own comes after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopted_device_and_one_leasehold_opens_serve_side_by_side() {
+    let Some((device, queue, info)) = engine_device().await else {
+        return;
+    };
+    let opts = GpuOptions::new()
+        .adopt(device.clone(), queue.clone(), info)
+        .max_devices(1);
+    let Some(sup) = start(Supervisor::builder(), opts).await else {
+        return;
+    };
+    assert_eq!(sup.stats().capacity, Some(2), "one sub-slot on each device");
+    let (both_tx, both_rx) = tokio::sync::watch::channel(0usize);
+    let jobs: Vec<_> = (0..2)
+        .map(|i| {
+            let (sup, both_tx, mut both_rx, engine) = (
+                sup.clone(),
+                both_tx.clone(),
+                both_rx.clone(),
+                device.clone(),
+            );
+            tokio::spawn(async move {
+                sup.run(
+                    JobSpec::new(format!("side-{i}")).unwrap(),
+                    move |ctx| async move {
+                        let gpu = ctx.gpu().expect("a gpu slot").clone();
+                        let on_engines = same_device(gpu.device(), &engine);
+                        both_tx.send_modify(|n| *n += 1);
+                        both_rx.wait_for(|n| *n == 2).await.unwrap();
+                        let words = ctx
+                            .spawn_blocking(move || {
+                                gpu.submit([dispatch(&gpu, "fill", 1)]);
+                                read_back(&gpu, 4)
+                            })
+                            .await
+                            .unwrap();
+                        Ok::<_, std::io::Error>((
+                            ctx.gpu().unwrap().device_index(),
+                            on_engines,
+                            words,
+                        ))
+                    },
+                )
+                .await
+            })
+        })
+        .collect();
+    drop(both_rx);
+    let mut seen = Vec::new();
+    for job in jobs {
+        let (index, on_engines, words) = job.await.unwrap().unwrap();
+        assert_eq!(words, [1, 3, 5, 7]);
+        seen.push((index, on_engines));
+    }
+    seen.sort_unstable();
+    assert_eq!(
+        seen,
+        [(0, true), (1, false)],
+        "device 0 is the engine's, device 1 leasehold's"
+    );
+    let report = sup.shutdown().await.unwrap();
+    assert!(report.unclosed_devices.is_empty());
+    // leasehold's own device was destroyed at shutdown; the engine's still works.
+    assert_eq!(engine_fill(&device, &queue), [1, 3, 5, 7]);
+}
+
+/// Whether a job's device is the engine's. wgpu compares devices by an id that is unique only
+/// within one wgpu instance (leasehold's own devices come from instances of their own), so this
+/// tells them apart by their limits instead: the test's engine requests wgpu's default limits,
+/// leasehold its adapter's.
+fn same_device(job: &wgpu::Device, engine: &wgpu::Device) -> bool {
+    job == engine && job.limits() == engine.limits()
 }
