@@ -20,6 +20,34 @@ use gpu_support::{dispatch, engine_device, pattern, read_back, start};
 use leasehold::{GpuOptions, JobSpec, ScratchPolicy, Supervisor, wgpu};
 use tokio::sync::oneshot;
 
+/// One `fill` dispatch through the lease, and the first 4 words read back: `[1, 3, 5, 7]`.
+fn fill_and_read(gpu: &leasehold::JobGpu) -> Vec<u32> {
+    gpu.submit([dispatch(gpu, "fill", 1)]);
+    read_back(gpu, 4)
+}
+
+/// A held job's task: its `run` result.
+type Held = tokio::task::JoinHandle<Result<(), leasehold::JobError<std::io::Error>>>;
+
+/// Starts job `id` on `sup`, which reports its device index and then holds its slot until
+/// `release` is sent (or dropped).
+fn hold(sup: &Supervisor, id: &str) -> (oneshot::Receiver<usize>, oneshot::Sender<()>, Held) {
+    let (running_tx, running_rx) = oneshot::channel();
+    let (release_tx, release_rx) = oneshot::channel::<()>();
+    let (sup, id) = (sup.clone(), id.to_owned());
+    let job = tokio::spawn(async move {
+        sup.run(JobSpec::new(id).unwrap(), move |ctx| async move {
+            running_tx
+                .send(ctx.gpu().expect("a gpu slot").device_index())
+                .unwrap();
+            let _ = release_rx.await;
+            Ok::<_, std::io::Error>(())
+        })
+        .await
+    });
+    (running_rx, release_tx, job)
+}
+
 /// The engine's device, handed over to a supervisor with `slots` sub-slots on it.
 async fn adopted(slots: u32) -> Option<(Supervisor, wgpu::Device, wgpu::Queue)> {
     let (device, queue, info) = engine_device().await?;
@@ -38,10 +66,7 @@ async fn fill_job(
     sup.run(JobSpec::new(id).unwrap(), |ctx| async move {
         let gpu = ctx.gpu().expect("a gpu slot").clone();
         let words = ctx
-            .spawn_blocking(move || {
-                gpu.submit([dispatch(&gpu, "fill", 1)]);
-                read_back(&gpu, 4)
-            })
+            .spawn_blocking(move || fill_and_read(&gpu))
             .await
             .unwrap();
         Ok::<_, std::io::Error>(words)
@@ -69,10 +94,7 @@ async fn a_job_leases_a_sub_slot_of_the_engines_device_and_runs_on_it() {
                 let gpu = ctx.gpu().expect("a gpu slot").clone();
                 seen.store(same_device(gpu.device(), &engine), Ordering::SeqCst);
                 let words = ctx
-                    .spawn_blocking(move || {
-                        gpu.submit([dispatch(&gpu, "fill", 1)]);
-                        read_back(&gpu, 4)
-                    })
+                    .spawn_blocking(move || fill_and_read(&gpu))
                     .await
                     .unwrap();
                 Ok::<_, std::io::Error>(words)
@@ -200,20 +222,7 @@ async fn a_lost_adopted_device_stays_quarantined_until_the_engine_replaces_it() 
     let Some(sup) = start(Supervisor::builder().broker(broker.clone()), opts).await else {
         return;
     };
-    let (running_tx, running_rx) = oneshot::channel();
-    let (lost_tx, lost_rx) = oneshot::channel::<()>();
-    let victim = {
-        let sup = sup.clone();
-        tokio::spawn(async move {
-            sup.run(JobSpec::new("victim").unwrap(), move |ctx| async move {
-                let device = ctx.gpu().expect("a gpu slot").device_index();
-                running_tx.send(device).unwrap();
-                lost_rx.await.unwrap();
-                Ok::<_, std::io::Error>(())
-            })
-            .await
-        })
-    };
+    let (running_rx, lost_tx, victim) = hold(&sup, "victim");
     assert_eq!(
         running_rx.await.unwrap(),
         0,
@@ -271,10 +280,7 @@ async fn a_lost_adopted_device_stays_quarantined_until_the_engine_replaces_it() 
                         both_tx.send_modify(|n| *n += 1);
                         both_rx.wait_for(|n| *n == 2).await.unwrap();
                         let words = ctx
-                            .spawn_blocking(move || {
-                                gpu.submit([dispatch(&gpu, "fill", 1)]);
-                                read_back(&gpu, 4)
-                            })
+                            .spawn_blocking(move || fill_and_read(&gpu))
                             .await
                             .unwrap();
                         Ok::<_, std::io::Error>((device, words))
@@ -322,19 +328,7 @@ async fn the_engines_callback_can_hand_the_replacement_over_at_once() {
     let Some(sup) = start(Supervisor::builder(), opts).await else {
         return;
     };
-    let (running_tx, running_rx) = oneshot::channel();
-    let (lost_tx, lost_rx) = oneshot::channel::<()>();
-    let victim = {
-        let sup = sup.clone();
-        tokio::spawn(async move {
-            sup.run(JobSpec::new("victim").unwrap(), move |_ctx| async move {
-                running_tx.send(()).unwrap();
-                lost_rx.await.unwrap();
-                Ok::<_, std::io::Error>(())
-            })
-            .await
-        })
-    };
+    let (running_rx, lost_tx, victim) = hold(&sup, "victim");
     running_rx.await.unwrap();
     d0.destroy();
     let _ = d0.poll(wgpu::PollType::Poll);
@@ -465,30 +459,8 @@ fn sample(@builtin(global_invocation_id) gid: vec3<u32>) {
 
 /// The engine's compute pass over `tile`, read back through a buffer of its own.
 fn engine_sample(device: &wgpu::Device, queue: &wgpu::Queue, tile: &wgpu::Texture) -> Vec<u32> {
-    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: Some("engine"),
-        source: wgpu::ShaderSource::Wgsl(ENGINE_SHADER.into()),
-    });
-    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-        label: Some("engine sample"),
-        layout: None,
-        module: &module,
-        entry_point: Some("sample"),
-        compilation_options: Default::default(),
-        cache: None,
-    });
-    let out = device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("engine out"),
-        size: 256,
-        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-        mapped_at_creation: false,
-    });
-    let readback = device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("engine readback"),
-        size: 256,
-        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    });
+    let pipeline = engine_pipeline(device, ENGINE_SHADER, "sample");
+    let (out, readback) = engine_buffers(device);
     let view = tile.create_view(&Default::default());
     let bind = device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: None,
@@ -516,6 +488,22 @@ fn engine_sample(device: &wgpu::Device, queue: &wgpu::Queue, tile: &wgpu::Textur
     read_mapped(device, &readback)
 }
 
+/// The engine's compute pipeline of `entry` in the WGSL `source`.
+fn engine_pipeline(device: &wgpu::Device, source: &str, entry: &str) -> wgpu::ComputePipeline {
+    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some("engine"),
+        source: wgpu::ShaderSource::Wgsl(source.into()),
+    });
+    device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(entry),
+        layout: None,
+        module: &module,
+        entry_point: Some(entry),
+        compilation_options: Default::default(),
+        cache: None,
+    })
+}
+
 /// Maps `buffer` (after every submission so far) and reads its words.
 fn read_mapped(device: &wgpu::Device, buffer: &wgpu::Buffer) -> Vec<u32> {
     buffer.map_async(wgpu::MapMode::Read, .., |r| r.unwrap());
@@ -537,18 +525,7 @@ fn engine_pass(
     entry: &str,
     groups: u32,
 ) -> wgpu::CommandBuffer {
-    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: Some("engine"),
-        source: wgpu::ShaderSource::Wgsl(gpu_support::SHADER.into()),
-    });
-    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-        label: Some(entry),
-        layout: None,
-        module: &module,
-        entry_point: Some(entry),
-        compilation_options: Default::default(),
-        cache: None,
-    });
+    let pipeline = engine_pipeline(device, gpu_support::SHADER, entry);
     let bind = device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: None,
         layout: &pipeline.get_bind_group_layout(0),
@@ -567,20 +544,31 @@ fn engine_pass(
     encoder.finish()
 }
 
+/// The engine's own 256-byte storage buffer, and a buffer to read it back through.
+fn engine_buffers(device: &wgpu::Device) -> (wgpu::Buffer, wgpu::Buffer) {
+    let buffer = |label, usage| {
+        device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: 256,
+            usage,
+            mapped_at_creation: false,
+        })
+    };
+    (
+        buffer(
+            "engine storage",
+            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        ),
+        buffer(
+            "engine readback",
+            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        ),
+    )
+}
+
 /// The engine fills a buffer of its own on `device` and reads back its first 4 words.
 fn engine_fill(device: &wgpu::Device, queue: &wgpu::Queue) -> Vec<u32> {
-    let buffer = device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("engine fill"),
-        size: 256,
-        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-        mapped_at_creation: false,
-    });
-    let readback = device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("engine fill readback"),
-        size: 256,
-        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    });
+    let (buffer, readback) = engine_buffers(device);
     let mut encoder = device.create_command_encoder(&Default::default());
     encoder.copy_buffer_to_buffer(&buffer, 0, &readback, 0, 256);
     queue.submit([engine_pass(device, &buffer, "fill", 1), encoder.finish()]);
@@ -619,10 +607,7 @@ async fn an_adopted_device_and_one_leasehold_opens_serve_side_by_side() {
                         both_tx.send_modify(|n| *n += 1);
                         both_rx.wait_for(|n| *n == 2).await.unwrap();
                         let words = ctx
-                            .spawn_blocking(move || {
-                                gpu.submit([dispatch(&gpu, "fill", 1)]);
-                                read_back(&gpu, 4)
-                            })
+                            .spawn_blocking(move || fill_and_read(&gpu))
                             .await
                             .unwrap();
                         Ok::<_, std::io::Error>((
