@@ -52,18 +52,35 @@ pub(crate) struct App {
 
 pub(crate) fn router(app: Arc<App>) -> Router {
     let only = |allow: &'static str| move || async move { ApiError::method_not_allowed(allow) };
-    Router::new()
+    let routes = Router::new()
         .route("/", get(index).fallback(only("GET, HEAD")))
         .route("/console.js", get(script).fallback(only("GET, HEAD")))
         .route("/console.css", get(style).fallback(only("GET, HEAD")))
+        .route("/favicon.ico", get(no_icon).fallback(only("GET, HEAD")))
         .route("/api/snapshot", get(snapshot).fallback(only("GET, HEAD")))
         .route("/api/events", get(events).fallback(only("GET")))
         .route("/api/actions/cancel", post(cancel).fallback(only("POST")))
         .route("/api/actions/reclaim", post(reclaim).fallback(only("POST")))
         .route("/api/actions/resize", post(resize).fallback(only("POST")))
         .fallback(|| async { ApiError::not_found("no such page or route") })
-        .layer(middleware::from_fn_with_state(Arc::clone(&app), host_guard))
-        .with_state(app)
+        .with_state(Arc::clone(&app));
+    // The host guard and the security headers wrap the routing, not each route: a refusal is
+    // never dressed as a route's answer (no `Allow` of a route the request never reached), and
+    // every response, refusals included, carries the same headers.
+    Router::new()
+        .fallback_service(routes)
+        .layer(middleware::from_fn_with_state(app, host_guard))
+        .layer(middleware::map_response(with_security_headers))
+}
+
+async fn with_security_headers(mut response: Response) -> Response {
+    security_headers(response.headers_mut());
+    response
+}
+
+/// The page has no icon: `204 No Content` instead of a 404 in the browser's console.
+async fn no_icon() -> StatusCode {
+    StatusCode::NO_CONTENT
 }
 
 /// Refuses a request whose `Host` is not an IP literal, `localhost` or a name the embedder
@@ -122,7 +139,6 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
     let mut response = body.into_response();
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
-    security_headers(headers);
     response
 }
 
@@ -162,7 +178,6 @@ fn json(status: StatusCode, body: String) -> Response {
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    security_headers(headers);
     response
 }
 
@@ -239,11 +254,10 @@ impl App {
         let bad = |e: serde_json::Error| {
             ApiError::bad_request(format!("the body is not a valid action: {e}"))
         };
-        // An object, and only an object (serde would take `[]` for a struct without fields).
-        match serde_json::from_slice::<serde_json::Value>(&body).map_err(bad)? {
-            object @ serde_json::Value::Object(_) => T::deserialize(object).map_err(bad),
-            _ => Err(ApiError::bad_request("an action's body is a JSON object")),
-        }
+        // An object, and only an object (serde would take `[]` for a struct without fields),
+        // with no key twice.
+        let object = serde_json::from_slice::<crate::json::UniqueObject>(&body).map_err(bad)?;
+        T::deserialize(serde_json::Value::Object(object.0)).map_err(bad)
     }
 }
 

@@ -368,6 +368,81 @@ async fn the_page_and_its_assets_come_from_the_crate_under_a_strict_content_poli
     farm.stop().await;
 }
 
+/// Every response carries the security headers, refusals included, and a refusal by the host
+/// guard is not dressed as a route's answer (no `Allow`); the page's icon is `204`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_response_refusals_included_carries_the_security_headers() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    let evil = format!("evil.example:{}", addr.port());
+    let replies = [
+        (
+            "snapshot",
+            request(addr, "GET", "/api/snapshot", &[], "").await,
+        ),
+        ("404", request(addr, "GET", "/nothing-here", &[], "").await),
+        (
+            "405",
+            request(addr, "GET", "/api/actions/cancel", &[], "").await,
+        ),
+        (
+            "403 token",
+            request(
+                addr,
+                "POST",
+                "/api/actions/reclaim",
+                &[("Content-Type", "application/json")],
+                "{}",
+            )
+            .await,
+        ),
+        (
+            "403 host, GET of a POST route",
+            request(addr, "GET", "/api/actions/cancel", &[("Host", &evil)], "").await,
+        ),
+        (
+            "403 host",
+            request(addr, "GET", "/", &[("Host", &evil)], "").await,
+        ),
+        (
+            "favicon",
+            request(addr, "GET", "/favicon.ico", &[], "").await,
+        ),
+    ];
+    for (what, reply) in &replies {
+        let csp = reply.header("content-security-policy");
+        assert!(
+            csp.is_some_and(|c| c.contains("default-src 'none'")),
+            "{what}: {reply:?}"
+        );
+        assert_eq!(
+            reply.header("x-content-type-options"),
+            Some("nosniff"),
+            "{what}"
+        );
+        assert_eq!(reply.header("x-frame-options"), Some("DENY"), "{what}");
+        assert_eq!(reply.header("cache-control"), Some("no-store"), "{what}");
+    }
+    let status = |what: &str| replies.iter().find(|(w, _)| *w == what).unwrap().1.status;
+    assert_eq!(status("404"), 404);
+    assert_eq!(status("405"), 405);
+    assert_eq!(status("403 token"), 403);
+    assert_eq!(status("favicon"), 204);
+    for what in ["403 host, GET of a POST route", "403 host"] {
+        let reply = &replies.iter().find(|(w, _)| *w == what).unwrap().1;
+        assert_eq!(reply.refused(403), "CONSOLE_HOST_REFUSED", "{what}");
+        assert_eq!(
+            reply.header("allow"),
+            None,
+            "{what}: a refusal names no method"
+        );
+    }
+    // The route's own 405 names what it allows.
+    let reply = &replies.iter().find(|(w, _)| *w == "405").unwrap().1;
+    assert_eq!(reply.header("allow"), Some("POST"));
+    farm.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_binds_loopback_unless_the_embedder_names_an_address() {
     let sup = Supervisor::builder().slots(1).start().await.unwrap();
@@ -816,6 +891,9 @@ async fn a_malformed_action_body_is_refused_with_400() {
         ("resize", r#"{"slots":4294967296}"#, None),
         ("resize", r#"{"slots":4097}"#, None),
         ("resize", r#"{"slots":0}"#, Some("LEASE_SLOT_COUNT_INVALID")),
+        // A key twice: never a guess between two values.
+        ("resize", r#"{"slots":2,"slots":64}"#, None),
+        ("cancel", r#"{"job_id":"victim","job_id":"other"}"#, None),
     ] {
         let reply = action(addr, what, body).await;
         assert_eq!(reply.refused(400), "CONSOLE_BAD_REQUEST", "{what} {body}");

@@ -100,8 +100,9 @@ pub(crate) struct Inner {
     cancel_grace: Duration,
     /// The lease desk's actor, spawned on first use (see `desk.rs`).
     pub(crate) desk: tokio::sync::OnceCell<ractor::ActorCell>,
-    /// The GPU pool, for the fault-injection accessors (the actor holds its own handle).
-    #[cfg(all(feature = "gpu", feature = "fault-injection"))]
+    /// The GPU pool, for `replace_device` and the fault-injection accessors (the actor holds
+    /// its own handle).
+    #[cfg(feature = "gpu")]
     gpu: Option<Arc<crate::gpu::GpuPool>>,
 }
 
@@ -130,8 +131,6 @@ impl Supervisor {
         error_sink: Option<crate::sink::ErrorSink>,
         #[cfg(feature = "gpu")] gpu: Option<Arc<crate::gpu::GpuPool>>,
     ) -> Self {
-        #[cfg(all(feature = "gpu", not(feature = "fault-injection")))]
-        drop(gpu);
         Self {
             inner: Arc::new(Inner {
                 inbox,
@@ -146,7 +145,7 @@ impl Supervisor {
                 error_sink,
                 cancel_grace,
                 desk: tokio::sync::OnceCell::new(),
-                #[cfg(all(feature = "gpu", feature = "fault-injection"))]
+                #[cfg(feature = "gpu")]
                 gpu,
             }),
         }
