@@ -86,7 +86,7 @@
 //! | `/` , `/console.js`, `/console.css` | `GET` | the page |
 //! | `/api/snapshot` | `GET` | the latest frame (JSON) |
 //! | `/api/events` | `GET` | server-sent events: one frame per message, ten a second |
-//! | `/api/actions/cancel` | `POST` | `{"job_id": "render-7"}` → `{"ok": true, ..}`; 404 when no such job waits or runs |
+//! | `/api/actions/cancel` | `POST` | `{"job_id": "render-7"}` → `{"ok": true, "cancel_requested": true, ..}` (a request: the job ends in its own time); 404 when no such job waits or runs |
 //! | `/api/actions/reclaim` | `POST` | `{}` → the reclaimed and still quarantined slots |
 //! | `/api/actions/resize` | `POST` | `{"slots": 8}` → `{"ok": true, "capacity": 8}` |
 //!

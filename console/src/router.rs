@@ -404,7 +404,8 @@ async fn cancel(
             "no job `{job_id}` waits for a slot or holds one"
         )));
     }
-    let body = serde_json::json!({ "ok": true, "job_id": job_id, "cancelled": true });
+    // A request: the job ends in its own time (its outcome says how).
+    let body = serde_json::json!({ "ok": true, "job_id": job_id, "cancel_requested": true });
     Ok(json(StatusCode::OK, body.to_string()))
 }
 

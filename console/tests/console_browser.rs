@@ -404,8 +404,10 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
         .unwrap();
     wait_for(
         &page,
-        "the cancel accepted",
-        "document.querySelector('#action-result').dataset.status === '200'",
+        "the cancel accepted, shown as requested",
+        "document.querySelector('#action-result').dataset.status === '200' && \
+         document.querySelector('#action-result').dataset.requested === 'victim' && \
+         document.querySelector('#action-result').textContent.includes('cancel requested for victim')",
     )
     .await;
     assert!(victim_token.is_cancelled());
@@ -428,6 +430,15 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
     )
     .await;
 
+    // The answer to the cancel now says how the job ended.
+    wait_for(
+        &page,
+        "the cancel's outcome shown",
+        "document.querySelector('#action-result').dataset.ended === 'LEASE_BODY_CANCELLED' && \
+         document.querySelector('#action-result').textContent.includes('it ended: LEASE_BODY_CANCELLED')",
+    )
+    .await;
+
     // ---- reclaim from the page --------------------------------------------------------------
     std::fs::remove_file(&clobbered_dir).unwrap();
     page.find_element("#reclaim-btn")
@@ -444,6 +455,26 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
          !document.querySelector('#quarantine-empty').hidden",
     )
     .await;
+
+    // ---- resize with an empty field: nothing is sent ------------------------------------------
+    let capacity = sup.stats().capacity;
+    page.find_element("#resize-btn")
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_for(
+        &page,
+        "an empty resize field refused on the page",
+        "document.querySelector('#action-result').textContent.includes('type the number of slots first')",
+    )
+    .await;
+    assert_eq!(
+        sup.stats().capacity,
+        capacity,
+        "an empty field resized the pool"
+    );
     screenshot(&page, "console-final.png").await;
 
     // ---- done ---------------------------------------------------------------------------------

@@ -1068,7 +1068,7 @@ async fn with_the_token_cancel_and_resize_do_what_they_say() {
     )
     .await;
     assert_eq!(reply.status, 200, "{reply:?}");
-    assert_eq!(reply.json()["cancelled"], true);
+    assert_eq!(reply.json()["cancel_requested"], true);
     assert!(farm.victim_token.is_cancelled());
     assert_eq!(
         farm.victim.join().await.unwrap_err().code(),

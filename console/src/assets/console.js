@@ -5,6 +5,10 @@
 
 const $ = (sel) => document.querySelector(sel);
 let actionsOn = false;
+// A cancel the console asked for, until the job's end shows in the outcomes: a cancel is a
+// request, and the page says so until the job has really ended.
+let pendingCancel = null;
+let lastNow = 0;
 
 function el(tag, cls, text) {
   const e = document.createElement(tag);
@@ -246,15 +250,42 @@ async function act(action, body) {
   if (answer.error) text += ` — ${answer.error.message}` + (answer.error.cause ? ` (${answer.error.cause})` : "");
   else if (action === "resize") text += ` — capacity ${answer.capacity}`;
   else if (action === "reclaim") text += ` — ${answer.reclaimed.length} reclaimed, ${answer.still_quarantined.length} still quarantined`;
-  else if (action === "cancel") text += ` — ${answer.job_id} cancelled`;
+  else if (action === "cancel") {
+    text += ` — cancel requested for ${answer.job_id}; waiting for it to end`;
+    pendingCancel = { job: answer.job_id, since: lastNow, text };
+    out.dataset.requested = answer.job_id;
+    out.dataset.ended = "";
+  }
   out.textContent = text;
+}
+
+// The outcome of a cancel asked for: once the job's end is in the outcomes.
+function settleCancel(rows) {
+  if (!pendingCancel) return;
+  const row = rows.find((o) => o.job_id === pendingCancel.job && o.at_ms >= pendingCancel.since);
+  if (!row) return;
+  const out = $("#action-result");
+  const ended = row.code || "code not reported";
+  out.textContent = pendingCancel.text.replace("; waiting for it to end", `; it ended: ${ended}`);
+  out.dataset.ended = row.code || "unknown";
+  // An end observed before the embedder recorded its result: its code may follow.
+  if (row.code) pendingCancel = null;
 }
 
 function wireActions() {
   $("#cancel-btn").addEventListener("click", () => act("cancel", { job_id: $("#cancel-job").value.trim() }));
   $("#reclaim-btn").addEventListener("click", () => act("reclaim", {}));
   $("#resize-btn").addEventListener("click", () => {
-    const n = Number($("#resize-slots").value);
+    const typed = $("#resize-slots").value.trim();
+    if (typed === "") {
+      // Never a value the user did not type (an empty field is not 0).
+      const out = $("#action-result");
+      out.textContent = "resize: type the number of slots first";
+      out.dataset.status = "";
+      out.dataset.code = "";
+      return;
+    }
+    const n = Number(typed);
     act("resize", { slots: Number.isInteger(n) ? n : -1 });
   });
 }
@@ -271,6 +302,8 @@ function render(frame) {
   renderQueue(frame.queue);
   renderQuarantine(frame.quarantined);
   renderOutcomes(frame.outcomes, frame.now_ms);
+  settleCancel(frame.outcomes);
+  lastNow = frame.now_ms;
   document.body.dataset.frames = String(Number(document.body.dataset.frames || 0) + 1);
 }
 
