@@ -145,7 +145,8 @@ pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// How many event streams may be open at once (one per browser tab); one more is refused with
-/// `CONSOLE_TOO_MANY_STREAMS`.
+/// `CONSOLE_TOO_MANY_STREAMS` (429). The page is never locked out by it: a refused stream makes
+/// it poll `/api/snapshot` once a second and try the stream again every few seconds.
 pub const MAX_STREAMS: usize = 16;
 
 /// How many connections the console serves at once unless

@@ -117,38 +117,15 @@ fn lane(job: &str) -> String {
     format!("document.querySelector('.lane[data-job=\"{job}\"]')")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_actions_in_a_real_browser()
- {
-    let Some(exe) = chromium() else {
-        assert!(
-            !browser_required(),
-            "no chromium at /usr/bin/chromium (apt-get install chromium), and CI or \
-             LEASEHOLD_REQUIRE_BROWSER=1 requires the browser test"
-        );
-        // Straight to stderr, past the test harness's capture: a skip must be seen.
-        let _ = writeln!(
-            std::io::stderr(),
-            "\n*** SKIPPED: no chromium (apt-get install chromium, or set LEASEHOLD_CHROMIUM): \
-             the console's browser test did not run ***\n"
-        );
-        return;
-    };
-
-    // ---- the supervisor, its console, the browser -----------------------------------------
-    let sup = Supervisor::builder().slots(3).start().await.unwrap();
-    let console = Console::builder(sup.clone())
-        .actions(ActionsToken::new(TOKEN).unwrap())
-        .start()
-        .await
-        .unwrap();
-    let outcomes = console.outcomes();
+/// Launches headless Chromium (`exe`) with a profile of its own; the browser, the task that
+/// drives its DevTools connection, and the profile dir (removed when dropped).
+async fn launch(exe: &Path) -> (Browser, tokio::task::JoinHandle<()>, tempfile::TempDir) {
     let profile = tempfile::Builder::new()
         .prefix("leasehold-chromium-profile-")
         .tempdir()
         .unwrap();
     let config = BrowserConfig::builder()
-        .chrome_executable(&exe)
+        .chrome_executable(exe)
         .disable_default_args()
         .no_sandbox()
         .user_data_dir(profile.path())
@@ -172,7 +149,7 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
         .request_timeout(Duration::from_secs(60))
         .build()
         .unwrap();
-    let (mut browser, mut handler) = Browser::launch(config)
+    let (browser, mut handler) = Browser::launch(config)
         .await
         .unwrap_or_else(|e| panic!("chromium ({}) did not start: {e}", exe.display()));
     let devtools = tokio::spawn(async move {
@@ -182,6 +159,44 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
             }
         }
     });
+    (browser, devtools, profile)
+}
+
+/// The page's skip or failure when there is no Chromium: `None` (said loudly) where that is allowed.
+fn chromium_or_skip() -> Option<PathBuf> {
+    let exe = chromium();
+    if exe.is_none() {
+        assert!(
+            !browser_required(),
+            "no chromium at /usr/bin/chromium (apt-get install chromium), and CI or \
+             LEASEHOLD_REQUIRE_BROWSER=1 requires the browser test"
+        );
+        // Straight to stderr, past the test harness's capture: a skip must be seen.
+        let _ = writeln!(
+            std::io::stderr(),
+            "\n*** SKIPPED: no chromium (apt-get install chromium, or set LEASEHOLD_CHROMIUM): \
+             the console's browser test did not run ***\n"
+        );
+    }
+    exe
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_actions_in_a_real_browser()
+ {
+    let Some(exe) = chromium_or_skip() else {
+        return;
+    };
+
+    // ---- the supervisor, its console, the browser -----------------------------------------
+    let sup = Supervisor::builder().slots(3).start().await.unwrap();
+    let console = Console::builder(sup.clone())
+        .actions(ActionsToken::new(TOKEN).unwrap())
+        .start()
+        .await
+        .unwrap();
+    let outcomes = console.outcomes();
+    let (mut browser, devtools, _profile) = launch(&exe).await;
     let page = browser.new_page(console.url()).await.unwrap();
 
     // ---- a lane per slot, live ---------------------------------------------------------------
@@ -485,4 +500,87 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.quarantined, 0, "{report:?}");
     assert_eq!(report.stats.active, 0);
+}
+
+/// Opens one event stream from a plain socket, as another tab would, and waits for its first
+/// frame: it holds one of the console's stream places until dropped.
+async fn hold_stream(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(
+            format!(
+                "GET /api/events HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !seen.windows(6).any(|w| w == b"data: ") {
+        let n = stream.read(&mut buf).await.unwrap();
+        assert!(n > 0, "the stream closed before its first frame");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        seen.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&seen)
+    );
+    stream
+}
+
+/// With every stream place taken, the page is not locked out: the stream's refusal (a 429 the
+/// browser does not retry) makes it poll the snapshot, it goes live again once a place is free,
+/// and while the console cannot be reached it says so instead of showing empty tables as facts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_polls_while_the_stream_cap_is_full_and_says_when_it_is_disconnected() {
+    let Some(exe) = chromium_or_skip() else {
+        return;
+    };
+    let sup = Supervisor::builder().slots(2).start().await.unwrap();
+    let console = Console::builder(sup.clone()).start().await.unwrap();
+    let mut others = Vec::new();
+    for _ in 0..leasehold_console::MAX_STREAMS {
+        others.push(hold_stream(console.local_addr()).await);
+    }
+    let (mut browser, devtools, _profile) = launch(&exe).await;
+    let page = browser.new_page(console.url()).await.unwrap();
+    wait_for(
+        &page,
+        "polling while every stream place is taken, with fresh frames",
+        "document.querySelector('#conn').dataset.state === 'polling' && \
+         Number(document.body.dataset.frames || 0) >= 3 && \
+         document.querySelectorAll('#lanes .lane').length === 2 && \
+         document.querySelector('#stale').hidden",
+    )
+    .await;
+    screenshot(&page, "console-polling.png").await;
+    // A place frees: the page goes back to the live stream.
+    others.pop();
+    wait_for(
+        &page,
+        "live again once a stream place is free",
+        "document.querySelector('#conn').dataset.state === 'live'",
+    )
+    .await;
+    // The console goes away: the page says it is disconnected, and claims no empty table.
+    drop(others);
+    console.shutdown().await.unwrap();
+    wait_for(
+        &page,
+        "disconnected, said so, without empty tables as facts",
+        "document.querySelector('#conn').dataset.state === 'lost' && \
+         !document.querySelector('#stale').hidden && \
+         document.querySelector('#quarantine-empty').hidden && \
+         document.querySelector('#outcomes-empty').hidden && \
+         document.body.dataset.stale === 'true'",
+    )
+    .await;
+    screenshot(&page, "console-disconnected.png").await;
+    browser.close().await.unwrap();
+    let _ = browser.wait().await;
+    devtools.await.unwrap();
+    sup.shutdown().await.unwrap();
 }

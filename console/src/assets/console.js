@@ -307,12 +307,83 @@ function render(frame) {
   document.body.dataset.frames = String(Number(document.body.dataset.frames || 0) + 1);
 }
 
-function connect() {
+// ---- the connection: the event stream, or polling the snapshot when the stream is refused ---
+
+const POLL_MS = 1000;
+const STREAM_RETRY_MS = 5000;
+let source = null;
+let pollTimer = null;
+let retryTimer = null;
+
+function setConn(state, text) {
   const conn = $("#conn");
-  const source = new EventSource("api/events");
-  source.onopen = () => { conn.textContent = "live"; conn.dataset.state = "live"; };
-  source.onerror = () => { conn.textContent = "connection lost, retrying…"; conn.dataset.state = "lost"; };
-  source.onmessage = (msg) => render(JSON.parse(msg.data));
+  conn.dataset.state = state;
+  conn.textContent = text;
+}
+
+// Disconnected: what the page shows is the last thing it heard, not a fact. The "nothing
+// here" notes would claim an empty quarantine or no outcome; they go, and the page says why.
+function markStale() {
+  document.body.dataset.stale = "true";
+  for (const id of ["#quarantine-empty", "#outcomes-empty"]) $(id).hidden = true;
+  $("#queue").textContent = "Unknown while disconnected.";
+  $("#stale").hidden = false;
+}
+
+function fresh() {
+  document.body.dataset.stale = "false";
+  $("#stale").hidden = true;
+}
+
+// The stream was refused for good (the browser does not retry a 429, the stream cap): the
+// page polls the snapshot instead, and tries the stream again now and then.
+function startPolling() {
+  if (pollTimer) return;
+  setConn("polling", "polling (live stream unavailable)");
+  const poll = async () => {
+    try {
+      const res = await fetch("api/snapshot", { cache: "no-store", credentials: "omit" });
+      if (!res.ok) throw new Error(String(res.status));
+      const frame = await res.json();
+      if (pollTimer) setConn("polling", "polling (live stream unavailable)");
+      fresh();
+      render(frame);
+    } catch (e) {
+      setConn("lost", "connection lost, retrying…");
+      markStale();
+    }
+  };
+  poll();
+  pollTimer = setInterval(poll, POLL_MS);
+}
+
+function stopPolling() {
+  if (pollTimer) clearInterval(pollTimer);
+  pollTimer = null;
+}
+
+function connect() {
+  retryTimer = null;
+  source = new EventSource("api/events");
+  source.onopen = () => {
+    stopPolling();
+    setConn("live", "live");
+  };
+  source.onerror = () => {
+    if (source.readyState === EventSource.CLOSED) {
+      source.close();
+      startPolling();
+      if (!retryTimer) retryTimer = setTimeout(connect, STREAM_RETRY_MS);
+    } else if (!pollTimer) {
+      // The browser reconnects by itself.
+      setConn("lost", "connection lost, retrying…");
+      markStale();
+    }
+  };
+  source.onmessage = (msg) => {
+    fresh();
+    render(JSON.parse(msg.data));
+  };
 }
 
 wireActions();
