@@ -7,8 +7,8 @@
 //! With `--console` (built by leasehold-console: `cargo run --release -p leasehold-console
 //! --example frame_loop_console -- --console`) it also serves leasehold's live web console on 127.0.0.1
 //! (`--console=ADDR` for another address, which exposes it to whoever can reach it), prints its
-//! URL and an actions token, records every bake's outcome there, and keeps serving after the
-//! loop until Enter is pressed.
+//! URL (with `--console-actions`, it turns the actions on and prints their token), records
+//! every bake's outcome there, and keeps serving after the loop until Enter is pressed.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -54,23 +54,33 @@ fn bake(sup: &Supervisor, chunk: u32, version: u32) -> JobHandle<u64, std::io::E
     })
 }
 
-/// `--console` (loopback) or `--console=ADDR`: where to serve the web console, if at all.
-fn console_arg() -> Result<Option<std::net::SocketAddr>, Box<dyn std::error::Error>> {
-    let mut addr = None;
+/// `--console` (loopback) or `--console=ADDR`: where to serve the web console, if at all; and
+/// `--console-actions`: with its actions on, and their token printed (only when asked for).
+fn console_args() -> Result<(Option<std::net::SocketAddr>, bool), Box<dyn std::error::Error>> {
+    let (mut addr, mut actions) = (None, false);
     for arg in std::env::args().skip(1) {
         if arg == "--console" {
             addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
         } else if let Some(a) = arg.strip_prefix("--console=") {
             addr = Some(a.parse()?);
+        } else if arg == "--console-actions" {
+            actions = true;
         } else {
-            return Err(format!("unknown argument `{arg}` (only --console[=ADDR])").into());
+            return Err(format!(
+                "unknown argument `{arg}` (only --console[=ADDR] and --console-actions)"
+            )
+            .into());
         }
     }
-    Ok(addr)
+    if actions && addr.is_none() {
+        return Err("--console-actions needs --console".into());
+    }
+    Ok((addr, actions))
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let console_addr = console_arg()?;
+    #[cfg_attr(not(leasehold_console), allow(unused_variables))]
+    let (console_addr, console_actions) = console_args()?;
     #[cfg(not(leasehold_console))]
     if console_addr.is_some() {
         return Err(
@@ -88,18 +98,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     #[cfg(leasehold_console)]
     let console = match console_addr {
         Some(addr) => {
-            let token = leasehold_console::ActionsToken::random()?;
-            let console = rt.block_on(
-                leasehold_console::Console::builder(sup.clone())
-                    .bind(addr)
-                    .actions(token.clone())
-                    .start(),
-            )?;
-            println!(
-                "console: {} (actions token: {})",
-                console.url(),
-                token.expose()
-            );
+            let token = console_actions
+                .then(leasehold_console::ActionsToken::random)
+                .transpose()?;
+            let mut builder = leasehold_console::Console::builder(sup.clone()).bind(addr);
+            if let Some(token) = &token {
+                builder = builder.actions(token.clone());
+            }
+            let console = rt.block_on(builder.start())?;
+            match &token {
+                Some(token) => println!(
+                    "console: {} (actions token: {})",
+                    console.url(),
+                    token.expose()
+                ),
+                None => println!(
+                    "console: {} (read-only; --console-actions turns the actions on and prints \
+                     their token)",
+                    console.url()
+                ),
+            }
             Some(console)
         }
         None => None,

@@ -20,7 +20,8 @@
 //!
 //! With `--console` (built by leasehold-console, as above) it also serves leasehold's live web console on
 //! 127.0.0.1 (or the address given: `--console 0.0.0.0:8080`, which exposes it to the network),
-//! prints its URL and an actions token, records every job's outcome there, and keeps serving
+//! prints its URL (and, with `--console-actions`, turns its actions on and prints their token),
+//! records every job's outcome there, and keeps serving
 //! after the run until Enter is pressed.
 //!
 //! Needs a Vulkan or GL adapter; Mesa's software drivers are enough: lavapipe for Vulkan
@@ -123,6 +124,10 @@ mod app {
         /// run until Enter is pressed
         #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:0")]
         console: Option<SocketAddr>,
+        /// With --console: turn the console's actions (cancel, reclaim, resize) on, and print
+        /// the token they need (printed only when asked for)
+        #[arg(long, requires = "console")]
+        console_actions: bool,
     }
 
     #[derive(Debug, Clone, Copy)]
@@ -519,7 +524,7 @@ mod app {
         // The live web console: started before the jobs so that the page shows the whole run.
         #[cfg(leasehold_console)]
         let console = match args.console {
-            Some(addr) => Some(web::start(&sup, addr, progress).await?),
+            Some(addr) => Some(web::start(&sup, addr, args.console_actions, progress).await?),
             None => None,
         };
         #[cfg(leasehold_console)]
@@ -730,23 +735,32 @@ mod app {
 
         use crate::farm::Progress;
 
-        /// Starts the console on `addr` with a fresh actions token, and prints both.
+        /// Starts the console on `addr`, read-only unless `actions`: then with a fresh actions
+        /// token, which it prints.
         pub async fn start(
             sup: &Supervisor,
             addr: SocketAddr,
+            actions: bool,
             progress: &Progress,
         ) -> Result<ConsoleHandle, Box<dyn std::error::Error>> {
-            let token = ActionsToken::random()?;
-            let console = Console::builder(sup.clone())
-                .bind(addr)
-                .actions(token.clone())
-                .start()
-                .await?;
-            progress.println(format!(
-                "console: {} (actions token: {})",
-                console.url(),
-                token.expose()
-            ));
+            let token = actions.then(ActionsToken::random).transpose()?;
+            let mut builder = Console::builder(sup.clone()).bind(addr);
+            if let Some(token) = &token {
+                builder = builder.actions(token.clone());
+            }
+            let console = builder.start().await?;
+            progress.println(match &token {
+                Some(token) => format!(
+                    "console: {} (actions token: {})",
+                    console.url(),
+                    token.expose()
+                ),
+                None => format!(
+                    "console: {} (read-only; --console-actions turns the actions on and prints \
+                     their token)",
+                    console.url()
+                ),
+            });
             Ok(console)
         }
 

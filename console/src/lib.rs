@@ -365,12 +365,16 @@ impl ConsoleBuilder {
         let local_addr = listener
             .local_addr()
             .map_err(|source| ConsoleError::Bind { addr, source })?;
-        if !local_addr.ip().is_loopback() {
-            tracing::warn!(
-                addr = %local_addr,
-                "the leasehold console listens on a non-loopback address: anyone who can reach \
-                 it reads the page over plain HTTP"
+        let exposed = !local_addr.ip().is_loopback();
+        if exposed {
+            // Loud, on stderr too: an embedder that installed no tracing subscriber must see it.
+            let warning = format!(
+                "WARNING: the leasehold console listens on {local_addr}, beyond this machine: \
+                 anyone who can reach that address reads the page and its JSON over plain HTTP \
+                 (no TLS, no login)"
             );
+            eprintln!("{warning}");
+            tracing::warn!(addr = %local_addr, "{warning}");
         }
         let t0 = Instant::now();
         let stop = CancellationToken::new();
@@ -380,7 +384,7 @@ impl ConsoleBuilder {
         let mut first = sampler::Sampler::new(
             supervisor.clone(),
             t0,
-            token.is_some(),
+            (token.is_some(), exposed),
             outcomes.clone(),
             (Arc::clone(&reasons), Arc::clone(&waiters)),
         );

@@ -48,6 +48,8 @@ pub(crate) struct Sampler {
     sup: Supervisor,
     t0: Instant,
     actions: bool,
+    /// The console listens beyond loopback: the page warns.
+    exposed: bool,
     timeline: Timeline,
     outcomes: Outcomes,
     reasons: Reasons,
@@ -60,7 +62,7 @@ impl Sampler {
     pub(crate) fn new(
         sup: Supervisor,
         t0: Instant,
-        actions: bool,
+        (actions, exposed): (bool, bool),
         outcomes: Outcomes,
         (reasons, waiters): (Reasons, Waiters),
     ) -> Self {
@@ -68,6 +70,7 @@ impl Sampler {
             sup,
             t0,
             actions,
+            exposed,
             timeline: Timeline::new(TIMELINE_WINDOW.as_millis() as u64),
             outcomes,
             reasons,
@@ -139,7 +142,7 @@ impl Sampler {
         } else {
             Vec::new()
         };
-        let frame = build_frame(
+        let mut frame = build_frame(
             now_ms,
             self.actions,
             (&stats, &leases),
@@ -147,6 +150,7 @@ impl Sampler {
             &self.timeline,
             self.outcomes.log().snapshot(),
         );
+        frame.exposed = self.exposed;
         serde_json::to_string(&frame).expect("a frame always serializes")
     }
 }
@@ -197,6 +201,8 @@ fn kind_name(kind: LeaseKind) -> String {
 struct Frame<'a> {
     now_ms: u64,
     actions: bool,
+    /// Listening beyond loopback (the page shows a warning).
+    exposed: bool,
     stats: StatsView,
     queue: QueueView,
     lanes: Vec<Lane>,
@@ -390,6 +396,7 @@ fn build_frame<'a>(
     Frame {
         now_ms,
         actions,
+        exposed: false,
         stats: StatsView::from(stats),
         queue: QueueView {
             waiting: stats.waiting,

@@ -449,6 +449,22 @@ async fn the_console_binds_loopback_unless_the_embedder_names_an_address() {
     let console = Console::builder(sup.clone()).start().await.unwrap();
     assert!(console.local_addr().ip().is_loopback());
     assert_eq!(console.url(), format!("http://{}/", console.local_addr()));
+    let reply = request(console.local_addr(), "GET", "/api/snapshot", &[], "").await;
+    assert_eq!(reply.json()["exposed"], false, "loopback: no warning");
+    // Beyond loopback (for a moment, read-only): the page is told to warn.
+    let wide = Console::builder(sup.clone())
+        .bind("0.0.0.0:0".parse().unwrap())
+        .start()
+        .await
+        .unwrap();
+    let here = SocketAddr::from(([127, 0, 0, 1], wide.local_addr().port()));
+    let reply = request(here, "GET", "/api/snapshot", &[], "").await;
+    assert_eq!(
+        reply.json()["exposed"],
+        true,
+        "beyond loopback: the page warns"
+    );
+    wide.shutdown().await.unwrap();
     // The port is taken: a second console named on it cannot bind.
     let err = Console::builder(sup.clone())
         .bind(console.local_addr())

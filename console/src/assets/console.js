@@ -294,6 +294,7 @@ function wireActions() {
 
 function render(frame) {
   actionsOn = frame.actions;
+  $("#exposed").hidden = !frame.exposed;
   $("#actions").hidden = !frame.actions;
   $("#clock").textContent = "console up " + secs(frame.now_ms);
   renderStats(frame.stats);
