@@ -34,18 +34,27 @@
 //!   tracked tasks, a process group, GPU work, the temp dir, the broker). Colours are those of
 //!   `render_farm`'s `timeline.png`: running steel blue, draining amber, draining while GPU
 //!   work is owed dark orange, the broker release green; quarantined is red.
-//! - **Timeline**: per slot, the last minute, in the same colours.
-//! - **Queue**: how many callers wait for a slot, and each of them in the order it is served:
-//!   its job, class, slots and wait ([`Supervisor::waiters`](leasehold::Supervisor::waiters)).
+//! - **Timeline**: per slot, the last minute, in the same colours (its own route, refreshed
+//!   about once a second).
+//! - **Queue**: how many callers wait for a slot, the first of them in the order they are
+//!   served (job, class, slots, wait: [`Supervisor::waiters`](leasehold::Supervisor::waiters)),
+//!   and a search by job id over all of them.
 //! - **Quarantine**: every quarantined slot with its job and the reason its physical end could
 //!   not be proven.
 //! - **Stats**: the [`Stats`](leasehold::Stats) counters.
-//! - **Last outcomes**: each job end, newest first, with its stable code when the embedder
-//!   reports results through [`Outcomes`]; otherwise as observed (the lease left the table),
-//!   marked "code not reported".
+//! - **History**: the last job ends ([`ConsoleBuilder::history`], default
+//!   [`DEFAULT_HISTORY`]), newest first, with a filter by code and a search by job id: each
+//!   with its stable code when the embedder reports results through [`Outcomes`] (its acquire,
+//!   body and cleanup errors each on its own); otherwise as observed (the lease left the
+//!   table), marked "code not reported". A row opens the job's detail: its slot and lease,
+//!   how long it waited (as the queue listing showed), ran, drained (with the time of each
+//!   proof: the worker, tracked tasks, GPU work, the temp dir) and took to release, as sampled.
 //! - **Actions** (when turned on): the token field, cancel by job id (also a button on each
-//!   job's lane), reclaim quarantined slots, resize; each answer is shown with its status and
-//!   code.
+//!   job's lane; each asks to confirm first, and a cancel shows "requested" until the job's
+//!   end arrives), reclaim quarantined slots (next to the quarantine), resize; each answer is
+//!   shown with its status and code.
+//! - **Pause** stops applying updates (the connection stays open), so that the page can be
+//!   read; rows are updated in place, so a selection or a tooltip survives the updates.
 //!
 //! # Cost to the supervisor
 //!
@@ -84,7 +93,10 @@
 //! | route | method | answer |
 //! |---|---|---|
 //! | `/` , `/console.js`, `/console.css` | `GET` | the page |
-//! | `/api/snapshot` | `GET` | the latest frame (JSON) |
+//! | `/api/snapshot` | `GET` | the latest frame (JSON; a few KB whatever the queue and the history) |
+//! | `/api/timeline` | `GET` | per slot, the last minute's segments (refreshed about once a second) |
+//! | `/api/history` | `GET` | `?code=..&q=..&limit=..`: the job ends, newest first, filtered by code (`unreported`: none yet) and searched by job id |
+//! | `/api/queue` | `GET` | `?q=..&limit=..`: the waiting callers of the last listing, in the order they are served, searched by job id |
 //! | `/api/events` | `GET` | server-sent events: one frame per message, ten a second |
 //! | `/api/actions/cancel` | `POST` | `{"job_id": "render-7"}` → `{"ok": true, "cancel_requested": true, ..}` (a request: the job ends in its own time); 404 when no such job waits or runs |
 //! | `/api/actions/reclaim` | `POST` | `{}` → the reclaimed and still quarantined slots |
@@ -114,7 +126,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 pub use error::{ConsoleError, codes};
-pub use outcomes::Outcomes;
+pub use outcomes::{DEFAULT_HISTORY, Outcomes};
 
 use leasehold::Supervisor;
 
@@ -189,6 +201,7 @@ impl Console {
                 max_connections: DEFAULT_MAX_CONNECTIONS,
                 header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
             },
+            history: DEFAULT_HISTORY,
         }
     }
 }
@@ -273,9 +286,18 @@ pub struct ConsoleBuilder {
     token: Option<ActionsToken>,
     allowed_hosts: Vec<String>,
     limits: server::Limits,
+    history: usize,
 }
 
 impl ConsoleBuilder {
+    /// Keeps the last `n` job ends in the history (default [`DEFAULT_HISTORY`]; at least a
+    /// frame's worth): the page filters it by code and searches it by job id, and shows each
+    /// end's detail. The oldest go first.
+    pub fn history(mut self, n: usize) -> Self {
+        self.history = n;
+        self
+    }
+
     /// Serves at most `n` connections at once (at least 1; default
     /// [`DEFAULT_MAX_CONNECTIONS`]): one more is closed at once, before anything is read. An
     /// open event stream holds one.
@@ -358,6 +380,7 @@ impl ConsoleBuilder {
             token,
             allowed_hosts,
             limits,
+            history,
         } = self;
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -378,7 +401,7 @@ impl ConsoleBuilder {
         }
         let t0 = Instant::now();
         let stop = CancellationToken::new();
-        let outcomes = Outcomes::new(t0);
+        let outcomes = Outcomes::new(t0, history);
         let reasons: sampler::Reasons = Arc::new(Mutex::new(Default::default()));
         let waiters: sampler::Waiters = Arc::new(Mutex::new(Vec::new()));
         let mut first = sampler::Sampler::new(
@@ -390,15 +413,19 @@ impl ConsoleBuilder {
         );
         // The first frame now, so that the snapshot route never serves an empty one.
         let (frames_tx, frames_rx) = watch::channel(Arc::<str>::from(first.sample()));
+        let (timeline_tx, timeline_rx) = watch::channel(Arc::<str>::from(first.timeline_json()));
         let app = Arc::new(router::App {
             sup: supervisor.clone(),
             frames: frames_rx,
+            timeline: timeline_rx,
+            outcomes: outcomes.clone(),
+            waiters: Arc::clone(&waiters),
             token,
             allowed_hosts,
             streams: AtomicUsize::new(0),
             stop: stop.clone(),
         });
-        let sampler = tokio::spawn(sampler::run(first, frames_tx, stop.clone()));
+        let sampler = tokio::spawn(sampler::run(first, (frames_tx, timeline_tx), stop.clone()));
         let poller = tokio::spawn(sampler::poll_actor(
             supervisor,
             (reasons, waiters),

@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Request, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -43,6 +44,12 @@ const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-
 pub(crate) struct App {
     pub(crate) sup: Supervisor,
     pub(crate) frames: watch::Receiver<Arc<str>>,
+    /// The per-slot timeline, about once a second.
+    pub(crate) timeline: watch::Receiver<Arc<str>>,
+    /// The history of job ends.
+    pub(crate) outcomes: crate::Outcomes,
+    /// The waiting callers last listed (for the queue's search).
+    pub(crate) waiters: crate::sampler::Waiters,
     pub(crate) token: Option<ActionsToken>,
     /// Host names (lowercase) answered to besides IP literals and `localhost`.
     pub(crate) allowed_hosts: Vec<String>,
@@ -58,6 +65,9 @@ pub(crate) fn router(app: Arc<App>) -> Router {
         .route("/console.css", get(style).fallback(only("GET, HEAD")))
         .route("/favicon.ico", get(no_icon).fallback(only("GET, HEAD")))
         .route("/api/snapshot", get(snapshot).fallback(only("GET, HEAD")))
+        .route("/api/timeline", get(timeline).fallback(only("GET, HEAD")))
+        .route("/api/history", get(history).fallback(only("GET, HEAD")))
+        .route("/api/queue", get(queue).fallback(only("GET, HEAD")))
         .route("/api/events", get(events).fallback(only("GET")))
         .route("/api/actions/cancel", post(cancel).fallback(only("POST")))
         .route("/api/actions/reclaim", post(reclaim).fallback(only("POST")))
@@ -185,6 +195,69 @@ fn json(status: StatusCode, body: String) -> Response {
 async fn snapshot(State(app): State<Arc<App>>) -> Response {
     let frame = app.frames.borrow().clone();
     json(StatusCode::OK, frame.to_string())
+}
+
+/// The per-slot timeline of the last minute (refreshed about once a second).
+async fn timeline(State(app): State<Arc<App>>) -> Response {
+    let timeline = app.timeline.borrow().clone();
+    json(StatusCode::OK, timeline.to_string())
+}
+
+/// A query's parameters: `?code=..&q=..&limit=..` (each optional).
+#[derive(Deserialize)]
+struct Find {
+    code: Option<String>,
+    #[serde(default)]
+    q: String,
+    limit: Option<usize>,
+}
+
+/// The most rows one answer lists.
+const MAX_ROWS: usize = 500;
+
+fn find(query: Result<Query<Find>, QueryRejection>) -> Result<Find, ApiError> {
+    let Query(find) =
+        query.map_err(|e| ApiError::bad_request(format!("a malformed query: {e}")))?;
+    if find.q.len() > 128 || find.code.as_ref().is_some_and(|c| c.len() > 64) {
+        return Err(ApiError::bad_request("a search is at most 128 characters"));
+    }
+    Ok(find)
+}
+
+/// The history of job ends, newest first: filtered by `code` (`unreported` for an end without
+/// one), searched by job id (`q`), at most `limit` (default and most 500).
+async fn history(
+    State(app): State<Arc<App>>,
+    query: Result<Query<Find>, QueryRejection>,
+) -> Response {
+    let find = match find(query) {
+        Ok(find) => find,
+        Err(e) => return e.into_response(),
+    };
+    let limit = find.limit.unwrap_or(MAX_ROWS).min(MAX_ROWS);
+    let (rows, total) = app.outcomes.log().query(
+        find.code.as_deref().filter(|c| !c.is_empty()),
+        &find.q,
+        limit,
+    );
+    let body = serde_json::json!({ "total": total, "rows": rows });
+    json(StatusCode::OK, body.to_string())
+}
+
+/// The waiting callers of the last listing (about once a second), in the order they are
+/// served: searched by job id (`q`), at most `limit` (default and most 500).
+async fn queue(
+    State(app): State<Arc<App>>,
+    query: Result<Query<Find>, QueryRejection>,
+) -> Response {
+    let find = match find(query) {
+        Ok(find) => find,
+        Err(e) => return e.into_response(),
+    };
+    let limit = find.limit.unwrap_or(MAX_ROWS).min(MAX_ROWS);
+    let (rows, listed) = crate::sampler::search_waiters(&app.waiters, &find.q, limit);
+    let body = serde_json::json!({ "listed": listed, "rows": rows });
+    json(StatusCode::OK, body.to_string())
 }
 
 /// Releases its place among the open streams when the stream is dropped (the browser went

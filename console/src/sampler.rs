@@ -19,7 +19,7 @@ use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
-use super::outcomes::{Ended, Outcome, Outcomes};
+use super::outcomes::{Ended, Outcome, Outcomes, RECENT, Timings};
 use super::timeline::{Held, Segment, Timeline};
 use super::{MAX_LANES, QUARANTINE_POLL_INTERVAL, SAMPLE_INTERVAL, TIMELINE_WINDOW};
 use leasehold::{
@@ -36,12 +36,23 @@ pub(crate) type Waiters = Arc<Mutex<Vec<WaiterInfo>>>;
 /// The label of an explicit lease's lane and timeline segment (its holder has no job id).
 const EXPLICIT: &str = "explicit lease";
 
+/// How many of the waiting callers each frame lists (the first served); `/api/queue` has the
+/// rest, with a search.
+pub(crate) const QUEUE_ROWS: usize = 8;
+
+/// How many job ids the sampler remembers from the queue listing (for their wait), at most.
+const WAITED_KEPT: usize = 4096;
+
 /// A lease as the previous sample saw it.
 struct Seen {
     job_id: Option<Arc<str>>,
     slot: u32,
     phase: LeasePhase,
     held: std::time::Duration,
+    /// Its phases and proofs as sampled so far.
+    timings: Timings,
+    /// What its release still waited for at the previous sample.
+    pending: Vec<WaitingFor>,
 }
 
 pub(crate) struct Sampler {
@@ -55,6 +66,8 @@ pub(crate) struct Sampler {
     reasons: Reasons,
     waiters: Waiters,
     seen: HashMap<u64, Seen>,
+    /// The wait of job ids the queue listing showed, until their lease is seen.
+    waited: HashMap<Arc<str>, u64>,
     explicit: Arc<str>,
 }
 
@@ -76,6 +89,7 @@ impl Sampler {
             reasons,
             waiters,
             seen: HashMap::new(),
+            waited: HashMap::new(),
             explicit: Arc::from(EXPLICIT),
         }
     }
@@ -87,36 +101,84 @@ impl Sampler {
         let stats = self.sup.stats();
         let leases = self.sup.leases();
 
+        // The waits the queue listing shows, for the job ids whose lease is not seen yet.
+        for w in self.waiters.lock().iter() {
+            if let Some(job) = &w.job_id
+                && (self.waited.len() < WAITED_KEPT || self.waited.contains_key(job))
+            {
+                self.waited
+                    .insert(Arc::clone(job), w.waited.as_millis() as u64);
+            }
+        }
+
         // Observed ends: a job's lease in the previous sample and not in this one.
         let current: HashMap<u64, &LeaseInfo> = leases.iter().map(|l| (lease_id(l), l)).collect();
-        for (id, was) in &self.seen {
-            if current.contains_key(id) {
+        let mut carried: HashMap<u64, Seen> = HashMap::new();
+        for (id, was) in std::mem::take(&mut self.seen) {
+            if current.contains_key(&id) {
+                carried.insert(id, was);
                 continue;
             }
-            if let Some(job_id) = &was.job_id {
+            if let Some(job_id) = was.job_id {
+                let mut timings = was.timings;
+                // What it still waited for at the last sample was done by now.
+                for still in &was.pending {
+                    timings.proofs.push((still.to_string(), now_ms));
+                }
+                timings.ended_ms = now_ms;
                 self.outcomes.log().observed(
                     Ended {
-                        job_id: Arc::clone(job_id),
+                        job_id,
                         slot: was.slot,
                         held: was.held,
                         last_phase: phase_name(was.phase),
+                        timings,
                     },
                     now,
                 );
             }
         }
-        self.seen = leases
-            .iter()
-            .map(|l| {
-                let seen = Seen {
+        for l in &leases {
+            let id = lease_id(l);
+            let mut timings = match carried.remove(&id) {
+                Some(was) => {
+                    let mut timings = was.timings;
+                    for done in was.pending.iter().filter(|w| !l.waiting_for.contains(w)) {
+                        timings.proofs.push((done.to_string(), now_ms));
+                    }
+                    timings
+                }
+                None => Timings {
+                    started_ms: now_ms.saturating_sub(l.held_for.as_millis() as u64),
+                    waited_ms: l.job_id.as_ref().and_then(|j| self.waited.remove(j)),
+                    kind: kind_name(l.kind),
+                    gpu_device: l.gpu_device,
+                    lease_id: id,
+                    ..Timings::default()
+                },
+            };
+            match l.phase {
+                LeasePhase::Draining | LeasePhase::Quarantined => {
+                    timings.draining_ms.get_or_insert(now_ms);
+                }
+                LeasePhase::Releasing => {
+                    timings.draining_ms.get_or_insert(now_ms);
+                    timings.releasing_ms.get_or_insert(now_ms);
+                }
+                _ => {}
+            }
+            self.seen.insert(
+                id,
+                Seen {
                     job_id: l.job_id.clone(),
                     slot: l.slot_id,
                     phase: l.phase,
                     held: l.held_for,
-                };
-                (lease_id(l), seen)
-            })
-            .collect();
+                    timings,
+                    pending: l.waiting_for.clone(),
+                },
+            );
+        }
 
         let held: Vec<Held> = leases
             .iter()
@@ -148,10 +210,31 @@ impl Sampler {
             (&stats, &leases),
             (&reasons, &waiters),
             &self.timeline,
-            self.outcomes.log().snapshot(),
+            self.outcomes.log().recent(RECENT),
         );
         frame.exposed = self.exposed;
+        frame.history = self.outcomes.log().version();
         serde_json::to_string(&frame).expect("a frame always serializes")
+    }
+
+    /// The per-slot timeline of the last minute, as JSON (`/api/timeline`: the page asks for it
+    /// about once a second, so that the frames stay small).
+    pub(crate) fn timeline_json(&self) -> String {
+        let view = TimelineView {
+            now_ms: Instant::now()
+                .saturating_duration_since(self.t0)
+                .as_millis() as u64,
+            window_ms: self.timeline.window_ms(),
+            lanes: self
+                .timeline
+                .slots()
+                .map(|slot| TimelineLane {
+                    slot,
+                    segments: self.timeline.segments(slot).collect(),
+                })
+                .collect(),
+        };
+        serde_json::to_string(&view).expect("a timeline always serializes")
     }
 }
 
@@ -198,7 +281,7 @@ fn kind_name(kind: LeaseKind) -> String {
 }
 
 #[derive(Serialize)]
-struct Frame<'a> {
+struct Frame {
     now_ms: u64,
     actions: bool,
     /// Listening beyond loopback (the page shows a warning).
@@ -207,8 +290,10 @@ struct Frame<'a> {
     queue: QueueView,
     lanes: Vec<Lane>,
     quarantined: Vec<QuarantineRow>,
+    /// The newest job ends (the history: `/api/history`).
     outcomes: Vec<Outcome>,
-    timeline: TimelineView<'a>,
+    /// Changes whenever the history does: the page asks `/api/history` again then.
+    history: u64,
 }
 
 #[derive(Serialize)]
@@ -242,23 +327,54 @@ impl From<&Stats> for StatsView {
     }
 }
 
-/// The queue: `Stats::waiting`, and the callers as [`Supervisor::waiters`] last listed them
-/// (`listed`: a list was heard since the queue last emptied).
+/// The queue: `Stats::waiting`, and the first callers as [`Supervisor::waiters`] last listed
+/// them (`listed`: a list was heard since the queue last emptied; `/api/queue` has them all).
 #[derive(Serialize)]
 struct QueueView {
     waiting: usize,
     listed: bool,
+    /// How many callers the last listing had.
+    listed_count: usize,
     waiters: Vec<WaiterView>,
 }
 
 #[derive(Serialize)]
-struct WaiterView {
+pub(crate) struct WaiterView {
     #[serde(serialize_with = "super::json::opt_arc_str")]
     job_id: Option<Arc<str>>,
     priority: &'static str,
     slots: u32,
     gathered: u32,
     waited_ms: u64,
+}
+
+impl From<&WaiterInfo> for WaiterView {
+    fn from(w: &WaiterInfo) -> Self {
+        Self {
+            job_id: w.job_id.clone(),
+            priority: priority_name(w.priority),
+            slots: w.slots,
+            gathered: w.gathered,
+            waited_ms: w.waited.as_millis() as u64,
+        }
+    }
+}
+
+/// The waiting callers of the last listing whose job id contains `search`, in the order they
+/// are served, at most `limit`; and how many the listing had.
+pub(crate) fn search_waiters(
+    waiters: &Waiters,
+    search: &str,
+    limit: usize,
+) -> (Vec<WaiterView>, usize) {
+    let waiters = waiters.lock();
+    let found = waiters
+        .iter()
+        .filter(|w| w.job_id.as_deref().unwrap_or(EXPLICIT).contains(search))
+        .take(limit)
+        .map(WaiterView::from)
+        .collect();
+    (found, waiters.len())
 }
 
 fn priority_name(p: Priority) -> &'static str {
@@ -304,6 +420,7 @@ struct QuarantineRow {
 
 #[derive(Serialize)]
 struct TimelineView<'a> {
+    now_ms: u64,
     window_ms: u64,
     lanes: Vec<TimelineLane<'a>>,
 }
@@ -314,14 +431,14 @@ struct TimelineLane<'a> {
     segments: Vec<&'a Segment>,
 }
 
-fn build_frame<'a>(
+fn build_frame(
     now_ms: u64,
     actions: bool,
     (stats, leases): (&Stats, &[LeaseInfo]),
     (reasons, waiters): (&HashMap<u64, QuarantinedSlot>, &[WaiterInfo]),
-    timeline: &'a Timeline,
+    timeline: &Timeline,
     outcomes: Vec<Outcome>,
-) -> Frame<'a> {
+) -> Frame {
     // The lanes: every slot below the capacity (up to MAX_LANES), every slot held now, every
     // slot with something on the timeline (a slot above a lowered capacity, or a broker's
     // own slot ids).
@@ -386,13 +503,6 @@ fn build_frame<'a>(
     }
     quarantined.sort_by_key(|row| (row.slot, row.lease_id));
 
-    let lanes_tl = timeline
-        .slots()
-        .map(|slot| TimelineLane {
-            slot,
-            segments: timeline.segments(slot).collect(),
-        })
-        .collect();
     Frame {
         now_ms,
         actions,
@@ -401,37 +511,35 @@ fn build_frame<'a>(
         queue: QueueView {
             waiting: stats.waiting,
             listed: !waiters.is_empty(),
+            listed_count: waiters.len(),
             waiters: waiters
                 .iter()
-                .map(|w| WaiterView {
-                    job_id: w.job_id.clone(),
-                    priority: priority_name(w.priority),
-                    slots: w.slots,
-                    gathered: w.gathered,
-                    waited_ms: w.waited.as_millis() as u64,
-                })
+                .take(QUEUE_ROWS)
+                .map(WaiterView::from)
                 .collect(),
         },
         lanes,
         quarantined,
         outcomes,
-        timeline: TimelineView {
-            window_ms: timeline.window_ms(),
-            lanes: lanes_tl,
-        },
+        history: 0,
     }
 }
 
-/// Samples every [`SAMPLE_INTERVAL`] until `stop`, publishing each frame.
+/// How many frames per timeline (`/api/timeline`): about once a second.
+const TIMELINE_EVERY: u32 = 10;
+
+/// Samples every [`SAMPLE_INTERVAL`] until `stop`, publishing each frame, and the timeline
+/// every [`TIMELINE_EVERY`] frames.
 pub(crate) async fn run(
     mut sampler: Sampler,
-    frames: watch::Sender<Arc<str>>,
+    (frames, timelines): (watch::Sender<Arc<str>>, watch::Sender<Arc<str>>),
     stop: CancellationToken,
 ) {
     // The first frame was taken at start: the next one an interval later.
     let mut tick = tokio::time::interval_at(Instant::now() + SAMPLE_INTERVAL, SAMPLE_INTERVAL);
     // A late tick (a loaded runtime) is skipped, not made up in a burst.
     tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+    let mut n = 0u32;
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
@@ -439,6 +547,10 @@ pub(crate) async fn run(
         }
         let frame = sampler.sample();
         frames.send_replace(Arc::from(frame));
+        n += 1;
+        if n.is_multiple_of(TIMELINE_EVERY) {
+            timelines.send_replace(Arc::from(sampler.timeline_json()));
+        }
     }
 }
 

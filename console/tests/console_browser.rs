@@ -17,6 +17,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use chromiumoxide::browser::{Browser, BrowserConfig};
+use chromiumoxide::cdp::browser_protocol::emulation::{
+    MediaFeature, SetDeviceMetricsOverrideParams, SetEmulatedMediaParams,
+};
 use chromiumoxide::cdp::browser_protocol::page::CaptureScreenshotFormat;
 use chromiumoxide::handler::viewport::Viewport;
 use chromiumoxide::page::{Page, ScreenshotParams};
@@ -111,6 +114,23 @@ async fn js<T: serde::de::DeserializeOwned>(page: &Page, expr: &str) -> T {
         .unwrap_or_else(|e| panic!("`{expr}`: {e}"))
         .into_value()
         .unwrap_or_else(|e| panic!("`{expr}`: {e}"))
+}
+
+/// Clicks a button that asks to confirm first: the first click arms it (its text asks), the
+/// second acts.
+async fn confirm_click(page: &Page, selector: &str) {
+    let button = page.find_element(selector).await.unwrap();
+    button.click().await.unwrap();
+    wait_for(
+        page,
+        "the button asking to confirm",
+        &format!(
+            "document.querySelector('{selector}').dataset.armed === 'true' && \
+             document.querySelector('{selector}').textContent.startsWith('Confirm')"
+        ),
+    )
+    .await;
+    button.click().await.unwrap();
 }
 
 fn lane(job: &str) -> String {
@@ -364,12 +384,7 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
         .type_str("victim")
         .await
         .unwrap();
-    page.find_element("#cancel-btn")
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    confirm_click(&page, "#cancel-btn").await;
     wait_for(
         &page,
         "the refusal",
@@ -411,12 +426,7 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
         .type_str(TOKEN)
         .await
         .unwrap();
-    page.find_element("#cancel-btn")
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    confirm_click(&page, "#cancel-btn").await;
     wait_for(
         &page,
         "the cancel accepted, shown as requested",
@@ -470,6 +480,108 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
          !document.querySelector('#quarantine-empty').hidden",
     )
     .await;
+
+    // ---- the history: a filter by code, a search by id, a job's detail ----------------------
+    let history_rows =
+        "[...document.querySelectorAll('#outcomes tbody tr')].map(tr => tr.dataset.job)";
+    page.find_element("#history-code")
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap()
+        .type_str("LEASE_BODY_CANCELLED")
+        .await
+        .unwrap();
+    wait_for(
+        &page,
+        "the history filtered by code",
+        &format!("JSON.stringify({history_rows}) === '[\"victim\"]'"),
+    )
+    .await;
+    page.find_element("#outcomes tbody tr")
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_for(
+        &page,
+        "the victim's detail: its slot, its run, its drain, its body error",
+        "!document.querySelector('#detail').hidden && \
+         document.querySelector('#detail').dataset.job === 'victim' && \
+         [...document.querySelectorAll('#detail dt')].map(d => d.textContent).join() \
+           .includes('ran') && \
+         document.querySelector('#detail').textContent.includes('body error') && \
+         document.querySelector('#detail').textContent.includes('cancelled')",
+    )
+    .await;
+    screenshot(&page, "console-detail.png").await;
+    js::<bool>(
+        &page,
+        "document.querySelector('#history-code').value = ''; \
+        document.querySelector('#history-code').dispatchEvent(new Event('input')); true",
+    )
+    .await;
+    page.find_element("#history-search")
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap()
+        .type_str("held")
+        .await
+        .unwrap();
+    wait_for(
+        &page,
+        "the history searched by job id",
+        &format!("JSON.stringify({history_rows}) === '[\"held-job\"]'"),
+    )
+    .await;
+
+    // ---- a selection survives ten updates; a pause stops them ---------------------------------
+    let frames = "Number(document.body.dataset.frames)";
+    let selected: String = js(
+        &page,
+        "(() => { const td = document.querySelector('#outcomes tbody tr td.job'); \
+           const r = document.createRange(); r.selectNodeContents(td); \
+           const s = window.getSelection(); s.removeAllRanges(); s.addRange(r); \
+           window.__frames = Number(document.body.dataset.frames); return s.toString(); })()",
+    )
+    .await;
+    assert_eq!(selected, "held-job");
+    wait_for(
+        &page,
+        "ten more frames",
+        &format!("{frames} >= window.__frames + 10"),
+    )
+    .await;
+    let still: String = js(&page, "window.getSelection().toString()").await;
+    assert_eq!(
+        still, "held-job",
+        "the selection did not survive ten updates"
+    );
+    page.find_element("#pause")
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let clock: String = js(&page, "document.querySelector('#clock').textContent").await;
+    wait_for(
+        &page,
+        "ten frames while paused",
+        &format!("{frames} >= window.__frames + 25"),
+    )
+    .await;
+    let paused_clock: String = js(&page, "document.querySelector('#clock').textContent").await;
+    assert_eq!(clock, paused_clock, "a paused page kept updating");
+    page.find_element("#pause")
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
 
     // ---- resize with an empty field: nothing is sent ------------------------------------------
     let capacity = sup.stats().capacity;
@@ -557,6 +669,34 @@ async fn the_page_polls_while_the_stream_cap_is_full_and_says_when_it_is_disconn
     )
     .await;
     screenshot(&page, "console-polling.png").await;
+    // A phone's width: no horizontal scroll.
+    page.execute(SetDeviceMetricsOverrideParams::new(390, 844, 1.0, true))
+        .await
+        .unwrap();
+    wait_for(
+        &page,
+        "the page within 390 px",
+        "window.innerWidth === 390 && document.documentElement.scrollWidth <= 390",
+    )
+    .await;
+    screenshot(&page, "console-390px.png").await;
+    // Dark mode, from the system's preference.
+    page.execute(SetEmulatedMediaParams {
+        media: None,
+        features: Some(vec![MediaFeature {
+            name: "prefers-color-scheme".into(),
+            value: "dark".into(),
+        }]),
+    })
+    .await
+    .unwrap();
+    wait_for(
+        &page,
+        "a dark page under prefers-color-scheme: dark",
+        "getComputedStyle(document.body).backgroundColor === 'rgb(23, 24, 26)'",
+    )
+    .await;
+    screenshot(&page, "console-dark.png").await;
     // A place frees: the page goes back to the live stream.
     others.pop();
     wait_for(

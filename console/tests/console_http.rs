@@ -523,8 +523,26 @@ async fn the_snapshot_shows_a_lane_per_slot_with_the_running_job_and_the_stats()
     assert_eq!(frame["queue"]["waiting"], 0);
     assert_eq!(frame["queue"]["listed"], false);
     assert_eq!(frame["actions"], false);
-    let tl = frame["timeline"]["lanes"].as_array().unwrap();
-    assert_eq!(tl.len(), 1, "{frame}");
+    assert!(
+        frame.get("timeline").is_none(),
+        "the timeline is its own route"
+    );
+    // The timeline, refreshed about once a second.
+    let timeline = tokio::time::timeout(WAIT, async {
+        loop {
+            let tl = request(farm.addr(), "GET", "/api/timeline", &[], "")
+                .await
+                .json();
+            if !tl["lanes"].as_array().unwrap().is_empty() {
+                return tl;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("the timeline shows the victim");
+    let tl = timeline["lanes"].as_array().unwrap();
+    assert_eq!(tl.len(), 1, "{timeline}");
     assert_eq!(tl[0]["segments"][0]["holder"], "victim");
 
     // The other slot held by an explicit lease, and a job queued behind it: the lanes show
@@ -1383,4 +1401,159 @@ impl Drop for FdLimit {
         };
         let _ = rustix::process::setrlimit(rustix::process::Resource::Nofile, old);
     }
+}
+
+/// With 262 callers waiting and a full history, a frame stays under 5 KB: the queue lists its
+/// first rows and a count (`/api/queue` searches the rest), the history its newest rows
+/// (`/api/history` filters and searches the rest), the timeline is its own route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_stays_under_5_kb_with_262_waiters_and_the_rest_is_searched() {
+    let sup = Supervisor::builder().slots(1).start().await.unwrap();
+    let console = Console::builder(sup.clone()).start().await.unwrap();
+    let addr = console.local_addr();
+    let outcomes = console.outcomes();
+    for i in 0..1000 {
+        let result: Result<(), leasehold::JobError<std::io::Error>> = if i % 3 == 0 {
+            Err(leasehold::JobError::Acquire(
+                leasehold::AcquireError::Cancelled,
+            ))
+        } else {
+            Ok(())
+        };
+        outcomes.record(&format!("bake-{i:04}"), &result);
+    }
+    let (gate_tx, gate_rx) = oneshot::channel::<()>();
+    let holder = {
+        let sup = sup.clone();
+        tokio::spawn(async move {
+            sup.run(JobSpec::new("holder").unwrap(), |_ctx| async move {
+                let _ = gate_rx.await;
+                Ok::<_, std::io::Error>(())
+            })
+            .await
+        })
+    };
+    // The holder has the slot before anyone queues behind it.
+    tokio::time::timeout(WAIT, async {
+        while !sup
+            .leases()
+            .iter()
+            .any(|l| l.job_id.as_deref() == Some("holder"))
+        {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the holder runs");
+    // Submitted one after another from this task: they join the queue in this order.
+    let waiters: Vec<_> = (0..262)
+        .map(|i| {
+            sup.submit(
+                JobSpec::new(format!("waiter-{i:03}")).unwrap(),
+                |_ctx| async { Ok::<_, std::io::Error>(()) },
+            )
+        })
+        .collect();
+    // The poller lists the queue about once a second.
+    let frame = tokio::time::timeout(WAIT, async {
+        loop {
+            let reply = request(addr, "GET", "/api/snapshot", &[], "").await;
+            if reply.json()["queue"]["listed_count"] == 262 {
+                return reply;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the queue listed");
+    let size = frame.body.len();
+    eprintln!("a frame with 262 waiters and 1000 job ends in the history: {size} bytes");
+    assert!(size <= 5 * 1024, "{size} bytes: {}", frame.body);
+    let frame = frame.json();
+    assert_eq!(frame["queue"]["waiting"], 262);
+    assert!(frame["queue"]["waiters"].as_array().unwrap().len() < 262);
+    assert_eq!(frame["outcomes"][0]["job_id"], "bake-0999");
+    // The rest, searched.
+    let found = request(addr, "GET", "/api/queue?q=waiter-25", &[], "")
+        .await
+        .json();
+    let ids: Vec<&str> = found["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["job_id"].as_str().unwrap())
+        .collect();
+    // In the order they are served: the full listing's order.
+    let all = request(addr, "GET", "/api/queue?limit=500", &[], "")
+        .await
+        .json();
+    let all: Vec<&str> = all["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["job_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(all.len(), 262);
+    assert_eq!(
+        frame["queue"]["waiters"][0]["job_id"], all[0],
+        "the frame lists the first"
+    );
+    let expected: Vec<&str> = all
+        .iter()
+        .copied()
+        .filter(|id| id.contains("waiter-25"))
+        .collect();
+    assert_eq!(expected.len(), 10);
+    assert_eq!(ids, expected, "in the order they are served");
+    assert_eq!(found["listed"], 262);
+    let history = request(
+        addr,
+        "GET",
+        "/api/history?code=LEASE_ACQUIRE_CANCELLED&q=bake-09&limit=5",
+        &[],
+        "",
+    )
+    .await
+    .json();
+    let ids: Vec<&str> = history["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["job_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            "bake-0999",
+            "bake-0996",
+            "bake-0993",
+            "bake-0990",
+            "bake-0987"
+        ]
+    );
+    assert_eq!(history["total"], 1000);
+    assert!(
+        history["rows"][0]["errors"]["acquire"]
+            .as_str()
+            .is_some_and(|e| !e.is_empty()),
+        "{history}"
+    );
+    let refused = request(
+        addr,
+        "GET",
+        &format!("/api/history?q={}", "x".repeat(200)),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(refused.refused(400), "CONSOLE_BAD_REQUEST");
+    let timeline = request(addr, "GET", "/api/timeline", &[], "").await.json();
+    assert!(timeline["window_ms"].as_u64().is_some(), "{timeline}");
+    gate_tx.send(()).unwrap();
+    holder.await.unwrap().unwrap();
+    for w in waiters {
+        w.join().await.unwrap();
+    }
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
 }

@@ -461,9 +461,9 @@ impl Supervisor {
     ///
     /// # Errors
     ///
-    /// [`GpuError::ReplaceRefused`] (code `GPU_REPLACE_REFUSED`): no GPU, no device `index`, a
+    /// [`GpuError::ReplaceRefused`](crate::GpuError::ReplaceRefused) (code `GPU_REPLACE_REFUSED`): no GPU, no device `index`, a
     /// device leasehold opened itself (it re-creates those on its own), or a supervisor that has
-    /// shut down. [`GpuError::CreateFailed`] when the new device refused the scratch buffers;
+    /// shut down. [`GpuError::CreateFailed`](crate::GpuError::CreateFailed) when the new device refused the scratch buffers;
     /// nothing was installed then.
     ///
     /// # Cancel safety

@@ -64,7 +64,8 @@ function laneFor(slot) {
   cancel.type = "button";
   cancel.hidden = true;
   cancel.addEventListener("click", () => {
-    if (lane.dataset.job) act("cancel", { job_id: lane.dataset.job });
+    const job = lane.dataset.job;
+    if (job) confirmThen(cancel, `confirm cancel of ${job}?`, () => act("cancel", { job_id: job }));
   });
   lane.querySelector(".lane-actions").append(cancel);
   lanes.append(lane);
@@ -165,57 +166,147 @@ function renderTimeline(tl, lanes, now) {
 
 // ---- queue, quarantine, outcomes ---------------------------------------------------------
 
+// Keeps a table's rows in step with `items` without rebuilding them: a row per key, reused
+// from frame to frame, and a cell's text set only when it changed, so that a selection or a
+// tooltip in the table survives the updates.
+function syncRows(tbody, items, keyOf, cellsOf, decorate) {
+  const old = new Map([...tbody.children].map((tr) => [tr.dataset.key, tr]));
+  let at = 0;
+  for (const item of items) {
+    const key = String(keyOf(item));
+    let tr = old.get(key);
+    const cells = cellsOf(item);
+    if (!tr) {
+      tr = el("tr");
+      tr.dataset.key = key;
+      for (const [cls] of cells) tr.append(el("td", cls));
+    }
+    old.delete(key);
+    cells.forEach(([, text, title], i) => {
+      const td = tr.children[i];
+      if (td.textContent !== text) td.textContent = text;
+      if (title !== undefined && td.title !== title) td.title = title;
+    });
+    if (decorate) decorate(tr, item);
+    if (tbody.children[at] !== tr) tbody.insertBefore(tr, tbody.children[at] || null);
+    at += 1;
+  }
+  for (const tr of old.values()) tr.remove();
+}
+
 function renderQueue(queue) {
-  $("#queue").textContent = queue.waiting === 0 ? "No caller waits for a slot."
+  const q = $("#queue");
+  q.textContent = queue.waiting === 0 ? "No caller waits for a slot."
     : queue.waiting === 1 ? "1 caller waits for a slot." : `${queue.waiting} callers wait for a slot.`;
-  $("#queue").dataset.waiting = String(queue.waiting);
+  if (queue.listed_count > queue.waiters.length) q.textContent += ` The first ${queue.waiters.length} are listed; search for the others.`;
+  q.dataset.waiting = String(queue.waiting);
+  if (queueSearch()) return; // the search's answer is what the table shows
+  fillWaiters(queue.waiters);
+}
+
+function fillWaiters(waiters) {
   // In the order they are served; heard from the supervisor about once a second.
-  const body = $("#waiters tbody");
-  body.replaceChildren();
-  queue.waiters.forEach((w, i) => {
-    const tr = el("tr");
-    tr.dataset.job = w.job_id || "";
-    tr.dataset.priority = w.priority;
-    const slots = w.gathered > 0 ? `${w.gathered} of ${w.slots}` : String(w.slots);
-    tr.append(el("td", "num", String(i + 1)), el("td", "job", w.job_id || "explicit lease"),
-      el("td", "priority", w.priority), el("td", "num", slots), el("td", "num", secs(w.waited_ms)));
-    body.append(tr);
-  });
-  $("#waiters").hidden = queue.waiters.length === 0;
+  syncRows($("#waiters tbody"), waiters.map((w, i) => ({ ...w, place: i + 1 })),
+    (w) => `${w.place}:${w.job_id}`,
+    (w) => [["num", String(w.place)], ["job", w.job_id || "explicit lease"], ["priority", w.priority],
+      ["num", w.gathered > 0 ? `${w.gathered} of ${w.slots}` : String(w.slots)], ["num", secs(w.waited_ms)]],
+    (tr, w) => { tr.dataset.job = w.job_id || ""; tr.dataset.priority = w.priority; });
+  $("#waiters").hidden = waiters.length === 0;
+}
+
+function queueSearch() {
+  return $("#queue-search").value.trim();
+}
+
+async function searchQueue() {
+  const q = queueSearch();
+  if (!q) return;
+  try {
+    const res = await fetch("api/queue?limit=50&q=" + encodeURIComponent(q), { cache: "no-store", credentials: "omit" });
+    const answer = await res.json();
+    fillWaiters(answer.rows);
+    $("#queue-found").textContent = `${answer.rows.length} of the ${answer.listed} listed match “${q}”`;
+  } catch (e) { /* the connection state says why */ }
 }
 
 function renderQuarantine(rows) {
-  const body = $("#quarantine tbody");
-  body.replaceChildren();
-  for (const q of rows) {
-    const tr = el("tr");
-    tr.dataset.lease = String(q.lease_id);
-    tr.dataset.slot = String(q.slot);
-    tr.append(el("td", null, String(q.slot)), el("td", "job", q.job_id || "explicit lease"),
-      el("td", null, String(q.lease_id)), el("td", "reason", q.reason || "(asking the supervisor…)"));
-    body.append(tr);
-  }
+  syncRows($("#quarantine tbody"), rows, (q) => q.lease_id,
+    (q) => [[null, String(q.slot)], ["job", q.job_id || "explicit lease"], [null, String(q.lease_id)],
+      ["reason", q.reason || "(asking the supervisor…)"]],
+    (tr, q) => { tr.dataset.lease = String(q.lease_id); tr.dataset.slot = String(q.slot); });
   $("#quarantine-empty").hidden = rows.length > 0;
 }
 
-function renderOutcomes(rows, now) {
-  const body = $("#outcomes tbody");
-  body.replaceChildren();
-  for (const o of rows) {
-    const tr = el("tr");
-    tr.dataset.job = o.job_id;
-    const code = el("td", "code", o.code || "ended");
-    code.dataset.ok = o.code === null ? "unknown" : String(o.code === "OK");
-    if (o.code === null) code.title = "code not reported: the embedder did not record this job's result";
-    let detail = o.detail || "";
-    if (o.last_phase) detail = (detail ? detail + " · " : "") + "last seen " + o.last_phase;
-    if (o.code === null) detail = (detail ? detail + " · " : "") + "code not reported";
-    tr.append(el("td", "num", secs(now - o.at_ms) + " ago"), el("td", "job", o.job_id), code,
-      el("td", "num", o.slot === null ? "–" : String(o.slot)), el("td", "num", secs(o.held_ms)),
-      el("td", "detail", detail));
-    body.append(tr);
+// ---- history and a job's detail ----------------------------------------------------------
+
+let historyRows = [];
+let historyVersion = -1;
+let historyAsked = false;
+
+function outcomeCells(o, now) {
+  let detail = o.detail || "";
+  if (o.last_phase) detail = (detail ? detail + " · " : "") + "last seen " + o.last_phase;
+  if (o.code === null) detail = (detail ? detail + " · " : "") + "code not reported";
+  return [["num", secs(now - o.at_ms) + " ago"], ["job", o.job_id],
+    ["code", o.code || "ended", o.code === null ? "code not reported: the embedder did not record this job's result" : ""],
+    ["num", o.slot === null ? "–" : String(o.slot)], ["num", secs(o.held_ms)], ["detail", detail]];
+}
+
+function renderHistory(now) {
+  syncRows($("#outcomes tbody"), historyRows, (o) => `${o.at_ms}:${o.job_id}`, (o) => outcomeCells(o, now),
+    (tr, o) => {
+      tr.dataset.job = o.job_id;
+      tr.tabIndex = 0;
+      tr.querySelector(".code").dataset.ok = o.code === null ? "unknown" : String(o.code === "OK");
+    });
+  $("#outcomes-empty").hidden = historyRows.length > 0;
+}
+
+async function fetchHistory() {
+  if (historyAsked) return;
+  historyAsked = true;
+  const code = $("#history-code").value.trim();
+  const q = $("#history-search").value.trim();
+  try {
+    const res = await fetch(`api/history?limit=200&code=${encodeURIComponent(code)}&q=${encodeURIComponent(q)}`,
+      { cache: "no-store", credentials: "omit" });
+    const answer = await res.json();
+    historyRows = answer.rows;
+    $("#history-count").textContent = (code || q)
+      ? `${answer.rows.length} of ${answer.total} job ends match`
+      : `the newest ${answer.rows.length} of ${answer.total} job ends`;
+    renderHistory(lastNow);
+    const open = $("#detail").dataset.key;
+    if (open) showDetail(historyRows.find((o) => `${o.at_ms}:${o.job_id}` === open));
+  } catch (e) { /* the connection state says why */ }
+  historyAsked = false;
+}
+
+function showDetail(o) {
+  const box = $("#detail");
+  if (!o) { box.hidden = true; delete box.dataset.key; return; }
+  box.dataset.key = `${o.at_ms}:${o.job_id}`;
+  box.dataset.job = o.job_id;
+  const t = o.timings;
+  const rows = [["job", o.job_id], ["code", o.code || "not reported"], ["slot", o.slot === null ? "–" : String(o.slot)]];
+  if (t) {
+    rows.push(["lease", `${t.lease_id} (${t.kind}${t.gpu_device !== null ? `, GPU device ${t.gpu_device}` : ""})`]);
+    rows.push(["waited", t.waited_ms === null ? "not seen waiting" : "at least " + secs(t.waited_ms)]);
+    const drain = t.draining_ms ?? t.releasing_ms ?? t.ended_ms;
+    rows.push(["ran", secs(drain - t.started_ms)]);
+    if (t.draining_ms !== null) rows.push(["drained", secs((t.releasing_ms ?? t.ended_ms) - t.draining_ms)]);
+    for (const [proof, at] of t.proofs) rows.push(["· " + proof, "done " + secs(at - drain) + " into the drain"]);
+    if (t.releasing_ms !== null) rows.push(["released", secs(t.ended_ms - t.releasing_ms)]);
+  } else {
+    rows.push(["lease", "not seen by the console (too short, or it never got a slot)"]);
   }
-  $("#outcomes-empty").hidden = rows.length > 0;
+  const e = o.errors || {};
+  if (e.acquire) rows.push(["acquire error", e.acquire]);
+  if (e.body) rows.push(["body error", e.body]);
+  if (e.cleanup) rows.push(["cleanup error", e.cleanup]);
+  const dl = $("#detail dl");
+  dl.replaceChildren(...rows.flatMap(([k, v]) => [el("dt", null, k), el("dd", null, v)]));
+  box.hidden = false;
 }
 
 // ---- actions -----------------------------------------------------------------------------
@@ -272,8 +363,31 @@ function settleCancel(rows) {
   if (row.code) pendingCancel = null;
 }
 
+// A first click arms the button for 4 s and asks to confirm; the second click acts.
+function confirmThen(button, question, action) {
+  if (button.dataset.armed === "true") {
+    disarm(button);
+    action();
+    return;
+  }
+  button.dataset.armed = "true";
+  button.dataset.label = button.textContent;
+  button.textContent = question;
+  button.armTimer = setTimeout(() => disarm(button), 4000);
+}
+
+function disarm(button) {
+  clearTimeout(button.armTimer);
+  button.dataset.armed = "false";
+  if (button.dataset.label) button.textContent = button.dataset.label;
+}
+
 function wireActions() {
-  $("#cancel-btn").addEventListener("click", () => act("cancel", { job_id: $("#cancel-job").value.trim() }));
+  const cancelBtn = $("#cancel-btn");
+  cancelBtn.addEventListener("click", () => {
+    const job = $("#cancel-job").value.trim();
+    confirmThen(cancelBtn, `Confirm: cancel ${job}?`, () => act("cancel", { job_id: job }));
+  });
   $("#reclaim-btn").addEventListener("click", () => act("reclaim", {}));
   $("#resize-btn").addEventListener("click", () => {
     const typed = $("#resize-slots").value.trim();
@@ -292,20 +406,70 @@ function wireActions() {
 
 // ---- the stream --------------------------------------------------------------------------
 
+let paused = false;
+let lastFrame = null;
+
 function render(frame) {
-  actionsOn = frame.actions;
-  $("#exposed").hidden = !frame.exposed;
-  $("#actions").hidden = !frame.actions;
-  $("#clock").textContent = "console up " + secs(frame.now_ms);
-  renderStats(frame.stats);
-  renderLanes(frame.lanes);
-  renderTimeline(frame.timeline, frame.lanes, frame.now_ms);
-  renderQueue(frame.queue);
-  renderQuarantine(frame.quarantined);
-  renderOutcomes(frame.outcomes, frame.now_ms);
+  lastFrame = frame;
   settleCancel(frame.outcomes);
   lastNow = frame.now_ms;
   document.body.dataset.frames = String(Number(document.body.dataset.frames || 0) + 1);
+  if (paused) return;
+  actionsOn = frame.actions;
+  $("#exposed").hidden = !frame.exposed;
+  $("#actions").hidden = !frame.actions;
+  $("#reclaim-btn").hidden = !frame.actions;
+  $("#clock").textContent = "console up " + secs(frame.now_ms);
+  renderStats(frame.stats);
+  renderLanes(frame.lanes);
+  renderQueue(frame.queue);
+  renderQuarantine(frame.quarantined);
+  if (frame.history !== historyVersion) {
+    historyVersion = frame.history;
+    fetchHistory();
+  } else {
+    renderHistory(frame.now_ms);
+  }
+}
+
+async function fetchTimeline() {
+  if (paused || document.body.dataset.stale === "true" || !lastFrame) return;
+  try {
+    const res = await fetch("api/timeline", { cache: "no-store", credentials: "omit" });
+    if (!res.ok) return;
+    const tl = await res.json();
+    renderTimeline(tl, lastFrame.lanes, tl.now_ms);
+  } catch (e) { /* the connection state says why */ }
+}
+
+function wireView() {
+  const pause = $("#pause");
+  pause.addEventListener("click", () => {
+    paused = !paused;
+    pause.textContent = paused ? "Resume" : "Pause";
+    pause.setAttribute("aria-pressed", String(paused));
+    document.body.dataset.paused = String(paused);
+    if (!paused && lastFrame) render(lastFrame);
+  });
+  let typing = null;
+  const later = (f) => () => { clearTimeout(typing); typing = setTimeout(f, 250); };
+  $("#history-code").addEventListener("input", later(fetchHistory));
+  $("#history-search").addEventListener("input", later(fetchHistory));
+  $("#queue-search").addEventListener("input", later(() => {
+    $("#queue-found").textContent = "";
+    if (queueSearch()) searchQueue(); else if (lastFrame) fillWaiters(lastFrame.queue.waiters);
+  }));
+  $("#outcomes tbody").addEventListener("click", (ev) => {
+    const tr = ev.target.closest("tr");
+    if (tr) showDetail(historyRows.find((o) => `${o.at_ms}:${o.job_id}` === tr.dataset.key));
+  });
+  $("#outcomes tbody").addEventListener("keydown", (ev) => {
+    const tr = ev.target.closest("tr");
+    if (tr && ev.key === "Enter") showDetail(historyRows.find((o) => `${o.at_ms}:${o.job_id}` === tr.dataset.key));
+  });
+  $("#detail-close").addEventListener("click", () => showDetail(null));
+  setInterval(fetchTimeline, 1000);
+  setInterval(() => { if (queueSearch() && !paused) searchQueue(); }, 1000);
 }
 
 // ---- the connection: the event stream, or polling the snapshot when the stream is refused ---
@@ -388,4 +552,5 @@ function connect() {
 }
 
 wireActions();
+wireView();
 connect();
