@@ -57,8 +57,9 @@ pub use paths::{PathRefused, PathRefusedReason};
 pub use process::{JobProcess, ProcessError, ProcessSpec};
 pub use sink::OrphanedFailure;
 pub use supervisor::{
-    LeaseInfo, LeaseKind, LeasePhase, QuarantinedSlot, ReclaimReport, ShutdownReport, Stats,
-    Supervisor, SupervisorBuilder, UnclosedDevice, WaiterInfo, WaitingFor, metric_names,
+    GpuDeviceInfo, LeaseInfo, LeaseKind, LeasePhase, QuarantinedSlot, ReclaimReport,
+    ShutdownReport, Stats, Supervisor, SupervisorBuilder, UnclosedDevice, WaiterInfo, WaitingFor,
+    metric_names,
 };
 /// Re-exported (feature `gpu`) so that jobs use exactly the wgpu the supervisor was built with.
 #[cfg(feature = "gpu")]

@@ -249,6 +249,12 @@ async fn a_lost_adopted_device_stays_quarantined_until_the_engine_replaces_it() 
         1,
         "nothing re-created the engine's device"
     );
+    let devices = sup.gpu_devices();
+    assert_eq!(devices.len(), 2);
+    assert!(devices.iter().all(|d| d.adopted));
+    assert!(devices[0].lost.is_some(), "{devices:?}");
+    assert!(devices[1].lost.is_none());
+    assert_eq!(devices[0].in_use, 1, "the quarantined lease's sub-slot");
     // The engine hands a replacement over: the quarantine clears by the time the call answers.
     let Some((d2, q2, _)) = engine_device().await else {
         return;
@@ -259,6 +265,13 @@ async fn a_lost_adopted_device_stays_quarantined_until_the_engine_replaces_it() 
         0,
         "the slot is back when replace_device answers"
     );
+    let devices = sup.gpu_devices();
+    assert_eq!(
+        devices[0].generation, 2,
+        "the engine's replacement is its second generation"
+    );
+    assert!(devices[0].lost.is_none());
+    assert_eq!(devices[0].in_use, 0);
     // Both sub-slots serve again: two jobs held at once land on both devices.
     let placed = Arc::new(AtomicUsize::new(0));
     let (both_tx, both_rx) = tokio::sync::watch::channel(0usize);
@@ -633,6 +646,17 @@ async fn an_adopted_device_and_one_leasehold_opens_serve_side_by_side() {
         seen,
         [(0, true), (1, false)],
         "device 0 is the engine's, device 1 leasehold's"
+    );
+    let devices = sup.gpu_devices();
+    assert_eq!(
+        devices.iter().map(|d| d.adopted).collect::<Vec<_>>(),
+        [true, false],
+        "{devices:?}"
+    );
+    assert!(
+        devices
+            .iter()
+            .all(|d| d.sub_slots == 1 && d.generation == 1)
     );
     let report = sup.shutdown().await.unwrap();
     assert!(report.unclosed_devices.is_empty());

@@ -36,6 +36,12 @@
 //!   work is owed dark orange, the broker release green; quarantined is red.
 //! - **Timeline**: per slot, the last minute, in the same colours (its own route, refreshed
 //!   about once a second).
+//! - **Last five minutes**: per second, the throughput (job ends), the queue's depth, the
+//!   wait (p50 and p99, as the queue listing showed it) and the drain (p99, from the body's end
+//!   to the release), drawn in the page (SVG).
+//! - **GPU devices** (with GPU slots): per device its adapter, sub-slots in use, leases
+//!   waiting for its fence, and whether it is lost and how often it was re-created
+//!   ([`Supervisor::gpu_devices`](leasehold::Supervisor::gpu_devices)).
 //! - **Queue**: how many callers wait for a slot, the first of them in the order they are
 //!   served (job, class, slots, wait: [`Supervisor::waiters`](leasehold::Supervisor::waiters)),
 //!   and a search by job id over all of them.
@@ -94,7 +100,7 @@
 //! |---|---|---|
 //! | `/` , `/console.js`, `/console.css` | `GET` | the page |
 //! | `/api/snapshot` | `GET` | the latest frame (JSON; a few KB whatever the queue and the history) |
-//! | `/api/timeline` | `GET` | per slot, the last minute's segments (refreshed about once a second) |
+//! | `/api/timeline` | `GET` | per slot, the last minute's segments, and the charts of the last five minutes (refreshed about once a second) |
 //! | `/api/history` | `GET` | `?code=..&q=..&limit=..`: the job ends, newest first, filtered by code (`unreported`: none yet) and searched by job id |
 //! | `/api/queue` | `GET` | `?q=..&limit=..`: the waiting callers of the last listing, in the order they are served, searched by job id |
 //! | `/api/events` | `GET` | server-sent events: one frame per message, ten a second |
@@ -105,6 +111,7 @@
 //! A refusal is `{"error": {"code": "CONSOLE_FORBIDDEN", "message": "..."}}`, with a
 //! `"cause"` holding the supervisor's own code when it is the supervisor that refused.
 
+mod charts;
 mod error;
 mod json;
 mod outcomes;

@@ -19,6 +19,7 @@ use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
+use super::charts::Charts;
 use super::outcomes::{Ended, Outcome, Outcomes, RECENT, Timings};
 use super::timeline::{Held, Segment, Timeline};
 use super::{MAX_LANES, QUARANTINE_POLL_INTERVAL, SAMPLE_INTERVAL, TIMELINE_WINDOW};
@@ -39,6 +40,9 @@ const EXPLICIT: &str = "explicit lease";
 /// How many of the waiting callers each frame lists (the first served); `/api/queue` has the
 /// rest, with a search.
 pub(crate) const QUEUE_ROWS: usize = 8;
+
+/// How far back the charts go, in seconds.
+const CHARTS_WINDOW_S: u64 = 300;
 
 /// How many job ids the sampler remembers from the queue listing (for their wait), at most.
 const WAITED_KEPT: usize = 4096;
@@ -68,6 +72,8 @@ pub(crate) struct Sampler {
     seen: HashMap<u64, Seen>,
     /// The wait of job ids the queue listing showed, until their lease is seen.
     waited: HashMap<Arc<str>, u64>,
+    /// Per second, the last minutes (`/api/timeline` carries them).
+    charts: Charts,
     explicit: Arc<str>,
 }
 
@@ -90,6 +96,7 @@ impl Sampler {
             waiters,
             seen: HashMap::new(),
             waited: HashMap::new(),
+            charts: Charts::new(CHARTS_WINDOW_S),
             explicit: Arc::from(EXPLICIT),
         }
     }
@@ -100,6 +107,7 @@ impl Sampler {
         let now_ms = now.saturating_duration_since(self.t0).as_millis() as u64;
         let stats = self.sup.stats();
         let leases = self.sup.leases();
+        self.charts.queue(now_ms, stats.waiting);
 
         // The waits the queue listing shows, for the job ids whose lease is not seen yet.
         for w in self.waiters.lock().iter() {
@@ -126,6 +134,10 @@ impl Sampler {
                     timings.proofs.push((still.to_string(), now_ms));
                 }
                 timings.ended_ms = now_ms;
+                let drained = timings
+                    .draining_ms
+                    .map(|d| timings.releasing_ms.unwrap_or(now_ms).saturating_sub(d));
+                self.charts.ended(now_ms, drained);
                 self.outcomes.log().observed(
                     Ended {
                         job_id,
@@ -148,14 +160,18 @@ impl Sampler {
                     }
                     timings
                 }
-                None => Timings {
-                    started_ms: now_ms.saturating_sub(l.held_for.as_millis() as u64),
-                    waited_ms: l.job_id.as_ref().and_then(|j| self.waited.remove(j)),
-                    kind: kind_name(l.kind),
-                    gpu_device: l.gpu_device,
-                    lease_id: id,
-                    ..Timings::default()
-                },
+                None => {
+                    let waited_ms = l.job_id.as_ref().and_then(|j| self.waited.remove(j));
+                    self.charts.started(now_ms, waited_ms);
+                    Timings {
+                        started_ms: now_ms.saturating_sub(l.held_for.as_millis() as u64),
+                        waited_ms,
+                        kind: kind_name(l.kind),
+                        gpu_device: l.gpu_device,
+                        lease_id: id,
+                        ..Timings::default()
+                    }
+                }
             };
             match l.phase {
                 LeasePhase::Draining | LeasePhase::Quarantined => {
@@ -214,16 +230,43 @@ impl Sampler {
         );
         frame.exposed = self.exposed;
         frame.history = self.outcomes.log().version();
+        frame.gpu = self
+            .sup
+            .gpu_devices()
+            .into_iter()
+            .map(|d| GpuView {
+                fence_waits: leases
+                    .iter()
+                    .filter(|l| {
+                        l.gpu_device == Some(d.index)
+                            && l.phase == LeasePhase::Draining
+                            && l.waiting_for.contains(&WaitingFor::GpuFence)
+                    })
+                    .count(),
+                index: d.index,
+                adapter: d.adapter,
+                backend: d.backend,
+                adopted: d.adopted,
+                sub_slots: d.sub_slots,
+                in_use: d.in_use,
+                recreated: d.generation.saturating_sub(1),
+                lost: d.lost,
+                given_up: d.given_up,
+            })
+            .collect();
         serde_json::to_string(&frame).expect("a frame always serializes")
     }
 
-    /// The per-slot timeline of the last minute, as JSON (`/api/timeline`: the page asks for it
-    /// about once a second, so that the frames stay small).
-    pub(crate) fn timeline_json(&self) -> String {
+    /// The per-slot timeline of the last minute and the charts of the last five, as JSON
+    /// (`/api/timeline`: the page asks for it about once a second, so that the frames stay
+    /// small).
+    pub(crate) fn timeline_json(&mut self) -> String {
+        let now_ms = Instant::now()
+            .saturating_duration_since(self.t0)
+            .as_millis() as u64;
         let view = TimelineView {
-            now_ms: Instant::now()
-                .saturating_duration_since(self.t0)
-                .as_millis() as u64,
+            now_ms,
+            charts: self.charts.view(now_ms),
             window_ms: self.timeline.window_ms(),
             lanes: self
                 .timeline
@@ -294,6 +337,24 @@ struct Frame {
     outcomes: Vec<Outcome>,
     /// Changes whenever the history does: the page asks `/api/history` again then.
     history: u64,
+    /// The supervisor's GPU devices (none without GPU slots).
+    gpu: Vec<GpuView>,
+}
+
+/// A GPU device: its sub-slots in use, the leases whose release waits for its fence now, and
+/// how often it was lost and re-created (or replaced by the engine).
+#[derive(Serialize)]
+struct GpuView {
+    index: usize,
+    adapter: String,
+    backend: String,
+    adopted: bool,
+    sub_slots: u32,
+    in_use: u32,
+    fence_waits: usize,
+    recreated: u64,
+    lost: Option<String>,
+    given_up: bool,
 }
 
 #[derive(Serialize)]
@@ -421,6 +482,8 @@ struct QuarantineRow {
 #[derive(Serialize)]
 struct TimelineView<'a> {
     now_ms: u64,
+    /// Per second, the last five minutes.
+    charts: super::charts::ChartsView,
     window_ms: u64,
     lanes: Vec<TimelineLane<'a>>,
 }
@@ -522,6 +585,7 @@ fn build_frame(
         quarantined,
         outcomes,
         history: 0,
+        gpu: Vec::new(),
     }
 }
 

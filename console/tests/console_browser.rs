@@ -539,6 +539,17 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
     )
     .await;
 
+    // ---- the charts of the last minutes, drawn in the page -------------------------------------
+    wait_for(
+        &page,
+        "four charts, the throughput's with the ends so far",
+        "document.querySelectorAll('#charts .chart svg').length === 4 && \
+         document.querySelector('.chart[data-chart=\"throughput\"] polyline') !== null && \
+         Number(document.querySelector('.chart[data-chart=\"throughput\"]').dataset.points) > 0 && \
+         document.querySelector('.chart[data-chart=\"queue\"] polyline') !== null",
+    )
+    .await;
+
     // ---- a selection survives ten updates; a pause stops them ---------------------------------
     let frames = "Number(document.body.dataset.frames)";
     let selected: String = js(

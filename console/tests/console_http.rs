@@ -1557,3 +1557,69 @@ async fn a_frame_stays_under_5_kb_with_262_waiters_and_the_rest_is_searched() {
     console.shutdown().await.unwrap();
     sup.shutdown().await.unwrap();
 }
+
+/// The GPU panel's data: per device its adapter, its sub-slots in use and how often it was
+/// re-created, read from `Supervisor::gpu_devices` with every frame. Skips loudly without a GPU
+/// adapter (a failure under `LEASEHOLD_REQUIRE_GPU=1`, as in CI).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_frame_shows_each_gpu_device_and_its_sub_slots_in_use() {
+    let started = Supervisor::builder()
+        .gpu(leasehold::GpuOptions::new().slots_per_device(2))
+        .start()
+        .await;
+    let sup = match started {
+        Ok(sup) => sup,
+        Err(leasehold::StartError::Gpu(leasehold::GpuError::NoAdapter)) => {
+            assert_ne!(
+                std::env::var("LEASEHOLD_REQUIRE_GPU").as_deref(),
+                Ok("1"),
+                "LEASEHOLD_REQUIRE_GPU=1 but no GPU adapter was found"
+            );
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "\n*** SKIPPED: no GPU adapter: the console's GPU panel test did not run ***\n"
+            );
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let console = Console::builder(sup.clone()).start().await.unwrap();
+    let addr = console.local_addr();
+    let (running_tx, running_rx) = oneshot::channel();
+    let (gate_tx, gate_rx) = oneshot::channel::<()>();
+    let job = {
+        let sup = sup.clone();
+        tokio::spawn(async move {
+            sup.run(JobSpec::new("on-the-gpu").unwrap(), |ctx| async move {
+                assert!(ctx.gpu().is_some());
+                running_tx.send(()).unwrap();
+                let _ = gate_rx.await;
+                Ok::<_, std::io::Error>(())
+            })
+            .await
+        })
+    };
+    running_rx.await.unwrap();
+    let gpu = tokio::time::timeout(WAIT, async {
+        loop {
+            let frame = request(addr, "GET", "/api/snapshot", &[], "").await.json();
+            if frame["gpu"][0]["in_use"] == 1 {
+                return frame["gpu"].clone();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the device shows its sub-slot in use");
+    assert_eq!(gpu.as_array().unwrap().len(), 1, "{gpu}");
+    assert_eq!(gpu[0]["sub_slots"], 2);
+    assert_eq!(gpu[0]["adopted"], false);
+    assert_eq!(gpu[0]["recreated"], 0);
+    assert!(gpu[0]["lost"].is_null());
+    assert!(gpu[0]["adapter"].as_str().is_some_and(|a| !a.is_empty()));
+    gate_tx.send(()).unwrap();
+    job.await.unwrap().unwrap();
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
+}

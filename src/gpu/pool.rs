@@ -541,6 +541,29 @@ impl GpuPool {
         self.devices.len()
     }
 
+    /// Every device as the pool knows it now (`Supervisor::gpu_devices`).
+    pub(crate) fn describe(&self) -> Vec<crate::GpuDeviceInfo> {
+        let busy = self.busy.lock().clone();
+        self.devices
+            .iter()
+            .zip(busy)
+            .map(|(dev, subs)| {
+                let state = dev.state.lock();
+                crate::GpuDeviceInfo {
+                    index: dev.index,
+                    adapter: dev.info.name.clone(),
+                    backend: format!("{:?}", dev.info.backend),
+                    adopted: dev.adopted,
+                    sub_slots: subs.len() as u32,
+                    in_use: subs.iter().filter(|b| **b).count() as u32,
+                    generation: state.generation,
+                    lost: state.lost.clone(),
+                    given_up: state.dead,
+                }
+            })
+            .collect()
+    }
+
     /// Whether a lost device has been dealt with: usable again, or given up for good.
     pub(crate) fn settled(&self, index: usize) -> bool {
         let dev = &self.devices[index];

@@ -35,7 +35,9 @@ use tracing::Span;
 pub use builder::SupervisorBuilder;
 
 use reports::LastReport;
-pub use reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo};
+pub use reports::{
+    GpuDeviceInfo, QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo,
+};
 pub use stats::{Stats, metric_names};
 pub use table::{LeaseInfo, LeaseKind, LeasePhase, WaitingFor};
 
@@ -486,6 +488,18 @@ impl Supervisor {
         // after the turn's effects are published.
         let _ = self.waiters().await;
         Ok(())
+    }
+
+    /// The supervisor's GPU devices (feature `gpu`; none without it, or without `.gpu(..)`):
+    /// per device its adapter, whether the engine handed it over, its sub-slots in use, how
+    /// often it has been created, and its loss. A synchronous snapshot of the pool's own
+    /// bookkeeping: no message to the actor, cheap enough for every frame of a UI.
+    pub fn gpu_devices(&self) -> Vec<GpuDeviceInfo> {
+        #[cfg(feature = "gpu")]
+        if let Some(pool) = &self.inner.gpu {
+            return pool.describe();
+        }
+        Vec::new()
     }
 
     /// The supervisor's GPU device of that index (features `gpu` and `fault-injection`), of its

@@ -237,6 +237,15 @@ function renderQuarantine(rows) {
   $("#quarantine-empty").hidden = rows.length > 0;
 }
 
+function renderGpu(devices) {
+  $("#gpu-section").hidden = devices.length === 0;
+  syncRows($("#gpu tbody"), devices, (d) => d.index,
+    (d) => [["num", String(d.index) + (d.adopted ? " (the engine's)" : "")], [null, `${d.adapter} · ${d.backend}`],
+      ["num", `${d.in_use} of ${d.sub_slots}`], ["num", String(d.fence_waits)],
+      ["detail", (d.given_up ? "given up" : d.lost ? "lost: " + d.lost : "ok") + (d.recreated ? ` · re-created ${d.recreated}×` : "")]],
+    (tr, d) => { tr.dataset.device = String(d.index); tr.dataset.lost = String(!!d.lost); });
+}
+
 // ---- history and a job's detail ----------------------------------------------------------
 
 let historyRows = [];
@@ -424,11 +433,76 @@ function render(frame) {
   renderLanes(frame.lanes);
   renderQueue(frame.queue);
   renderQuarantine(frame.quarantined);
+  renderGpu(frame.gpu);
   if (frame.history !== historyVersion) {
     historyVersion = frame.history;
     fetchHistory();
   } else {
     renderHistory(frame.now_ms);
+  }
+}
+
+// ---- charts: per second, the last five minutes --------------------------------------------
+
+const CHARTS = [
+  ["throughput", "throughput", "jobs ended / s", (v) => String(v)],
+  ["queue", "queue depth", "callers waiting", (v) => String(v)],
+  ["wait", "wait p50 / p99", "as the queue listing showed it", (v) => secs(v)],
+  ["drain_p99_ms", "drain p99", "from the body's end to the release", (v) => secs(v)],
+];
+
+function chartFor(key, title, note) {
+  let box = document.querySelector(`.chart[data-chart="${key}"]`);
+  if (box) return box;
+  box = el("figure", "chart");
+  box.dataset.chart = key;
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("viewBox", "0 0 300 40");
+  svg.setAttribute("preserveAspectRatio", "none");
+  svg.setAttribute("role", "img");
+  svg.setAttribute("aria-label", `${title}, per second, the last five minutes`);
+  const caption = el("figcaption");
+  caption.append(el("span", "chart-title", title), el("span", "chart-now"), el("span", "note", " " + note));
+  box.append(caption, svg);
+  $("#charts").append(box);
+  return box;
+}
+
+// A line per series over 300 seconds, scaled to the highest value; a second without a value
+// breaks the line.
+function drawLines(svg, series, max) {
+  svg.replaceChildren();
+  series.forEach((values, i) => {
+    const offset = 300 - values.length;
+    let points = [];
+    const flush = () => {
+      if (points.length) {
+        const line = document.createElementNS(SVG, "polyline");
+        line.setAttribute("points", points.join(" "));
+        line.setAttribute("class", "series-" + i);
+        svg.append(line);
+      }
+      points = [];
+    };
+    values.forEach((v, x) => {
+      if (v === null) { flush(); return; }
+      points.push(`${offset + x},${(40 - (v / max) * 38).toFixed(1)}`);
+    });
+    flush();
+  });
+}
+
+function renderCharts(c) {
+  for (const [key, title, note, fmt] of CHARTS) {
+    const box = chartFor(key, title, note);
+    const series = key === "wait" ? [c.wait_p50_ms, c.wait_p99_ms] : [c[key]];
+    const all = series.flat().filter((v) => v !== null);
+    const max = Math.max(1, ...all);
+    drawLines(box.querySelector("svg"), series, max);
+    const last = series.map((s) => s.filter((v) => v !== null).at(-1));
+    box.querySelector(".chart-now").textContent =
+      " now " + last.map((v) => (v === undefined ? "–" : fmt(v))).join(" / ") + ", max " + fmt(max);
+    box.dataset.points = String(all.length);
   }
 }
 
@@ -439,6 +513,7 @@ async function fetchTimeline() {
     if (!res.ok) return;
     const tl = await res.json();
     renderTimeline(tl, lastFrame.lanes, tl.now_ms);
+    renderCharts(tl.charts);
   } catch (e) { /* the connection state says why */ }
 }
 
