@@ -1,8 +1,9 @@
 //! The web console's cost: `acquire` + `release` of an explicit lease, uncontended (8 slots, one
 //! caller), on a supervisor whose console runs with one browser-like client reading its event
-//! stream (from its own thread, as a browser would be its own process), next to the same on a
-//! supervisor without a console, measured in the same run (see the repository's
-//! `BENCHMARKS.md`). Target: within 5 %.
+//! stream (from its own thread, as a browser would be its own process), and on one whose page is
+//! open in headless Chromium, next to the same on a supervisor without a console, measured in
+//! the same run (see the repository's `BENCHMARKS.md`). Target: within 5 %. Without Chromium
+//! the browser row is skipped, loudly (a failure under `CI` or `LEASEHOLD_REQUIRE_BROWSER=1`).
 //!
 //! criterion ids are `console_cost/<function>/slots=8`. The last "benchmark", `summary`, prints
 //! the ratio row from the samples criterion took above. `-- --test` runs each once.
@@ -73,6 +74,23 @@ fn console_cost(c: &mut Criterion) {
         sup.shutdown().await.expect("shutdown");
     });
     client.join();
+
+    // The same with the page open in headless Chromium (its tab renders every frame, asks for
+    // the timeline and the history): what a developer's browser costs the supervisor.
+    if let Some(exe) = browser::chromium() {
+        let sup = rt.block_on(start_supervisor(8, None));
+        let console = rt
+            .block_on(leasehold_console::Console::builder(sup.clone()).start())
+            .expect("console starts");
+        let tab = rt.block_on(browser::Tab::open(&exe, console.url()));
+        round_trip(&mut group, &rt, &sup, "leasehold_console_browser");
+        let frames = rt.block_on(tab.close());
+        println!("(the browser tab rendered {frames} frames while it was measured)");
+        rt.block_on(async {
+            console.shutdown().await.expect("console stops");
+            sup.shutdown().await.expect("shutdown");
+        });
+    }
     group.finish();
 }
 
@@ -88,11 +106,121 @@ fn summary(_c: &mut Criterion) {
         1,
         Some(TARGET_CONSOLE),
     );
+    ratio_row(
+        "**acquire+release, web console + 1 browser tab / without console**",
+        &k("leasehold_console_browser"),
+        &k("leasehold"),
+        1,
+        Some(TARGET_CONSOLE),
+    );
     println!(
         "\n(the console row's client read {} frames while it was measured)",
         sse::FRAMES.load(std::sync::atomic::Ordering::Relaxed)
     );
     table_end();
+}
+
+/// A real browser: headless Chromium (Debian's `chromium`) with the console's page open.
+mod browser {
+    use std::path::{Path, PathBuf};
+    use std::time::Duration;
+
+    use chromiumoxide::browser::{Browser, BrowserConfig};
+    use futures_util::StreamExt;
+
+    /// Chromium, or a loud skip (a panic under `LEASEHOLD_REQUIRE_BROWSER=1` or `CI`).
+    pub fn chromium() -> Option<PathBuf> {
+        let found = std::env::var_os("LEASEHOLD_CHROMIUM")
+            .map(PathBuf::from)
+            .or_else(|| {
+                ["/usr/bin/chromium", "/usr/bin/chromium-browser"]
+                    .into_iter()
+                    .map(PathBuf::from)
+                    .find(|p| p.exists())
+            });
+        if found.is_none() {
+            let required = std::env::var_os("CI").is_some_and(|v| !v.is_empty())
+                || std::env::var("LEASEHOLD_REQUIRE_BROWSER").as_deref() == Ok("1");
+            assert!(
+                !required,
+                "no chromium, and CI or LEASEHOLD_REQUIRE_BROWSER=1 requires it"
+            );
+            eprintln!(
+                "\n*** SKIPPED the browser-tab row: no chromium (apt-get install chromium) ***\n"
+            );
+        }
+        found
+    }
+
+    pub struct Tab {
+        browser: Browser,
+        page: chromiumoxide::Page,
+        devtools: tokio::task::JoinHandle<()>,
+        _profile: tempfile::TempDir,
+    }
+
+    impl Tab {
+        /// Opens `url` and waits until the page shows live frames.
+        pub async fn open(exe: &Path, url: &str) -> Tab {
+            let profile = tempfile::tempdir().expect("a profile dir");
+            let config = BrowserConfig::builder()
+                .chrome_executable(exe)
+                .disable_default_args()
+                .no_sandbox()
+                .user_data_dir(profile.path())
+                .args([
+                    "disable-gpu",
+                    "no-first-run",
+                    "disable-background-networking",
+                    "disable-dev-shm-usage",
+                ])
+                .launch_timeout(Duration::from_secs(60))
+                .build()
+                .expect("browser config");
+            let (browser, mut handler) = Browser::launch(config).await.expect("chromium starts");
+            let devtools = tokio::spawn(async move {
+                while let Some(event) = handler.next().await {
+                    if event.is_err() {
+                        break;
+                    }
+                }
+            });
+            let page = browser.new_page(url).await.expect("the console's page");
+            for _ in 0..200 {
+                let frames: f64 = page
+                    .evaluate_expression("Number(document.body.dataset.frames || 0)")
+                    .await
+                    .expect("evaluate")
+                    .into_value()
+                    .expect("a number");
+                if frames >= 3.0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Tab {
+                browser,
+                page,
+                devtools,
+                _profile: profile,
+            }
+        }
+
+        /// Closes the browser; the frames the page rendered.
+        pub async fn close(mut self) -> u64 {
+            let frames: f64 = self
+                .page
+                .evaluate_expression("Number(document.body.dataset.frames || 0)")
+                .await
+                .expect("evaluate")
+                .into_value()
+                .expect("a number");
+            self.browser.close().await.expect("close");
+            let _ = self.browser.wait().await;
+            let _ = self.devtools.await;
+            frames as u64
+        }
+    }
 }
 
 /// A browser stand-in: one thread that reads the console's event stream until it ends.
