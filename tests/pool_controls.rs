@@ -415,6 +415,7 @@ async fn a_broker_that_is_not_the_pool_refuses_multi_slot_try_and_resize_with_a_
         sup.try_acquire().await.unwrap_err().code(),
         "LEASE_BROKER_UNSUPPORTED"
     );
+    assert!(!sup.can_resize(), "said before anyone tries");
     assert_eq!(
         sup.resize(8).await.unwrap_err().code(),
         "LEASE_BROKER_UNSUPPORTED"
@@ -434,6 +435,7 @@ async fn a_local_broker_given_to_the_builder_is_still_the_supervisors_own_pool()
         .start()
         .await
         .unwrap();
+    assert!(sup.can_resize());
     let mut lease = sup.acquire_many(2).await.unwrap();
     assert_eq!(lease.slot_count(), 2);
     lease.release().await.unwrap();

@@ -230,6 +230,7 @@ impl Sampler {
         );
         frame.exposed = self.exposed;
         frame.history = self.outcomes.log().version();
+        frame.resizable = self.sup.can_resize();
         frame.gpu = self
             .sup
             .gpu_devices()
@@ -339,6 +340,8 @@ struct Frame {
     history: u64,
     /// The supervisor's GPU devices (none without GPU slots).
     gpu: Vec<GpuView>,
+    /// Whether `resize` can work here (the in-process pool): the page offers it only then.
+    resizable: bool,
 }
 
 /// A GPU device: its sub-slots in use, the leases whose release waits for its fence now, and
@@ -586,6 +589,7 @@ fn build_frame(
         outcomes,
         history: 0,
         gpu: Vec::new(),
+        resizable: false,
     }
 }
 

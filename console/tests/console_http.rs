@@ -527,6 +527,7 @@ async fn the_snapshot_shows_a_lane_per_slot_with_the_running_job_and_the_stats()
         frame.get("timeline").is_none(),
         "the timeline is its own route"
     );
+    assert_eq!(frame["resizable"], true, "the in-process pool can resize");
     // The timeline, refreshed about once a second.
     let timeline = tokio::time::timeout(WAIT, async {
         loop {
@@ -1620,6 +1621,43 @@ async fn the_frame_shows_each_gpu_device_and_its_sub_slots_in_use() {
     assert!(gpu[0]["adapter"].as_str().is_some_and(|a| !a.is_empty()));
     gate_tx.send(()).unwrap();
     job.await.unwrap().unwrap();
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
+}
+
+/// A broker of the user's own decides its capacity: the frame says resize cannot work, so the
+/// page does not offer it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resize_is_not_offered_on_a_broker_that_decides_its_own_capacity() {
+    struct OneSlot(std::sync::atomic::AtomicU64);
+    impl leasehold::SlotBroker for OneSlot {
+        async fn acquire(
+            &self,
+            _request: leasehold::AcquireRequest,
+        ) -> Result<leasehold::SlotToken, leasehold::BrokerError> {
+            let lease = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(leasehold::SlotToken::new(0, lease))
+        }
+        async fn release(
+            &self,
+            _token: leasehold::SlotToken,
+        ) -> Result<(), leasehold::BrokerError> {
+            Ok(())
+        }
+        fn capacity(&self) -> Option<u32> {
+            Some(1)
+        }
+    }
+    let sup = Supervisor::builder()
+        .broker(OneSlot(std::sync::atomic::AtomicU64::new(1)))
+        .start()
+        .await
+        .unwrap();
+    let console = Console::builder(sup.clone()).start().await.unwrap();
+    let frame = request(console.local_addr(), "GET", "/api/snapshot", &[], "")
+        .await
+        .json();
+    assert_eq!(frame["resizable"], false, "{frame}");
     console.shutdown().await.unwrap();
     sup.shutdown().await.unwrap();
 }

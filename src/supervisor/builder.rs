@@ -298,6 +298,8 @@ impl SupervisorBuilder {
                 subreaper: self.child_subreaper,
             },
         });
+        // Only the in-process pool can change its size (`Supervisor::resize`).
+        let resizable = matches!(broker, BrokerPort::Local(_));
         let stats = Arc::new(SharedStats::default());
         stats.set_capacity(super::core::capacity(broker.capacity(), gpu_capacity));
         let core = CoreConfig {
@@ -349,7 +351,7 @@ impl SupervisorBuilder {
             inbox,
             join,
             (stats, table, last_report),
-            (self.acquire_timeout, self.cancel_grace),
+            (self.acquire_timeout, self.cancel_grace, resizable),
             work_root,
             self.error_sink,
             #[cfg(feature = "gpu")]

@@ -100,6 +100,8 @@ pub(crate) struct Inner {
     error_sink: Option<crate::sink::ErrorSink>,
     /// How long a cancelled job actor may take to stop before it is killed.
     cancel_grace: Duration,
+    /// Its broker is the in-process pool, whose size `resize` changes.
+    resizable: bool,
     /// The lease desk's actor, spawned on first use (see `desk.rs`).
     pub(crate) desk: tokio::sync::OnceCell<ractor::ActorCell>,
     /// The GPU pool, for `replace_device` and the fault-injection accessors (the actor holds
@@ -128,7 +130,7 @@ impl Supervisor {
         inbox: Arc<Inbox>,
         join: JoinHandle<()>,
         (stats, table, last_report): (Arc<SharedStats>, Arc<LeaseTable>, Arc<LastReport>),
-        (acquire_timeout, cancel_grace): (Option<Duration>, Duration),
+        (acquire_timeout, cancel_grace, resizable): (Option<Duration>, Duration, bool),
         work_root: PathBuf,
         error_sink: Option<crate::sink::ErrorSink>,
         #[cfg(feature = "gpu")] gpu: Option<Arc<crate::gpu::GpuPool>>,
@@ -146,6 +148,7 @@ impl Supervisor {
                 runtime: tokio::runtime::Handle::current(),
                 error_sink,
                 cancel_grace,
+                resizable,
                 desk: tokio::sync::OnceCell::new(),
                 #[cfg(feature = "gpu")]
                 gpu,
@@ -488,6 +491,14 @@ impl Supervisor {
         // after the turn's effects are published.
         let _ = self.waiters().await;
         Ok(())
+    }
+
+    /// Whether [`resize`](Self::resize) can change this supervisor's size: its slots come from
+    /// the in-process pool (`.slots(n)`, or a [`LocalBroker`](crate::LocalBroker) given to
+    /// `.broker(..)`). Another broker decides its own capacity, and `resize` answers
+    /// `LEASE_BROKER_UNSUPPORTED` there. Fixed for the supervisor's life.
+    pub fn can_resize(&self) -> bool {
+        self.inner.resizable
     }
 
     /// The supervisor's GPU devices (feature `gpu`; none without it, or without `.gpu(..)`):

@@ -428,6 +428,8 @@ function render(frame) {
   $("#exposed").hidden = !frame.exposed;
   $("#actions").hidden = !frame.actions;
   $("#reclaim-btn").hidden = !frame.actions;
+  // Offered only where it can work: the supervisor's in-process pool.
+  $("#resize-row").hidden = !frame.resizable;
   $("#clock").textContent = "console up " + secs(frame.now_ms);
   renderStats(frame.stats);
   renderLanes(frame.lanes);
