@@ -78,6 +78,14 @@ fn console_cost(c: &mut Criterion) {
     // The same with the page open in headless Chromium (its tab renders every frame, asks for
     // the timeline and the history): what a developer's browser costs the supervisor.
     if let Some(exe) = browser::chromium() {
+        // Context: the same browser with a blank tab and no console, what Chromium's own
+        // processes cost the machine (on 2 cores they share the CPU with the supervisor).
+        let sup = rt.block_on(start_supervisor(8, None));
+        let tab = rt.block_on(browser::Tab::open(&exe, "about:blank"));
+        round_trip(&mut group, &rt, &sup, "leasehold_blank_tab");
+        rt.block_on(tab.close());
+        rt.block_on(async { sup.shutdown().await.expect("shutdown") });
+
         let sup = rt.block_on(start_supervisor(8, None));
         let console = rt
             .block_on(leasehold_console::Console::builder(sup.clone()).start())
@@ -112,6 +120,20 @@ fn summary(_c: &mut Criterion) {
         &k("leasehold"),
         1,
         Some(TARGET_CONSOLE),
+    );
+    ratio_row(
+        "acquire+release, a blank browser tab, no console / without either (context)",
+        &k("leasehold_blank_tab"),
+        &k("leasehold"),
+        1,
+        None,
+    );
+    ratio_row(
+        "acquire+release, web console + 1 browser tab / a blank browser tab (context)",
+        &k("leasehold_console_browser"),
+        &k("leasehold_blank_tab"),
+        1,
+        None,
     );
     println!(
         "\n(the console row's client read {} frames while it was measured)",
@@ -186,9 +208,13 @@ mod browser {
                 }
             });
             let page = browser.new_page(url).await.expect("the console's page");
+            // The console's page: until it shows live frames.
             for _ in 0..200 {
+                if url == "about:blank" {
+                    break;
+                }
                 let frames: f64 = page
-                    .evaluate_expression("Number(document.body.dataset.frames || 0)")
+                    .evaluate_expression("(window.consoleFrames || 0)")
                     .await
                     .expect("evaluate")
                     .into_value()
@@ -210,7 +236,7 @@ mod browser {
         pub async fn close(mut self) -> u64 {
             let frames: f64 = self
                 .page
-                .evaluate_expression("Number(document.body.dataset.frames || 0)")
+                .evaluate_expression("(window.consoleFrames || 0)")
                 .await
                 .expect("evaluate")
                 .into_value()

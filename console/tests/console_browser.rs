@@ -403,12 +403,12 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
         (before.active, before.quarantined, before.capacity)
     );
     assert_eq!(after.released_total, before.released_total);
-    let frames: u64 = js(&page, "Number(document.body.dataset.frames)").await;
+    let frames: u64 = js(&page, "(window.consoleFrames || 0)").await;
     wait_for(
         &page,
         "the victim still running three frames later",
         &format!(
-            "Number(document.body.dataset.frames) >= {} && {}?.dataset.phase === 'running'",
+            "(window.consoleFrames || 0) >= {} && {}?.dataset.phase === 'running'",
             frames + 3,
             lane("victim")
         ),
@@ -551,13 +551,13 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
     .await;
 
     // ---- a selection survives ten updates; a pause stops them ---------------------------------
-    let frames = "Number(document.body.dataset.frames)";
+    let frames = "(window.consoleFrames || 0)";
     let selected: String = js(
         &page,
         "(() => { const td = document.querySelector('#outcomes tbody tr td.job'); \
            const r = document.createRange(); r.selectNodeContents(td); \
            const s = window.getSelection(); s.removeAllRanges(); s.addRange(r); \
-           window.__frames = Number(document.body.dataset.frames); return s.toString(); })()",
+           window.__frames = (window.consoleFrames || 0); return s.toString(); })()",
     )
     .await;
     assert_eq!(selected, "held-job");
@@ -674,7 +674,7 @@ async fn the_page_polls_while_the_stream_cap_is_full_and_says_when_it_is_disconn
         &page,
         "polling while every stream place is taken, with fresh frames",
         "document.querySelector('#conn').dataset.state === 'polling' && \
-         Number(document.body.dataset.frames || 0) >= 3 && \
+         (window.consoleFrames || 0) >= 3 && \
          document.querySelectorAll('#lanes .lane').length === 2 && \
          document.querySelector('#stale').hidden",
     )

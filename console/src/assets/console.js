@@ -17,6 +17,24 @@ function el(tag, cls, text) {
   return e;
 }
 
+// Sets a node's text (or a data attribute) only when it changed: an unchanged page costs the
+// browser no style or layout work.
+function setText(node, text) {
+  if (node.textContent !== text) node.textContent = text;
+}
+
+function setHidden(node, hidden) {
+  if (node.hidden !== hidden) node.hidden = hidden;
+}
+
+function setData(node, key, value) {
+  if (value === undefined) {
+    if (key in node.dataset) delete node.dataset[key];
+  } else if (node.dataset[key] !== value) {
+    node.dataset[key] = value;
+  }
+}
+
 function secs(ms) {
   if (ms === null || ms === undefined) return "–";
   const s = ms / 1000;
@@ -46,7 +64,7 @@ function renderStats(stats) {
   }
   for (const [key] of STATS) {
     const v = stats[key];
-    dl.querySelector(`[data-stat="${key}"] dd`).textContent = v === null ? "?" : String(v);
+    setText(dl.querySelector(`[data-stat="${key}"] dd`), v === null ? "?" : String(v));
   }
 }
 
@@ -79,28 +97,29 @@ function renderLanes(lanes) {
     const lane = laneFor(slot);
     const cancel = lane.querySelector(".lane-cancel");
     if (!lease) {
-      lane.dataset.phase = "idle";
-      lane.dataset.color = "idle";
-      delete lane.dataset.job;
-      delete lane.dataset.lease;
-      lane.querySelector(".holder").textContent = "";
-      lane.querySelector(".phase").textContent = "free";
-      lane.querySelector(".held").textContent = "";
-      lane.querySelector(".waits").textContent = "";
-      cancel.hidden = true;
+      setData(lane, "phase", "idle");
+      setData(lane, "color", "idle");
+      setData(lane, "job", undefined);
+      setData(lane, "lease", undefined);
+      setText(lane.querySelector(".holder"), "");
+      setText(lane.querySelector(".phase"), "free");
+      setText(lane.querySelector(".held"), "");
+      setText(lane.querySelector(".waits"), "");
+      if (!cancel.hidden) cancel.hidden = true;
       continue;
     }
-    lane.dataset.phase = lease.phase;
-    lane.dataset.color = lease.color;
-    lane.dataset.lease = String(lease.lease_id);
-    if (lease.job_id) lane.dataset.job = lease.job_id; else delete lane.dataset.job;
+    setData(lane, "phase", lease.phase);
+    setData(lane, "color", lease.color);
+    setData(lane, "lease", String(lease.lease_id));
+    setData(lane, "job", lease.job_id || undefined);
     const holder = lease.job_id ? lease.job_id : "explicit lease";
-    lane.querySelector(".holder").textContent = holder;
-    lane.querySelector(".holder").title = `lease ${lease.lease_id}, ${lease.kind}, priority ${lease.priority}` +
+    setText(lane.querySelector(".holder"), holder);
+    const title = `lease ${lease.lease_id}, ${lease.kind}, priority ${lease.priority}` +
       (lease.slots.length > 1 ? `, slots ${lease.slots.join(", ")}` : "") +
       (lease.gpu_device !== null ? `, GPU device ${lease.gpu_device}` : "");
-    lane.querySelector(".phase").textContent = lease.phase;
-    lane.querySelector(".held").textContent = secs(lease.held_ms);
+    if (lane.querySelector(".holder").title !== title) lane.querySelector(".holder").title = title;
+    setText(lane.querySelector(".phase"), lease.phase);
+    setText(lane.querySelector(".held"), secs(lease.held_ms));
     let waits;
     if (lease.phase === "quarantined") {
       waits = "reason: " + (lease.reason || "(asking the supervisor…)");
@@ -113,8 +132,9 @@ function renderLanes(lanes) {
     }
     if (lease.priority !== "normal") waits += ` · ${lease.priority} priority`;
     if (lease.child_pids.length) waits += ` · pids ${lease.child_pids.join(", ")}`;
-    lane.querySelector(".waits").textContent = waits;
-    cancel.hidden = !(actionsOn && lease.job_id && (lease.phase === "running" || lease.phase === "draining"));
+    setText(lane.querySelector(".waits"), waits);
+    const offer = !!(actionsOn && lease.job_id && (lease.phase === "running" || lease.phase === "draining"));
+    if (cancel.hidden === offer) cancel.hidden = !offer;
   }
   for (const lane of [...$("#lanes").children]) {
     if (!keep.has(lane.dataset.slot)) lane.remove();
@@ -196,10 +216,11 @@ function syncRows(tbody, items, keyOf, cellsOf, decorate) {
 
 function renderQueue(queue) {
   const q = $("#queue");
-  q.textContent = queue.waiting === 0 ? "No caller waits for a slot."
+  let text = queue.waiting === 0 ? "No caller waits for a slot."
     : queue.waiting === 1 ? "1 caller waits for a slot." : `${queue.waiting} callers wait for a slot.`;
-  if (queue.listed_count > queue.waiters.length) q.textContent += ` The first ${queue.waiters.length} are listed; search for the others.`;
-  q.dataset.waiting = String(queue.waiting);
+  if (queue.listed_count > queue.waiters.length) text += ` The first ${queue.waiters.length} are listed; search for the others.`;
+  setText(q, text);
+  setData(q, "waiting", String(queue.waiting));
   if (queueSearch()) return; // the search's answer is what the table shows
   fillWaiters(queue.waiters);
 }
@@ -422,15 +443,17 @@ function render(frame) {
   lastFrame = frame;
   settleCancel(frame.outcomes);
   lastNow = frame.now_ms;
-  document.body.dataset.frames = String(Number(document.body.dataset.frames || 0) + 1);
+  // Counted in a variable, not an attribute: an attribute on <body> would make the browser
+  // recheck the style of the whole page every frame.
+  window.consoleFrames = (window.consoleFrames || 0) + 1;
   if (paused) return;
   actionsOn = frame.actions;
-  $("#exposed").hidden = !frame.exposed;
-  $("#actions").hidden = !frame.actions;
-  $("#reclaim-btn").hidden = !frame.actions;
+  setHidden($("#exposed"), !frame.exposed);
+  setHidden($("#actions"), !frame.actions);
+  setHidden($("#reclaim-btn"), !frame.actions);
   // Offered only where it can work: the supervisor's in-process pool.
-  $("#resize-row").hidden = !frame.resizable;
-  $("#clock").textContent = "console up " + secs(frame.now_ms);
+  setHidden($("#resize-row"), !frame.resizable);
+  setText($("#clock"), "console up " + secs(frame.now_ms));
   renderStats(frame.stats);
   renderLanes(frame.lanes);
   renderQueue(frame.queue);
@@ -573,8 +596,8 @@ function markStale() {
 }
 
 function fresh() {
-  document.body.dataset.stale = "false";
-  $("#stale").hidden = true;
+  setData(document.body, "stale", "false");
+  setHidden($("#stale"), true);
 }
 
 // The stream was refused for good (the browser does not retry a 429, the stream cap): the
