@@ -230,18 +230,11 @@ async fn history(
     State(app): State<Arc<App>>,
     query: Result<Query<Find>, QueryRejection>,
 ) -> Response {
-    let find = match find(query) {
-        Ok(find) => find,
-        Err(e) => return e.into_response(),
-    };
-    let limit = find.limit.unwrap_or(MAX_ROWS).min(MAX_ROWS);
-    let (rows, total) = app.outcomes.log().query(
-        find.code.as_deref().filter(|c| !c.is_empty()),
-        &find.q,
-        limit,
-    );
-    let body = serde_json::json!({ "total": total, "rows": rows });
-    json(StatusCode::OK, body.to_string())
+    answer(query, |find, limit| {
+        let code = find.code.as_deref().filter(|c| !c.is_empty());
+        let (rows, total) = app.outcomes.log().query(code, &find.q, limit);
+        serde_json::json!({ "total": total, "rows": rows })
+    })
 }
 
 /// The waiting callers of the last listing (about once a second), in the order they are
@@ -250,14 +243,24 @@ async fn queue(
     State(app): State<Arc<App>>,
     query: Result<Query<Find>, QueryRejection>,
 ) -> Response {
-    let find = match find(query) {
-        Ok(find) => find,
-        Err(e) => return e.into_response(),
-    };
-    let limit = find.limit.unwrap_or(MAX_ROWS).min(MAX_ROWS);
-    let (rows, listed) = crate::sampler::search_waiters(&app.waiters, &find.q, limit);
-    let body = serde_json::json!({ "listed": listed, "rows": rows });
-    json(StatusCode::OK, body.to_string())
+    answer(query, |find, limit| {
+        let (rows, listed) = crate::sampler::search_waiters(&app.waiters, &find.q, limit);
+        serde_json::json!({ "listed": listed, "rows": rows })
+    })
+}
+
+/// A search's answer: its query checked (400 otherwise), its limit capped, `list` its rows.
+fn answer(
+    query: Result<Query<Find>, QueryRejection>,
+    list: impl FnOnce(&Find, usize) -> serde_json::Value,
+) -> Response {
+    match find(query) {
+        Ok(find) => {
+            let limit = find.limit.unwrap_or(MAX_ROWS).min(MAX_ROWS);
+            json(StatusCode::OK, list(&find, limit).to_string())
+        }
+        Err(e) => e.into_response(),
+    }
 }
 
 /// Releases its place among the open streams when the stream is dropped (the browser went
