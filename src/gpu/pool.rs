@@ -105,16 +105,20 @@ impl GpuPool {
     pub(crate) async fn open(opts: GpuOptions) -> Result<Self, GpuError> {
         let guard = Guard::new(opts.backend_hook.clone());
         let slots = opts.slots_per_device as usize;
-        let mut devices = Vec::new();
-        for adopted in &opts.adopted {
-            let dev = Arc::new(GpuDevice::new(
+        let mut devices: Vec<Arc<GpuDevice>> = Vec::new();
+        // The next device, at the next index.
+        let device = |devices: &[Arc<GpuDevice>], info, adopted| {
+            Arc::new(GpuDevice::new(
                 devices.len(),
-                adopted.info.clone(),
-                true,
+                info,
+                adopted,
                 guard.clone(),
                 slots,
                 opts.scratch_size(),
-            ));
+            ))
+        };
+        for adopted in &opts.adopted {
+            let dev = device(&devices, adopted.info.clone(), true);
             dev.install(adopted.device.clone(), adopted.queue.clone())?;
             tracing::info!(index = dev.index, adapter = %dev.info.name, backend = ?dev.info.backend, "adopted gpu device ready");
             devices.push(dev);
@@ -135,15 +139,7 @@ impl GpuPool {
             });
             adapters.truncate(own);
             for adapter in adapters {
-                let info = adapter.get_info();
-                let dev = Arc::new(GpuDevice::new(
-                    devices.len(),
-                    info,
-                    false,
-                    guard.clone(),
-                    slots,
-                    opts.scratch_size(),
-                ));
+                let dev = device(&devices, adapter.get_info(), false);
                 dev.open_on(&adapter).await?;
                 tracing::info!(index = dev.index, adapter = %dev.info.name, backend = ?dev.info.backend, "gpu device ready");
                 devices.push(dev);

@@ -139,7 +139,9 @@ async fn run_job(args: WorkerArgs, worker: ActorCell) {
             biased;
             checkout = host.checkout(placement) => checkout,
             () = ctx.cancelled() => Err(crate::gpu::GpuError::DeviceLost(
-                "the job was cancelled while its gpu device was being replaced".into(),
+                "the job was cancelled while its gpu device was not usable (being re-created, \
+                 or awaiting the engine's replacement)"
+                    .into(),
             )),
         };
         match checkout {
