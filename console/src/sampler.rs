@@ -213,48 +213,28 @@ impl Sampler {
             .collect();
         self.timeline.sample(now_ms, &held);
 
-        let reasons = self.reasons.lock().clone();
-        // What the poller last heard, while someone still waits.
-        let waiters = if stats.waiting > 0 {
-            self.waiters.lock().clone()
-        } else {
-            Vec::new()
-        };
-        let mut frame = build_frame(
+        let meta = Meta {
             now_ms,
-            self.actions,
+            actions: self.actions,
+            exposed: self.exposed,
+            resizable: self.sup.can_resize(),
+            history: self.outcomes.log().version(),
+            gpu: gpu_views(&self.sup, &leases),
+        };
+        let reasons = self.reasons.lock().clone();
+        let recent = self.outcomes.log().recent(RECENT);
+        // What the poller last heard, while someone still waits (read under its lock, not
+        // copied: the frame takes only the first rows and the count).
+        let listed = self.waiters.lock();
+        let waiters: &[WaiterInfo] = if stats.waiting > 0 { &listed } else { &[] };
+        let frame = build_frame(
+            meta,
             (&stats, &leases),
-            (&reasons, &waiters),
+            (&reasons, waiters),
             &self.timeline,
-            self.outcomes.log().recent(RECENT),
+            recent,
         );
-        frame.exposed = self.exposed;
-        frame.history = self.outcomes.log().version();
-        frame.resizable = self.sup.can_resize();
-        frame.gpu = self
-            .sup
-            .gpu_devices()
-            .into_iter()
-            .map(|d| GpuView {
-                fence_waits: leases
-                    .iter()
-                    .filter(|l| {
-                        l.gpu_device == Some(d.index)
-                            && l.phase == LeasePhase::Draining
-                            && l.waiting_for.contains(&WaitingFor::GpuFence)
-                    })
-                    .count(),
-                index: d.index,
-                adapter: d.adapter,
-                backend: d.backend,
-                adopted: d.adopted,
-                sub_slots: d.sub_slots,
-                in_use: d.in_use,
-                recreated: d.generation.saturating_sub(1),
-                lost: d.lost,
-                given_up: d.given_up,
-            })
-            .collect();
+        drop(listed);
         serde_json::to_string(&frame).expect("a frame always serializes")
     }
 
@@ -497,9 +477,44 @@ struct TimelineLane<'a> {
     segments: Vec<&'a Segment>,
 }
 
-fn build_frame(
+/// What a frame says beside the leases: the console's own state and the supervisor's devices.
+struct Meta {
     now_ms: u64,
     actions: bool,
+    exposed: bool,
+    resizable: bool,
+    history: u64,
+    gpu: Vec<GpuView>,
+}
+
+/// Per GPU device: its state, and the leases whose release waits for its fence now.
+fn gpu_views(sup: &Supervisor, leases: &[LeaseInfo]) -> Vec<GpuView> {
+    sup.gpu_devices()
+        .into_iter()
+        .map(|d| GpuView {
+            fence_waits: leases
+                .iter()
+                .filter(|l| {
+                    l.gpu_device == Some(d.index)
+                        && l.phase == LeasePhase::Draining
+                        && l.waiting_for.contains(&WaitingFor::GpuFence)
+                })
+                .count(),
+            index: d.index,
+            adapter: d.adapter,
+            backend: d.backend,
+            adopted: d.adopted,
+            sub_slots: d.sub_slots,
+            in_use: d.in_use,
+            recreated: d.generation.saturating_sub(1),
+            lost: d.lost,
+            given_up: d.given_up,
+        })
+        .collect()
+}
+
+fn build_frame(
+    meta: Meta,
     (stats, leases): (&Stats, &[LeaseInfo]),
     (reasons, waiters): (&HashMap<u64, QuarantinedSlot>, &[WaiterInfo]),
     timeline: &Timeline,
@@ -570,9 +585,9 @@ fn build_frame(
     quarantined.sort_by_key(|row| (row.slot, row.lease_id));
 
     Frame {
-        now_ms,
-        actions,
-        exposed: false,
+        now_ms: meta.now_ms,
+        actions: meta.actions,
+        exposed: meta.exposed,
         stats: StatsView::from(stats),
         queue: QueueView {
             waiting: stats.waiting,
@@ -587,9 +602,9 @@ fn build_frame(
         lanes,
         quarantined,
         outcomes,
-        history: 0,
-        gpu: Vec::new(),
-        resizable: false,
+        history: meta.history,
+        gpu: meta.gpu,
+        resizable: meta.resizable,
     }
 }
 
