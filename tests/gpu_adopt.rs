@@ -671,3 +671,48 @@ async fn an_adopted_device_and_one_leasehold_opens_serve_side_by_side() {
 fn same_device(job: &wgpu::Device, engine: &wgpu::Device) -> bool {
     job == engine && job.limits() == engine.limits()
 }
+
+/// The engine's callback is code leasehold did not write: one that panics is caught, the
+/// device's slot stays quarantined, and `replace_device` still brings it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replacement_callback_that_panics_leaves_the_slot_quarantined_and_replaceable() {
+    let Some((d0, q0, i0)) = engine_device().await else {
+        return;
+    };
+    let asked = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&asked);
+    let opts = GpuOptions::new()
+        .adopt(d0.clone(), q0, i0)
+        .replacement_for_lost(move |_, _| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            panic!("the engine's callback panicked")
+        });
+    let Some(sup) = start(Supervisor::builder(), opts).await else {
+        return;
+    };
+    let (running_rx, lost_tx, victim) = hold(&sup, "victim");
+    running_rx.await.unwrap();
+    d0.destroy();
+    let _ = d0.poll(wgpu::PollType::Poll);
+    lost_tx.send(()).unwrap();
+    assert_eq!(
+        victim.await.unwrap().unwrap_err().code(),
+        "LEASE_GPU_DEVICE_LOST"
+    );
+    // The callback ran (and panicked) on its blocking thread; the supervisor still answers.
+    tokio::time::timeout(std::time::Duration::from_secs(20), async {
+        while asked.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the callback was asked");
+    assert_eq!(sup.stats().quarantined, 1, "nothing replaced the device");
+    let Some((d1, q1, _)) = engine_device().await else {
+        return;
+    };
+    sup.replace_device(0, d1, q1).await.unwrap();
+    assert_eq!(sup.stats().quarantined, 0);
+    assert_eq!(fill_job(&sup, "after").await.unwrap(), [1, 3, 5, 7]);
+    sup.shutdown().await.unwrap();
+}
