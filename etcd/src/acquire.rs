@@ -16,14 +16,14 @@ use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
 use parking_lot::Mutex;
-use tokio::time::{Instant, sleep, timeout};
+use tokio::time::{Instant, sleep, sleep_until, timeout};
 
 use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{Confirmed, MarkerState, Raw, place_key, request_key};
 use super::queue::{Look, Ticket};
 use super::session::{Claim, Held, Session};
-pub(super) use super::txn::{Grant, gets, slot_counts, txn_shape};
+pub(super) use super::txn::{Grant, gets, held_in, revision_of, slot_keys, txn_shape};
 use leasehold::{AcquireRequest, SlotToken};
 
 /// What the first transaction found or did.
@@ -106,6 +106,16 @@ impl Inner {
             if let Some(token) = self.token_of(rk) {
                 return Ok(token);
             }
+            // A retry of an acquire whose grant is being given back: that grant is being
+            // handed on and must not be handed out again (it would be held twice).
+            if self.settles(rk) {
+                return Err(EtcdError::new(
+                    EtcdErrorKind::RequestSettling,
+                    format!(
+                        "request {rk:016x} was granted and released, and its release is still being finished: use a new request id"
+                    ),
+                ));
+            }
             // One attempt per request at a time. A copy of the request sent while another runs
             // waits for it to end, then returns its grant if it is held (above) or tries
             // itself: never the grant of an attempt whose token was released meanwhile.
@@ -156,8 +166,13 @@ impl Inner {
         };
         let result = tokio::select! {
             result = async {
-                let grant = self.obtain(rk).await?;
-                self.park(grant, rk, request.origin()).await
+                loop {
+                    let grant = self.obtain(rk).await?;
+                    if let Some(token) = self.park(grant, rk, request.origin()).await? {
+                        return Ok(token);
+                    }
+                    // Handed on: back to the queue.
+                }
             } => result,
             // Closing: the attempt is dropped where it is, and its guard withdraws it.
             () = self.closed.cancelled() => Err(self.closed_error()),
@@ -218,6 +233,13 @@ impl Inner {
         if let Some(index) = places.by_request.remove(&rk) {
             places.free.push(index);
         }
+    }
+
+    /// Takes request `rk`'s queue place away from it without freeing it: its key is live and
+    /// not this request's. The index is never handed out again by this broker (one place lost
+    /// per such key; the key itself goes with whoever's session it is under).
+    fn retire_place(&self, rk: u64) {
+        self.places.lock().by_request.remove(&rk);
     }
 
     fn token_of(&self, rk: u64) -> Option<SlotToken> {
@@ -340,7 +362,14 @@ impl Inner {
             // Join the queue, counting the held slots (from the index: no key is read), and
             // every key under `slot/` (more means keys that are not slots: see `decide`).
             None => {
-                let [held, all] = slot_counts(l);
+                // Never over a live key: a place this broker freed may still hold a key
+                // (see `retire_place`), and a put would keep its create revision (its place
+                // in the queue) under this request.
+                when.push(Compare::create_revision(
+                    l.queue_key(qk),
+                    CompareOp::Equal,
+                    0,
+                ));
                 vec![
                     TxnOp::put(l.queue_key(qk), l.waiter_value(self.owner, rk), under()),
                     TxnOp::put(
@@ -348,8 +377,7 @@ impl Inner {
                         l.marker_value(MarkerState::Waiting),
                         under(),
                     ),
-                    held,
-                    all,
+                    slot_keys(l),
                 ]
             }
         };
@@ -365,14 +393,18 @@ impl Inner {
                 async move { c.txn(txn).await }
             })
             .await?;
-        let revision = resp.header().map_or(0, |h| h.revision());
         let ops = resp.op_responses();
         if resp.succeeded() {
+            let revision = revision_of(
+                resp.header().map(|h| h.revision()),
+                "claim a slot or join the queue",
+            )
+            .map_err(Fail::Fatal)?;
             let Some(slot) = guess else {
                 // Queued.
                 self.contended.store(true, Ordering::Relaxed);
-                let counts = match gets(&ops).as_slice() {
-                    [held, all] => Some((held.count(), all.count())),
+                let held = match gets(&ops).as_slice() {
+                    [slots] => Some(held_in(l, slots)),
                     _ => None,
                 };
                 return Ok(First::Queued(
@@ -382,7 +414,7 @@ impl Inner {
                         rev: revision,
                         session: Arc::clone(session),
                     },
-                    counts.map(|(held, all)| Look::joined(revision, session.id, held, all)),
+                    held.map(|held| Look::joined(revision, session.id, held)),
                 ));
             };
             self.heads.lock().clear();
@@ -407,7 +439,17 @@ impl Inner {
                 self.contended.store(true, Ordering::Relaxed);
                 return Ok(First::Busy);
             }
-            return Ok(First::Again); // removed in between
+            if !queued.kvs().is_empty() {
+                // The place holds a key that is not this request's (a cleanup of this broker's
+                // that could not reach etcd, or someone else's write): never written over.
+                tracing::warn!(
+                    request = format_args!("{rk:016x}"),
+                    key = l.queue_key(qk),
+                    "a queue place of this broker holds a live key: the request takes another place"
+                );
+                self.retire_place(rk);
+            }
+            return Ok(First::Again); // removed in between, or another place
         };
         let found = l.marker(marker_kv).map_err(Fail::Fatal)?;
         let stale = found.lease != session.id || found.state == MarkerState::Abandoned;
@@ -476,13 +518,15 @@ impl Inner {
 
     /// Hands the grant to the caller, once this broker holds no other token for its slot index
     /// (a token whose lease was lost while its job winds down): the supervisor would refuse a
-    /// duplicate slot.
+    /// duplicate slot. That wait is bounded ([`Inner::margin`]): a job that does not wind down
+    /// must not keep the slot idle, so the grant is then handed on to the next waiter, like a
+    /// release, and `None` sends the request back to the queue.
     async fn park(
         self: &Arc<Self>,
         grant: Grant,
         rk: u64,
         origin: u64,
-    ) -> Result<SlotToken, EtcdError> {
+    ) -> Result<Option<SlotToken>, EtcdError> {
         let token = SlotToken::new(grant.slot, grant.revision as u64);
         // A grant after an outage may come before the session's next renewal: renew first, so
         // that the holder's keep-alive does not report the lease lost at once.
@@ -493,6 +537,7 @@ impl Inner {
         {
             return Err(grant.session.expired_error("handing out a grant"));
         }
+        let handed_on_at = Instant::now() + self.margin();
         loop {
             // Armed before `held` is read: a release in between still wakes this.
             let released = self.released.notified();
@@ -516,7 +561,7 @@ impl Inner {
                     self.watch_unclaimed(token, since);
                     // This broker will release soon: the oldest waiters it will hand to.
                     self.heads_for_next_release();
-                    return Ok(token);
+                    return Ok(Some(token));
                 }
             }
             tracing::debug!(%token, "granted a slot index this broker still holds: waiting for it");
@@ -524,6 +569,20 @@ impl Inner {
                 () = &mut released => {}
                 () = grant.session.expired() => {
                     return Err(grant.session.expired_error("waiting for a local release"));
+                }
+                () = sleep_until(handed_on_at) => {
+                    tracing::info!(%token, "granted a slot index whose earlier token here has not been released: the grant is handed on");
+                    let entry = Held {
+                        rk,
+                        origin,
+                        session: Arc::clone(&grant.session),
+                        claim: Claim::Expired,
+                        lost: false,
+                    };
+                    // Retried while the session lives; the request's marker goes with it, so
+                    // the request joins the queue afresh.
+                    self.settle(token, entry, false).await;
+                    return Ok(None);
                 }
             }
         }
@@ -563,13 +622,9 @@ impl Inner {
 
     /// Starts the cleanup of request `rk` in the background (an acquire dropped or failed).
     pub(super) fn abandon_in_background(self: &Arc<Self>, rk: u64) {
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            tracing::warn!(
-                request = format_args!("{rk:016x}"),
-                "an abandoned etcd acquire is left to its session's ttl (no runtime)"
-            );
-            return;
-        };
+        // Dropped where no runtime is current: the broker's own (if it is gone, so is the
+        // session's keeper, and the session lapses with everything under it).
+        let rt = tokio::runtime::Handle::try_current().unwrap_or_else(|_| self.rt.clone());
         let ctl = Arc::new(Cleanup {
             phase: Mutex::new(CleanupPhase::Pending),
             done: tokio::sync::watch::Sender::new(false),
@@ -595,32 +650,37 @@ impl Inner {
                 }
                 *phase = CleanupPhase::Running;
             }
-            // Bounded: etcd unreachable for this long leaves it all to the session's TTL.
-            let give_up = (me.ttl * 10).max(Duration::from_secs(60));
+            // No give-up while the session lives: it is renewed until the broker closes, so
+            // a queue key left under it would stay the oldest waiter and be handed slots that
+            // nobody takes. It ends when the cleanup is done, when the session is gone (its
+            // keys with it: `abandon` answers `Ok`), or when `close` revokes the session.
             let mut backoff = Duration::from_millis(100);
-            let started = Instant::now();
-            // The place is free once the cleanup is over, whatever its outcome (after the
-            // longest bound the session has expired, and the queue key with it).
-            let _free = FreePlace {
-                inner: Arc::clone(&me),
-                rk,
-            };
+            let mut failures = 0u32;
             loop {
-                match timeout(me.retry_for, me.abandon(rk)).await {
-                    Ok(Ok(())) => return,
-                    Ok(Err(e)) if !matches!(e.kind(), EtcdErrorKind::Unavailable) => {
-                        tracing::error!(request = format_args!("{rk:016x}"), error = %e, "abandoned etcd acquire not cleaned up; left to its session's ttl");
-                        return;
-                    }
-                    _ => {}
+                let outcome = match timeout(me.retry_for, me.abandon(rk)).await {
+                    Ok(outcome) => outcome,
+                    Err(_) => Err(EtcdError::new(
+                        EtcdErrorKind::Unavailable,
+                        format!("no answer within {:?}", me.retry_for),
+                    )),
+                };
+                let Err(e) = outcome else {
+                    break;
+                };
+                failures += 1;
+                if failures == 1 || failures.is_power_of_two() {
+                    tracing::warn!(request = format_args!("{rk:016x}"), error = %e, failures, "abandoned etcd acquire not cleaned up yet; retried while its session lives");
                 }
-                if started.elapsed() >= give_up {
-                    tracing::warn!(request = format_args!("{rk:016x}"), "etcd unreachable for too long: abandoned acquire left to its session's ttl");
-                    return;
+                tokio::select! {
+                    () = sleep(backoff) => {}
+                    // `close` revoked the session, or gives up on it: nothing is left.
+                    () = me.closing.cancelled() => break,
                 }
-                sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(1000));
+                backoff = (backoff * 2).min(Duration::from_secs(2));
             }
+            // The place is free only once its key is gone (a join also never writes over a
+            // live key: see `first`).
+            me.free_place(rk);
         }, &rt);
     }
 
@@ -809,18 +869,6 @@ impl Inner {
                 )
                 .await;
         });
-    }
-}
-
-/// Frees a request's queue place when dropped.
-struct FreePlace {
-    inner: Arc<Inner>,
-    rk: u64,
-}
-
-impl Drop for FreePlace {
-    fn drop(&mut self) {
-        self.inner.free_place(self.rk);
     }
 }
 

@@ -43,6 +43,10 @@ pub enum EtcdErrorKind {
     /// `ETCD_BROKER_CLOSED`: the broker was closed ([`SlotBroker::close`](leasehold::SlotBroker::close)):
     /// it grants nothing more.
     Closed,
+    /// `ETCD_REQUEST_SETTLING`: an acquire reused the request id of a grant whose release is
+    /// still being finished in the background: its grant is being handed on, never handed out
+    /// again. Use a fresh request id, or retry once the release has settled.
+    RequestSettling,
 }
 
 /// A failure of the etcd broker. Never contains credentials.
@@ -81,6 +85,7 @@ impl EtcdError {
             EtcdErrorKind::SessionExpired => "ETCD_SESSION_EXPIRED",
             EtcdErrorKind::NestedPool => "ETCD_POOL_NESTED",
             EtcdErrorKind::Closed => "ETCD_BROKER_CLOSED",
+            EtcdErrorKind::RequestSettling => "ETCD_REQUEST_SETTLING",
         }
     }
 
@@ -111,7 +116,8 @@ impl EtcdError {
             EtcdErrorKind::Auth
             | EtcdErrorKind::Tls
             | EtcdErrorKind::InvalidConfig
-            | EtcdErrorKind::LeaseLost => BrokerError::new(self.message),
+            | EtcdErrorKind::LeaseLost
+            | EtcdErrorKind::RequestSettling => BrokerError::new(self.message),
             _ => BrokerError::invalid_response(self.message),
         };
         err.with_code(code)

@@ -155,13 +155,6 @@ impl Layout {
         format!("{}slot/", self.prefix)
     }
 
-    /// The range `[slot/000000, slot/{capacity})`: every slot key of the pool, and nothing else
-    /// that leasehold writes. Counting it next to the whole `slot/` range tells a key under
-    /// `slot/` that is not a slot of this pool (which would otherwise count as a held slot).
-    pub(super) fn slot_range(&self) -> (String, String) {
-        (self.slot_key(0), self.slot_key(self.capacity))
-    }
-
     /// The capacity keys of the pools this pool's prefix would nest in: for
     /// `a/b/c/pool/`, `a/b/capacity` and `a/b/c/capacity` (a pool's prefix has at least two
     /// parts, its key prefix and its name).
@@ -440,20 +433,47 @@ impl Layout {
         self.check_capacity(capacity)
     }
 
-    /// Every slot key of a `slot/` range read, validated.
+    /// Every slot key of a `slot/` range read, validated. A key that is not exactly one of the
+    /// pool's slot keys (`slot/notes`, `slot/000001.bak`, an index beyond the capacity) is
+    /// ignored: it holds no slot, whoever wrote it.
     pub(super) fn holders<'a>(
         &self,
         kvs: impl IntoIterator<Item = Raw<'a>>,
     ) -> Result<Vec<Holder>, EtcdError> {
-        kvs.into_iter().map(|kv| self.holder(kv)).collect()
+        kvs.into_iter()
+            .filter(|kv| self.slot_index(kv.key).is_some())
+            .map(|kv| self.holder(kv))
+            .collect()
     }
 
-    /// Every queue key of a `queue/` range read, validated.
+    /// How many of the keys of a `slot/` range read are exactly slot keys of the pool: the
+    /// slots held (see [`holders`](Self::holders)).
+    pub(super) fn held_among<'a>(&self, keys: impl IntoIterator<Item = &'a [u8]>) -> i64 {
+        keys.into_iter()
+            .filter(|key| self.slot_index(key).is_some())
+            .count() as i64
+    }
+
+    /// Every queue key of a `queue/` range read, validated. A key that is not exactly a queue
+    /// key (`queue/notes`) is ignored: it waits for nothing, whoever wrote it.
     pub(super) fn waiters<'a>(
         &self,
         kvs: impl IntoIterator<Item = Raw<'a>>,
     ) -> Result<Vec<Waiter>, EtcdError> {
-        kvs.into_iter().map(|kv| self.waiter(kv)).collect()
+        kvs.into_iter()
+            .filter(|kv| self.is_queue_key(kv.key))
+            .map(|kv| self.waiter(kv))
+            .collect()
+    }
+
+    /// Whether `key` is exactly a queue key of this pool (`queue/` and sixteen lowercase hex
+    /// digits, as leasehold writes them).
+    pub(super) fn is_queue_key(&self, key: &[u8]) -> bool {
+        key.strip_prefix(self.prefix.as_bytes())
+            .and_then(|k| k.strip_prefix(b"queue/".as_slice()))
+            .is_some_and(|rest| {
+                rest.len() == 16 && rest.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+            })
     }
 }
 

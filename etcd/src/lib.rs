@@ -195,6 +195,12 @@ struct Inner {
     orphans_expired: AtomicU64,
     /// Give-backs in progress in the background.
     settling: AtomicUsize,
+    /// Request keys whose release is still being settled in the background: an acquire with
+    /// the same request is refused until it is (see `acquire`).
+    settling_requests: Mutex<HashMap<u64, usize>>,
+    /// The runtime the broker was connected on: the cleanup of an acquire or release dropped
+    /// where no runtime is current runs there (the session's keeper runs there too).
+    rt: tokio::runtime::Handle,
     events: Mutex<Vec<BrokerEvents>>,
     /// Supervisors attached and not yet closed (see [`SlotBroker::close`]).
     attached: Mutex<usize>,
@@ -333,6 +339,8 @@ impl EtcdBroker {
             abandoned: Mutex::new(HashMap::new()),
             orphans_expired: AtomicU64::new(0),
             settling: AtomicUsize::new(0),
+            settling_requests: Mutex::new(HashMap::new()),
+            rt: tokio::runtime::Handle::current(),
             events: Mutex::new(Vec::new()),
             attached: Mutex::new(0),
             flights: Mutex::new(HashMap::new()),
@@ -402,6 +410,27 @@ impl EtcdBroker {
         self.inner
             .place_if_any(rk)
             .map(|place| self.inner.layout.queue_key(place))
+    }
+
+    /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
+    /// asks etcd to cancel every watch of the broker's watch stream, as etcd does on its own to
+    /// a watch that a compaction passed, and returns how many once etcd has answered. The
+    /// broker sets each up again.
+    #[cfg(feature = "fault-injection")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+    pub async fn cancel_watches_on_server(&self) -> usize {
+        self.inner.hub.cancel_on_server().await
+    }
+
+    /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
+    /// how many watches etcd cancelled that the broker set up again.
+    #[cfg(feature = "fault-injection")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+    pub fn watches_recreated(&self) -> u64 {
+        self.inner
+            .hub
+            .recreated
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):

@@ -37,7 +37,7 @@ use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{Confirmed, Layout, Marker, MarkerState, Raw, Waiter, oldest_waiters, raws};
 use super::session::Session;
-use super::txn::{Grant, gets, slot_counts, txn_shape};
+use super::txn::{Grant, gets, held_in, revision_of, slot_keys, txn_shape};
 use super::watches::{Seen, Watch};
 
 /// A place in the queue.
@@ -61,16 +61,14 @@ pub(super) struct Look {
     /// The next older waiter: `None` when not read (the pool was full), `Some(None)` for the
     /// head.
     pub(super) predecessor: Option<Option<Waiter>>,
-    /// How many keys the pool's slot range holds (each a held slot, if leasehold wrote it).
+    /// How many of the pool's slot keys exist (each a held slot; keys under `slot/` that are
+    /// not exactly slot keys are not counted).
     pub(super) held: i64,
-    /// How many keys lie under `slot/` at all: more than `held` means keys that are not slots
-    /// of this pool (see [`decide`]).
-    pub(super) all: i64,
 }
 
 impl Look {
     /// What a waiter knows right after joining, from the join's own transaction.
-    pub(super) fn joined(revision: i64, lease: i64, held: i64, all: i64) -> Look {
+    pub(super) fn joined(revision: i64, lease: i64, held: i64) -> Look {
         Look {
             marker: Some(Marker {
                 state: MarkerState::Waiting,
@@ -80,7 +78,6 @@ impl Look {
             queued: true,
             predecessor: None,
             held,
-            all,
         }
     }
 
@@ -91,18 +88,17 @@ impl Look {
             queued: false,
             predecessor: None,
             held: 0,
-            all: 0,
         }
     }
 
     /// A look from its reads (pure, so that every read a waiter acts on goes through it):
-    /// the waiter's marker, whether its queue key exists, the two counts of the slot keys,
-    /// and (when read) the queue key just older than its own.
+    /// the waiter's marker, whether its queue key exists, how many slot keys exist, and (when
+    /// read) the queue key just older than its own.
     pub(super) fn read(
         layout: &Layout,
         marker: Option<Raw<'_>>,
         queued: bool,
-        (held, all): (i64, i64),
+        held: i64,
         predecessor: Option<Option<Raw<'_>>>,
     ) -> Result<Look, EtcdError> {
         Ok(Look {
@@ -112,7 +108,6 @@ impl Look {
                 .map(|p| p.map(|kv| layout.waiter(kv)).transpose())
                 .transpose()?,
             held,
-            all,
         })
     }
 }
@@ -133,10 +128,6 @@ pub(super) enum Next {
     Abandoned,
     /// Every slot is held: wait for a grant (or a slot deletion).
     Wait,
-    /// Keys under `slot/` that are not this pool's slots (outside its slot range, or more of
-    /// them in it than it has slots): read them, and refuse the pool (`ETCD_FOREIGN_KEY` or
-    /// `ETCD_CORRUPT_RECORD`) rather than count them as held and wait.
-    Inspect,
     /// A slot may be free: find out where it stands in the queue.
     LookCloser,
     /// A slot may be free and it is the head: claim.
@@ -147,8 +138,9 @@ pub(super) enum Next {
 
 /// Pure: what a waiter of session `session` does next. A grant is only ever decided from a
 /// marker under the waiter's own session (and is then checked against its slot key, see
-/// `Layout::confirm_grant`); it waits only while the pool's slot range holds `capacity` keys and
-/// nothing else lies under `slot/`: a wait that a slot's release (a hand-off) or deletion ends.
+/// `Layout::confirm_grant`); it waits only while all `capacity` slot keys exist: a wait that a
+/// slot's release (a hand-off) or deletion ends. (Keys under `slot/` that are not slot keys are
+/// not counted, so they never make a free pool look full.)
 pub(super) fn decide(look: &Look, capacity: u32, session: i64) -> Next {
     let Some(marker) = look.marker else {
         return Next::Gone;
@@ -166,7 +158,6 @@ pub(super) fn decide(look: &Look, capacity: u32, session: i64) -> Next {
         },
         MarkerState::Abandoned => Next::Abandoned,
         MarkerState::Waiting if !look.queued => Next::Broken,
-        MarkerState::Waiting if look.all != look.held || look.held > capacity => Next::Inspect,
         MarkerState::Waiting if look.held >= capacity => Next::Wait,
         MarkerState::Waiting => match &look.predecessor {
             None => Next::LookCloser,
@@ -230,12 +221,6 @@ impl Inner {
                 }
                 Next::NotOurs { lease } => {
                     return Err(self.layout.not_ours(ticket.rk, lease, session));
-                }
-                Next::Inspect => {
-                    self.inspect_slots(&ticket).await?;
-                    // Gone meanwhile: look again.
-                    look = self.look(&ticket, false).await?;
-                    continue;
                 }
                 Next::Gone => return Err(self.gone(&ticket).await),
                 Next::Broken => {
@@ -313,19 +298,6 @@ impl Inner {
         )
     }
 
-    /// Reads every key under `slot/` and validates it: a key that is not a slot of this pool
-    /// is refused (`ETCD_FOREIGN_KEY`, `ETCD_CORRUPT_RECORD`). `Ok` if none is left.
-    async fn inspect_slots(self: &Arc<Self>, ticket: &Ticket) -> Result<(), EtcdError> {
-        let prefix = self.layout.slot_prefix();
-        let slots = self
-            .patiently(ticket, "read the slot keys", |mut c| {
-                let prefix = prefix.clone();
-                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
-            })
-            .await?;
-        self.layout.holders(raws(slots.kvs())).map(|_| ())
-    }
-
     /// Why a waiter's marker (or its grant's slot key) is gone: its session expired (etcd says
     /// so), or someone deleted its records.
     async fn gone(self: &Arc<Self>, ticket: &Ticket) -> EtcdError {
@@ -362,27 +334,31 @@ impl Inner {
         closer: bool,
     ) -> Result<Look, EtcdError> {
         let l = &self.layout;
-        let [held, all] = slot_counts(l);
-        let mut ops = vec![
-            TxnOp::get(l.request_key(ticket.rk), None),
+        // The predecessor: the youngest queue key older than this waiter's. Keys under
+        // `queue/` that are not queue keys are skipped; a few are read so that one stray key
+        // does not cost a second read.
+        let older = |limit: i64| {
             TxnOp::get(
-                l.queue_key(ticket.qk),
-                Some(GetOptions::new().with_keys_only()),
-            ),
-            held,
-            all,
-        ];
-        if closer {
-            ops.push(TxnOp::get(
                 l.queue_prefix(),
                 Some(
                     GetOptions::new()
                         .with_prefix()
                         .with_max_create_revision(ticket.rev - 1)
                         .with_sort(SortTarget::Create, SortOrder::Descend)
-                        .with_limit(1),
+                        .with_limit(limit),
                 ),
-            ));
+            )
+        };
+        let mut ops = vec![
+            TxnOp::get(l.request_key(ticket.rk), None),
+            TxnOp::get(
+                l.queue_key(ticket.qk),
+                Some(GetOptions::new().with_keys_only()),
+            ),
+            slot_keys(l),
+        ];
+        if closer {
+            ops.push(older(PREDECESSOR_READ));
         }
         let txn = Txn::new().and_then(ops);
         let resp = self
@@ -392,16 +368,36 @@ impl Inner {
             })
             .await?;
         let reads = gets(&resp.op_responses());
-        let (marker, queued, held, all) = match reads.as_slice() {
-            [m, q, h, a, ..] if reads.len() == 4 + usize::from(closer) => (m, q, h, a),
+        let (marker, queued, slots) = match reads.as_slice() {
+            [m, q, s, ..] if reads.len() == 3 + usize::from(closer) => (m, q, s),
             _ => return Err(txn_shape("look at the queue")),
         };
+        let mut older_read = reads.get(3).cloned();
+        if let Some(read) = &older_read
+            && read.more()
+            && !read.kvs().iter().any(|kv| l.is_queue_key(kv.key()))
+        {
+            // Only stray keys among those read: read them all.
+            let all = older(0);
+            let again = self
+                .patiently(ticket, "look for the predecessor", |mut c| {
+                    let txn = Txn::new().and_then([all.clone()]);
+                    async move { c.txn(txn).await }
+                })
+                .await?;
+            older_read = gets(&again.op_responses()).into_iter().next();
+        }
         Look::read(
             l,
             marker.kvs().first().map(Raw::from),
             !queued.kvs().is_empty(),
-            (held.count(), all.count()),
-            reads.get(4).map(|p| p.kvs().first().map(Raw::from)),
+            held_in(l, slots),
+            older_read.as_ref().map(|p| {
+                p.kvs()
+                    .iter()
+                    .find(|kv| l.is_queue_key(kv.key()))
+                    .map(Raw::from)
+            }),
         )
     }
 
@@ -510,9 +506,15 @@ impl Inner {
                 async move { c.txn(txn).await }
             })
             .await?;
-        Ok(resp.succeeded().then(|| Grant {
+        if !resp.succeeded() {
+            return Ok(None);
+        }
+        // A claim that landed but whose answer is malformed fails the acquire: its guard
+        // passes the slot on.
+        let revision = revision_of(resp.header().map(|h| h.revision()), "claim a free slot")?;
+        Ok(Some(Grant {
             slot,
-            revision: resp.header().map_or(0, |h| h.revision()),
+            revision,
             session: Arc::clone(&ticket.session),
         }))
     }
@@ -695,6 +697,10 @@ impl Inner {
     }
 }
 
+/// How many queue keys older than its own a waiter reads to find its predecessor (more only
+/// when all of them are keys that are not queue keys).
+const PREDECESSOR_READ: i64 = 4;
+
 /// A waiter's watches on the broker's shared stream: its marker's, and its predecessor's (with
 /// its place key) while it has one.
 pub(super) struct WaitStream {
@@ -734,7 +740,6 @@ mod tests {
                 })
             }),
             held,
-            all: held,
         }
     }
 
@@ -808,17 +813,5 @@ mod tests {
             let look = look(Some(state), true, Some(None), 0);
             assert_eq!(decide(&look, 2, SESSION + 1), Next::NotOurs { lease: 7 });
         }
-    }
-
-    #[test]
-    fn keys_under_slot_that_are_not_slots_are_inspected_instead_of_counted_as_held() {
-        let waiting = Some(MarkerState::Waiting);
-        // One key outside the slot range: the pool would look full with a slot free.
-        let mut outside = look(waiting, true, Some(None), 1);
-        outside.all = 2;
-        assert_eq!(decide_(&outside, 2), Next::Inspect);
-        // More keys in the slot range than the pool has slots.
-        let over = look(waiting, true, Some(None), 3);
-        assert_eq!(decide_(&over, 2), Next::Inspect);
     }
 }

@@ -28,7 +28,7 @@ use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{MarkerState, Waiter, oldest_waiters, raws};
 use super::session::{Claim, Held, Settling};
-use super::txn::{gets, txn_shape};
+use super::txn::{gets, held_in, slot_keys, txn_shape};
 use leasehold::{BrokerError, SlotToken};
 
 /// How a give-back ended.
@@ -147,6 +147,10 @@ impl Inner {
         // time: concurrent releases chase the same oldest waiters, and with a round trip of
         // delay more of them are served before a retry lands.
         let mut chained = CHAIN;
+        // The last read found only keys under `queue/` that are not queue keys: "nobody waits"
+        // cannot be compared (etcd compares every key under the prefix), so the slot is
+        // deleted without it. A waiter that joins meanwhile sees the deletion (see `slots`).
+        let mut strays_only = false;
         // Bounded by the deadline (`retry_for`), not by a count: under a burst of load more
         // waiters than one read can be served before its retry lands.
         for attempt in 0u32.. {
@@ -156,7 +160,7 @@ impl Inner {
             heads.retain(|w| w.rk != entry.rk && !self.served_lately(w));
             let chain = &heads[..heads.len().min(chained).min(CHAIN_MAX)];
             let read = self.heads_read() << attempt.min(3);
-            let txn = self.hand_off(token, chain, &marker, read);
+            let txn = self.hand_off(token, chain, &marker, read, strays_only);
             let resp = self
                 .endpoints
                 .call("hand the slot on", deadline, |mut c| {
@@ -186,7 +190,9 @@ impl Inner {
                         let served = &chain[..=depth];
                         cache.retain(|w| !served.contains(w));
                     }
-                    let held = gets(&link.op_responses()).first().map(|g| g.count());
+                    let held = gets(&link.op_responses())
+                        .first()
+                        .map(|g| held_in(&self.layout, g));
                     if held.is_some_and(|n| n < i64::from(self.layout.capacity())) {
                         self.fill_free_slots(chain[depth].rk);
                     }
@@ -209,6 +215,7 @@ impl Inner {
                 .layout
                 .waiters(raws(oldest.kvs()))
                 .map_err(Fail::Fatal)?;
+            strays_only = heads.is_empty() && !oldest.kvs().is_empty();
             self.contended.store(!heads.is_empty(), Ordering::Relaxed);
             *self.heads.lock() = heads.clone();
             chained = heads.len();
@@ -221,16 +228,24 @@ impl Inner {
     /// The chain: for each waiter in `heads`, "if the slot is still the token's and the waiter
     /// still waits, hand it over, else try the next"; last, "if nobody waits, delete it, else
     /// read the slot and the queue's oldest waiters".
-    fn hand_off(&self, token: SlotToken, heads: &[Waiter], marker: &TxnOp, read: i64) -> Txn {
+    fn hand_off(
+        &self,
+        token: SlotToken,
+        heads: &[Waiter],
+        marker: &TxnOp,
+        read: i64,
+        strays_only: bool,
+    ) -> Txn {
         let l = &self.layout;
         let slot_key = l.slot_key(token.slot_id());
         let still_mine =
             || Compare::mod_revision(slot_key.clone(), CompareOp::Equal, token.lease_id() as i64);
+        let mut when = vec![still_mine()];
+        if !strays_only {
+            when.push(Compare::version(l.queue_prefix(), CompareOp::Equal, 0).with_prefix());
+        }
         let mut link = Txn::new()
-            .when([
-                still_mine(),
-                Compare::version(l.queue_prefix(), CompareOp::Equal, 0).with_prefix(),
-            ])
+            .when(when)
             .and_then([TxnOp::delete(slot_key.clone(), None), marker.clone()])
             .or_else([
                 TxnOp::get(slot_key.clone(), Some(GetOptions::new().with_keys_only())),
@@ -254,9 +269,9 @@ impl Inner {
                         under(),
                     ),
                     marker.clone(),
-                    // How many slots are held after it (from the index): fewer than the pool
-                    // has means slots freed without a hand-off that nobody claimed yet.
-                    held_count(l),
+                    // Which slots are held after it: fewer than the pool has means slots
+                    // freed without a hand-off that nobody claimed yet.
+                    slot_keys(l),
                 ])
                 .or_else([TxnOp::txn(link)]);
         }
@@ -425,20 +440,28 @@ impl Inner {
     }
 
     /// [`settle`](Self::settle) in a task `close` waits for (counted in `settling`).
+    /// The request stays off limits until it ends: an acquire that reuses its request id would
+    /// otherwise find the grant this settle is handing on (see `acquire`).
     pub(super) fn settle_in_background(self: &Arc<Self>, token: SlotToken, entry: Held) {
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            tracing::warn!(%token, "an etcd slot is left to its session's ttl (no runtime to give it back)");
-            return;
-        };
+        // Dropped where no runtime is current: the broker's own (if it is gone, so is the
+        // session's keeper, and the session lapses with the slot).
+        let rt = tokio::runtime::Handle::try_current().unwrap_or_else(|_| self.rt.clone());
         let inner = Arc::clone(self);
         let settling = Settling::new(&inner);
+        let request = SettlingRequest::new(&inner, entry.rk);
         self.tasks.spawn_on(
             async move {
                 inner.settle(token, entry, true).await;
+                drop(request);
                 drop(settling);
             },
             &rt,
         );
+    }
+
+    /// Whether a release of request `rk` is still being settled.
+    pub(super) fn settles(&self, rk: u64) -> bool {
+        self.settling_requests.lock().contains_key(&rk)
     }
 
     /// Finishes giving a token back in the background, retrying while etcd does not answer.
@@ -452,12 +475,17 @@ impl Inner {
         entry: Held,
         count_expiry: bool,
     ) {
-        let give_up = Instant::now() + (self.ttl * 10).max(Duration::from_secs(60));
+        // No give-up while the session lives: it is renewed until the broker closes, so a slot
+        // left under it would stay held, by nobody, as long as the broker runs.
         let mut backoff = Duration::from_millis(100);
+        let mut failures = 0u32;
         loop {
             if entry.session.is_expired() {
                 self.gone_with_session(token, &entry, count_expiry);
                 return;
+            }
+            if self.closing.is_cancelled() {
+                return; // `close` revoked the session: the slot went with it
             }
             let deadline = Instant::now() + self.retry_for;
             match self.give_back(token, &entry, None, deadline).await {
@@ -478,17 +506,23 @@ impl Inner {
                     return;
                 }
                 Err(Fail::Fatal(e)) => {
-                    tracing::error!(%token, error = %e, "etcd slot cannot be given back; left to the session's ttl");
-                    return;
+                    failures += 1;
+                    if failures == 1 || failures.is_power_of_two() {
+                        tracing::error!(%token, error = %e, failures, "etcd slot not given back yet; retried while the session lives");
+                    }
                 }
-                Err(Fail::Ambiguous(_)) => {}
+                Err(Fail::Ambiguous(why)) => {
+                    failures += 1;
+                    if failures.is_power_of_two() && failures >= 8 {
+                        tracing::warn!(%token, error = %why, failures, "etcd slot not given back yet; retried while the session lives");
+                    }
+                }
             }
-            if Instant::now() >= give_up {
-                tracing::warn!(%token, "etcd unreachable for too long: slot left to the session's ttl, not counted");
-                return;
+            tokio::select! {
+                () = sleep(backoff) => {}
+                () = self.closing.cancelled() => return,
             }
-            sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_millis(500));
+            backoff = (backoff * 2).min(Duration::from_secs(2));
         }
     }
 
@@ -528,11 +562,31 @@ const CHAIN: usize = 6;
 /// transaction (`--max-txn-ops`, 128 by default), five per link here.
 const CHAIN_MAX: usize = 16;
 
-/// A count of the slot keys in the pool's slot range (from the index: no key is read).
-fn held_count(l: &super::layout::Layout) -> TxnOp {
-    let (from, to) = l.slot_range();
-    TxnOp::get(
-        from,
-        Some(GetOptions::new().with_range(to).with_count_only()),
-    )
+/// Marks request `rk` as having a release settling while it lives (see
+/// [`Inner::settles`]).
+pub(super) struct SettlingRequest {
+    inner: Arc<Inner>,
+    rk: u64,
+}
+
+impl SettlingRequest {
+    pub(super) fn new(inner: &Arc<Inner>, rk: u64) -> Self {
+        *inner.settling_requests.lock().entry(rk).or_default() += 1;
+        Self {
+            inner: Arc::clone(inner),
+            rk,
+        }
+    }
+}
+
+impl Drop for SettlingRequest {
+    fn drop(&mut self) {
+        let mut requests = self.inner.settling_requests.lock();
+        if let Some(n) = requests.get_mut(&self.rk) {
+            *n -= 1;
+            if *n == 0 {
+                requests.remove(&self.rk);
+            }
+        }
+    }
 }

@@ -335,6 +335,7 @@ impl Inner {
                 _ => return,
             }
         };
+        let _request = super::release::SettlingRequest::new(self, entry.rk);
         let _settling = Settling::new(self);
         self.releases
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);

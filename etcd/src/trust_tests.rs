@@ -151,19 +151,23 @@ fn look_of(l: &Layout, pool: &Pool, closer: bool) -> Result<Look, EtcdError> {
     let marker_key = l.request_key(RK).into_bytes();
     let marker = pool.get(&marker_key).map(|kv| raw(&marker_key, kv));
     let queued = pool.contains_key(l.queue_key(QK).as_bytes());
-    let (from, to) = l.slot_range();
-    let held = pool.range(from.into_bytes()..to.into_bytes()).count() as i64;
     let slot_prefix = l.slot_prefix().into_bytes();
-    let all = pool.keys().filter(|k| k.starts_with(&slot_prefix)).count() as i64;
-    // The queue key just older than the waiter's place.
+    let held = l.held_among(
+        pool.keys()
+            .filter(|k| k.starts_with(&slot_prefix))
+            .map(Vec::as_slice),
+    );
+    // The queue key just older than the waiter's place (keys that are not queue keys skipped).
     let queue_prefix = l.queue_prefix().into_bytes();
     let predecessor = closer.then(|| {
         pool.iter()
-            .filter(|(k, kv)| k.starts_with(&queue_prefix) && kv.create_rev < JOINED)
+            .filter(|(k, kv)| {
+                k.starts_with(&queue_prefix) && l.is_queue_key(k) && kv.create_rev < JOINED
+            })
             .max_by_key(|(_, kv)| kv.create_rev)
             .map(|(k, kv)| raw(k, kv))
     });
-    Look::read(l, marker, queued, (held, all), predecessor)
+    Look::read(l, marker, queued, held, predecessor)
 }
 
 proptest! {
@@ -245,30 +249,23 @@ proptest! {
                 typed(&l.not_ours(RK, lease, SESSION));
             }
             Next::Wait => {
-                // Only on a pool whose slot range holds as many keys as it has slots and
-                // nothing else under `slot/`: a hand-off (a write of the waiter's marker) or a
-                // slot's deletion (which the broker watches) ends it.
+                // Only on a pool all of whose slot keys exist: a hand-off (a write of the
+                // waiter's marker) or a slot's deletion (which the broker watches) ends it.
+                // Nothing that is not a slot key counts.
                 prop_assert_eq!(look.held, i64::from(capacity));
-                prop_assert_eq!(look.all, look.held);
-            }
-            Next::Inspect => {
-                // The inspection finds what is not a slot, and refuses it.
-                let slot_prefix = l.slot_prefix().into_bytes();
-                let slots = pool
-                    .iter()
-                    .filter(|(k, _)| k.starts_with(&slot_prefix))
-                    .map(|(k, kv)| raw(k, kv));
-                let inspected = l.holders(slots);
-                prop_assert!(inspected.is_err(), "nothing refused: {look:?}");
-                if let Err(e) = inspected {
-                    typed(&e);
-                }
+                let exact = (0..capacity)
+                    .filter(|i| pool.contains_key(l.slot_key(*i).as_bytes()))
+                    .count();
+                prop_assert_eq!(exact as u32, capacity);
             }
             Next::Head | Next::Behind { .. } | Next::LookCloser => {
-                // A slot may be free: only ever decided on a pool with fewer keys in its slot
-                // range than slots, and nothing else under `slot/`.
+                // A slot may be free: only ever decided when a slot key is missing.
                 prop_assert!(look.held < i64::from(capacity));
-                prop_assert_eq!(look.all, look.held);
+                prop_assert!((0..capacity).any(|i| !pool.contains_key(l.slot_key(i).as_bytes())));
+                // The predecessor, when read, is a queue key.
+                if let Next::Behind { predecessor } = decide(&look, capacity, SESSION) {
+                    prop_assert!(pool.contains_key(l.queue_key(predecessor).as_bytes()));
+                }
             }
             Next::Gone | Next::Broken | Next::Abandoned => {}
         }

@@ -7,7 +7,9 @@
 //! task reads the stream and routes events by watch id. When the stream breaks, or its member
 //! is marked down, the hub opens a new one on a member that answers, registers every watch
 //! again (from now) and sends each [`Seen::Reset`]: its owner looks again for what happened in
-//! between.
+//! between. A watch that etcd cancels on a stream that lives (a slow watcher whose start
+//! revision a compaction passed, say) is set up again the same way, on its own: from now, then
+//! a [`Seen::Reset`]. A watch is only ever ended by its owner dropping it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -40,6 +42,8 @@ struct Route {
     to: mpsc::UnboundedSender<Seen>,
     /// Told when etcd says the watch is in place on the current stream.
     created: Option<oneshot::Sender<()>>,
+    /// Times in a row etcd cancelled it (set up again after a growing pause).
+    cancelled: u32,
 }
 
 /// The stream in use: where requests go, and which generation it is.
@@ -59,6 +63,11 @@ pub(super) struct Hub {
     next_id: AtomicI64,
     generation: AtomicU64,
     retry_for: Duration,
+    /// Watches etcd cancelled and the hub set up again (see `EtcdBroker` test support).
+    pub(super) recreated: AtomicU64,
+    /// Cancellations etcd sent for a watch nobody dropped, and a wake on each.
+    pub(super) cancels_seen: AtomicU64,
+    cancel_seen: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Hub {
@@ -106,6 +115,9 @@ impl Hub {
             next_id: AtomicI64::new(ANCHOR + 1),
             generation: AtomicU64::new(0),
             retry_for,
+            recreated: AtomicU64::new(0),
+            cancels_seen: AtomicU64::new(0),
+            cancel_seen: tokio::sync::Notify::new(),
         })
     }
 
@@ -127,6 +139,7 @@ impl Hub {
                 options: options.clone(),
                 to,
                 created: Some(created),
+                cancelled: 0,
             },
         );
         let watch = Watch {
@@ -234,8 +247,26 @@ async fn read(hub: Weak<Hub>, generation: u64, member: usize, mut responses: Wat
                             let _ = created.send(());
                         }
                         if resp.canceled() {
-                            let _ = route.to.send(Seen::Reset);
+                            // Its owner still holds it: etcd ended it (compacted past it, a
+                            // slow watcher, ...). Set up again from now, then a reset.
+                            route.cancelled += 1;
+                            let pause = recreate_pause(route.cancelled);
+                            hub.cancels_seen.fetch_add(1, Ordering::Relaxed);
+                            hub.cancel_seen.notify_waiters();
+                            tracing::debug!(
+                                watch = route.key,
+                                reason = resp.cancel_reason(),
+                                compact_revision = resp.compact_revision(),
+                                "etcd cancelled a watch; it is set up again"
+                            );
+                            tokio::spawn(recreate(
+                                Arc::downgrade(&hub),
+                                generation,
+                                resp.watch_id(),
+                                pause,
+                            ));
                         } else if !resp.events().is_empty() {
+                            route.cancelled = 0;
                             let _ = route.to.send(Seen::Events(resp.events().to_vec()));
                         }
                     }
@@ -274,5 +305,87 @@ async fn read(hub: Weak<Hub>, generation: u64, member: usize, mut responses: Wat
                 backoff = (backoff * 2).min(Duration::from_millis(500));
             }
         }
+    }
+}
+
+/// The pause before a watch that etcd cancelled `times` times in a row is set up again: none
+/// the first time, then growing, so that a watch etcd refuses outright does not spin.
+fn recreate_pause(times: u32) -> Duration {
+    if times <= 1 {
+        Duration::ZERO
+    } else {
+        (Duration::from_millis(20) * 2u32.saturating_pow(times - 2)).min(Duration::from_secs(1))
+    }
+}
+
+/// Sets watch `id` up again on stream `generation`, from now, after `pause`; once etcd says it
+/// is in place, tells its owner to look again. Nothing to do if the owner dropped it or the
+/// stream was replaced (the new stream set every watch up again, with a reset).
+async fn recreate(hub: Weak<Hub>, generation: u64, id: i64, pause: Duration) {
+    if !pause.is_zero() {
+        sleep(pause).await;
+    }
+    let Some(hub) = hub.upgrade() else { return };
+    let in_place = {
+        let mut conn = hub.conn.lock().await;
+        let Some(c) = conn.as_mut().filter(|c| c.generation == generation) else {
+            return;
+        };
+        let (key, options, in_place) = {
+            let mut routes = hub.routes.lock();
+            let Some(route) = routes.get_mut(&id) else {
+                return;
+            };
+            let (created, in_place) = oneshot::channel();
+            route.created = Some(created);
+            (route.key.clone(), route.options.clone(), in_place)
+        };
+        if c.sender
+            .watch(key, Some(options.with_watch_id(id)))
+            .await
+            .is_err()
+        {
+            return; // the stream broke: its reader sets every watch up again
+        }
+        in_place
+    };
+    // Not in place in time: the stream is failing, and its reader will set it up again.
+    if let Ok(Ok(())) = timeout(hub.retry_for, in_place).await {
+        hub.recreated.fetch_add(1, Ordering::Relaxed);
+        if let Some(route) = hub.routes.lock().get(&id) {
+            let _ = route.to.send(Seen::Reset);
+        }
+    }
+}
+
+#[cfg(feature = "fault-injection")]
+impl Hub {
+    /// Asks etcd to cancel every watch of the current stream without dropping them (what etcd
+    /// does on its own to a watch that a compaction passed); returns once etcd has answered
+    /// each cancel, or after the retry bound. How many watches it cancelled.
+    pub(super) async fn cancel_on_server(&self) -> usize {
+        let before = self.cancels_seen.load(Ordering::Relaxed);
+        let ids: Vec<i64> = self.routes.lock().keys().copied().collect();
+        {
+            let mut conn = self.conn.lock().await;
+            let Some(c) = conn.as_mut() else { return 0 };
+            for id in &ids {
+                let _ = c.sender.cancel(*id).await;
+            }
+        }
+        let want = before + ids.len() as u64;
+        let _ = timeout(self.retry_for, async {
+            loop {
+                let seen = self.cancel_seen.notified();
+                tokio::pin!(seen);
+                seen.as_mut().enable();
+                if self.cancels_seen.load(Ordering::Relaxed) >= want {
+                    return;
+                }
+                seen.await;
+            }
+        })
+        .await;
+        ids.len()
     }
 }

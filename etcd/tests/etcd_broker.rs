@@ -263,7 +263,7 @@ async fn a_different_capacity_for_the_same_pool_is_refused_at_start() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn foreign_keys_and_a_corrupt_capacity_are_refused_and_grant_nothing() {
+async fn foreign_keys_are_refused_at_connect_ignored_when_read_and_grant_nothing() {
     let Some(bin) = etcd_binary("foreign_keys_and_a_corrupt_capacity") else {
         return;
     };
@@ -284,16 +284,29 @@ async fn foreign_keys_and_a_corrupt_capacity_are_refused_and_grant_nothing() {
     assert_eq!(refused.code(), "ETCD_FOREIGN_KEY");
     c.delete("leasehold/guard/notes", None).await.unwrap();
 
-    // One in the queue's range, where a running broker reads: refused when read.
+    // One in the queue's range that is not a queue key, where a running broker reads: it waits
+    // for nothing, so it is ignored. The acquire is served, and the key is left alone.
     c.put("leasehold/guard/queue/notes", "hello", None)
         .await
         .unwrap();
-    let err = broker.acquire(request(1)).await.unwrap_err();
-    assert_eq!(err.code(), Some("ETCD_FOREIGN_KEY"), "{err}");
-    assert_eq!(err.kind(), BrokerErrorKind::InvalidResponse);
+    let served = tokio::time::timeout(Duration::from_secs(10), broker.acquire(request(1)))
+        .await
+        .expect("a stray key in the queue's range holds nobody up")
+        .unwrap();
+    assert_eq!(slot_keys(&mut c, "guard").await.len(), 1, "one grant");
+    broker.release(served).await.unwrap();
     assert!(
         slot_keys(&mut c, "guard").await.is_empty(),
-        "nothing granted"
+        "released: the stray key is nobody to hand the slot to"
+    );
+    assert_eq!(
+        c.get("leasehold/guard/queue/notes", None)
+            .await
+            .unwrap()
+            .kvs()
+            .len(),
+        1,
+        "left alone"
     );
     c.delete("leasehold/guard/queue/notes", None).await.unwrap();
 
