@@ -117,9 +117,13 @@ use session::{Held, Session};
 ///
 /// Nothing the broker reads grants a slot unless leasehold wrote it for that request: a waiter
 /// decides only from a marker under its own session, and takes a grant only once its slot key
-/// says the same (request, session, revision). Anything else under the pool prefix is refused
-/// with a typed [`EtcdError`] (`ETCD_FOREIGN_KEY`, `ETCD_CORRUPT_RECORD`) and the refused
-/// waiter leaves the queue. [`SlotBroker::close`] withdraws what is in flight and revokes the
+/// says the same (request, session, revision). A record of leasehold's layout that says
+/// anything else is refused with a typed [`EtcdError`] (`ETCD_CORRUPT_RECORD`) and the refused
+/// waiter leaves the queue; a key that is not part of the layout fails `connect`
+/// (`ETCD_FOREIGN_KEY`) and is ignored afterwards (it counts as no slot and no waiter). A client
+/// with write access to the pool can still forge a grant under a waiter's own session lease
+/// (etcd lets any writer attach keys to any live lease): then only the fencing token orders the
+/// two holders (see the crate's README). [`SlotBroker::close`] withdraws what is in flight and revokes the
 /// session, awaited: a process that closes its broker before it exits leaves nothing in etcd.
 ///
 /// # Examples

@@ -597,3 +597,81 @@ async fn an_acquire_dropped_at_any_await_point_withdraws_its_queue_key_at_once()
         "the acquire was dropped at {dropped_at} points only"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_forged_under_the_waiters_own_lease_is_taken_and_only_fencing_orders_the_two_holders()
+ {
+    let Some(bin) = etcd_binary("a_grant_forged_under_the_waiters_own_lease") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let mut c = client(&etcd).await;
+    let holder = Arc::new(
+        EtcdBroker::connect(config(&etcd.endpoint(), "forged", 1))
+            .await
+            .unwrap(),
+    );
+    let waiter = Arc::new(
+        EtcdBroker::connect(config(&etcd.endpoint(), "forged", 1))
+            .await
+            .unwrap(),
+    );
+    let first = holder.acquire(request(1)).await.unwrap();
+    let _renewal = keep(&holder, first);
+    let waiting = {
+        let waiter = Arc::clone(&waiter);
+        tokio::spawn(async move { waiter.acquire(request(2)).await })
+    };
+    wait_for_key(&mut c, &waiter.request_key_for(&request(2))).await;
+    let queue_key = waiter.queue_key_for(&request(2)).unwrap();
+    wait_for_key(&mut c, &queue_key).await;
+
+    // What a neighbour with write access reads: the waiter's lease and request, on its queue
+    // key. One transaction under that lease forges the grant leasehold would write.
+    let queued = c.get(queue_key.as_str(), None).await.unwrap().kvs()[0].clone();
+    let lease = queued.lease();
+    let rk = queued
+        .value_str()
+        .unwrap()
+        .rsplit("request=")
+        .next()
+        .unwrap()
+        .to_owned();
+    let under = || Some(PutOptions::new().with_lease(lease));
+    let forge = etcd_client::Txn::new().and_then([
+        etcd_client::TxnOp::put(
+            format!("leasehold/forged/request/{rk}"),
+            "leasehold/v1 request granted slot=0",
+            under(),
+        ),
+        etcd_client::TxnOp::put(
+            "leasehold/forged/slot/000000",
+            format!("leasehold/v1 holder request={rk}"),
+            under(),
+        ),
+        etcd_client::TxnOp::delete(queue_key.as_str(), None),
+    ]);
+    c.txn(forge).await.unwrap();
+
+    // It passes every check: the waiter takes slot 0 while its holder still holds it.
+    let second = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the forged grant is indistinguishable from leasehold's")
+        .unwrap()
+        .unwrap();
+    assert_eq!(second.slot_id(), first.slot_id(), "one slot, two holders");
+    assert!(second.lease_id() > first.lease_id());
+
+    // Only fencing orders them: once the resource has seen the newer token, the older holder
+    // is refused.
+    let resource = leasehold::FencingGuard::new();
+    resource.check(second).unwrap();
+    assert!(
+        resource.check(first).is_err(),
+        "the older holder is fenced off"
+    );
+
+    waiter.release(second).await.unwrap();
+    holder.release(first).await.unwrap();
+    assert!(slot_keys(&mut c, "forged").await.is_empty());
+}
