@@ -189,7 +189,7 @@ async fn an_abandoned_acquire_is_cleaned_up_after_an_outage_longer_than_any_boun
 
     // Longer than any bound the cleanup once had (sixty seconds): its session is renewed all
     // along, so its queue key would stay the oldest waiter for as long as the broker runs.
-    tokio::time::sleep(Duration::from_secs(62)).await;
+    tokio::time::sleep(Duration::from_secs(70)).await;
     assert!(
         exists(&c, &queue_key).await,
         "nothing could be written meanwhile"
