@@ -14,13 +14,17 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+use etcd_client::{
+    Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp, WatchFilterType,
+    WatchOptions,
+};
 use parking_lot::Mutex;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
+use tokio_util::sync::CancellationToken;
 
 use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
-use super::layout::{Confirmed, MarkerState, Raw, place_key, request_key};
+use super::layout::{Confirmed, MarkerState, Raw, oldest_waiters, place_key, raws, request_key};
 use super::queue::{Look, Ticket};
 use super::session::{Claim, Held, Session};
 pub(super) use super::txn::{Grant, gets, held_in, revision_of, slot_keys, txn_shape};
@@ -30,7 +34,7 @@ use leasehold::{AcquireRequest, SlotToken};
 enum First {
     Granted(Grant),
     /// Queued; what the join read (with the marker's watch opened before it), if it did.
-    Queued(Ticket, Option<Look>),
+    Queued(Ticket, Option<Look>, Option<FrontHint>),
     /// Something left by an earlier attempt was cleared: send the first transaction again.
     Again,
     /// The idle pool's claim found the pool busy: join the queue.
@@ -254,31 +258,35 @@ impl Inner {
     async fn obtain(self: &Arc<Self>, rk: u64) -> Result<Grant, EtcdError> {
         let deadline = Instant::now() + self.retry_for;
         let mut again = 0;
-        let mut stream = None;
         let mut slots = None;
         let mut join = false;
         loop {
             let session = self.session(deadline).await?;
-            // On a busy pool this acquire will wait: its marker's watch goes first, so that a
-            // grant right after the join is not missed (and no look is needed after it); so
-            // does the broker's slot watch, which confirms the grant without a read (set up at
-            // the same time, on the same stream: one round trip for both).
-            if stream.is_none() && (join || self.contended.load(Ordering::Relaxed)) {
+            // On a busy pool this acquire will wait: the broker's watch of slot deletions goes
+            // first, so that a slot freed right after the join is not missed.
+            if join || self.contended.load(Ordering::Relaxed) {
                 let user = slots.get_or_insert_with(|| self.slots_user());
-                let (opened, ()) = tokio::join!(
-                    self.open_marker_watch(rk, &session),
-                    user.ready(self.rpc_timeout)
-                );
-                stream = opened?;
+                user.ready(self.rpc_timeout).await;
             }
             match self.first(rk, &session, join, deadline).await {
                 Ok(First::Granted(grant)) => return Ok(grant),
-                Ok(First::Queued(ticket, joined)) => {
-                    let stream = if joined.is_some() {
-                        stream.take()
-                    } else {
-                        None
+                Ok(First::Queued(ticket, joined, hint)) => {
+                    // Its marker's watch, from the revision after the join: a grant made
+                    // meanwhile is replayed, and the join's own write is not sent back.
+                    #[cfg(feature = "fault-injection")]
+                    {
+                        let mut hold = self.hold_watches.subscribe();
+                        let _ = hold.wait_for(|held| !*held).await;
+                    }
+                    let stream = match joined {
+                        Some(_) => {
+                            self.open_marker_watch(rk, &session, Some(ticket.rev + 1))
+                                .await?
+                        }
+                        None => None,
                     };
+                    // Watching the predecessor while this waits (see `FrontHint`).
+                    let _hint = hint;
                     return self.wait(ticket, stream, joined).await;
                 }
                 Ok(First::Busy) => join = true,
@@ -378,6 +386,20 @@ impl Inner {
                         under(),
                     ),
                     slot_keys(l),
+                    // The oldest waiters, as of the join: the chain of this broker's next
+                    // release (see `release`).
+                    TxnOp::get(l.queue_prefix(), Some(oldest_waiters(self.heads_read()))),
+                    // The two youngest: this place and the one just ahead of it.
+                    TxnOp::get(
+                        l.queue_prefix(),
+                        Some(
+                            GetOptions::new()
+                                .with_prefix()
+                                .with_keys_only()
+                                .with_sort(SortTarget::Create, SortOrder::Descend)
+                                .with_limit(2),
+                        ),
+                    ),
                 ]
             }
         };
@@ -403,10 +425,28 @@ impl Inner {
             let Some(slot) = guess else {
                 // Queued.
                 self.contended.store(true, Ordering::Relaxed);
+                let mut ahead = None;
                 let held = match gets(&ops).as_slice() {
-                    [slots] => Some(held_in(l, slots)),
+                    [slots, oldest, youngest] => {
+                        if let Ok(waiters) = l.waiters(raws(oldest.kvs())) {
+                            *self.heads.lock() = waiters;
+                        }
+                        let own = l.queue_key(qk);
+                        ahead = youngest
+                            .kvs()
+                            .iter()
+                            .map(|kv| kv.key())
+                            .find(|k| l.is_queue_key(k) && *k != own.as_bytes())
+                            .map(|k| String::from_utf8_lossy(k).into_owned());
+                        Some(held_in(l, slots))
+                    }
                     _ => None,
                 };
+                // Only while this broker holds no slot: one that holds one will release soon,
+                // and its release's own read keeps the cache fresh.
+                let hint = ahead
+                    .filter(|_| self.held.lock().is_empty())
+                    .map(|key| self.front_hint(key));
                 return Ok(First::Queued(
                     Ticket {
                         rk,
@@ -415,6 +455,7 @@ impl Inner {
                         session: Arc::clone(session),
                     },
                     held.map(|held| Look::joined(revision, session.id, held)),
+                    hint,
                 ));
             };
             self.heads.lock().clear();
@@ -468,6 +509,7 @@ impl Inner {
                             rev: kv.create_revision(),
                             session: Arc::clone(session),
                         },
+                        None,
                         None,
                     ));
                 }
@@ -559,8 +601,6 @@ impl Inner {
                     );
                     drop(held);
                     self.watch_unclaimed(token, since);
-                    // This broker will release soon: the oldest waiters it will hand to.
-                    self.heads_for_next_release();
                     return Ok(Some(token));
                 }
             }
@@ -869,6 +909,50 @@ impl Inner {
                 )
                 .await;
         });
+    }
+}
+
+/// While a waiter waits: a watch of the queue key just ahead of it, for its deletion only.
+/// When it goes (granted, or given up), this waiter is near the front, and this broker will
+/// soon release the slot it is granted: the broker reads the oldest waiters then, so that the
+/// release's chain names who waits now (see `release`). One event per waiter, to its own
+/// process; a hint, never a grant. Dropped with the wait.
+pub(super) struct FrontHint(CancellationToken);
+
+impl Drop for FrontHint {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
+impl Inner {
+    fn front_hint(self: &Arc<Self>, ahead: String) -> FrontHint {
+        let stop = CancellationToken::new();
+        let inner = Arc::downgrade(self);
+        let hub = Arc::clone(&self.hub);
+        let cancelled = stop.clone();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let options = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
+                let mut watch = tokio::select! {
+                    () = cancelled.cancelled() => return,
+                    watch = hub.watch(ahead, options) => match watch {
+                        Ok(watch) => watch,
+                        Err(_) => return,
+                    },
+                };
+                drop(hub);
+                tokio::select! {
+                    () = cancelled.cancelled() => {}
+                    seen = watch.seen.recv() => {
+                        if seen.is_some() && let Some(me) = inner.upgrade() {
+                            me.refresh_heads();
+                        }
+                    }
+                }
+            });
+        }
+        FrontHint(stop)
     }
 }
 

@@ -97,13 +97,15 @@ use session::{Held, Session};
 ///
 /// Otherwise the acquire joins the queue, ordered by the queue key's create revision (FIFO).
 /// A release hands its slot straight to the oldest waiter in its own transaction, writing the
-/// grant into the waiter's marker: no slot sits idle while someone waits, and while every slot
-/// is held a waiter watches only its marker (on one watch stream per broker), so a release costs
-/// no read whatever the queue's length: the grantee's marker event, and the slot key's event to
-/// each broker with waiters (one watch of the slot keys per broker), against which the grantee
-/// checks its grant — a hand-off takes the release's transaction and one event, one round trip. A slot freed without a release (a
-/// holder's session expired) makes the waiters look for their place, and the head claims it. A waiter keeps its place through outages and leader elections and fails
-/// (`ETCD_SESSION_EXPIRED`) only when etcd says its session expired.
+/// grant into the waiter's marker: no slot sits idle while someone waits. The waiter watches
+/// only its own marker (on one watch stream per broker) and takes the grant from that one event;
+/// no other process hears of it. So a hand-off is one transaction and one event, one round trip;
+/// steady state costs two consensus writes per lease (the join and the release), and about two
+/// watch events (the grant, and now and then a hint that a waiter nears the front, see
+/// `release`). A slot freed without a release (a holder's session expired) is deleted, and each
+/// broker with waiters watches the slot keys for deletions: its waiters look for their place,
+/// and the head claims it. A waiter keeps its place through outages and leader elections and
+/// fails (`ETCD_SESSION_EXPIRED`) only when etcd says its session expired.
 ///
 /// The token's lease id is the revision of the grant (the slot key's mod revision), strictly
 /// increasing across the whole etcd cluster: a fencing token.
@@ -115,9 +117,11 @@ use session::{Held, Session};
 /// session, it is reported through [`BrokerEvents::orphan_expired`]. Calls go to a member that
 /// answers; a member that does not is skipped until a probe finds it healthy.
 ///
-/// Nothing the broker reads grants a slot unless leasehold wrote it for that request: a waiter
-/// decides only from a marker under its own session, and takes a grant only once its slot key
-/// says the same (request, session, revision). A record of leasehold's layout that says
+/// Nothing the broker reads grants a slot unless it was written for that request under the
+/// waiter's own session: a waiter decides only from its own marker under its own session, taken
+/// from its marker watch's event of the grant (the key it watches, a revision after its join),
+/// or, when the marker was read instead, once its slot key says the same (request, session,
+/// revision). A record of leasehold's layout that says
 /// anything else is refused with a typed [`EtcdError`] (`ETCD_CORRUPT_RECORD`) and the refused
 /// waiter leaves the queue; a key that is not part of the layout fails `connect`
 /// (`ETCD_FOREIGN_KEY`) and is ignored afterwards (it counts as no slot and no waiter). A client
@@ -169,17 +173,16 @@ struct Inner {
     forgotten: Mutex<VecDeque<SlotToken>>,
     /// A slot index likely to be free (the idle pool's first guess).
     hint: AtomicU32,
-    /// The oldest waiters this broker last read (a release chains over them).
+    /// The oldest waiters this broker last read (a release chains over them): read in its
+    /// joins' and releases' own transactions, and when a waiter of its nears the front.
     heads: Mutex<Vec<layout::Waiter>>,
     /// A read of `heads` is on its way.
     refreshing: AtomicBool,
     /// Free slots are being granted (see `fill_free_slots`).
     filling: AtomicBool,
-    /// The waiter of this broker whose coming grant `heads` was last read for (see
-    /// `heads_for_next_release`).
-    refreshed_for: Mutex<Option<u64>>,
-    /// Cached waiters served since `heads` was last read.
-    pruned: AtomicUsize,
+    /// Test support: acquires wait before setting up their marker's watch while `true`.
+    #[cfg(feature = "fault-injection")]
+    hold_watches: tokio::sync::watch::Sender<bool>,
     /// The broker's shared watch stream (see `watches`).
     hub: Arc<watches::Hub>,
     /// Bumped on every slot deletion while the broker has waiters (see `slots`).
@@ -314,6 +317,8 @@ impl EtcdBroker {
             config.retry_for,
         );
         let inner = Arc::new(Inner {
+            #[cfg(feature = "fault-injection")]
+            hold_watches: tokio::sync::watch::Sender::new(false),
             hub,
             layout,
             endpoints,
@@ -332,8 +337,6 @@ impl EtcdBroker {
             heads: Mutex::new(Vec::new()),
             refreshing: AtomicBool::new(false),
             filling: AtomicBool::new(false),
-            refreshed_for: Mutex::new(None),
-            pruned: AtomicUsize::new(0),
             frees: tokio::sync::watch::Sender::new(0),
             slots_ctl: Mutex::new(slots::SlotsCtl::default()),
             slot_view: Mutex::new(slots::SlotView::default()),
@@ -424,6 +427,35 @@ impl EtcdBroker {
     #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
     pub async fn cancel_watches_on_server(&self) -> usize {
         self.inner.hub.cancel_on_server().await
+    }
+
+    /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
+    /// how many watches of the broker etcd has said are in place (each waiter's marker, the
+    /// slot keys', a waiter's predecessor's).
+    #[cfg(feature = "fault-injection")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+    pub fn watch_count(&self) -> usize {
+        self.inner.hub.watch_count()
+    }
+
+    /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
+    /// how many watch events etcd has delivered to this broker's watches.
+    #[cfg(feature = "fault-injection")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+    pub fn watch_events_received(&self) -> u64 {
+        self.inner
+            .hub
+            .events_routed
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
+    /// while `true`, an acquire that joined the queue waits before it sets up its marker's
+    /// watch (so that a grant can land before the watch is in place).
+    #[cfg(feature = "fault-injection")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+    pub fn hold_marker_watches(&self, hold: bool) {
+        self.inner.hold_watches.send_replace(hold);
     }
 
     /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):

@@ -2,20 +2,22 @@
 //!
 //! A release hands its slot straight to the oldest waiter, in its own transaction (see
 //! `release`), and writes the grant into that waiter's marker (`request/{rk}`): a waiter learns
-//! of its grant from one watch event on its own marker, and checks it against the slot key's
-//! event of the same transaction (see `slots`; a read of the slot key when that event does not
-//! come). While every slot is held that is all a waiter watches; no waiter reads the pool, and
-//! a release costs the grantee's marker event, one slot event per broker with waiters, and no
-//! read.
+//! of its grant from one watch event on its own marker (watched from the revision after its
+//! join, so a grant made before the watch was in place is replayed). The event is the grant as
+//! the transaction wrote it: checked by key, by the waiter's own session and by a revision after
+//! its join, it is taken without a read. A marker found by a read instead (after a watch was
+//! set up again) is checked against its slot key first. While every slot is held that is all a
+//! waiter watches; no waiter reads the pool, and a hand-off costs one event, to the grantee's
+//! process alone.
 //!
 //! A slot can be free while someone waits only after a free without a hand-off: a holder's
 //! session expired, or a release found the queue empty just before a waiter joined. Each broker
-//! with waiters watches the slot keys (one watch per broker on its shared stream, not per
-//! waiter; see `slots`), and a deletion makes its waiters look; a waiter that joins reads the
-//! count of held slots as it joins. When a waiter sees fewer slots held than the pool has, it
-//! looks for its predecessor: the head (no predecessor) claims a free slot and grants the others
-//! to the waiters behind it, in queue order, in parallel transactions (one round trip); any
-//! other waiter watches its predecessor until it is the head or the pool is full again.
+//! with waiters watches the slot keys for deletions (one watch per broker on its shared stream,
+//! see `slots`), and a deletion makes its waiters look; a waiter that joins reads which slots
+//! are held as it joins. When a waiter sees fewer slots held than the pool has, it looks for its
+//! predecessor: the head (no predecessor) claims a free slot and grants the others to the
+//! waiters behind it, in queue order, in parallel transactions (one round trip); any other
+//! waiter watches its predecessor until it is the head or the pool is full again.
 //!
 //! A waiter keeps its place through outages and leader elections (its calls retry on any
 //! member, without a bound) and fails only when etcd says its session expired.
@@ -64,6 +66,9 @@ pub(super) struct Look {
     /// How many of the pool's slot keys exist (each a held slot; keys under `slot/` that are
     /// not exactly slot keys are not counted).
     pub(super) held: i64,
+    /// The marker came from an event of the waiter's own marker watch (the transaction that
+    /// wrote it, as it happened), not from a read.
+    pub(super) seen: bool,
 }
 
 impl Look {
@@ -78,6 +83,7 @@ impl Look {
             queued: true,
             predecessor: None,
             held,
+            seen: false,
         }
     }
 
@@ -88,6 +94,7 @@ impl Look {
             queued: false,
             predecessor: None,
             held: 0,
+            seen: true,
         }
     }
 
@@ -108,6 +115,7 @@ impl Look {
                 .map(|p| p.map(|kv| layout.waiter(kv)).transpose())
                 .transpose()?,
             held,
+            seen: false,
         })
     }
 }
@@ -197,20 +205,27 @@ impl Inner {
             let releases = self.releases.load(Ordering::Acquire);
             let session = ticket.session.id;
             let predecessor = match decide(&look, self.layout.capacity(), session) {
+                Next::Granted { slot, revision } if look.seen && revision > ticket.rev => {
+                    // The grant as it happened: the event of this waiter's own marker watch,
+                    // written under its own session after it joined (`decide` grants only from
+                    // one under its session). The transaction that wrote it wrote the slot key
+                    // under the same session at the same revision (see `release`); no read.
+                    self.served_up_to(ticket.rev);
+                    return Ok(Grant {
+                        slot,
+                        revision,
+                        session: Arc::clone(&ticket.session),
+                    });
+                }
                 Next::Granted { slot, revision } => {
-                    // What the marker says (`decide` grants only from one under this session).
+                    // Read, not seen: the marker may be older than the slot key's last change.
+                    // Its slot key says whether the grant still stands.
                     let marker = Marker {
                         state: MarkerState::Granted { slot },
                         lease: session,
                         mod_rev: revision,
                     };
-                    // The slot key's event (sent with the marker's) if the slot watch has it,
-                    // else a read of the slot key: the same check either way.
-                    let confirmed = match self.confirm_seen(ticket.rk, session, &marker).await {
-                        Some(checked) => checked?,
-                        None => self.confirm(&ticket, &marker).await?,
-                    };
-                    return match confirmed {
+                    return match self.confirm(&ticket, &marker).await? {
                         Confirmed::Held => Ok(Grant {
                             slot,
                             revision,
@@ -271,6 +286,13 @@ impl Inner {
                 )
                 .await?;
         }
+    }
+
+    /// A waiter of this broker that joined at `joined` was granted: every waiter older than it
+    /// has been served or has left (grants follow the queue's order), so none of them is worth
+    /// a link of the next release's chain.
+    pub(super) fn served_up_to(&self, joined: i64) {
+        self.heads.lock().retain(|w| w.create_rev > joined);
     }
 
     /// Reads the grant's slot key, and checks it says what the marker does (see
@@ -512,6 +534,7 @@ impl Inner {
         // A claim that landed but whose answer is malformed fails the acquire: its guard
         // passes the slot on.
         let revision = revision_of(resp.header().map(|h| h.revision()), "claim a free slot")?;
+        self.served_up_to(ticket.rev);
         Ok(Some(Grant {
             slot,
             revision,
@@ -624,6 +647,9 @@ impl Inner {
                         Some(Seen::Events(events)) => {
                             for event in &events {
                                 let Some(kv) = event.kv() else { continue };
+                                if kv.key() != self.layout.request_key(ticket.rk).as_bytes() {
+                                    continue; // not this watch's key: etcd routes by watch id
+                                }
                                 if event.event_type() == EventType::Put {
                                     // Checked like any read: decided by `decide` (its own
                                     // session's, or refused), a grant confirmed by its slot key.
@@ -669,22 +695,29 @@ impl Inner {
         ticket: &Ticket,
     ) -> Result<Option<WaitStream>, EtcdError> {
         let session = Arc::clone(&ticket.session);
-        self.open_marker_watch(ticket.rk, &session).await
+        self.open_marker_watch(ticket.rk, &session, None).await
     }
 
-    /// [`open_watch`](Self::open_watch) by request key (an acquire opens it before joining).
+    /// [`open_watch`](Self::open_watch) by request key; `from` a revision instead of now (an
+    /// acquire opens it right after its join, from the revision after it: nothing is missed,
+    /// and the join's own write is not sent back).
     pub(super) async fn open_marker_watch(
         self: &Arc<Self>,
         rk: u64,
         session: &Session,
+        from: Option<i64>,
     ) -> Result<Option<WaitStream>, EtcdError> {
         let key = self.layout.request_key(rk);
+        let options = match from {
+            Some(revision) => WatchOptions::new().with_start_revision(revision),
+            None => WatchOptions::new(),
+        };
         let mut backoff = Duration::from_millis(20);
         loop {
             if session.is_expired() {
                 return Ok(None);
             }
-            match self.hub.watch(key.clone(), WatchOptions::new()).await {
+            match self.hub.watch(key.clone(), options.clone()).await {
                 Ok(marker) => return Ok(Some(WaitStream { marker, next: None })),
                 Err(Fail::Fatal(e)) => return Err(e),
                 Err(f) => {
@@ -740,6 +773,7 @@ mod tests {
                 })
             }),
             held,
+            seen: false,
         }
     }
 

@@ -1,20 +1,24 @@
 //! Release: one transaction that hands the slot straight to the queue's head (or deletes it
 //! when nobody waits), and the background settlement of a release whose answer was lost.
 //!
-//! The hand-off compares the slot key's mod revision with the token (so a retry after a lost
-//! answer, or a late copy, does nothing once the slot has moved on) and the head's queue key
-//! with the place read; it writes the slot key under the head's session, deletes the head's
-//! queue key and writes the grant into the head's marker, all at one revision: the new token.
-//! A slot never sits free while someone waits.
+//! The transaction compares the slot key's mod revision with the token (so a retry after a lost
+//! answer, or a late copy, does nothing once the slot has moved on). Then a chain of nested
+//! transactions over the oldest waiters this broker last read (`heads`, at most [`CHAIN_MAX`]):
+//! the first of them still waiting (its queue key at the create revision read) gets the slot:
+//! its slot key written under the waiter's session, its queue key deleted and the grant written
+//! into its marker, all at one revision (the new token). Its process hears of it from that
+//! marker's event, and nobody else hears of it at all. Last, "if nobody waits, delete the
+//! slot". After the chain, in the same transaction, it reads the oldest waiters and the slot
+//! keys as they are now: the next release's chain, and whether slots sit free.
 //!
-//! Uncontended, a release is one write. Under contention the chain runs over the first
-//! [`CHAIN`] of the oldest waiters this broker has cached (read in the background when it will
-//! release soon; the waiters granted since are pruned by the slot watch, see `slots`) and
-//! usually hands off in that one transaction. When it knows of no live waiter but one waits,
-//! the transaction's last link reads the slot and the oldest waiters instead, and a second
-//! transaction hands off: two consensus rounds, since etcd sends every transaction that could
-//! write through raft, whichever branch it takes (measured: a cold hand-off between two
-//! brokers on an idle 3-member cluster takes 2.2–2.6 ms on the 2-vCPU VM, both rounds).
+//! A slot never sits free while someone waits. Any waiter older than those read does not exist
+//! (the queue only grows at its young end, and grants follow its order), so a stale list only
+//! risks a chain that finds nobody left: then the slot is still the token's, the transaction's
+//! read names who waits now, and a second transaction hands off (two consensus rounds, the only
+//! case that costs more than one). What keeps `heads` fresh without any event of other
+//! processes' grants: the read of every join and release of this broker, the pruning of every
+//! waiter older than one of its own that was granted (they were served first), and a read when
+//! the queue key just ahead of one of its waiters goes (see `acquire::FrontHint`).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -130,7 +134,6 @@ impl Inner {
         deadline: Instant,
     ) -> Result<GaveBack, Fail> {
         let l = &self.layout;
-        let mine = token.lease_id() as i64;
         let marker = match tombstone {
             None => TxnOp::delete(l.request_key(entry.rk), None),
             Some(lease) => TxnOp::put(
@@ -142,11 +145,6 @@ impl Inner {
         // Never itself: a holder read as a waiter before its grant (and its marker would be both
         // written and deleted by one link).
         let mut heads: Vec<Waiter> = self.heads.lock().clone();
-        // The first attempt chains over the first few cached waiters; one whose chain found
-        // them all gone chains over every waiter its last link read, and reads more the next
-        // time: concurrent releases chase the same oldest waiters, and with a round trip of
-        // delay more of them are served before a retry lands.
-        let mut chained = CHAIN;
         // The last read found only keys under `queue/` that are not queue keys: "nobody waits"
         // cannot be compared (etcd compares every key under the prefix), so the slot is
         // deleted without it. A waiter that joins meanwhile sees the deletion (see `slots`).
@@ -157,10 +155,9 @@ impl Inner {
             if attempt > 0 && Instant::now() >= deadline {
                 break;
             }
-            heads.retain(|w| w.rk != entry.rk && !self.served_lately(w));
-            let chain = &heads[..heads.len().min(chained).min(CHAIN_MAX)];
-            let read = self.heads_read() << attempt.min(3);
-            let txn = self.hand_off(token, chain, &marker, read, strays_only);
+            heads.retain(|w| w.rk != entry.rk);
+            let chain: Vec<Waiter> = heads[..heads.len().min(CHAIN_MAX)].to_vec();
+            let txn = self.hand_off(token, &chain, &marker, strays_only);
             let resp = self
                 .endpoints
                 .call("hand the slot on", deadline, |mut c| {
@@ -168,8 +165,20 @@ impl Inner {
                     async move { c.txn(txn).await }
                 })
                 .await?;
-            // Walk down the chain to the link that ran.
-            let mut link = resp;
+            let outer = resp.op_responses();
+            if !resp.succeeded() {
+                // The slot no longer carries the token: an earlier attempt (whose answer was
+                // lost) moved it on, or it went with the session.
+                return Ok(GaveBack::Gone);
+            }
+            let reads = gets(&outer);
+            let (Some(etcd_client::TxnOpResponse::Txn(first)), [oldest, slots]) =
+                (outer.first().cloned(), reads.as_slice())
+            else {
+                return Err(Fail::Fatal(txn_shape("hand the slot on")));
+            };
+            // Walk down the chain to the link that ran, if one did.
+            let mut link = first;
             let mut depth = 0;
             while !link.succeeded() {
                 match link.op_responses().into_iter().next() {
@@ -180,37 +189,8 @@ impl Inner {
                     _ => break,
                 }
             }
-            if link.succeeded() {
-                let handed = depth < chain.len();
-                self.contended.store(handed, Ordering::Relaxed);
-                if handed {
-                    // The waiters up to the one served are gone from the queue.
-                    {
-                        let mut cache = self.heads.lock();
-                        let served = &chain[..=depth];
-                        cache.retain(|w| !served.contains(w));
-                    }
-                    let held = gets(&link.op_responses())
-                        .first()
-                        .map(|g| held_in(&self.layout, g));
-                    if held.is_some_and(|n| n < i64::from(self.layout.capacity())) {
-                        self.fill_free_slots(chain[depth].rk);
-                    }
-                    self.heads_for_next_release();
-                } else {
-                    self.heads.lock().clear();
-                }
-                return Ok(GaveBack::Released);
-            }
-            // The last link's reads: is the slot still this token's, and who waits now.
-            let reads = gets(&link.op_responses());
-            let [slot, oldest] = reads.as_slice() else {
-                return Err(Fail::Fatal(txn_shape("hand the slot on")));
-            };
-            match slot.kvs().first() {
-                Some(kv) if kv.mod_revision() == mine => {}
-                _ => return Ok(GaveBack::Gone),
-            }
+            // The oldest waiters after it, read in the same transaction: the next release's
+            // chain (the releases of other processes since are what makes it stale).
             heads = self
                 .layout
                 .waiters(raws(oldest.kvs()))
@@ -218,46 +198,53 @@ impl Inner {
             strays_only = heads.is_empty() && !oldest.kvs().is_empty();
             self.contended.store(!heads.is_empty(), Ordering::Relaxed);
             *self.heads.lock() = heads.clone();
-            chained = heads.len();
+            if link.succeeded() {
+                let handed = depth < chain.len();
+                if handed {
+                    let held = held_in(&self.layout, slots);
+                    if held < i64::from(self.layout.capacity()) {
+                        self.fill_free_slots(chain[depth].rk);
+                    }
+                }
+                return Ok(GaveBack::Released);
+            }
+            // Nobody in the chain waits any more, but someone does: again, over the waiters
+            // just read.
         }
         Err(Fail::Ambiguous(
             "the queue kept changing under the release".into(),
         ))
     }
 
-    /// The chain: for each waiter in `heads`, "if the slot is still the token's and the waiter
-    /// still waits, hand it over, else try the next"; last, "if nobody waits, delete it, else
-    /// read the slot and the queue's oldest waiters".
+    /// The release's transaction. If the slot still carries the token: the chain, for each
+    /// waiter in `heads` in order, "if it still waits, hand it the slot, else try the next"
+    /// and last "if nobody waits, delete the slot" — then, in the same transaction, read the
+    /// oldest waiters and the slot keys as they are after it. Else, nothing.
     fn hand_off(
         &self,
         token: SlotToken,
         heads: &[Waiter],
         marker: &TxnOp,
-        read: i64,
         strays_only: bool,
     ) -> Txn {
         let l = &self.layout;
         let slot_key = l.slot_key(token.slot_id());
-        let still_mine =
-            || Compare::mod_revision(slot_key.clone(), CompareOp::Equal, token.lease_id() as i64);
-        let mut when = vec![still_mine()];
-        if !strays_only {
-            when.push(Compare::version(l.queue_prefix(), CompareOp::Equal, 0).with_prefix());
-        }
+        let nobody = if strays_only {
+            vec![]
+        } else {
+            vec![Compare::version(l.queue_prefix(), CompareOp::Equal, 0).with_prefix()]
+        };
         let mut link = Txn::new()
-            .when(when)
-            .and_then([TxnOp::delete(slot_key.clone(), None), marker.clone()])
-            .or_else([
-                TxnOp::get(slot_key.clone(), Some(GetOptions::new().with_keys_only())),
-                TxnOp::get(l.queue_prefix(), Some(oldest_waiters(read))),
-            ]);
+            .when(nobody)
+            .and_then([TxnOp::delete(slot_key.clone(), None), marker.clone()]);
         for w in heads.iter().rev() {
             let under = || Some(PutOptions::new().with_lease(w.lease));
             link = Txn::new()
-                .when([
-                    still_mine(),
-                    Compare::create_revision(l.queue_key(w.qk), CompareOp::Equal, w.create_rev),
-                ])
+                .when([Compare::create_revision(
+                    l.queue_key(w.qk),
+                    CompareOp::Equal,
+                    w.create_rev,
+                )])
                 .and_then([
                     TxnOp::put(slot_key.clone(), l.holder_value(w.rk), under()),
                     TxnOp::delete(l.queue_key(w.qk), None),
@@ -269,77 +256,37 @@ impl Inner {
                         under(),
                     ),
                     marker.clone(),
-                    // Which slots are held after it: fewer than the pool has means slots
-                    // freed without a hand-off that nobody claimed yet.
-                    slot_keys(l),
                 ])
                 .or_else([TxnOp::txn(link)]);
         }
-        link
+        Txn::new()
+            .when([Compare::mod_revision(
+                slot_key,
+                CompareOp::Equal,
+                token.lease_id() as i64,
+            )])
+            .and_then([
+                TxnOp::txn(link),
+                TxnOp::get(l.queue_prefix(), Some(oldest_waiters(self.heads_read()))),
+                slot_keys(l),
+            ])
     }
 
-    /// How many of the oldest waiters a release reads when its chain found none of them (in
-    /// its own transaction).
-    fn heads_read(&self) -> i64 {
-        i64::from(self.layout.capacity().min(16))
-    }
-
-    /// How many of the oldest waiters a refresh of `heads` reads: enough for the releases of
-    /// the whole pool for a while (the slot watch prunes the ones served).
-    fn heads_cached(&self) -> i64 {
-        i64::from((self.layout.capacity() * 8).clamp(16, 64))
-    }
-
-    /// Reads the oldest waiters again (in the background) when a release of this broker's would
-    /// find its cache short: one of its own waiters is among the first `capacity` cached ones
-    /// (its grant is near) with fewer than [`CHAIN`] cached behind it (once per such waiter:
-    /// the read shows who joined behind it since); or fewer than [`CHAIN`] are cached while it
-    /// waits or holds a slot, after at least [`CHAIN`] were served since the last read (a queue
-    /// that short is not read again and again). Called when the cache shrinks (a grant seen or
-    /// made) and when this broker is granted a slot.
-    pub(super) fn heads_for_next_release(self: &Arc<Self>) {
-        if !self.contended.load(Ordering::Relaxed) {
-            return;
-        }
-        let Some(session) = self.session.lock().as_ref().map(|s| s.id) else {
-            return;
-        };
-        let busy = !self.held.lock().is_empty() || !self.places.lock().by_request.is_empty();
-        let near = (self.layout.capacity() as usize).max(1);
-        let (front, short) = {
-            let heads = self.heads.lock();
-            let front = heads
-                .iter()
-                .take(near)
-                .position(|w| w.lease == session)
-                .map(|i| (heads[i].rk, heads.len() - i - 1));
-            (front, heads.len() < CHAIN)
-        };
-        let read = match front {
-            Some((rk, behind)) => {
-                let mut last = self.refreshed_for.lock();
-                let read = behind < CHAIN && *last != Some(rk);
-                if read {
-                    *last = Some(rk);
-                }
-                read
-            }
-            None => short && busy && self.pruned.load(Ordering::Relaxed) >= CHAIN,
-        };
-        if read {
-            self.refresh_heads();
-        }
+    /// How many of the oldest waiters a release or a join reads in its own transaction: as
+    /// many as the next release's chain can hold.
+    pub(super) fn heads_read(&self) -> i64 {
+        CHAIN_MAX as i64
     }
 
     /// Reads the queue's oldest waiters into `heads`, off the release's path: one serializable
     /// read on one member (a stale answer only costs a link that fails); the waiters the slot
     /// watch saw served meanwhile are left out.
-    fn refresh_heads(self: &Arc<Self>) {
+    pub(super) fn refresh_heads(self: &Arc<Self>) {
         self.spawn_alone(
             |inner| &inner.refreshing,
             |me| async move {
                 let prefix = me.layout.queue_prefix();
-                let n = me.heads_cached();
+                let n = me.heads_read();
                 let read = me
                     .endpoints
                     .call(
@@ -355,12 +302,10 @@ impl Inner {
                     )
                     .await;
                 if let Ok(resp) = read
-                    && let Ok(mut waiters) = me.layout.waiters(raws(resp.kvs()))
+                    && let Ok(waiters) = me.layout.waiters(raws(resp.kvs()))
                 {
                     me.contended.store(!waiters.is_empty(), Ordering::Relaxed);
-                    waiters.retain(|w| !me.served_lately(w));
                     *me.heads.lock() = waiters;
-                    me.pruned.store(0, Ordering::Relaxed);
                 }
             },
         );
@@ -554,13 +499,10 @@ impl Inner {
     }
 }
 
-/// How many of the cached oldest waiters one hand-off transaction chains over (each link
-/// compares two keys and writes three): enough for the releases that race it, with a cache the
-/// slot watch keeps fresh; when all of them are gone, its last link reads the queue instead.
-const CHAIN: usize = 6;
-/// The longest chain: etcd counts each nested level's operations against its limit on one
-/// transaction (`--max-txn-ops`, 128 by default), five per link here.
-const CHAIN_MAX: usize = 16;
+/// The longest chain, and how many of the oldest waiters a release or a join reads: etcd
+/// counts each nested level's operations against its limit on one transaction
+/// (`--max-txn-ops`, 128 by default): four per link here, three at the outer level.
+const CHAIN_MAX: usize = 12;
 
 /// Marks request `rk` as having a release settling while it lives (see
 /// [`Inner::settles`]).

@@ -65,6 +65,8 @@ pub(super) struct Hub {
     retry_for: Duration,
     /// Watches etcd cancelled and the hub set up again (see `EtcdBroker` test support).
     pub(super) recreated: AtomicU64,
+    /// Watch events routed to their watches (see `EtcdBroker` test support).
+    pub(super) events_routed: AtomicU64,
     /// Cancellations etcd sent for a watch nobody dropped, and a wake on each.
     pub(super) cancels_seen: AtomicU64,
     cancel_seen: tokio::sync::Notify,
@@ -116,13 +118,14 @@ impl Hub {
             generation: AtomicU64::new(0),
             retry_for,
             recreated: AtomicU64::new(0),
+            events_routed: AtomicU64::new(0),
             cancels_seen: AtomicU64::new(0),
             cancel_seen: tokio::sync::Notify::new(),
         })
     }
 
-    /// Watches `key` with `options` (whose start revision and id are set here: from now, a
-    /// fresh id). The watch is in place when this returns (etcd has said so). `Err` only when no
+    /// Watches `key` with `options` (whose id is set here: a fresh one; from its start
+    /// revision, or from now; set up again later, always from now). The watch is in place when this returns (etcd has said so). `Err` only when no
     /// member answers within the retry bound.
     pub(super) async fn watch(
         self: &Arc<Self>,
@@ -136,7 +139,9 @@ impl Hub {
             id,
             Route {
                 key: key.clone(),
-                options: options.clone(),
+                // Set up again from now (a reset tells the owner to look), whatever revision
+                // the first request started from: it may be compacted away by then.
+                options: options.clone().with_start_revision(0),
                 to,
                 created: Some(created),
                 cancelled: 0,
@@ -267,6 +272,8 @@ async fn read(hub: Weak<Hub>, generation: u64, member: usize, mut responses: Wat
                             ));
                         } else if !resp.events().is_empty() {
                             route.cancelled = 0;
+                            hub.events_routed
+                                .fetch_add(resp.events().len() as u64, Ordering::Relaxed);
                             let _ = route.to.send(Seen::Events(resp.events().to_vec()));
                         }
                     }
@@ -360,6 +367,15 @@ async fn recreate(hub: Weak<Hub>, generation: u64, id: i64, pause: Duration) {
 
 #[cfg(feature = "fault-injection")]
 impl Hub {
+    /// How many watches etcd has said are in place.
+    pub(super) fn watch_count(&self) -> usize {
+        self.routes
+            .lock()
+            .values()
+            .filter(|r| r.created.is_none())
+            .count()
+    }
+
     /// Asks etcd to cancel every watch of the current stream without dropping them (what etcd
     /// does on its own to a watch that a compaction passed); returns once etcd has answered
     /// each cancel, or after the retry bound. How many watches it cancelled.

@@ -119,8 +119,17 @@ async fn a_watch_that_etcd_cancels_is_set_up_again_and_the_waiter_still_hears_it
     let held = holder.acquire(request(1)).await.unwrap();
     let renewal = keep(&holder, held);
     let waiting = acquire_in_background(&waiter, 2);
-    // The waiter's marker and slot watches are in place before its queue key exists.
+    // The waiter's marker and slot watches are in place.
     queued(&c, &waiter, 2).await;
+    wait_until(
+        Duration::from_secs(10),
+        "the waiter watches its marker",
+        || {
+            let n = waiter.watch_count();
+            async move { n >= 2 }
+        },
+    )
+    .await;
 
     // etcd cancels every watch of the waiter's stream (as it does to a watcher that a
     // compaction passed), and has said so.
