@@ -486,7 +486,9 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             per(&r.leases, r.leases.counters.proposals),
         );
         println!(
-            "per lease at D = {d} ms (16 x 8 through a supervisor): {events:.2} watch events (≤ 3: {}), {proposals:.2} raft proposals (≤ 2: {}), {:.2} etcd calls",
+            "per lease at D = {d} ms ({} processes on {} slots, through a supervisor): {events:.2} watch events (≤ 3: {}), {proposals:.2} raft proposals (≤ 2: {}), {:.2} etcd calls",
+            plan.processes,
+            plan.slots,
             verdict(events <= 3.0),
             verdict(proposals <= 2.0),
             r.leases.calls(),
