@@ -11,6 +11,9 @@
 //! slot". After the chain, in the same transaction, it reads the oldest waiters and the slot
 //! keys as they are now: the next release's chain, and whether slots sit free.
 //!
+//! When this broker knows of no waiter (an idle pool), the release is the plain one: "if the
+//! slot is the token's and nobody waits, delete it", with the reads in its other branch.
+//!
 //! A slot never sits free while someone waits. Any waiter older than those read does not exist
 //! (the queue only grows at its young end, and grants follow its order), so a stale list only
 //! risks a chain that finds nobody left: then the slot is still the token's, the transaction's
@@ -157,6 +160,38 @@ impl Inner {
             }
             heads.retain(|w| w.rk != entry.rk);
             let chain: Vec<Waiter> = heads[..heads.len().min(CHAIN_MAX)].to_vec();
+            if chain.is_empty() {
+                // Nobody known to wait (an idle pool): the release of old, one comparison and
+                // one deletion, or the reads that say why not.
+                let txn = self.free_or_read(token, &marker, strays_only);
+                let resp = self
+                    .endpoints
+                    .call("free the slot", deadline, |mut c| {
+                        let txn = txn.clone();
+                        async move { c.txn(txn).await }
+                    })
+                    .await?;
+                if resp.succeeded() {
+                    self.contended.store(false, Ordering::Relaxed);
+                    return Ok(GaveBack::Released);
+                }
+                let reads = gets(&resp.op_responses());
+                let [slot, oldest] = reads.as_slice() else {
+                    return Err(Fail::Fatal(txn_shape("free the slot")));
+                };
+                match slot.kvs().first() {
+                    Some(kv) if kv.mod_revision() == token.lease_id() as i64 => {}
+                    _ => return Ok(GaveBack::Gone),
+                }
+                heads = self
+                    .layout
+                    .waiters(raws(oldest.kvs()))
+                    .map_err(Fail::Fatal)?;
+                strays_only = heads.is_empty() && !oldest.kvs().is_empty();
+                self.contended.store(!heads.is_empty(), Ordering::Relaxed);
+                *self.heads.lock() = heads.clone();
+                continue;
+            }
             let txn = self.hand_off(token, &chain, &marker, strays_only);
             let resp = self
                 .endpoints
@@ -214,6 +249,28 @@ impl Inner {
         Err(Fail::Ambiguous(
             "the queue kept changing under the release".into(),
         ))
+    }
+
+    /// The release's transaction when no waiter is known: if the slot still carries the token
+    /// and nobody waits, delete it; else read the slot key and the oldest waiters.
+    fn free_or_read(&self, token: SlotToken, marker: &TxnOp, strays_only: bool) -> Txn {
+        let l = &self.layout;
+        let slot_key = l.slot_key(token.slot_id());
+        let mut when = vec![Compare::mod_revision(
+            slot_key.clone(),
+            CompareOp::Equal,
+            token.lease_id() as i64,
+        )];
+        if !strays_only {
+            when.push(Compare::version(l.queue_prefix(), CompareOp::Equal, 0).with_prefix());
+        }
+        Txn::new()
+            .when(when)
+            .and_then([TxnOp::delete(slot_key.clone(), None), marker.clone()])
+            .or_else([
+                TxnOp::get(slot_key, Some(GetOptions::new().with_keys_only())),
+                TxnOp::get(l.queue_prefix(), Some(oldest_waiters(self.heads_read()))),
+            ])
     }
 
     /// The release's transaction. If the slot still carries the token: the chain, for each
