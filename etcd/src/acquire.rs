@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
-use super::layout::{Confirmed, MarkerState, Raw, oldest_waiters, place_key, raws, request_key};
+use super::layout::{Confirmed, MarkerState, Raw, place_key, request_key};
 use super::queue::{Look, Ticket};
 use super::session::{Claim, Held, Session};
 pub(super) use super::txn::{Grant, gets, held_in, revision_of, slot_keys, txn_shape};
@@ -33,7 +33,8 @@ use leasehold::{AcquireRequest, SlotToken};
 /// What the first transaction found or did.
 enum First {
     Granted(Grant),
-    /// Queued; what the join read (with the marker's watch opened before it), if it did.
+    /// Queued; what the join read, if it did (then the marker's watch starts after it), and
+    /// the watch of the place ahead, if any.
     Queued(Ticket, Option<Look>, Option<FrontHint>),
     /// Something left by an earlier attempt was cleared: send the first transaction again.
     Again,
@@ -367,8 +368,8 @@ impl Inner {
                     ),
                 ]
             }
-            // Join the queue, counting the held slots (from the index: no key is read), and
-            // every key under `slot/` (more means keys that are not slots: see `decide`).
+            // Join the queue, reading which slot keys exist (the held slots), the oldest
+            // waiters and the place just ahead of this one.
             None => {
                 // Never over a live key: a place this broker freed may still hold a key
                 // (see `retire_place`), and a put would keep its create revision (its place
@@ -388,7 +389,7 @@ impl Inner {
                     slot_keys(l),
                     // The oldest waiters, as of the join: the chain of this broker's next
                     // release (see `release`).
-                    TxnOp::get(l.queue_prefix(), Some(oldest_waiters(self.heads_read()))),
+                    self.oldest_read(),
                     // The two youngest: this place and the one just ahead of it.
                     TxnOp::get(
                         l.queue_prefix(),
@@ -428,9 +429,8 @@ impl Inner {
                 let mut ahead = None;
                 let held = match gets(&ops).as_slice() {
                     [slots, oldest, youngest] => {
-                        if let Ok(waiters) = l.waiters(raws(oldest.kvs())) {
-                            *self.heads.lock() = waiters;
-                        }
+                        // A stray it cannot read only leaves the cache as it was.
+                        let _ = self.keep_heads(oldest);
                         let own = l.queue_key(qk);
                         ahead = youngest
                             .kvs()

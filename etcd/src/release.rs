@@ -128,7 +128,8 @@ impl Inner {
     /// transactions over the oldest waiters this broker last read (`heads`), and hands the slot
     /// to the first of them still waiting, all at one revision. Any waiter older than those read
     /// does not exist (the queue only grows at its young end), so a stale list only risks
-    /// finding nobody left, and then the chain's last link reads the queue again.
+    /// finding nobody left; the transaction's own read of the oldest waiters then serves a
+    /// second one.
     pub(super) async fn give_back(
         self: &Arc<Self>,
         token: SlotToken,
@@ -183,13 +184,7 @@ impl Inner {
                     Some(kv) if kv.mod_revision() == token.lease_id() as i64 => {}
                     _ => return Ok(GaveBack::Gone),
                 }
-                heads = self
-                    .layout
-                    .waiters(raws(oldest.kvs()))
-                    .map_err(Fail::Fatal)?;
-                strays_only = heads.is_empty() && !oldest.kvs().is_empty();
-                self.contended.store(!heads.is_empty(), Ordering::Relaxed);
-                *self.heads.lock() = heads.clone();
+                (heads, strays_only) = self.keep_heads(oldest).map_err(Fail::Fatal)?;
                 continue;
             }
             let txn = self.hand_off(token, &chain, &marker, strays_only);
@@ -226,13 +221,7 @@ impl Inner {
             }
             // The oldest waiters after it, read in the same transaction: the next release's
             // chain (the releases of other processes since are what makes it stale).
-            heads = self
-                .layout
-                .waiters(raws(oldest.kvs()))
-                .map_err(Fail::Fatal)?;
-            strays_only = heads.is_empty() && !oldest.kvs().is_empty();
-            self.contended.store(!heads.is_empty(), Ordering::Relaxed);
-            *self.heads.lock() = heads.clone();
+            (heads, strays_only) = self.keep_heads(oldest).map_err(Fail::Fatal)?;
             if link.succeeded() {
                 let handed = depth < chain.len();
                 if handed {
@@ -261,16 +250,46 @@ impl Inner {
             CompareOp::Equal,
             token.lease_id() as i64,
         )];
-        if !strays_only {
-            when.push(Compare::version(l.queue_prefix(), CompareOp::Equal, 0).with_prefix());
-        }
+        when.extend(self.nobody_waits(strays_only));
         Txn::new()
             .when(when)
             .and_then([TxnOp::delete(slot_key.clone(), None), marker.clone()])
             .or_else([
                 TxnOp::get(slot_key, Some(GetOptions::new().with_keys_only())),
-                TxnOp::get(l.queue_prefix(), Some(oldest_waiters(self.heads_read()))),
+                self.oldest_read(),
             ])
+    }
+
+    /// "Nobody waits": no key under `queue/`. Left out when the last read found only keys
+    /// there that are not queue keys: etcd compares every key under the prefix, so it could
+    /// never hold (see `give_back`).
+    fn nobody_waits(&self, strays_only: bool) -> Option<Compare> {
+        (!strays_only).then(|| {
+            Compare::version(self.layout.queue_prefix(), CompareOp::Equal, 0).with_prefix()
+        })
+    }
+
+    /// A read of the oldest waiters, as many as a release's chain holds.
+    pub(super) fn oldest_read(&self) -> TxnOp {
+        TxnOp::get(
+            self.layout.queue_prefix(),
+            Some(oldest_waiters(CHAIN_MAX as i64)),
+        )
+    }
+
+    /// The oldest waiters a transaction of this broker read (see [`oldest_read`]), kept as the
+    /// next release's chain; with whether only keys that are not queue keys were read.
+    ///
+    /// [`oldest_read`]: Self::oldest_read
+    pub(super) fn keep_heads(
+        &self,
+        oldest: &etcd_client::GetResponse,
+    ) -> Result<(Vec<Waiter>, bool), EtcdError> {
+        let heads = self.layout.waiters(raws(oldest.kvs()))?;
+        let strays_only = heads.is_empty() && !oldest.kvs().is_empty();
+        self.contended.store(!heads.is_empty(), Ordering::Relaxed);
+        *self.heads.lock() = heads.clone();
+        Ok((heads, strays_only))
     }
 
     /// The release's transaction. If the slot still carries the token: the chain, for each
@@ -286,13 +305,8 @@ impl Inner {
     ) -> Txn {
         let l = &self.layout;
         let slot_key = l.slot_key(token.slot_id());
-        let nobody = if strays_only {
-            vec![]
-        } else {
-            vec![Compare::version(l.queue_prefix(), CompareOp::Equal, 0).with_prefix()]
-        };
         let mut link = Txn::new()
-            .when(nobody)
+            .when(Vec::from_iter(self.nobody_waits(strays_only)))
             .and_then([TxnOp::delete(slot_key.clone(), None), marker.clone()]);
         for w in heads.iter().rev() {
             let under = || Some(PutOptions::new().with_lease(w.lease));
@@ -322,17 +336,7 @@ impl Inner {
                 CompareOp::Equal,
                 token.lease_id() as i64,
             )])
-            .and_then([
-                TxnOp::txn(link),
-                TxnOp::get(l.queue_prefix(), Some(oldest_waiters(self.heads_read()))),
-                slot_keys(l),
-            ])
-    }
-
-    /// How many of the oldest waiters a release or a join reads in its own transaction: as
-    /// many as the next release's chain can hold.
-    pub(super) fn heads_read(&self) -> i64 {
-        CHAIN_MAX as i64
+            .and_then([TxnOp::txn(link), self.oldest_read(), slot_keys(l)])
     }
 
     /// Reads the queue's oldest waiters into `heads`, off the release's path: one serializable
@@ -343,7 +347,7 @@ impl Inner {
             |inner| &inner.refreshing,
             |me| async move {
                 let prefix = me.layout.queue_prefix();
-                let n = me.heads_read();
+                let n = CHAIN_MAX as i64;
                 let read = me
                     .endpoints
                     .call(
