@@ -12,20 +12,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::Client;
-use etcd_support::{Etcd, etcd_binary, slot_keys, test_config as config};
+use etcd_support::{Etcd, connect_pool as connect, etcd_binary, slot_keys, wait_queued};
 use leasehold::{AcquireRequest, BrokerError, SlotBroker, SlotToken};
 use leasehold_etcd::EtcdBroker;
 
 fn request(id: u64) -> AcquireRequest {
     AcquireRequest::new(id, Some("job"))
-}
-
-async fn connect(etcd: &Etcd, pool: &str, capacity: u32) -> Arc<EtcdBroker> {
-    Arc::new(
-        EtcdBroker::connect(config(&etcd.endpoint(), pool, capacity))
-            .await
-            .unwrap(),
-    )
 }
 
 type Pending = tokio::task::JoinHandle<Result<SlotToken, BrokerError>>;
@@ -37,25 +29,7 @@ async fn queued(c: &Client, broker: &Arc<EtcdBroker>, id: u64) -> Pending {
         let broker = Arc::clone(broker);
         tokio::spawn(async move { broker.acquire(request(id)).await })
     };
-    let mut c = c.clone();
-    tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            if let (Some(key), Some(session)) =
-                (broker.queue_key_for(&request(id)), broker.session_lease())
-                && c.get(key.as_str(), None)
-                    .await
-                    .unwrap()
-                    .kvs()
-                    .first()
-                    .is_some_and(|kv| kv.lease() == session)
-            {
-                return;
-            }
-            tokio::task::yield_now().await;
-        }
-    })
-    .await
-    .unwrap_or_else(|_| panic!("request {id} never queued"));
+    wait_queued(c, broker, &request(id)).await;
     task
 }
 

@@ -10,12 +10,14 @@
 
 mod etcd_support;
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{AlarmAction, AlarmOptions, AlarmType, Client, GetOptions, PutOptions};
-use etcd_support::{Etcd, Proxy, etcd_binary, slot_keys, test_config as config};
+use etcd_support::{
+    Etcd, Proxy, connect_pool as connect, etcd_binary, keep, slot_keys, test_config as config,
+    wait_queued, wait_until,
+};
 use leasehold::{AcquireRequest, BrokerErrorKind, SlotBroker, SlotToken};
 use leasehold_etcd::EtcdBroker;
 
@@ -27,46 +29,9 @@ fn request(id: u64) -> AcquireRequest {
     AcquireRequest::new(id, Some("job"))
 }
 
-/// Polls etcd (asked directly) until `check` holds; fails after `within`.
-async fn wait_until<F, Fut>(within: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + within;
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what} within {within:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 async fn exists(c: &Client, key: &str) -> bool {
     let mut c = c.clone();
     !c.get(key, None).await.unwrap().kvs().is_empty()
-}
-
-/// Waits until `broker`'s acquire of request `id` waits in the queue: its queue key exists in
-/// etcd under the broker's session. Returns the key.
-async fn queued(c: &Client, broker: &EtcdBroker, id: u64) -> String {
-    let mut c = c.clone();
-    let found = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            if let (Some(key), Some(session)) =
-                (broker.queue_key_for(&request(id)), broker.session_lease())
-            {
-                let got = c.get(key.as_str(), None).await.unwrap();
-                if got.kvs().first().is_some_and(|kv| kv.lease() == session) {
-                    return key;
-                }
-            }
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
-    found.unwrap_or_else(|_| panic!("request {id} never queued"))
 }
 
 async fn queue_keys(c: &Client, pool: &str) -> Vec<String> {
@@ -83,28 +48,12 @@ async fn queue_keys(c: &Client, pool: &str) -> Vec<String> {
     .collect()
 }
 
-/// Keeps `token` alive as a supervisor does; abort the task before releasing it.
-fn keep(broker: &Arc<EtcdBroker>, token: SlotToken) -> tokio::task::JoinHandle<()> {
-    let broker = Arc::clone(broker);
-    tokio::spawn(async move {
-        broker.keep_alive(token).await;
-    })
-}
-
 fn acquire_in_background(
     broker: &Arc<EtcdBroker>,
     id: u64,
 ) -> tokio::task::JoinHandle<Result<SlotToken, leasehold::BrokerError>> {
     let broker = Arc::clone(broker);
     tokio::spawn(async move { broker.acquire(request(id)).await })
-}
-
-async fn connect(etcd: &Etcd, pool: &str, capacity: u32) -> Arc<EtcdBroker> {
-    Arc::new(
-        EtcdBroker::connect(config(&etcd.endpoint(), pool, capacity))
-            .await
-            .unwrap(),
-    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -120,7 +69,7 @@ async fn a_watch_that_etcd_cancels_is_set_up_again_and_the_waiter_still_hears_it
     let renewal = keep(&holder, held);
     let waiting = acquire_in_background(&waiter, 2);
     // The waiter's marker and slot watches are in place.
-    queued(&c, &waiter, 2).await;
+    wait_queued(&c, &waiter, &request(2)).await;
     wait_until(
         Duration::from_secs(10),
         "the waiter watches its marker",
@@ -173,7 +122,7 @@ async fn an_abandoned_acquire_is_cleaned_up_after_an_outage_longer_than_any_boun
     let held = holder.acquire(request(1)).await.unwrap();
     let renewal = keep(&holder, held);
     let waiting = acquire_in_background(&waiter, 2);
-    let queue_key = queued(&c, &waiter, 2).await;
+    let queue_key = wait_queued(&c, &waiter, &request(2)).await;
 
     // Another client fills etcd's quota: etcd refuses every write (keep-alives go on) until
     // the alarm is disarmed. The waiter gives up its acquire meanwhile.
@@ -241,7 +190,7 @@ async fn a_join_never_writes_over_a_live_queue_key() {
 
     // The waiter's first place, taken and given back once served.
     let first = acquire_in_background(&waiter, 2);
-    let place = queued(&c, &waiter, 2).await;
+    let place = wait_queued(&c, &waiter, &request(2)).await;
     renewal.abort();
     holder.release(held).await.unwrap();
     let served = first.await.unwrap().unwrap();
@@ -262,7 +211,7 @@ async fn a_join_never_writes_over_a_live_queue_key() {
     let before = c.get(place.as_str(), None).await.unwrap().kvs()[0].clone();
 
     let next = acquire_in_background(&waiter, 3);
-    let mine = queued(&c, &waiter, 3).await;
+    let mine = wait_queued(&c, &waiter, &request(3)).await;
     assert_ne!(mine, place, "the join took another place");
     let after = c.get(place.as_str(), None).await.unwrap().kvs()[0].clone();
     assert_eq!(
@@ -310,9 +259,9 @@ async fn a_grant_of_a_slot_index_whose_earlier_token_here_is_not_released_is_han
     let _ = tokio::time::timeout(Duration::from_millis(50), busy.keep_alive(hung)).await;
     // The same broker waits for the pool, and so does another one behind it.
     let same = acquire_in_background(&busy, 2);
-    queued(&c, &busy, 2).await;
+    wait_queued(&c, &busy, &request(2)).await;
     let behind = acquire_in_background(&other, 3);
-    queued(&c, &other, 3).await;
+    wait_queued(&c, &other, &request(3)).await;
 
     // The TTL hands the slot to the oldest waiter, the same broker's, which cannot hand it out
     // while the hung token holds its index: it hands it on, and the other waiter is served.
@@ -398,7 +347,7 @@ async fn a_stray_key_among_the_slot_keys_does_not_count_as_a_held_slot() {
     let (keep_a, keep_b) = (keep(&holder, a), keep(&holder, b));
     // The pool is full: the waiter queues, and counts two held slots, not three.
     let first = acquire_in_background(&waiter, 3);
-    queued(&c, &waiter, 3).await;
+    wait_queued(&c, &waiter, &request(3)).await;
     keep_a.abort();
     holder.release(a).await.unwrap();
     let got = tokio::time::timeout(Duration::from_secs(10), first)

@@ -15,7 +15,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use etcd_client::{Client, GetOptions, PutOptions};
-use etcd_support::{Etcd, etcd_binary, slot_keys, test_config as config};
+use etcd_support::{Etcd, etcd_binary, keep, slot_keys, test_config as config, wait_until};
 use leasehold::{AcquireRequest, SlotBroker};
 use leasehold_etcd::EtcdBroker;
 
@@ -38,22 +38,6 @@ async fn wait_for_key(c: &mut Client, key: &str) {
     .unwrap_or_else(|_| panic!("{key} never appeared"));
 }
 
-/// Polls `check` until it says true, or panics with `what` after `within`.
-async fn wait_until<F, Fut>(within: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + within;
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what} within {within:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Every key under `prefix`, with its value and lease.
 async fn keys_under(c: &mut Client, prefix: &str) -> Vec<(String, String, i64)> {
     c.get(prefix, Some(GetOptions::new().with_prefix()))
@@ -69,15 +53,6 @@ async fn keys_under(c: &mut Client, prefix: &str) -> Vec<(String, String, i64)> 
             )
         })
         .collect()
-}
-
-/// Keeps `token` alive as a supervisor does (a token nobody keeps alive is given back after a
-/// TTL); abort the task before releasing it.
-fn keep(broker: &Arc<EtcdBroker>, token: leasehold::SlotToken) -> tokio::task::JoinHandle<()> {
-    let broker = Arc::clone(broker);
-    tokio::spawn(async move {
-        broker.keep_alive(token).await;
-    })
 }
 
 async fn queue_is_empty(c: &Client, pool: &str) -> bool {

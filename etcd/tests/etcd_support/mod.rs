@@ -739,3 +739,74 @@ pub fn now_ns() -> u128 {
         .expect("system clock before 1970")
         .as_nanos()
 }
+
+// ---------------------------------------------------------------------------------------------
+// Async helpers of the broker tests (on the test's tokio runtime)
+// ---------------------------------------------------------------------------------------------
+
+/// Polls `check` until it holds; fails the test after `within`.
+pub async fn wait_until<F, Fut>(within: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what} within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Keeps `token` alive as a supervisor does (a token nobody keeps alive is given back after a
+/// TTL); abort the task before releasing it.
+pub fn keep(
+    broker: &Arc<leasehold_etcd::EtcdBroker>,
+    token: leasehold::SlotToken,
+) -> tokio::task::JoinHandle<()> {
+    use leasehold::SlotBroker;
+    let broker = Arc::clone(broker);
+    tokio::spawn(async move {
+        broker.keep_alive(token).await;
+    })
+}
+
+/// A broker of pool `pool` (default prefix, [`test_config`]) on `etcd`.
+pub async fn connect_pool(
+    etcd: &Etcd,
+    pool: &str,
+    capacity: u32,
+) -> Arc<leasehold_etcd::EtcdBroker> {
+    Arc::new(
+        leasehold_etcd::EtcdBroker::connect(test_config(&etcd.endpoint(), pool, capacity))
+            .await
+            .unwrap(),
+    )
+}
+
+/// Waits until `broker`'s acquire of `request` waits in the queue: its queue key exists in
+/// etcd (asked through `c`) under the broker's session. Returns the key.
+pub async fn wait_queued(
+    c: &etcd_client::Client,
+    broker: &leasehold_etcd::EtcdBroker,
+    request: &leasehold::AcquireRequest,
+) -> String {
+    let mut c = c.clone();
+    let found = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let (Some(key), Some(session)) =
+                (broker.queue_key_for(request), broker.session_lease())
+            {
+                let got = c.get(key.as_str(), None).await.unwrap();
+                if got.kvs().first().is_some_and(|kv| kv.lease() == session) {
+                    return key;
+                }
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    found.unwrap_or_else(|_| panic!("request {} never queued", request.request_id()))
+}
