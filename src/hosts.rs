@@ -25,9 +25,13 @@ pub(crate) trait TempDirHost: Send + Sync + 'static {
     fn remove(&self, path: PathBuf, made: bool) -> BoxFuture<'static, io::Result<()>>;
 }
 
-/// Temp dirs on the real file system.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct FsTempDirs;
+/// Temp dirs on the real file system. Removals run on one thread of their own, the sweeper,
+/// fed by a channel: a job's removal costs one wake of that thread, not a hop to tokio's
+/// blocking pool and back, and a burst of removals is taken in one wake.
+#[derive(Debug, Default)]
+pub(crate) struct FsTempDirs {
+    sweeper: Sweeper,
+}
 
 impl TempDirHost for FsTempDirs {
     fn create(&self, root: &Path, job_id: &str) -> io::Result<PathBuf> {
@@ -42,26 +46,108 @@ impl TempDirHost for FsTempDirs {
     }
 
     fn remove(&self, path: PathBuf, made: bool) -> BoxFuture<'static, io::Result<()>> {
-        // On the blocking pool: a file system that hangs holds one of its threads, never the
-        // supervisor (nor, on a current-thread runtime, everything else).
+        // Off every runtime thread: a file system that hangs holds the sweeper (or a thread of
+        // the blocking pool), never the supervisor (nor, on a current-thread runtime,
+        // everything else).
+        let done = self.sweeper.remove(path, made);
+        Box::pin(async move {
+            done.await.unwrap_or_else(|_| {
+                Err(io::Error::other(
+                    "the temp dir's removal ended without an answer",
+                ))
+            })
+        })
+    }
+}
+
+/// Removes a job's temp dir, blocking: `made` false means the dir was never made, and only
+/// what the body may have put at its path is removed.
+fn remove_now(path: &Path, made: bool) -> io::Result<()> {
+    if !made {
+        match std::fs::symlink_metadata(path) {
+            // Nothing there, nor could there be (a work root that is a file, or that cannot be
+            // searched): the dir was never made, and nothing is removed.
+            Err(_) => return Ok(()),
+            // The body put something where its dir would have been.
+            Ok(meta) if !meta.is_dir() => return std::fs::remove_file(path),
+            Ok(_) => {}
+        }
+    }
+    match std::fs::remove_dir_all(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        other => other,
+    }
+}
+
+type Sweep = (PathBuf, bool, tokio::sync::oneshot::Sender<io::Result<()>>);
+
+/// The thread that removes temp dirs, one after another, started on the first removal and
+/// ended when its host is dropped (once the removal in hand is done). While it has been stuck
+/// on one removal for [`Sweeper::STALLED`] (a file system that hangs), new removals go to
+/// tokio's blocking pool instead, so that one hung directory does not hold every other job's.
+/// Every removal stays bounded by the supervisor's cleanup timeout either way.
+#[derive(Debug, Default)]
+struct Sweeper {
+    queue: std::sync::OnceLock<std::sync::mpsc::Sender<Sweep>>,
+    /// When the removal in hand began (`None`: idle).
+    busy: Arc<parking_lot::Mutex<Option<std::time::Instant>>>,
+}
+
+impl Sweeper {
+    /// How long one removal may hold the sweeper before others go around it.
+    const STALLED: std::time::Duration = std::time::Duration::from_millis(250);
+
+    fn remove(&self, path: PathBuf, made: bool) -> tokio::sync::oneshot::Receiver<io::Result<()>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let stalled = self
+            .busy
+            .lock()
+            .is_some_and(|since| since.elapsed() >= Self::STALLED);
+        let sent = match (stalled, self.queue()) {
+            (false, Some(queue)) => queue.send((path, made, tx)).map_err(|e| e.0),
+            (_, _) => Err((path, made, tx)),
+        };
+        if let Err((path, made, tx)) = sent {
+            crate::counters::task();
+            tokio::task::spawn_blocking(move || {
+                let _ = tx.send(remove_now(&path, made));
+            });
+        }
+        rx
+    }
+
+    /// The sweeper's queue, its thread started on first use (`None` if it cannot be).
+    fn queue(&self) -> Option<&std::sync::mpsc::Sender<Sweep>> {
+        if let Some(queue) = self.queue.get() {
+            return Some(queue);
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<Sweep>();
+        let busy = Arc::clone(&self.busy);
         crate::counters::task();
-        let task = tokio::task::spawn_blocking(move || {
-            if !made {
-                match std::fs::symlink_metadata(&path) {
-                    // Nothing there, nor could there be (a work root that is a file, or that
-                    // cannot be searched): the dir was never made, and nothing is removed.
-                    Err(_) => return Ok(()),
-                    // The body put something where its dir would have been.
-                    Ok(meta) if !meta.is_dir() => return std::fs::remove_file(&path),
-                    Ok(_) => {}
+        let started = std::thread::Builder::new()
+            .name("leasehold-sweeper".into())
+            .spawn(move || {
+                while let Ok((path, made, done)) = rx.recv() {
+                    crate::counters::poll();
+                    *busy.lock() = Some(std::time::Instant::now());
+                    let result = std::panic::catch_unwind(|| remove_now(&path, made))
+                        .unwrap_or_else(|_| {
+                            Err(io::Error::other("the temp dir's removal panicked"))
+                        });
+                    *busy.lock() = None;
+                    let _ = done.send(result);
                 }
+            });
+        match started {
+            Ok(_) => {
+                let _ = self.queue.set(tx);
+                self.queue.get()
             }
-            match std::fs::remove_dir_all(&path) {
-                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-                other => other,
+            Err(error) => {
+                tracing::warn!(%error, "no sweeper thread: temp dirs are removed on the blocking pool");
+                None
             }
-        });
-        Box::pin(async move { task.await.unwrap_or_else(|e| Err(io::Error::other(e))) })
+        }
     }
 }
 
@@ -78,7 +164,7 @@ impl Hosts {
     /// The real file system, real processes, no GPU.
     pub(crate) fn os() -> Self {
         Self {
-            temp_dirs: Arc::new(FsTempDirs),
+            temp_dirs: Arc::new(FsTempDirs::default()),
             processes: Arc::new(OsProcesses),
             #[cfg(feature = "gpu")]
             gpu: None,
