@@ -235,9 +235,9 @@ fn summary(_c: &mut Criterion) {
     println!("What noise does not move, counted by leasehold over {n} jobs of each shape:");
     println!();
     println!(
-        "| shape | messages into the inbox / job | doorbells / job | tasks leasehold spawned / job |"
+        "| shape | messages into the inbox / job | doorbells / job | tasks leasehold spawned / job | polls / job |"
     );
-    println!("|---|---|---|---|");
+    println!("|---|---|---|---|---|");
     for (label, shape) in [
         ("`run`, no-op body, no temp dir", LEASEHOLD),
         ("`run`, writes one file in its temp dir", LEASEHOLD_FILE),
@@ -249,14 +249,17 @@ fn summary(_c: &mut Criterion) {
         let c = counts_per_job(s, shape, n);
         let per = |x: u64| x as f64 / n as f64;
         println!(
-            "| {label} | {:.2} | {:.2} | {:.2} |",
+            "| {label} | {:.2} | {:.2} | {:.2} | {:.2} |",
             per(c.messages),
             per(c.rings),
-            per(c.tasks)
+            per(c.tasks),
+            per(c.polls)
         );
     }
     println!();
-    println!("(the hand-written floors send no message and spawn one actor task per job)");
+    println!(
+        "(the hand-written floors send no message, spawn one actor task per job and are woken twice: the actor, then the caller)"
+    );
     println!();
     if !floor::test_mode() {
         counted_externally();

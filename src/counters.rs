@@ -1,6 +1,7 @@
 //! What the supervisor's machinery costs per operation, counted for leasehold's own benches:
 //! messages into the supervisor's inbox, the doorbells that wake it, and the tasks leasehold
-//! spawns (worker actors, drivers, blocking-pool closures, broker calls, keepers). Counted only
+//! spawns (worker actors, drivers, blocking-pool closures, broker calls, keepers), and the
+//! wakes of its machinery (polls). Counted only
 //! with feature `fault-injection` (which the crate's own tests and benches turn on); in any
 //! other build every counter is a no-op that compiles away.
 
@@ -19,6 +20,7 @@ mod imp {
         pub(super) messages: AtomicU64,
         pub(super) rings: AtomicU64,
         pub(super) tasks: AtomicU64,
+        pub(super) polls: AtomicU64,
     }
 
     /// Every thread's counters (threads that ended keep theirs here).
@@ -70,6 +72,24 @@ pub(crate) fn task() {
     imp::bump(|l| &l.tasks);
 }
 
+/// One wake of leasehold's machinery: a supervisor's turn (a batch drained from its inbox), a
+/// poll of a worker's job or of a driver, a caller woken with its answer.
+#[inline]
+pub(crate) fn poll() {
+    #[cfg(feature = "fault-injection")]
+    imp::bump(|l| &l.polls);
+}
+
+/// `fut`, with every poll counted (see [`poll`]).
+pub(crate) async fn polled<F: std::future::Future>(fut: F) -> F::Output {
+    let mut fut = std::pin::pin!(fut);
+    std::future::poll_fn(move |cx| {
+        poll();
+        fut.as_mut().poll(cx)
+    })
+    .await
+}
+
 /// What every supervisor in the process has counted so far: unstable test support (feature
 /// `fault-injection`) for leasehold's own benches, not covered by semantic versioning.
 #[cfg(feature = "fault-injection")]
@@ -81,6 +101,10 @@ pub struct Counts {
     pub rings: u64,
     /// Tasks leasehold spawned.
     pub tasks: u64,
+    /// Wakes of leasehold's machinery: supervisor turns (batches drained from an inbox), polls
+    /// of workers' jobs and of drivers, and callers woken with their answer (the caller's first
+    /// poll, which sends the request, is not counted).
+    pub polls: u64,
 }
 
 #[cfg(feature = "fault-injection")]
@@ -91,6 +115,7 @@ impl Counts {
             messages: imp::sum(|l| &l.messages),
             rings: imp::sum(|l| &l.rings),
             tasks: imp::sum(|l| &l.tasks),
+            polls: imp::sum(|l| &l.polls),
         }
     }
 
@@ -100,6 +125,7 @@ impl Counts {
             messages: self.messages - earlier.messages,
             rings: self.rings - earlier.rings,
             tasks: self.tasks - earlier.tasks,
+            polls: self.polls - earlier.polls,
         }
     }
 }

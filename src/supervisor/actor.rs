@@ -181,6 +181,7 @@ impl Actor for SupervisorActor {
                 state.batch = batch;
                 return Ok(());
             }
+            crate::counters::poll();
             for msg in batch.drain(..) {
                 state.on_message(msg);
             }
@@ -332,6 +333,9 @@ impl Shell {
                 self.report_held_too_long();
                 return;
             }
+            SupMsg::Joined { key } => return self.worker_joined(key),
+            SupMsg::Swept { key } => return self.poll_removal(key),
+            SupMsg::WorkerSpawned { key, result } => return self.worker_spawned(key, result),
             SupMsg::Withdraw { waiter, why } => Input::Withdraw { waiter, why },
             SupMsg::Release { key, reply } => {
                 if let Some(reply) = reply {

@@ -69,6 +69,17 @@ pub(crate) enum SupMsg {
         process: u64,
         unproven: Option<Box<dyn Evidence>>,
     },
+    /// A job's worker task has ended, or may have: its join handle's waker rang (see
+    /// `actor::jobs`). The supervisor polls the handle itself to know.
+    Joined { key: LeaseKey },
+    /// A job's temp dir removal may have an answer: its waker rang (see `actor::jobs`).
+    Swept { key: LeaseKey },
+    /// A worker whose spawn could not finish within the supervisor's turn was spawned (or
+    /// failed to be) in a task of its own.
+    WorkerSpawned {
+        key: LeaseKey,
+        result: Result<tokio::task::JoinHandle<()>, String>,
+    },
     /// Time to look for leases held past the held-too-long threshold.
     HeldTick,
     /// The GPU devices were closed at shutdown (`unclosed`: those not proven idle), or their

@@ -81,7 +81,9 @@ impl Actor for WorkerActor {
     ) -> Result<(), ActorProcessingErr> {
         if let Some(args) = state.args.take() {
             let span = args.span.clone();
-            run_job(*args, myself.get_cell()).instrument(span).await;
+            crate::counters::polled(run_job(*args, myself.get_cell()))
+                .instrument(span)
+                .await;
         }
         // The body (and everything it owned) has been dropped inside this task. The worker was
         // linked to the supervisor while the body ran (a supervisor that dies takes it along);

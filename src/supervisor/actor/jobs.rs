@@ -1,13 +1,14 @@
-//! A job's life off the mailbox: its worker's start, and the [`Driver`] task that awaits its
-//! physical end, removes its temp dir and reports once; and the removal the core asks for
-//! itself (a temp dir left behind an unproven proof, or retried by a reclaim). None of it
-//! decides anything: every report (a placement refused, a spawn failed, a proof) is an input
-//! to the core.
+//! A job's life around the mailbox: its worker's start (spawned in the turn that grants it),
+//! its worker's end (the join handle, polled by the supervisor itself when its waker rings),
+//! the [`Driver`] task for an end that must wait (tracked tasks still running, a GPU fence),
+//! and the temp dir's removal when the core asks for it. None of it decides anything: every
+//! report (a placement refused, a spawn failed, a proof) is an input to the core.
 
-#[cfg(feature = "gpu")]
 use std::future::Future;
-#[cfg(feature = "gpu")]
-use std::task::Poll;
+use std::pin::Pin;
+use std::task::{Context, Poll, Wake, Waker};
+
+use futures_util::FutureExt;
 
 use super::*;
 
@@ -27,6 +28,73 @@ pub(super) struct JobRt {
     pub(super) reply: Option<oneshot::Sender<RunOutcome>>,
     #[cfg(feature = "gpu")]
     pub(super) placement: Option<crate::gpu::Placement>,
+    /// The worker's task, until its end has been seen (see [`WorkerEnd`]).
+    pub(super) end: Option<WorkerEnd>,
+    /// The temp dir's removal, while it runs.
+    pub(super) sweeping: Option<Sweeping>,
+}
+
+/// A running worker's end, as the supervisor awaits it without a task of its own: the worker's
+/// join handle, polled in the supervisor's turn with a waker that posts
+/// [`SupMsg::Joined`] into the inbox. The handle resolves only once the worker's task has ended
+/// and its state has been dropped, so the turn that sees it ready holds the proof.
+pub(super) struct WorkerEnd {
+    join: Join,
+    waker: Waker,
+    /// The tasks spawned through the job's context.
+    tracker: TaskTracker,
+}
+
+/// Where a worker's task stands, as its join handle says.
+enum Join {
+    /// Its spawn has not ended yet (it is finished in a task of its own).
+    Spawning,
+    Running(tokio::task::JoinHandle<()>),
+    /// The handle resolved: the task has ended and its state has been dropped.
+    Ended,
+}
+
+/// A temp dir's removal in flight, polled in the supervisor's turn with a waker that posts
+/// [`SupMsg::Swept`] (the removal itself runs off every runtime thread; see
+/// `hosts::FsTempDirs`): its answer is taken in the turn that sees it, with no task between.
+pub(super) struct Sweeping {
+    removal: Pin<Box<dyn Future<Output = Input> + Send>>,
+    waker: Waker,
+}
+
+/// The waker of something a job's end waits for, polled by the supervisor: it posts a message
+/// saying which, and the turn polls it again.
+struct Bell {
+    inbox: Arc<Inbox>,
+    key: LeaseKey,
+    /// The worker's join handle (`Joined`), or the temp dir's removal (`Swept`).
+    removal: bool,
+}
+
+impl Bell {
+    fn waker(inbox: &Arc<Inbox>, key: LeaseKey, removal: bool) -> Waker {
+        Waker::from(Arc::new(Self {
+            inbox: Arc::clone(inbox),
+            key,
+            removal,
+        }))
+    }
+}
+
+impl Wake for Bell {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let key = self.key;
+        // A supervisor that is gone no longer waits for it.
+        let _ = self.inbox.send(if self.removal {
+            SupMsg::Swept { key }
+        } else {
+            SupMsg::Joined { key }
+        });
+    }
 }
 
 impl Shell {
@@ -75,42 +143,140 @@ impl Shell {
             policy: self.config.process_policy,
             grace: self.config.cancel_grace,
             hosts: self.config.hosts.clone(),
-            reporter: Arc::new(reporter.clone()),
+            reporter: Arc::new(reporter),
             #[cfg(feature = "gpu")]
             gpu: placement,
         });
+        let waker = Bell::waker(&self.inbox, key, false);
         self.kept.jobs.insert(
             key,
             JobRt {
                 job_id,
-                shared: Arc::clone(&shared),
+                shared,
                 reply: Some(reply),
                 #[cfg(feature = "gpu")]
                 placement,
+                end: Some(WorkerEnd {
+                    join: Join::Spawning,
+                    waker,
+                    tracker,
+                }),
+                sweeping: None,
             },
         );
-        let driver = Driver {
-            tracker,
-            shared,
-            reporter,
-            drain_timeout: self.config.drain_timeout,
-            #[cfg(feature = "gpu")]
-            gpu: self.config.hosts.gpu.clone(),
-            #[cfg(feature = "gpu")]
-            placement,
-        };
-        // One task from the mailbox: the driver spawns the worker itself (never an await in
-        // the mailbox), so that the job's tasks run one after another on this worker thread
-        // without waking another one.
+        // The worker's spawn runs its `pre_start`, which only moves its arguments: it ends on
+        // its first poll, here, and the worker's task is the one task the job costs. Boxed: it
+        // holds the worker's arguments and ractor's spawn, several KB. Should it not end at
+        // once, it is finished in a task of its own, which reports (never an await in the
+        // mailbox).
         crate::counters::task();
-        // Boxed: the future holds the worker's arguments and ractor's spawn, several KB that
-        // tokio would otherwise copy three or four times on the way into its task cell.
-        tokio::spawn(Box::pin(driver.run(args, self.myself.get_cell())));
+        let mut spawn = Box::pin(Actor::spawn_linked(
+            None,
+            WorkerActor,
+            args,
+            self.myself.get_cell(),
+        ));
+        match (&mut spawn).now_or_never() {
+            Some(spawned) => {
+                let result = spawned.map(|(_, join)| join).map_err(|e| e.to_string());
+                self.worker_spawned(key, result);
+            }
+            None => {
+                let inbox = Arc::clone(&self.inbox);
+                crate::counters::task();
+                tokio::spawn(async move {
+                    let result = spawn.await.map(|(_, join)| join).map_err(|e| e.to_string());
+                    let _ = inbox.send(SupMsg::WorkerSpawned { key, result });
+                });
+            }
+        }
         #[cfg(feature = "gpu")]
         let device = placement.map(|p| p.device);
         #[cfg(not(feature = "gpu"))]
         let device = None;
         self.core.apply(Input::Started { key, device });
+    }
+
+    /// The worker's spawn ended: its join handle is kept and polled once (which registers the
+    /// waker that rings when it ends). Whatever follows (the end seen, or a spawn that failed)
+    /// goes through the inbox, so that the core takes it after the job's start.
+    pub(super) fn worker_spawned(
+        &mut self,
+        key: LeaseKey,
+        result: Result<tokio::task::JoinHandle<()>, String>,
+    ) {
+        let join = match result {
+            Ok(join) => join,
+            Err(err) => {
+                // The worker's pre_start only moves its arguments, so the body never ran: a
+                // fact the core takes (it gives the slots back, and the caller hears why).
+                tracing::error!(error = %err, "could not spawn the worker actor");
+                let why = PrepareError::WorkerSpawn(err);
+                let _ = self
+                    .inbox
+                    .send(SupMsg::Input(Input::NotStarted { key, why }));
+                return;
+            }
+        };
+        let Some(end) = self.kept.jobs.get_mut(&key).and_then(|j| j.end.as_mut()) else {
+            return;
+        };
+        end.join = Join::Running(join);
+        if end.poll_join() {
+            // Already over (another thread ran it): seen in the next drain.
+            let _ = self.inbox.send(SupMsg::Joined { key });
+        }
+    }
+
+    /// A worker's join handle rang: when its task has ended, the worker's physical end is
+    /// proven here. With nothing left to wait for (no tracked task still running, no GPU
+    /// work to fence), the job's end is one input to the core in this turn; otherwise the rest
+    /// is awaited by a [`Driver`] task, which reports.
+    pub(super) fn worker_joined(&mut self, key: LeaseKey) {
+        let Some(job) = self.kept.jobs.get_mut(&key) else {
+            return;
+        };
+        let Some(end) = job.end.as_mut() else {
+            return;
+        };
+        if !end.poll_join() {
+            // Not spawned yet, or a wake that was not the end.
+            return;
+        }
+        let Some(WorkerEnd { tracker, .. }) = job.end.take() else {
+            return;
+        };
+        tracker.close();
+        #[cfg(feature = "gpu")]
+        let gpu = self.config.hosts.gpu.clone().zip(job.placement);
+        #[cfg(not(feature = "gpu"))]
+        let gpu: Option<()> = None;
+        if tracker.is_empty() && gpu.is_none() {
+            job.shared.close();
+            let dir = match job.shared.temp_dir() {
+                // The job never asked for one: nothing to remove.
+                None => DirEnd::NeverMade,
+                Some(_) => DirEnd::Asked,
+            };
+            return self.core.apply(Input::Ended {
+                key,
+                proofs: Proofs::JOINED.with(Proofs::TASKS),
+                dir,
+            });
+        }
+        let driver = Driver {
+            tracker,
+            shared: Arc::clone(&job.shared),
+            reporter: Reporter {
+                inbox: Arc::clone(&self.inbox),
+                key,
+            },
+            drain_timeout: self.config.drain_timeout,
+            #[cfg(feature = "gpu")]
+            gpu,
+        };
+        crate::counters::task();
+        tokio::spawn(crate::counters::polled(driver.finish()));
     }
 
     /// A job that could not start: the core takes its slots back, then its caller hears why.
@@ -131,6 +297,8 @@ impl Shell {
                 reply: Some(reply),
                 #[cfg(feature = "gpu")]
                 placement: None,
+                end: None,
+                sweeping: None,
             },
         );
         self.core.apply(Input::NotStarted { key, why });
@@ -152,7 +320,7 @@ impl Shell {
     }
 
     pub(super) fn remove_temp_dir(&mut self, key: LeaseKey) {
-        let Some(job) = self.kept.jobs.get(&key) else {
+        let Some(job) = self.kept.jobs.get_mut(&key) else {
             return;
         };
         let Some((path, made)) = job.shared.temp_dir() else {
@@ -162,31 +330,51 @@ impl Shell {
                 proof: Proof::TempDir,
             });
         };
-        // Started exactly when the core says, in a task of its own: never in the mailbox.
-        let removal = remove_temp_dir(
-            Arc::clone(&self.config.hosts.temp_dirs),
-            path,
-            made,
-            self.config.cleanup_timeout,
-            Reporter {
-                inbox: Arc::clone(&self.inbox),
-                key,
-            },
-        );
-        crate::counters::task();
-        tokio::spawn(removal);
+        // Started exactly when the core says. The host's removal runs off every runtime
+        // thread; what the turn polls is only its answer and the bound's timer.
+        job.sweeping = Some(Sweeping {
+            removal: Box::pin(remove_temp_dir(
+                Arc::clone(&self.config.hosts.temp_dirs),
+                path,
+                made,
+                self.config.cleanup_timeout,
+                Reporter {
+                    inbox: Arc::clone(&self.inbox),
+                    key,
+                },
+            )),
+            waker: Bell::waker(&self.inbox, key, true),
+        });
+        self.poll_removal(key);
+    }
+
+    /// Polls a temp dir's removal (its bell rang, or it has just started); its answer, once
+    /// there, is the core's input.
+    pub(super) fn poll_removal(&mut self, key: LeaseKey) {
+        let Some(job) = self.kept.jobs.get_mut(&key) else {
+            return;
+        };
+        let Some(sweeping) = job.sweeping.as_mut() else {
+            return;
+        };
+        let mut cx = Context::from_waker(&sweeping.waker);
+        let removal = tokio::task::unconstrained(sweeping.removal.as_mut());
+        if let Poll::Ready(input) = std::pin::pin!(removal).poll(&mut cx) {
+            job.sweeping = None;
+            self.core.apply(input);
+        }
     }
 }
 
-/// Removes a temp dir (off the mailbox) when the core asks, and reports; past `bound` the slot
-/// is quarantined until the removal ends.
+/// Removes a temp dir when the core asks, and answers with the core's input; past `bound` the
+/// slot is quarantined (a `Late` through the inbox) until the removal ends.
 async fn remove_temp_dir(
     host: Arc<dyn crate::hosts::TempDirHost>,
     path: PathBuf,
     made: bool,
     bound: Duration,
     reporter: Reporter,
-) {
+) -> Input {
     let key = reporter.key;
     let removed = removed_within(&*host, &path, made, bound, |detail| {
         reporter.input(Input::Late {
@@ -196,13 +384,13 @@ async fn remove_temp_dir(
         });
     })
     .await;
-    reporter.input(match removed {
+    match removed {
         Ok(()) => Input::ProvenOne {
             key,
             proof: Proof::TempDir,
         },
         Err((detail, error)) => Input::TempDirFailed { key, detail, error },
-    });
+    }
 }
 
 /// Removes a job's temp dir under `bound`, when the core asks: past the bound `late` hears why
@@ -242,24 +430,41 @@ async fn removed_within(
     })
 }
 
-/// A job's own task: awaits its physical end outside the supervisor's mailbox and reports. It
-/// proves the worker's actor task ended (its join handle resolves only once the actor is fully
-/// gone, state dropped), then every task and blocking closure spawned through its context
-/// (process keepers included), then (with a GPU) every submission made under the lease, and
-/// says whether the job asked for a temp dir. The common case is one message,
-/// [`Input::Ended`]; a step that must wait (tasks still running after the body, a fence) is
-/// announced first with the proofs made so far (`Proven`), and a bound that passes with a
-/// `Late`. It decides nothing: what follows from the proofs (the temp dir's removal among it) is
-/// the core's.
+impl WorkerEnd {
+    /// Polls the worker's join handle (outside tokio's cooperative budget: a turn that sees
+    /// many ends must not be told "not yet" for a handle that is ready); true once it resolved.
+    fn poll_join(&mut self) -> bool {
+        let join = match &mut self.join {
+            Join::Spawning => return false,
+            Join::Ended => return true,
+            Join::Running(join) => join,
+        };
+        let mut cx = Context::from_waker(&self.waker);
+        let ready = std::pin::pin!(tokio::task::unconstrained(join))
+            .poll(&mut cx)
+            .is_ready();
+        if ready {
+            self.join = Join::Ended;
+        }
+        ready
+    }
+}
+
+/// What is left of a job's end once its worker's task has ended, when it cannot be seen at
+/// once (tracked tasks still running after the body, GPU work to fence): awaited in a task of
+/// its own, off the mailbox, which reports. It proves every task and blocking closure spawned
+/// through the job's context (process keepers included) has returned, then (with a GPU) every
+/// submission made under the lease, and says whether the job asked for a temp dir. A step that
+/// must wait is announced first with the proofs made so far (`Proven`), and a bound that
+/// passes with a `Late`. It decides nothing: what follows from the proofs (the temp dir's
+/// removal among it) is the core's.
 struct Driver {
     tracker: TaskTracker,
     shared: Arc<JobShared>,
     reporter: Reporter,
     drain_timeout: Option<Duration>,
     #[cfg(feature = "gpu")]
-    gpu: Option<Arc<dyn crate::hosts::GpuHost>>,
-    #[cfg(feature = "gpu")]
-    placement: Option<crate::gpu::Placement>,
+    gpu: Option<(Arc<dyn crate::hosts::GpuHost>, crate::gpu::Placement)>,
 }
 
 #[cfg(feature = "gpu")]
@@ -279,23 +484,10 @@ async fn step<F: Future>(reporter: &Reporter, proofs: &mut Proofs, step: F) -> F
 }
 
 impl Driver {
-    async fn run(self, args: Box<WorkerArgs>, supervisor: ractor::ActorCell) {
+    /// Runs from the worker's end (already proven: `JOINED`) to the job's end report.
+    async fn finish(self) {
         let key = self.reporter.key;
-        crate::counters::task();
-        let join = match Actor::spawn_linked(None, WorkerActor, args, supervisor).await {
-            Ok((_worker, join)) => join,
-            Err(err) => {
-                // The worker's pre_start only moves its arguments, so the body never ran: a
-                // fact the core takes (it gives the slots back, and the caller hears why).
-                tracing::error!(error = %err, "could not spawn the worker actor");
-                let why = PrepareError::WorkerSpawn(err.to_string());
-                self.reporter.input(Input::NotStarted { key, why });
-                return;
-            }
-        };
-        let _ = join.await;
         let tracker = self.tracker;
-        tracker.close();
         let mut proofs = Proofs::JOINED;
         if !tracker.is_empty() {
             // Tell the supervisor the body has ended; the tasks are waited for.
@@ -316,10 +508,10 @@ impl Driver {
         self.shared.close();
         proofs = proofs.with(Proofs::TASKS);
         #[cfg(feature = "gpu")]
-        if let (Some(gpu), Some(placement)) = (&self.gpu, self.placement) {
+        if let Some((gpu, placement)) = &self.gpu {
             use crate::hosts::Fence;
             let job = self.shared.take_gpu();
-            let mut fence = step(&self.reporter, &mut proofs, gpu.fence(placement, job)).await;
+            let mut fence = step(&self.reporter, &mut proofs, gpu.fence(*placement, job)).await;
             if let Fence::Late { detail, rest } = fence {
                 self.reporter.proven_so_far(&mut proofs);
                 self.reporter.input(Input::Late {
