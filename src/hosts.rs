@@ -86,11 +86,23 @@ type Sweep = (PathBuf, bool, tokio::sync::oneshot::Sender<io::Result<()>>);
 /// on one removal for [`Sweeper::STALLED`] (a file system that hangs), new removals go to
 /// tokio's blocking pool instead, so that one hung directory does not hold every other job's.
 /// Every removal stays bounded by the supervisor's cleanup timeout either way.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Sweeper {
     queue: std::sync::OnceLock<std::sync::mpsc::Sender<Sweep>>,
     /// When the removal in hand began (`None`: idle).
     busy: Arc<parking_lot::Mutex<Option<std::time::Instant>>>,
+    /// What removes (a removal that hangs, under test).
+    remover: fn(&Path, bool) -> io::Result<()>,
+}
+
+impl Default for Sweeper {
+    fn default() -> Self {
+        Self {
+            queue: std::sync::OnceLock::new(),
+            busy: Arc::default(),
+            remover: remove_now,
+        }
+    }
 }
 
 impl Sweeper {
@@ -108,9 +120,10 @@ impl Sweeper {
             (_, _) => Err((path, made, tx)),
         };
         if let Err((path, made, tx)) = sent {
+            let remover = self.remover;
             crate::counters::task();
             tokio::task::spawn_blocking(move || {
-                let _ = tx.send(remove_now(&path, made));
+                let _ = tx.send(remover(&path, made));
             });
         }
         rx
@@ -122,7 +135,7 @@ impl Sweeper {
             return Some(queue);
         }
         let (tx, rx) = std::sync::mpsc::channel::<Sweep>();
-        let busy = Arc::clone(&self.busy);
+        let (busy, remover) = (Arc::clone(&self.busy), self.remover);
         crate::counters::task();
         let started = std::thread::Builder::new()
             .name("leasehold-sweeper".into())
@@ -130,8 +143,8 @@ impl Sweeper {
                 while let Ok((path, made, done)) = rx.recv() {
                     crate::counters::poll();
                     *busy.lock() = Some(std::time::Instant::now());
-                    let result = std::panic::catch_unwind(|| remove_now(&path, made))
-                        .unwrap_or_else(|_| {
+                    let result =
+                        std::panic::catch_unwind(|| remover(&path, made)).unwrap_or_else(|_| {
                             Err(io::Error::other("the temp dir's removal panicked"))
                         });
                     *busy.lock() = None;
@@ -331,5 +344,82 @@ mod gpu {
                 })
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod sweeper_tests {
+    use std::sync::Condvar;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn the_sweeper_removes_a_dir_and_what_it_holds_and_a_dir_never_made_is_no_error() {
+        let root = tempfile::tempdir().unwrap();
+        let dirs = FsTempDirs::default();
+        let dir = dirs.create(root.path(), "job").unwrap();
+        std::fs::create_dir(dir.join("sub")).unwrap();
+        std::fs::write(dir.join("sub/file"), b"x").unwrap();
+        dirs.remove(dir.clone(), true).await.unwrap();
+        assert!(!dir.exists());
+        // Already gone, and never made: both are removed.
+        dirs.remove(dir.clone(), true).await.unwrap();
+        dirs.remove(root.path().join("never-made"), false)
+            .await
+            .unwrap();
+        // A file the body put where its unmade dir would have been is removed too.
+        let stray = root.path().join("unmade");
+        std::fs::write(&stray, b"x").unwrap();
+        dirs.remove(stray.clone(), false).await.unwrap();
+        assert!(!stray.exists());
+    }
+
+    /// (the stuck removal may end, it has begun), and its signal.
+    static GATE: (std::sync::Mutex<(bool, bool)>, Condvar) =
+        (std::sync::Mutex::new((false, false)), Condvar::new());
+
+    /// Waits until `ready` holds of the gate's state, after `change` (under its lock).
+    fn at_gate(change: impl FnOnce(&mut (bool, bool)), ready: impl Fn(&(bool, bool)) -> bool) {
+        let mut state = GATE.0.lock().unwrap();
+        change(&mut state);
+        GATE.1.notify_all();
+        while !ready(&state) {
+            state = GATE.1.wait(state).unwrap();
+        }
+    }
+
+    /// A removal that hangs (for a path named `stuck`) until the gate opens.
+    fn hanging(path: &Path, made: bool) -> io::Result<()> {
+        if path.ends_with("stuck") {
+            at_gate(|s| s.1 = true, |s| s.0);
+        }
+        remove_now(path, made)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sweeper_stuck_on_one_removal_sends_the_next_ones_to_the_blocking_pool() {
+        let root = tempfile::tempdir().unwrap();
+        let dirs = FsTempDirs {
+            sweeper: Sweeper {
+                remover: hanging,
+                ..Sweeper::default()
+            },
+        };
+        let stuck = root.path().join("stuck");
+        std::fs::create_dir(&stuck).unwrap();
+        let first = dirs.remove(stuck.clone(), true);
+        at_gate(|_| {}, |s| s.1);
+        // Held as if for longer than the stall bound (no sleep: the clock is moved back).
+        let since = dirs.sweeper.busy.lock().expect("the sweeper is busy");
+        *dirs.sweeper.busy.lock() = Some(since - Duration::from_secs(1));
+        let next = dirs.create(root.path(), "next").unwrap();
+        dirs.remove(next.clone(), true).await.unwrap();
+        assert!(!next.exists(), "removed while the sweeper is still stuck");
+        assert!(stuck.exists(), "the stuck removal has not ended");
+        at_gate(|s| s.0 = true, |_| true);
+        first.await.unwrap();
+        assert!(!stuck.exists());
+        assert!(dirs.sweeper.busy.lock().is_none_or(|t| t <= Instant::now()));
     }
 }
