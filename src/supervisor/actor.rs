@@ -750,6 +750,9 @@ impl Shell {
         // Grants first: the next waiter has its slot before the job that freed it is answered.
         let mut grants = mem::take(&mut self.answers.grants);
         for Grant { key, reply, lease } in grants.drain(..) {
+            // Each answer wakes its caller: counted here, where it is sent, so that the
+            // caller's future carries nothing for it.
+            crate::counters::poll();
             if let Err(Ok(lease)) = reply.send(Ok(lease)) {
                 // The caller left before the hand-over: nobody saw it. Its tokens go back in
                 // hand (to the next waiter), in another pass of the turn.
@@ -763,6 +766,7 @@ impl Shell {
         // Taken and put back: the vector keeps its capacity (no allocation per answer).
         let mut outbox = mem::take(&mut self.answers.outbox);
         for answer in outbox.drain(..) {
+            crate::counters::poll();
             match answer {
                 Outgoing::Job {
                     job_id,

@@ -19,7 +19,6 @@ mod table;
 
 use std::fmt;
 use std::future::{Future, poll_fn};
-use std::mem;
 use std::path::{Path, PathBuf};
 use std::pin::{Pin, pin};
 use std::sync::Arc;
@@ -955,7 +954,7 @@ async fn await_reply<T>(
     timeout: Option<Duration>,
 ) -> Result<T, oneshot::error::RecvError> {
     if cancel.is_none() && timeout.is_none() {
-        return woken(rx).await;
+        return rx.await;
     }
     // Only what is configured exists: the timer is boxed and made only when an acquire timeout
     // is set, so that an untimed wait (the common case, and a flood's) carries no `Sleep`.
@@ -964,11 +963,7 @@ async fn await_reply<T>(
     loop {
         // Biased: the reply first, then the cancellation, then the timer. A source that fired
         // is dropped and the wait goes on.
-        let mut first = true;
         let next = poll_fn(|cx| {
-            if !mem::replace(&mut first, false) {
-                crate::counters::poll();
-            }
             if let Poll::Ready(reply) = Pin::new(&mut rx).poll(cx) {
                 return Poll::Ready(Err(reply));
             }
@@ -995,19 +990,6 @@ async fn await_reply<T>(
             }
         }
     }
-}
-
-/// A caller's wait for its answer, each wake counted (not the first poll, which only finds
-/// nothing yet).
-async fn woken<F: Future + Unpin>(mut fut: F) -> F::Output {
-    let mut first = true;
-    poll_fn(|cx| {
-        if !mem::replace(&mut first, false) {
-            crate::counters::poll();
-        }
-        Pin::new(&mut fut).poll(cx)
-    })
-    .await
 }
 
 // The handle and the futures of public async fns are `Send` (and the handle `Sync`).
