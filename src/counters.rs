@@ -73,8 +73,8 @@ pub(crate) fn task() {
 }
 
 /// One wake of leasehold's machinery: a supervisor's turn (a batch drained from its inbox), a
-/// poll of a worker's job or of a driver, the sweeper taking a removal, an answer sent to a
-/// caller (which wakes it).
+/// poll of a worker's job or of a driver, a temp dir's removal on the blocking pool, an answer
+/// sent to a caller (which wakes it).
 #[inline]
 pub(crate) fn poll() {
     #[cfg(feature = "fault-injection")]
@@ -103,9 +103,9 @@ pub struct Counts {
     /// Tasks leasehold spawned.
     pub tasks: u64,
     /// Wakes of leasehold's machinery: supervisor turns (batches drained from an inbox), polls
-    /// of workers' jobs and of drivers, removals taken by the sweeper, and answers sent to
-    /// callers (each wakes its caller; the caller's first poll, which sends the request, is
-    /// not counted).
+    /// of workers' jobs and of drivers, temp dir removals on the blocking pool, and answers
+    /// sent to callers (each wakes its caller; the caller's first poll, which sends the
+    /// request, is not counted).
     pub polls: u64,
 }
 

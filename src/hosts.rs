@@ -25,13 +25,9 @@ pub(crate) trait TempDirHost: Send + Sync + 'static {
     fn remove(&self, path: PathBuf, made: bool) -> BoxFuture<'static, io::Result<()>>;
 }
 
-/// Temp dirs on the real file system. Removals run on one thread of their own, the sweeper,
-/// fed by a channel: a job's removal costs one wake of that thread, not a hop to tokio's
-/// blocking pool and back, and a burst of removals is taken in one wake.
-#[derive(Debug, Default)]
-pub(crate) struct FsTempDirs {
-    sweeper: Sweeper,
-}
+/// Temp dirs on the real file system.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FsTempDirs;
 
 impl TempDirHost for FsTempDirs {
     fn create(&self, root: &Path, job_id: &str) -> io::Result<PathBuf> {
@@ -46,121 +42,27 @@ impl TempDirHost for FsTempDirs {
     }
 
     fn remove(&self, path: PathBuf, made: bool) -> BoxFuture<'static, io::Result<()>> {
-        // Off every runtime thread: a file system that hangs holds the sweeper (or a thread of
-        // the blocking pool), never the supervisor (nor, on a current-thread runtime,
-        // everything else).
-        let done = self.sweeper.remove(path, made);
-        Box::pin(async move {
-            done.await.unwrap_or_else(|_| {
-                Err(io::Error::other(
-                    "the temp dir's removal ended without an answer",
-                ))
-            })
-        })
-    }
-}
-
-/// Removes a job's temp dir, blocking: `made` false means the dir was never made, and only
-/// what the body may have put at its path is removed.
-fn remove_now(path: &Path, made: bool) -> io::Result<()> {
-    if !made {
-        match std::fs::symlink_metadata(path) {
-            // Nothing there, nor could there be (a work root that is a file, or that cannot be
-            // searched): the dir was never made, and nothing is removed.
-            Err(_) => return Ok(()),
-            // The body put something where its dir would have been.
-            Ok(meta) if !meta.is_dir() => return std::fs::remove_file(path),
-            Ok(_) => {}
-        }
-    }
-    match std::fs::remove_dir_all(path) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        other => other,
-    }
-}
-
-type Sweep = (PathBuf, bool, tokio::sync::oneshot::Sender<io::Result<()>>);
-
-/// The thread that removes temp dirs, one after another, started on the first removal and
-/// ended when its host is dropped (once the removal in hand is done). While it has been stuck
-/// on one removal for [`Sweeper::STALLED`] (a file system that hangs), new removals go to
-/// tokio's blocking pool instead, so that one hung directory does not hold every other job's.
-/// Every removal stays bounded by the supervisor's cleanup timeout either way.
-#[derive(Debug)]
-struct Sweeper {
-    queue: std::sync::OnceLock<std::sync::mpsc::Sender<Sweep>>,
-    /// When the removal in hand began (`None`: idle).
-    busy: Arc<parking_lot::Mutex<Option<std::time::Instant>>>,
-    /// What removes (a removal that hangs, under test).
-    remover: fn(&Path, bool) -> io::Result<()>,
-}
-
-impl Default for Sweeper {
-    fn default() -> Self {
-        Self {
-            queue: std::sync::OnceLock::new(),
-            busy: Arc::default(),
-            remover: remove_now,
-        }
-    }
-}
-
-impl Sweeper {
-    /// How long one removal may hold the sweeper before others go around it.
-    const STALLED: std::time::Duration = std::time::Duration::from_millis(250);
-
-    fn remove(&self, path: PathBuf, made: bool) -> tokio::sync::oneshot::Receiver<io::Result<()>> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let stalled = self
-            .busy
-            .lock()
-            .is_some_and(|since| since.elapsed() >= Self::STALLED);
-        let sent = match (stalled, self.queue()) {
-            (false, Some(queue)) => queue.send((path, made, tx)).map_err(|e| e.0),
-            (_, _) => Err((path, made, tx)),
-        };
-        if let Err((path, made, tx)) = sent {
-            let remover = self.remover;
-            crate::counters::task();
-            tokio::task::spawn_blocking(move || {
-                let _ = tx.send(remover(&path, made));
-            });
-        }
-        rx
-    }
-
-    /// The sweeper's queue, its thread started on first use (`None` if it cannot be).
-    fn queue(&self) -> Option<&std::sync::mpsc::Sender<Sweep>> {
-        if let Some(queue) = self.queue.get() {
-            return Some(queue);
-        }
-        let (tx, rx) = std::sync::mpsc::channel::<Sweep>();
-        let (busy, remover) = (Arc::clone(&self.busy), self.remover);
+        // On the blocking pool: a file system that hangs holds one of its threads, never the
+        // supervisor (nor, on a current-thread runtime, everything else).
         crate::counters::task();
-        let started = std::thread::Builder::new()
-            .name("leasehold-sweeper".into())
-            .spawn(move || {
-                while let Ok((path, made, done)) = rx.recv() {
-                    crate::counters::poll();
-                    *busy.lock() = Some(std::time::Instant::now());
-                    let result =
-                        std::panic::catch_unwind(|| remover(&path, made)).unwrap_or_else(|_| {
-                            Err(io::Error::other("the temp dir's removal panicked"))
-                        });
-                    *busy.lock() = None;
-                    let _ = done.send(result);
+        let task = tokio::task::spawn_blocking(move || {
+            crate::counters::poll();
+            if !made {
+                match std::fs::symlink_metadata(&path) {
+                    // Nothing there, nor could there be (a work root that is a file, or that
+                    // cannot be searched): the dir was never made, and nothing is removed.
+                    Err(_) => return Ok(()),
+                    // The body put something where its dir would have been.
+                    Ok(meta) if !meta.is_dir() => return std::fs::remove_file(&path),
+                    Ok(_) => {}
                 }
-            });
-        match started {
-            Ok(_) => {
-                let _ = self.queue.set(tx);
-                self.queue.get()
             }
-            Err(error) => {
-                tracing::warn!(%error, "no sweeper thread: temp dirs are removed on the blocking pool");
-                None
+            match std::fs::remove_dir_all(&path) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+                other => other,
             }
-        }
+        });
+        Box::pin(async move { task.await.unwrap_or_else(|e| Err(io::Error::other(e))) })
     }
 }
 
@@ -177,7 +79,7 @@ impl Hosts {
     /// The real file system, real processes, no GPU.
     pub(crate) fn os() -> Self {
         Self {
-            temp_dirs: Arc::new(FsTempDirs::default()),
+            temp_dirs: Arc::new(FsTempDirs),
             processes: Arc::new(OsProcesses),
             #[cfg(feature = "gpu")]
             gpu: None,
@@ -344,82 +246,5 @@ mod gpu {
                 })
             })
         }
-    }
-}
-
-#[cfg(test)]
-mod sweeper_tests {
-    use std::sync::Condvar;
-    use std::time::{Duration, Instant};
-
-    use super::*;
-
-    #[tokio::test]
-    async fn the_sweeper_removes_a_dir_and_what_it_holds_and_a_dir_never_made_is_no_error() {
-        let root = tempfile::tempdir().unwrap();
-        let dirs = FsTempDirs::default();
-        let dir = dirs.create(root.path(), "job").unwrap();
-        std::fs::create_dir(dir.join("sub")).unwrap();
-        std::fs::write(dir.join("sub/file"), b"x").unwrap();
-        dirs.remove(dir.clone(), true).await.unwrap();
-        assert!(!dir.exists());
-        // Already gone, and never made: both are removed.
-        dirs.remove(dir.clone(), true).await.unwrap();
-        dirs.remove(root.path().join("never-made"), false)
-            .await
-            .unwrap();
-        // A file the body put where its unmade dir would have been is removed too.
-        let stray = root.path().join("unmade");
-        std::fs::write(&stray, b"x").unwrap();
-        dirs.remove(stray.clone(), false).await.unwrap();
-        assert!(!stray.exists());
-    }
-
-    /// (the stuck removal may end, it has begun), and its signal.
-    static GATE: (std::sync::Mutex<(bool, bool)>, Condvar) =
-        (std::sync::Mutex::new((false, false)), Condvar::new());
-
-    /// Waits until `ready` holds of the gate's state, after `change` (under its lock).
-    fn at_gate(change: impl FnOnce(&mut (bool, bool)), ready: impl Fn(&(bool, bool)) -> bool) {
-        let mut state = GATE.0.lock().unwrap();
-        change(&mut state);
-        GATE.1.notify_all();
-        while !ready(&state) {
-            state = GATE.1.wait(state).unwrap();
-        }
-    }
-
-    /// A removal that hangs (for a path named `stuck`) until the gate opens.
-    fn hanging(path: &Path, made: bool) -> io::Result<()> {
-        if path.ends_with("stuck") {
-            at_gate(|s| s.1 = true, |s| s.0);
-        }
-        remove_now(path, made)
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_sweeper_stuck_on_one_removal_sends_the_next_ones_to_the_blocking_pool() {
-        let root = tempfile::tempdir().unwrap();
-        let dirs = FsTempDirs {
-            sweeper: Sweeper {
-                remover: hanging,
-                ..Sweeper::default()
-            },
-        };
-        let stuck = root.path().join("stuck");
-        std::fs::create_dir(&stuck).unwrap();
-        let first = dirs.remove(stuck.clone(), true);
-        at_gate(|_| {}, |s| s.1);
-        // Held as if for longer than the stall bound (no sleep: the clock is moved back).
-        let since = dirs.sweeper.busy.lock().expect("the sweeper is busy");
-        *dirs.sweeper.busy.lock() = Some(since - Duration::from_secs(1));
-        let next = dirs.create(root.path(), "next").unwrap();
-        dirs.remove(next.clone(), true).await.unwrap();
-        assert!(!next.exists(), "removed while the sweeper is still stuck");
-        assert!(stuck.exists(), "the stuck removal has not ended");
-        at_gate(|s| s.0 = true, |_| true);
-        first.await.unwrap();
-        assert!(!stuck.exists());
-        assert!(dirs.sweeper.busy.lock().is_none_or(|t| t <= Instant::now()));
     }
 }
