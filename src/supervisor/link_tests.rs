@@ -1,7 +1,8 @@
 //! The worker is linked to the supervisor while its body runs (a supervisor that dies takes it
 //! along) and unlinks before it ends, so that the supervisor hears no supervision event for it:
-//! the job's driver reports its end, once. A worker that cannot be spawned is the driver's
-//! report too: the job never started.
+//! the supervisor sees its end on its join handle, once. A worker that cannot be spawned is a
+//! report too: the job never started. A spawn that does not end on the supervisor's one poll
+//! is finished by a task of its own, and the job runs as any other.
 
 use tokio::sync::oneshot;
 
@@ -113,6 +114,42 @@ async fn a_worker_that_cannot_be_spawned_gives_its_slots_back_and_its_caller_hea
     // And they serve the next caller: all three at once.
     let mut lease = sup.acquire_many(3).await.unwrap();
     lease.release().await.unwrap();
+    let report = sup.shutdown().await.unwrap();
+    assert_eq!(report.quarantined, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_spawn_that_does_not_end_at_once_is_finished_off_the_mailbox_and_the_job_runs() {
+    let sup = Supervisor::builder().slots(2).start().await.unwrap();
+    // Several at once, some sharing a batch: each spawn yields in `pre_start`.
+    let jobs: Vec<_> = (0..6)
+        .map(|i| {
+            let sup = sup.clone();
+            tokio::spawn(async move {
+                let id = format!("{}-{i}", crate::worker::SPAWN_YIELDS_FOR_TEST);
+                sup.run(JobSpec::new(id).unwrap(), move |ctx| async move {
+                    let dir = ctx.temp_dir().to_path_buf();
+                    std::fs::write(dir.join("f"), b"x")?;
+                    Ok::<_, std::io::Error>((i, dir))
+                })
+                .await
+            })
+        })
+        .collect();
+    for (i, job) in jobs.into_iter().enumerate() {
+        // A guard against a hang (a spawn whose report is lost), not a race.
+        let (n, dir) = tokio::time::timeout(std::time::Duration::from_secs(60), job)
+            .await
+            .expect("the job ends")
+            .unwrap()
+            .unwrap();
+        assert_eq!(n, i);
+        assert!(!dir.exists(), "its temp dir was removed before it answered");
+    }
+    let stats = sup.stats();
+    assert_eq!(stats.held_slots, 0, "{stats:?}");
+    assert_eq!(stats.acquired_total, stats.released_total, "{stats:?}");
+    assert!(children(&sup).is_empty());
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.quarantined, 0);
 }

@@ -27,6 +27,11 @@ pub(crate) struct WorkerActor;
 #[cfg(test)]
 pub(crate) const SPAWN_REFUSED_FOR_TEST: &str = "worker-spawn-refused-under-test";
 
+/// A job of this id (or with it as a prefix) gets a worker whose `pre_start` yields once, so
+/// that its spawn does not end on the supervisor's one poll (tests only).
+#[cfg(test)]
+pub(crate) const SPAWN_YIELDS_FOR_TEST: &str = "worker-spawn-yields-under-test";
+
 /// Everything a worker needs; moved into its task and dropped there, before it stops, so
 /// nothing of the job travels inside its supervision event.
 pub(crate) struct WorkerArgs {
@@ -70,6 +75,10 @@ impl Actor for WorkerActor {
         #[cfg(test)]
         if &*args.job_id == SPAWN_REFUSED_FOR_TEST {
             return Err("this worker's spawn is refused under test".into());
+        }
+        #[cfg(test)]
+        if args.job_id.starts_with(SPAWN_YIELDS_FOR_TEST) {
+            tokio::task::yield_now().await;
         }
         Ok(WorkerState { args: Some(args) })
     }

@@ -11,9 +11,9 @@ mod context;
 mod shared;
 
 pub(crate) use crate::paths::confine;
-#[cfg(test)]
-pub(crate) use actor::SPAWN_REFUSED_FOR_TEST;
 pub(crate) use actor::{BoxedBody, WorkerActor, WorkerArgs};
+#[cfg(test)]
+pub(crate) use actor::{SPAWN_REFUSED_FOR_TEST, SPAWN_YIELDS_FOR_TEST};
 pub use context::WorkerContext;
 
 pub(crate) use shared::JobShared;
