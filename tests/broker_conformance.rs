@@ -1,124 +1,441 @@
-//! The broker conformance suite (`leasehold::conformance`, feature `conformance`): the
-//! in-process broker passes it, and brokers that break one rule each fail the check for that
-//! rule (so the suite can fail).
+//! The broker conformance suite (`leasehold::conformance`, feature `conformance`) can fail.
+//!
+//! The in-process broker and a correct waiting broker pass it. Then a gallery of brokers, each
+//! breaking exactly one promise of the `SlotBroker` contract, each failing exactly the check for
+//! that promise. Several break their promise only under concurrency (acquires racing, an
+//! acquire dropped at an await point, a waker given by the supervisor's first poll), which is
+//! where a suite that drives one supervisor at a time could not see them.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use leasehold::conformance::Conformance;
+use leasehold::conformance::{Conformance, Report};
 use leasehold::{AcquireRequest, BrokerError, LocalBroker, SlotBroker, SlotToken};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_in_process_broker_passes_the_conformance_suite() {
-    let report = Conformance::new(|| async { LocalBroker::new(3) })
-        .run()
-        .await;
-    println!("{report}");
-    report.assert_passed();
-    let skipped: Vec<_> = report.checks().iter().filter_map(|c| c.skipped()).collect();
-    // It renews nothing, so only the lost-lease check does not apply.
-    assert_eq!(skipped, ["the broker does not renew leases"], "{report}");
-}
+const SLOTS: u32 = 3;
 
-/// A broker that breaks one rule of the contract (`Fault`), otherwise the in-process pool.
-struct Faulty {
-    pool: LocalBroker,
-    fault: Fault,
-    ids: AtomicU64,
-    /// The token handed out for each of the pool's (lease ids that go down).
-    renamed: Mutex<HashMap<SlotToken, SlotToken>>,
-}
-
-#[derive(Clone, Copy, PartialEq)]
+/// One promise broken, or none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
-    /// Accepts a release of any token, granted or not.
-    AcceptsAnyRelease,
-    /// Hands out lease ids that go down.
+    None,
+    /// Capacity: reads the count, yields, then takes a slot (numbering new ones past the pool
+    /// when it has run out). Breaks only when acquires race.
+    RacyCapacity,
+    /// No double grant: the slot granted is the number of slots held, whichever is free.
+    SlotByCount,
+    /// Fencing: unique lease ids, each smaller than the last.
     LeaseIdsGoDown,
-    /// Its close fails.
+    /// Release: a release frees the slot but answers an error.
+    ReleaseAnswersErr,
+    /// FIFO: the newest waiter is served first.
+    Lifo,
+    /// Cancel safety: an acquire that leaves while it waits stays in the queue, and a slot
+    /// handed to it is lost. Breaks only when an acquire is dropped while it waits.
+    LeaverStaysQueued,
+    /// Cancel safety: takes the slot, then yields before it answers. Breaks only when the
+    /// acquire is dropped at that await point.
+    TakesThenYields,
+    /// Bad tokens: accepts a release of any token.
+    AcceptsAnyRelease,
+    /// Bad tokens: checks a release by its slot only, so a stale token frees the slot's new
+    /// holder.
+    ReleasesBySlot,
+    /// Close: every close fails.
     CloseFails,
+    /// Close: a second close fails.
+    SecondCloseFails,
+    /// Lost leases: the renewal never reports a loss.
+    NeverReportsLoss,
+    /// Ordinary futures: a waiting acquire keeps the waker of its first poll, which the
+    /// supervisor makes with a no-op waker. Breaks only under a supervisor.
+    KeepsFirstWaker,
 }
 
-impl Faulty {
-    fn new(fault: Fault) -> Self {
+/// An in-process broker that makes acquires wait (or refuses when every slot is held), renews
+/// its leases, and breaks the one promise its `Fault` names.
+struct Pool {
+    fault: Fault,
+    queues: bool,
+    state: Mutex<State>,
+    lost: tokio::sync::watch::Sender<HashSet<SlotToken>>,
+}
+
+#[derive(Default)]
+struct State {
+    free: VecDeque<u32>,
+    held: HashSet<SlotToken>,
+    /// The lease id each held slot is held under.
+    holder: HashMap<u32, u64>,
+    next_lease: u64,
+    extra_slots: u32,
+    waiters: VecDeque<u64>,
+    granted: HashMap<u64, SlotToken>,
+    wakers: HashMap<u64, Waker>,
+    next_waiter: u64,
+    closes: u32,
+}
+
+impl Pool {
+    fn new(fault: Fault, queues: bool) -> Self {
         Self {
-            pool: LocalBroker::new(3),
             fault,
-            ids: AtomicU64::new(1_000),
-            renamed: Mutex::new(HashMap::new()),
+            queues,
+            state: Mutex::new(State {
+                free: (0..SLOTS).collect(),
+                next_lease: 1,
+                ..State::default()
+            }),
+            lost: tokio::sync::watch::Sender::new(HashSet::new()),
+        }
+    }
+
+    fn lose(&self, token: SlotToken) {
+        self.lost.send_modify(|lost| {
+            lost.insert(token);
+        });
+    }
+
+    fn restore(&self) {
+        self.lost.send_modify(HashSet::clear);
+    }
+
+    fn mint(&self, state: &mut State, slot: u32) -> SlotToken {
+        let lease = state.next_lease;
+        state.next_lease += 1;
+        let lease = match self.fault {
+            Fault::LeaseIdsGoDown => 1_000_000 - lease,
+            _ => lease,
+        };
+        let token = SlotToken::new(slot, lease);
+        state.held.insert(token);
+        state.holder.insert(slot, lease);
+        token
+    }
+
+    /// A slot free now, taken.
+    fn take_now(&self, state: &mut State) -> Option<SlotToken> {
+        if self.fault == Fault::SlotByCount {
+            let held = state.held.len() as u32;
+            return (held < SLOTS).then(|| self.mint(state, held));
+        }
+        let slot = state.free.pop_front()?;
+        Some(self.mint(state, slot))
+    }
+
+    /// A slot given back: to the next waiter, or to the free list.
+    fn hand_on(&self, state: &mut State, slot: u32) {
+        if slot >= SLOTS || self.fault == Fault::SlotByCount {
+            return;
+        }
+        let next = match self.fault {
+            Fault::Lifo => state.waiters.pop_back(),
+            _ => state.waiters.pop_front(),
+        };
+        match next {
+            Some(waiter) => {
+                let token = self.mint(state, slot);
+                state.granted.insert(waiter, token);
+                if let Some(waker) = state.wakers.remove(&waiter) {
+                    waker.wake();
+                }
+            }
+            None => state.free.push_back(slot),
+        }
+    }
+
+    fn give_back(&self, state: &mut State, token: SlotToken) {
+        state.held.remove(&token);
+        if state.holder.get(&token.slot_id()) == Some(&token.lease_id()) {
+            state.holder.remove(&token.slot_id());
+        }
+        self.hand_on(state, token.slot_id());
+    }
+
+    fn unavailable() -> BrokerError {
+        BrokerError::unavailable(format!("all {SLOTS} slots are held"))
+    }
+}
+
+/// A waiting acquire.
+struct Acquire<'a> {
+    pool: &'a Pool,
+    waiter: Option<u64>,
+    done: bool,
+}
+
+impl Future for Acquire<'_> {
+    type Output = Result<SlotToken, BrokerError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let pool = self.pool;
+        let mut state = pool.state.lock();
+        let Some(waiter) = self.waiter else {
+            if let Some(token) = pool.take_now(&mut state) {
+                self.done = true;
+                return Poll::Ready(Ok(token));
+            }
+            if !pool.queues {
+                self.done = true;
+                return Poll::Ready(Err(Pool::unavailable()));
+            }
+            let waiter = state.next_waiter;
+            state.next_waiter += 1;
+            state.waiters.push_back(waiter);
+            state.wakers.insert(waiter, cx.waker().clone());
+            drop(state);
+            self.waiter = Some(waiter);
+            return Poll::Pending;
+        };
+        if let Some(token) = state.granted.remove(&waiter) {
+            drop(state);
+            self.done = true;
+            return Poll::Ready(Ok(token));
+        }
+        if pool.fault != Fault::KeepsFirstWaker {
+            state.wakers.insert(waiter, cx.waker().clone());
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for Acquire<'_> {
+    fn drop(&mut self) {
+        let (Some(waiter), false) = (self.waiter, self.done) else {
+            return;
+        };
+        if self.pool.fault == Fault::LeaverStaysQueued {
+            return;
+        }
+        let pool = self.pool;
+        let mut state = pool.state.lock();
+        state.waiters.retain(|w| *w != waiter);
+        state.wakers.remove(&waiter);
+        if let Some(token) = state.granted.remove(&waiter) {
+            pool.give_back(&mut state, token);
         }
     }
 }
 
-impl SlotBroker for Faulty {
-    async fn acquire(&self, request: AcquireRequest) -> Result<SlotToken, BrokerError> {
-        let token = self.pool.acquire(request).await?;
-        if self.fault == Fault::LeaseIdsGoDown {
-            // Unique, but each smaller than the last: no use as a fencing token.
-            let id = self.ids.fetch_sub(1, Ordering::Relaxed);
-            let renamed = SlotToken::new(token.slot_id(), id);
-            self.renamed.lock().insert(renamed, token);
-            return Ok(renamed);
+impl SlotBroker for Pool {
+    async fn acquire(&self, _request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+        match self.fault {
+            Fault::RacyCapacity => {
+                let room = self.state.lock().held.len() < SLOTS as usize;
+                if !room {
+                    return Err(Pool::unavailable());
+                }
+                tokio::task::yield_now().await;
+                let mut state = self.state.lock();
+                let slot = match state.free.pop_front() {
+                    Some(slot) => slot,
+                    None => {
+                        state.extra_slots += 1;
+                        SLOTS - 1 + state.extra_slots
+                    }
+                };
+                Ok(self.mint(&mut state, slot))
+            }
+            Fault::TakesThenYields => {
+                let token = self.take_now(&mut self.state.lock());
+                let token = token.ok_or_else(Pool::unavailable)?;
+                tokio::task::yield_now().await;
+                Ok(token)
+            }
+            _ => {
+                Acquire {
+                    pool: self,
+                    waiter: None,
+                    done: false,
+                }
+                .await
+            }
         }
-        Ok(token)
     }
 
     async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
+        let mut state = self.state.lock();
+        let known = match self.fault {
+            Fault::AcceptsAnyRelease => true,
+            Fault::ReleasesBySlot => state.holder.contains_key(&token.slot_id()),
+            _ => state.held.contains(&token),
+        };
+        if !known {
+            return Err(BrokerError::invalid_response(format!(
+                "{token} is not held"
+            )));
+        }
         let token = match self.fault {
-            Fault::LeaseIdsGoDown => match self.renamed.lock().remove(&token) {
-                Some(pool) => pool,
-                None => return Err(BrokerError::new(format!("{token} is not held"))),
-            },
+            Fault::ReleasesBySlot => {
+                let lease = state.holder[&token.slot_id()];
+                SlotToken::new(token.slot_id(), lease)
+            }
             _ => token,
         };
-        let released = self.pool.release(token).await;
+        if state.held.contains(&token) {
+            self.give_back(&mut state, token);
+        }
         match self.fault {
-            Fault::AcceptsAnyRelease => Ok(()),
-            _ => released,
+            Fault::ReleaseAnswersErr => Err(BrokerError::new("the release was not confirmed")),
+            _ => Ok(()),
         }
     }
 
     fn capacity(&self) -> Option<u32> {
-        Some(3)
+        Some(SLOTS)
+    }
+
+    fn renews(&self) -> bool {
+        true
+    }
+
+    async fn keep_alive(&self, token: SlotToken) -> BrokerError {
+        let mut lost = self.lost.subscribe();
+        loop {
+            if self.fault != Fault::NeverReportsLoss && lost.borrow_and_update().contains(&token) {
+                return BrokerError::unavailable(format!("{token} was lost"));
+            }
+            if lost.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
     }
 
     async fn close(&self) -> Result<(), BrokerError> {
+        let closes = {
+            let mut state = self.state.lock();
+            state.closes += 1;
+            state.closes
+        };
         match self.fault {
-            Fault::CloseFails => Err(BrokerError::unavailable("injected close failure")),
+            Fault::CloseFails => Err(BrokerError::unavailable(
+                "the coordinator refused the close",
+            )),
+            Fault::SecondCloseFails if closes > 1 => Err(BrokerError::new("already closed")),
             _ => Ok(()),
         }
     }
 }
 
-async fn failed_checks(fault: Fault) -> Vec<&'static str> {
-    let report = Conformance::new(move || async move { Faulty::new(fault) })
+/// The suite over fresh `Pool`s: they take their queue place on the first poll, so no settle
+/// window is needed, and a hang shows within two seconds.
+async fn suite(fault: Fault, queues: bool) -> Report {
+    let report = Conformance::new(move || async move { Pool::new(fault, queues) })
+        .settle(Duration::ZERO)
+        .step(Duration::from_secs(2))
+        .lose_with(|pool: &Pool, token| pool.lose(token), |pool| pool.restore())
         .run()
         .await;
-    println!("{report}");
+    println!("{fault:?} (queues: {queues}):\n{report}");
+    report
+}
+
+fn skipped(report: &Report) -> Vec<&'static str> {
     report
         .checks()
         .iter()
-        .filter(|c| c.failure().is_some())
+        .filter(|c| c.skipped().is_some())
         .map(|c| c.name())
         .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_broker_that_accepts_a_release_of_a_token_it_never_granted_fails_the_bad_tokens_check() {
-    assert_eq!(
-        failed_checks(Fault::AcceptsAnyRelease).await,
-        ["bad tokens"]
-    );
+async fn the_in_process_broker_passes_the_conformance_suite() {
+    let report = Conformance::new(|| async { LocalBroker::new(3) })
+        .settle(Duration::ZERO)
+        .run()
+        .await;
+    println!("{report}");
+    report.assert_passed();
+    // It refuses when every slot is held (it never queues) and renews nothing.
+    assert_eq!(skipped(&report), ["fifo", "lost leases"], "{report}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_broker_whose_close_fails_fails_the_close_check() {
-    assert_eq!(failed_checks(Fault::CloseFails).await, ["close"]);
+async fn a_correct_waiting_broker_passes_every_check_and_none_is_skipped() {
+    let report = suite(Fault::None, true).await;
+    report.assert_passed();
+    assert_eq!(skipped(&report), Vec::<&str>::new(), "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_correct_refusing_broker_passes_every_check_but_fifo() {
+    let report = suite(Fault::None, false).await;
+    report.assert_passed();
+    assert_eq!(skipped(&report), ["fifo"], "{report}");
+}
+
+/// Each broken broker fails exactly the check of the promise it breaks.
+async fn fails_only(fault: Fault, queues: bool, check: &str) {
+    let report = suite(fault, queues).await;
+    assert_eq!(report.failed(), [check], "{fault:?}:\n{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_over_grants_when_acquires_race_fails_the_capacity_check() {
+    fails_only(Fault::RacyCapacity, false, "capacity").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_grants_a_held_slot_fails_the_no_double_grant_check() {
+    fails_only(Fault::SlotByCount, false, "no double grant").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_whose_lease_ids_go_down_fails_the_fencing_check() {
-    assert_eq!(failed_checks(Fault::LeaseIdsGoDown).await, ["fencing"]);
+    fails_only(Fault::LeaseIdsGoDown, true, "fencing").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_whose_releases_answer_an_error_fails_the_release_check() {
+    fails_only(Fault::ReleaseAnswersErr, true, "release").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_serves_the_newest_waiter_first_fails_the_fifo_check() {
+    fails_only(Fault::Lifo, true, "fifo").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_hands_a_slot_to_a_waiter_that_left_fails_the_cancel_safety_check() {
+    fails_only(Fault::LeaverStaysQueued, true, "cancel safety").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_whose_acquire_takes_a_slot_before_an_await_fails_the_cancel_safety_check() {
+    fails_only(Fault::TakesThenYields, false, "cancel safety").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_accepts_a_release_of_a_token_it_never_granted_fails_the_bad_tokens_check() {
+    fails_only(Fault::AcceptsAnyRelease, true, "bad tokens").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_takes_a_stale_token_from_the_slots_new_holder_fails_the_bad_tokens_check() {
+    fails_only(Fault::ReleasesBySlot, true, "bad tokens").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_whose_close_fails_fails_the_close_check() {
+    fails_only(Fault::CloseFails, true, "close").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_whose_second_close_fails_fails_the_close_check() {
+    fails_only(Fault::SecondCloseFails, true, "close").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_whose_renewal_never_reports_a_loss_fails_the_lost_leases_check() {
+    fails_only(Fault::NeverReportsLoss, true, "lost leases").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_keeps_the_waker_of_the_first_poll_fails_the_supervised_check() {
+    fails_only(Fault::KeepsFirstWaker, true, "supervised").await;
 }

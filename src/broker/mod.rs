@@ -15,8 +15,7 @@ pub use local::LocalBroker;
 
 pub(crate) use erased::DynBroker;
 
-/// One slot held under one lease. A plain `Copy` value; the lease id doubles as a fencing token
-/// (the brokers leasehold ships hand out strictly increasing lease ids).
+/// One slot held under one lease. A plain `Copy` value; the lease id doubles as a fencing token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SlotToken {
     slot_id: u32,
@@ -34,7 +33,14 @@ impl SlotToken {
         self.slot_id
     }
 
-    /// Which lease: unique among live leases, and a fencing token for brokers that increase it.
+    /// Which lease: unique among live leases, and a fencing token.
+    ///
+    /// Increasing lease ids are **required** of every broker, not optional: each grant of a
+    /// slot carries a lease id greater than every lease id that slot was granted under before
+    /// (the brokers leasehold ships increase them across all slots). That is what lets the
+    /// protected resource refuse a stale holder's writes
+    /// ([`FencingGuard`](crate::FencingGuard)), and the conformance suite's `fencing` check
+    /// fails a broker that breaks it.
     pub const fn lease_id(&self) -> u64 {
         self.lease_id
     }
@@ -102,10 +108,41 @@ impl AcquireRequest {
 
 /// A source of slot tokens.
 ///
-/// Implementations may write `async fn` for both methods. A broker must not hand out a token
-/// that is still held; the supervisor checks anyway and refuses a token whose slot or lease id is
-/// already live (nothing is granted, and the refused token is *not* released, since releasing
-/// it could free the live holder's slot).
+/// Implementations may write `async fn` for both methods.
+///
+/// # The contract
+///
+/// A broker keeps these promises; the supervisor's guarantees rest on them, and the
+/// conformance suite (`leasehold::conformance`, feature `conformance`) has one check for each,
+/// named in brackets:
+///
+/// - **Capacity** (`capacity`). A broker whose `capacity()` is `Some(n)` never has more than
+///   `n` tokens granted and not yet released, however many acquires are in flight at once,
+///   from one supervisor or several.
+/// - **No double grant** (`no double grant`). A broker never grants a slot that is still held,
+///   and never hands out a lease id that a live token carries. The supervisor checks anyway and
+///   refuses such a token (nothing is granted, and the refused token is *not* released, since
+///   releasing it could free the live holder's slot).
+/// - **Fencing** (`fencing`). Each grant of a slot carries a lease id greater than every lease
+///   id that slot was granted under before (see [`SlotToken::lease_id`]).
+/// - **Release** (`release`). A release of a token the broker granted answers `Ok`, and the
+///   slot can be granted again.
+/// - **FIFO** (`fifo`). A broker that makes acquires wait while every slot is held serves them
+///   in the order they arrived. (A broker may instead refuse when every slot is held, as
+///   [`LocalBroker`] does.)
+/// - **Cancel safety** (`cancel safety`). An acquire dropped at any await point — before it
+///   answers, while it waits, or as a slot is being handed to it — takes nothing: a slot it had
+///   taken goes back, or to the next waiter. The supervisor drops an acquire nobody needs any
+///   more.
+/// - **Bad tokens** (`bad tokens`). A release of a token the broker did not grant, of one
+///   already released, or of a stale one (its slot now has a newer holder) is refused with an
+///   error, and takes nothing from the current holder.
+/// - **Close** (`close`). Closing again answers `Ok` at once (see [`close`](Self::close)).
+/// - **Lost leases** (`lost leases`). For a broker that [`renews`](Self::renews): the
+///   [`keep_alive`](Self::keep_alive) future resolves when the lease is lost.
+/// - **Ordinary futures** (`supervised`). Its futures are ordinary futures: each poll registers
+///   the waker it is given (the supervisor polls an acquire once with a no-op waker before it
+///   hands the future to a task), and nothing blocks the thread inside a poll.
 ///
 /// # Examples
 ///
