@@ -936,7 +936,7 @@ impl Inner {
                 let options = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
                 let mut watch = tokio::select! {
                     () = cancelled.cancelled() => return,
-                    watch = hub.watch(ahead, options) => match watch {
+                    watch = hub.watch(ahead, options, None) => match watch {
                         Ok(watch) => watch,
                         Err(_) => return,
                     },

@@ -470,6 +470,41 @@ impl EtcdBroker {
     }
 
     /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
+    /// how many cancellations etcd sent for watches of this broker that their owners still
+    /// held (a compaction passed them, a server-side cancel).
+    #[cfg(feature = "fault-injection")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+    pub fn watch_cancels_received(&self) -> u64 {
+        self.inner
+            .hub
+            .cancels_seen
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
+    /// how many creates of a watch etcd refused (each is tried again under a new id).
+    #[cfg(feature = "fault-injection")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+    pub fn watch_refusals(&self) -> u64 {
+        self.inner
+            .hub
+            .refusals
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
+    /// while `true`, a watch etcd ended is set up again under its old watch id, without
+    /// cancelling it first (which etcd refuses when it kept the id, as after a compaction).
+    #[cfg(feature = "fault-injection")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+    pub fn reuse_watch_ids(&self, reuse: bool) {
+        self.inner
+            .hub
+            .reuse_ids
+            .store(reuse, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
     /// the request marker an acquire with this request writes first. It exists from the
     /// acquire's first transaction until the release.
     #[cfg(feature = "fault-injection")]

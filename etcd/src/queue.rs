@@ -601,7 +601,7 @@ impl Inner {
             if let Some(qk) = predecessor {
                 // From now, then checked: the predecessor may have left before the watch.
                 let key = self.layout.queue_key(qk);
-                let watch = match self.hub.watch(key.clone(), WatchOptions::new()).await {
+                let watch = match self.hub.watch(key.clone(), WatchOptions::new(), None).await {
                     Ok(watch) => watch,
                     Err(_) => return self.look(ticket, false).await,
                 };
@@ -708,16 +708,12 @@ impl Inner {
         from: Option<i64>,
     ) -> Result<Option<WaitStream>, EtcdError> {
         let key = self.layout.request_key(rk);
-        let options = match from {
-            Some(revision) => WatchOptions::new().with_start_revision(revision),
-            None => WatchOptions::new(),
-        };
         let mut backoff = Duration::from_millis(20);
         loop {
             if session.is_expired() {
                 return Ok(None);
             }
-            match self.hub.watch(key.clone(), options.clone()).await {
+            match self.hub.watch(key.clone(), WatchOptions::new(), from).await {
                 Ok(marker) => return Ok(Some(WaitStream { marker, next: None })),
                 Err(Fail::Fatal(e)) => return Err(e),
                 Err(f) => {

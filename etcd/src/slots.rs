@@ -154,6 +154,7 @@ async fn watch_slots(inner: Weak<Inner>, stop: CancellationToken, task: u64) {
                 WatchOptions::new()
                     .with_prefix()
                     .with_filters([WatchFilterType::NoPut]),
+                None,
             ) => opened,
         };
         drop(hub);

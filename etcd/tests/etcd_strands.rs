@@ -1,7 +1,8 @@
 //! Nothing strands a slot: each test puts a real etcd in a state the broker once left a slot
 //! or a queue key stranded in (held by a live session that nobody uses), and checks that the
-//! pool still serves: a watch etcd cancels, a cleanup that meets an outage longer than any
-//! bound, a queue place that still holds a key, a grant of a slot index whose earlier token here
+//! pool still serves: a watch etcd cancels (asked by the client, and on its own after a
+//! compaction passed the slot watch of a stopped process), a create etcd refuses, a cleanup
+//! that meets an outage longer than any bound, a queue place that still holds a key, a grant of a slot index whose earlier token here
 //! is not released, an acquire that reuses the request id of a release still settling, and a
 //! key among the slot keys that is not a slot key.
 //!
@@ -13,10 +14,12 @@ mod etcd_support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{AlarmAction, AlarmOptions, AlarmType, Client, GetOptions, PutOptions};
+use etcd_client::{
+    AlarmAction, AlarmOptions, AlarmType, Client, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp,
+};
 use etcd_support::{
-    Etcd, Proxy, connect_pool as connect, etcd_binary, keep, slot_keys, test_config as config,
-    wait_queued, wait_until,
+    Etcd, Proxy, bench_data_base, connect_pool as connect, etcd_binary, http_get, keep, lines_of,
+    slot_keys, spawn_test_child_with_stdin, tell, test_config as config, wait_queued, wait_until,
 };
 use leasehold::{AcquireRequest, BrokerErrorKind, SlotBroker, SlotToken};
 use leasehold_etcd::EtcdBroker;
@@ -107,6 +110,307 @@ async fn a_watch_that_etcd_cancels_is_set_up_again_and_the_waiter_still_hears_it
         .unwrap();
     assert!(token.lease_id() > held.lease_id());
     waiter.release(token).await.unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// A child process: a broker whose process the test stops (SIGSTOP) and continues (SIGCONT).
+
+const CHILD_ENV: &str = "LEASEHOLD_STRANDS_CHILD";
+
+fn say(line: &str) {
+    use std::io::Write;
+    println!("{line}");
+    std::io::stdout().flush().unwrap();
+}
+
+/// A waiter on a full pool of one slot, alone in the queue (so its broker watches its marker
+/// and the slot keys, nothing else). Says `QUEUED` once both watches are in place, then answers
+/// `stats` with its watch counters, says `GRANTED {token}` (or `FAILED {error}`) when its
+/// acquire ends, and returns at `exit`.
+async fn stalled_waiter(endpoint: &str, pool: &str, reuse_ids: bool) {
+    // A TTL and call bound longer than the stop: the test stops the process, not its session.
+    let broker = Arc::new(
+        EtcdBroker::connect(
+            config(endpoint, pool, 1)
+                .ttl(Duration::from_secs(30))
+                .rpc_timeout(Duration::from_secs(5)),
+        )
+        .await
+        .unwrap(),
+    );
+    broker.reuse_watch_ids(reuse_ids);
+    let mut waiting = acquire_in_background(&broker, 2);
+    wait_until(Duration::from_secs(10), "the waiter queues", || {
+        let queued = broker.queue_key_for(&request(2)).is_some() && broker.watch_count() >= 2;
+        async move { queued }
+    })
+    .await;
+    say("QUEUED");
+    let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut token = None;
+    let mut ended = false;
+    loop {
+        tokio::select! {
+            line = lines.recv() => match line.as_deref().map(str::trim) {
+                Some("stats") => say(&format!(
+                    "STATS watches={} recreated={} cancels={} refused={}",
+                    broker.watch_count(),
+                    broker.watches_recreated(),
+                    broker.watch_cancels_received(),
+                    broker.watch_refusals(),
+                )),
+                Some("exit") | None => break,
+                Some(other) => panic!("unknown command {other:?}"),
+            },
+            done = &mut waiting, if !ended => {
+                ended = true;
+                match done.unwrap() {
+                    Ok(t) => {
+                        say(&format!("GRANTED {}", t.lease_id()));
+                        token = Some(t);
+                    }
+                    Err(e) => say(&format!("FAILED {e}")),
+                }
+            }
+        }
+    }
+    if let Some(t) = token {
+        broker.release(t).await.unwrap();
+    }
+    broker.close().await.unwrap();
+}
+
+/// The entry point of child processes; run directly (no child mode), it does nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strands_child_process() {
+    let Ok(mode) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let var = |k: &str| std::env::var(k).unwrap();
+    match mode.as_str() {
+        "stalled-waiter" => {
+            let reuse = var("LH_REUSE_IDS") == "1";
+            stalled_waiter(&var("LH_ENDPOINT"), &var("LH_POOL"), reuse).await;
+        }
+        other => panic!("unknown child mode {other}"),
+    }
+}
+
+/// The child's next line that starts with `prefix` within `within`; `None` if none came.
+fn line_within(
+    out: &std::sync::mpsc::Receiver<String>,
+    prefix: &str,
+    within: Duration,
+) -> Option<String> {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let left = deadline.checked_duration_since(std::time::Instant::now())?;
+        let line = out.recv_timeout(left).ok()?;
+        if let Some(at) = line.find(prefix) {
+            return Some(line[at..].to_owned());
+        }
+    }
+}
+
+/// The child's watch counters.
+#[derive(Debug, Clone, Copy)]
+struct Stats {
+    /// In place.
+    watches: u64,
+    /// Set up again after etcd ended them.
+    recreated: u64,
+    /// Cancels etcd sent for watches their owners held.
+    cancels: u64,
+    /// Creates etcd refused.
+    refused: u64,
+}
+
+fn child_stats(
+    child: &mut etcd_support::ChildGuard,
+    out: &std::sync::mpsc::Receiver<String>,
+) -> Stats {
+    tell(child, "stats");
+    let line = line_within(out, "STATS", Duration::from_secs(10)).expect("the child's stats");
+    let field = |name: &str| -> u64 {
+        line.split(' ')
+            .find_map(|f| f.strip_prefix(name)?.strip_prefix('='))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {line:?}"))
+    };
+    Stats {
+        watches: field("watches"),
+        recreated: field("recreated"),
+        cancels: field("cancels"),
+        refused: field("refused"),
+    }
+}
+
+/// The watchers etcd counts as slow (behind, or unable to take what it sends them).
+fn slow_watchers(etcd: &Etcd) -> f64 {
+    http_get(etcd.client_port(), "/metrics", Duration::from_secs(2))
+        .map(|m| etcd_support::metric_sum(&m, "etcd_debugging_mvcc_slow_watcher_total"))
+        .unwrap_or(0.0)
+}
+
+/// Deletions under `prefix` (keys that are not slot keys, which a broker ignores), each in its
+/// own revision, until etcd counts a slow watcher: first sixteen deletions of sixteen 60 kB keys
+/// each (15 MB of events, past the stopped client's flow-control window and socket buffers),
+/// then small ones (past the stream's buffer of responses).
+async fn flood_deletions(c: &mut Client, etcd: &Etcd, prefix: &str) {
+    let pad = "x".repeat(60_000);
+    for i in 0..16 {
+        let puts: Vec<TxnOp> = (0..16)
+            .map(|j| TxnOp::put(format!("{prefix}flood/{i:03}/{j:02}/{pad}"), "", None))
+            .collect();
+        c.txn(Txn::new().and_then(puts)).await.unwrap();
+        c.delete(
+            format!("{prefix}flood/{i:03}/"),
+            Some(DeleteOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut i = 0;
+    while slow_watchers(etcd) < 1.0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "etcd never counted the stopped watcher as slow"
+        );
+        for _ in 0..50 {
+            let key = format!("{prefix}flood-{i}");
+            c.put(key.as_str(), "", None).await.unwrap();
+            c.delete(key, None).await.unwrap();
+            i += 1;
+        }
+    }
+    // Past the point where it went slow: those deletions are what a compaction takes away.
+    for _ in 0..50 {
+        let key = format!("{prefix}flood-{i}");
+        c.put(key.as_str(), "", None).await.unwrap();
+        c.delete(key, None).await.unwrap();
+        i += 1;
+    }
+}
+
+/// A waiter's process is stopped while deletions under `slot/` flood its slot watch (deletions
+/// only), and the history it was not sent is compacted: etcd itself cancels that watch once the
+/// process goes on. Then the only holder dies, and nobody else waits: only the slot watch can
+/// tell the head its slot is free. Returns whether the head took it within 10 s, and the child's
+/// watch counters before the holder died (its broker reuses a cancelled watch's id when
+/// `reuse_ids`).
+async fn stalled_slot_watch(bin: &std::path::Path, reuse_ids: bool) -> (bool, Stats) {
+    let etcd = Etcd::start_in(bin, bench_data_base().as_deref());
+    let mut c = client(&etcd).await;
+    let pool = "compacted";
+    let holder = connect(&etcd, pool, 1).await;
+    let held = holder.acquire(request(1)).await.unwrap();
+    let renewal = keep(&holder, held);
+
+    // Another process waits at the head of the queue: its broker watches its marker, and the
+    // slot keys for deletions.
+    let mut child = spawn_test_child_with_stdin(
+        "strands_child_process",
+        CHILD_ENV,
+        "stalled-waiter",
+        &[
+            ("LH_ENDPOINT", etcd.endpoint()),
+            ("LH_POOL", pool.into()),
+            ("LH_REUSE_IDS", if reuse_ids { "1" } else { "0" }.into()),
+        ],
+    );
+    let out = lines_of(&mut child);
+    line_within(&out, "QUEUED", Duration::from_secs(60)).expect("the child queues");
+    assert_eq!(
+        child_stats(&mut child, &out).watches,
+        2,
+        "the marker's watch and the slot keys'"
+    );
+
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
+    flood_deletions(&mut c, &etcd, &format!("leasehold/{pool}/slot/")).await;
+    let revision = c.get("x", None).await.unwrap().header().unwrap().revision();
+    c.compact(revision, None).await.unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while child_stats(&mut child, &out).cancels == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "etcd never cancelled the stalled slot watch"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Given the time to set it up again (what it did shows in what it hears, below).
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut stats = child_stats(&mut child, &out);
+    while (stats.watches < 2 || stats.recreated == 0) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        stats = child_stats(&mut child, &out);
+    }
+
+    // The only other holder dies: its slot key goes with its session.
+    renewal.abort();
+    c.lease_revoke(holder.session_lease().unwrap())
+        .await
+        .unwrap();
+    let granted = line_within(&out, "GRANTED", Duration::from_secs(10)).is_some();
+    tell(&mut child, "exit");
+    if granted {
+        let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+            .await
+            .unwrap();
+        assert!(status.success(), "the child failed: {status}");
+        assert!(slot_keys(&mut c, pool).await.is_empty());
+    }
+    (granted, stats)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_watch_that_etcd_cancels_after_a_compaction_is_set_up_again_and_the_head_takes_the_freed_slot()
+ {
+    let Some(bin) = etcd_binary("a_slot_watch_that_etcd_cancels_after_a_compaction") else {
+        return;
+    };
+    let (granted, stats) = stalled_slot_watch(&bin, false).await;
+    assert!(
+        granted,
+        "the head never took the freed slot: its broker had {stats:?} before the holder died"
+    );
+    assert_eq!(stats.watches, 2, "both watches were in place again");
+    assert!(stats.recreated >= 1, "{stats:?}");
+    assert_eq!(
+        stats.refused, 0,
+        "a fresh watch id is never refused: {stats:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_create_that_etcd_refuses_is_counted_and_set_up_again_under_a_new_id() {
+    let Some(bin) = etcd_binary("a_watch_create_that_etcd_refuses") else {
+        return;
+    };
+    // The broker sets the cancelled watch up again under its old id, which etcd still holds
+    // after a compaction's cancel: etcd refuses that create (a duplicate watch id).
+    let (granted, stats) = stalled_slot_watch(&bin, true).await;
+    assert!(stats.refused >= 1, "etcd refused the reused id: {stats:?}");
+    assert!(
+        granted,
+        "the head never took the freed slot: its broker had {stats:?} before the holder died"
+    );
+    assert_eq!(
+        stats.watches, 2,
+        "in place again, under a new id: {stats:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
