@@ -37,6 +37,7 @@ pub struct LocalBroker {
     state: Mutex<LocalState>,
 }
 
+#[cfg_attr(test, derive(Clone, Debug, Hash))]
 struct LocalState {
     capacity: u32,
     free: VecDeque<u32>,
@@ -132,6 +133,25 @@ impl LocalBroker {
                 "{token} is not held by this broker"
             ))),
         }
+    }
+}
+
+/// A copy of the pool as it is now (the exhaustive exploration of the core forks its world).
+#[cfg(test)]
+impl Clone for LocalBroker {
+    fn clone(&self) -> Self {
+        Self {
+            state: Mutex::new(self.state.lock().clone()),
+        }
+    }
+}
+
+#[cfg(test)]
+impl LocalBroker {
+    /// Everything that decides what the pool does next, hashed (free order, holders, next id).
+    pub(crate) fn fingerprint(&self, into: &mut impl std::hash::Hasher) {
+        use std::hash::Hash;
+        self.state.lock().hash(into);
     }
 }
 

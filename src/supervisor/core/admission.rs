@@ -55,6 +55,7 @@ struct Entry {
 
 /// The waiters: FIFO within each priority class, the earliest deadline first across classes,
 /// with O(1) withdrawal (lazy deletion).
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug, Default)]
 pub(super) struct WaitQueue {
     classes: [VecDeque<Entry>; Priority::COUNT],
@@ -230,6 +231,7 @@ pub(super) struct Served {
 
 /// A waiter being served that gathers its tokens (a multi-slot request at the head of the
 /// queue, or a `try_acquire` caller whose tokens are on their way).
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 struct Gather {
     served: Served,
@@ -243,6 +245,7 @@ impl Gather {
 }
 
 /// Admission's state. Its one granting function is [`Core::admit`].
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 pub(super) struct Admission {
     /// The capacity in force: the broker's (or the pool's size), capped by the GPU sub-slots.

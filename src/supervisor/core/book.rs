@@ -76,6 +76,7 @@ impl Part {
     }
 }
 
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 pub(crate) struct Book {
     records: FxHashMap<LeaseKey, LeaseRecord>,

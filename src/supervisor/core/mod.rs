@@ -81,6 +81,7 @@ pub(crate) struct Figures {
 }
 
 /// The effects of the inputs applied so far, in order.
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug, Default)]
 pub(crate) struct Effects(VecDeque<Effect>);
 
@@ -121,6 +122,7 @@ pub(crate) fn capacity(broker: Option<u32>, gpu_slots: Option<u32>) -> Option<u3
 }
 
 /// The core: admission, the lease book, shutdown, the counters and the effects.
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 pub(crate) struct Core {
     renews: bool,

@@ -148,7 +148,7 @@ impl Core {
             r.reasons.retain(|x| x.proof != proof);
             r.reasons.push(Reason { proof, why, detail });
             if io.is_some() {
-                r.io = io;
+                r.io = io.map(super::record::KeptIo);
             }
             true
         });

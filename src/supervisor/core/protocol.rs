@@ -213,6 +213,7 @@ pub(crate) enum Input {
 }
 
 /// The answer a lease's caller gets once its pipeline has ended (or been quarantined).
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 pub(crate) enum Answer {
     /// A job's `run`: no body ran when `unprepared` says why; `cleanup` is the release's result
@@ -244,6 +245,7 @@ pub(crate) struct WaitingEntry {
 }
 
 /// A control call's answer.
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 pub(crate) enum Reply {
     /// `cancel`: whether a job with that id waited or held a lease not yet releasing.
@@ -271,6 +273,7 @@ pub(crate) struct StopTally {
 }
 
 /// What the shell must do, in order.
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 pub(crate) enum Effect {
     /// Start a broker acquire (poll it once; otherwise run it in a task that reports

@@ -156,6 +156,7 @@ impl Core {
 }
 
 /// A reclaim whose re-checks are not all in: the temp dirs it retries are being removed.
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 pub(super) struct PendingReclaim {
     control: ControlId,

@@ -233,6 +233,7 @@ pub(crate) enum Removal {
 }
 
 /// The broker release of a lease's tokens.
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 pub(crate) enum Release {
     /// Not started: every token is held.
@@ -270,6 +271,7 @@ pub(crate) enum Stop {
 }
 
 /// One lease: what it holds, what it still owes, why it is quarantined.
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 pub(crate) struct LeaseRecord {
     pub(crate) token: SlotToken,
@@ -289,7 +291,19 @@ pub(crate) struct LeaseRecord {
     /// Why no body ran (the job could not be prepared), for its caller's answer.
     pub(crate) unprepared: Option<Box<PrepareError>>,
     /// Why the temp dir could not be removed, kept for the early answer.
-    pub(crate) io: Option<io::Error>,
+    pub(crate) io: Option<KeptIo>,
+}
+
+/// The file system's error for a temp dir that could not be removed, kept for the caller.
+/// (Cloned, for the exhaustive exploration's states, as its kind and message.)
+#[derive(Debug)]
+pub(crate) struct KeptIo(pub(crate) io::Error);
+
+#[cfg(test)]
+impl Clone for KeptIo {
+    fn clone(&self) -> Self {
+        Self(io::Error::new(self.0.kind(), self.0.to_string()))
+    }
 }
 
 impl LeaseRecord {
@@ -421,7 +435,7 @@ impl LeaseRecord {
             CleanupError::unconfirmed(self.token, detail, None)
         };
         match self.io.take() {
-            Some(io) => err.with_io(io),
+            Some(KeptIo(io)) => err.with_io(io),
             None => err,
         }
     }

@@ -29,6 +29,7 @@ enum Stage {
 }
 
 /// Where the supervisor is in its life, and what its shutdown did.
+#[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 pub(super) struct Ending {
     stage: Stage,

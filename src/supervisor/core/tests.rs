@@ -4,6 +4,7 @@
 //! after every grant.
 
 mod edges;
+mod explore;
 mod model;
 mod pool_model;
 
