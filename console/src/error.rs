@@ -39,6 +39,15 @@ pub mod codes {
     pub const CONSOLE_REQUEST_TIMEOUT: &str = "CONSOLE_REQUEST_TIMEOUT";
     /// 415: an action whose `Content-Type` is not `application/json`. Nothing was changed.
     pub const CONSOLE_UNSUPPORTED_MEDIA_TYPE: &str = "CONSOLE_UNSUPPORTED_MEDIA_TYPE";
+    /// 409: what the user confirmed is not what the action would act on now, and nothing was
+    /// done: a cancel's lease is no longer that job's (it ended, or its release began), a
+    /// slot the user did not confirm is quarantined now, or the capacity is not the one the
+    /// user saw.
+    pub const CONSOLE_TARGET_CHANGED: &str = "CONSOLE_TARGET_CHANGED";
+    /// 409: a cancel of one job's lease when its job id also names another caller (a second
+    /// run of the same id that holds a slot or waits): leasehold cancels by job id, so the
+    /// cancel would reach both. Nothing was cancelled.
+    pub const CONSOLE_TARGET_AMBIGUOUS: &str = "CONSOLE_TARGET_AMBIGUOUS";
     /// 409: the supervisor refused the action (its own code is in `cause`, e.g.
     /// `LEASE_BROKER_UNSUPPORTED` for a resize on a broker other than the in-process pool).
     pub const CONSOLE_REFUSED: &str = "CONSOLE_REFUSED";
@@ -51,6 +60,10 @@ pub mod codes {
     /// [`ConsoleError::InvalidToken`](super::ConsoleError::InvalidToken): an actions token
     /// that is too short or not printable ASCII.
     pub const CONSOLE_TOKEN_INVALID: &str = "CONSOLE_TOKEN_INVALID";
+    /// [`ConsoleError::InvalidLabel`](super::ConsoleError::InvalidLabel): a
+    /// [`JobNote`](crate::JobNote) label that is empty, too long, or not made of ASCII
+    /// letters, digits, `_` and `-`.
+    pub const CONSOLE_LABEL_INVALID: &str = "CONSOLE_LABEL_INVALID";
     /// [`ConsoleError::Random`](super::ConsoleError::Random): the operating system's random
     /// source failed.
     pub const CONSOLE_RANDOM_FAILED: &str = "CONSOLE_RANDOM_FAILED";
@@ -78,6 +91,13 @@ pub enum ConsoleError {
         /// What is wrong with it (never the token itself).
         why: &'static str,
     },
+    /// A [`JobNote`](crate::JobNote) label that is empty, longer than
+    /// [`MAX_LABEL_LEN`](crate::MAX_LABEL_LEN), or has a character other than an ASCII
+    /// letter, a digit, `_` or `-`. Code `CONSOLE_LABEL_INVALID`.
+    InvalidLabel {
+        /// What is wrong with it.
+        why: &'static str,
+    },
     /// The operating system's random source failed
     /// ([`ActionsToken::random`](super::ActionsToken::random)). Code `CONSOLE_RANDOM_FAILED`.
     Random {
@@ -93,11 +113,12 @@ pub enum ConsoleError {
 
 impl ConsoleError {
     /// The stable code: `CONSOLE_BIND_FAILED`, `CONSOLE_TOKEN_INVALID`,
-    /// `CONSOLE_RANDOM_FAILED` or `CONSOLE_SERVER_FAILED`.
+    /// `CONSOLE_LABEL_INVALID`, `CONSOLE_RANDOM_FAILED` or `CONSOLE_SERVER_FAILED`.
     pub fn code(&self) -> &'static str {
         match self {
             Self::Bind { .. } => codes::CONSOLE_BIND_FAILED,
             Self::InvalidToken { .. } => codes::CONSOLE_TOKEN_INVALID,
+            Self::InvalidLabel { .. } => codes::CONSOLE_LABEL_INVALID,
             Self::Random { .. } => codes::CONSOLE_RANDOM_FAILED,
             Self::Server { .. } => codes::CONSOLE_SERVER_FAILED,
         }
@@ -109,6 +130,7 @@ impl fmt::Display for ConsoleError {
         match self {
             Self::Bind { addr, .. } => write!(f, "the console could not listen on {addr}"),
             Self::InvalidToken { why } => write!(f, "invalid console actions token: {why}"),
+            Self::InvalidLabel { why } => write!(f, "invalid job label: {why}"),
             Self::Random { message } => write!(f, "no secure random bytes: {message}"),
             Self::Server { .. } => f.write_str("the console's HTTP server failed"),
         }
@@ -119,7 +141,7 @@ impl std::error::Error for ConsoleError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Bind { source, .. } | Self::Server { source } => Some(source),
-            Self::InvalidToken { .. } | Self::Random { .. } => None,
+            Self::InvalidToken { .. } | Self::InvalidLabel { .. } | Self::Random { .. } => None,
         }
     }
 }
@@ -158,6 +180,10 @@ impl ApiError {
 
     pub(crate) fn forbidden(code: &'static str, message: impl Into<String>) -> Self {
         Self::new(StatusCode::FORBIDDEN, code, message)
+    }
+
+    pub(crate) fn conflict(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, code, message)
     }
 
     pub(crate) fn not_found(message: impl Into<String>) -> Self {

@@ -36,29 +36,41 @@
 //!   work is owed dark orange, the broker release green; quarantined is red.
 //! - **Timeline**: per slot, the last minute, in the same colours (its own route, refreshed
 //!   about once a second).
-//! - **Last five minutes**: per second, the throughput (job ends), the queue's depth, the
-//!   wait (p50 and p99, as the queue listing showed it) and the drain (p99, from the body's end
-//!   to the release), drawn in the page (SVG).
+//! - **Last five minutes**: per second, the throughput (the job ends the console saw), the
+//!   queue's depth, the wait (p50 and p99, as the queue listing showed it) and the drain (p99,
+//!   from the body's end to the release), drawn in the page (SVG) with a time axis (a minute
+//!   while the console is younger than that), a y scale from 0 and a legend; "now" is the last
+//!   second that has ended (the one in progress has not counted all its ends), and a value
+//!   without a neighbour is a dot.
 //! - **GPU devices** (with GPU slots): per device its adapter, sub-slots in use, leases
 //!   waiting for its fence, and whether it is lost and how often it was re-created
 //!   ([`Supervisor::gpu_devices`](leasehold::Supervisor::gpu_devices)).
 //! - **Queue**: how many callers wait for a slot, the first of them in the order they are
 //!   served (job, class, slots, wait: [`Supervisor::waiters`](leasehold::Supervisor::waiters)),
-//!   and a search by job id over all of them.
+//!   and a search by job id over all of them. The listing is asked for about once a second, the
+//!   lanes ten times a second: a job the lease table shows granted since the listing was asked
+//!   for is left out, so the queue never lists a job that the same frame shows holding a slot.
 //! - **Quarantine**: every quarantined slot with its job and the reason its physical end could
 //!   not be proven.
 //! - **Stats**: the [`Stats`](leasehold::Stats) counters.
 //! - **History**: the last job ends ([`ConsoleBuilder::history`], default
-//!   [`DEFAULT_HISTORY`]), newest first, with a filter by code and a search by job id: each
-//!   with its stable code when the embedder reports results through [`Outcomes`] (its acquire,
-//!   body and cleanup errors each on its own); otherwise as observed (the lease left the
-//!   table), marked "code not reported". A row opens the job's detail: its slot and lease,
-//!   how long it waited (as the queue listing showed), ran, drained (with the time of each
-//!   proof: the worker, tracked tasks, GPU work, the temp dir) and took to release, as sampled.
+//!   [`DEFAULT_HISTORY`]), newest first, 25 to a page, with a filter by code (or the embedder's
+//!   label) and a search by job id: each with its stable code when the embedder reports results
+//!   through [`Outcomes`] (its acquire, body and cleanup errors each on its own, one phrase
+//!   each), and the embedder's own label and note when it gives them ([`JobNote`]: a frame
+//!   rendered already shows as `SKIPPED`); otherwise as observed (the lease left the table),
+//!   marked "code not reported". A row opens the job's detail in a dialog over the page: its
+//!   slot and lease, how long it waited (as the queue listing showed), ran, drained (with the
+//!   time of each proof: the worker, tracked tasks, GPU work, the temp dir) and took to
+//!   release, as sampled. The page's height stays bounded whatever the history's size.
 //! - **Actions** (when turned on): the token field, cancel by job id (also a button on each
-//!   job's lane; each asks to confirm first, and a cancel shows "requested" until the job's
-//!   end arrives), reclaim quarantined slots (next to the quarantine), resize; each answer is
-//!   shown with its status and code.
+//!   job's lane), reclaim quarantined slots (next to the quarantine), resize. Each names what
+//!   it acts on and asks to confirm: the first click arms the button with the question (the
+//!   job and its lease, the quarantined slots, the capacity from and to), the second sends
+//!   exactly that; an armed button whose target changes (its lane passed to another job)
+//!   disarms, and the server refuses an action whose target has changed since
+//!   (`CONSOLE_TARGET_CHANGED`). Each answer shows next to its button, with its status and
+//!   code; a cancel says "requested" until the job's end arrives.
 //! - **Pause** stops applying updates (the connection stays open), so that the page can be
 //!   read; rows are updated in place, so a selection or a tooltip survives the updates.
 //!
@@ -101,12 +113,12 @@
 //! | `/` , `/console.js`, `/console.css` | `GET` | the page |
 //! | `/api/snapshot` | `GET` | the latest frame (JSON; a few KB whatever the queue and the history) |
 //! | `/api/timeline` | `GET` | per slot, the last minute's segments, and the charts of the last five minutes (refreshed about once a second) |
-//! | `/api/history` | `GET` | `?code=..&q=..&limit=..`: the job ends, newest first, filtered by code (`unreported`: none yet) and searched by job id |
-//! | `/api/queue` | `GET` | `?q=..&limit=..`: the waiting callers of the last listing, in the order they are served, searched by job id |
+//! | `/api/history` | `GET` | `?code=..&q=..&limit=..&before=..`: the job ends, newest first, filtered by code or label (`unreported`: none yet) and searched by job id; `before` (a row's `seq`) gives the page after that row; `matched` and `newer` say where the page stands |
+//! | `/api/queue` | `GET` | `?q=..&limit=..`: the waiting callers of the last listing (less those granted since), in the order they are served, searched by job id |
 //! | `/api/events` | `GET` | server-sent events: one frame per message, ten a second |
-//! | `/api/actions/cancel` | `POST` | `{"job_id": "render-7"}` → `{"ok": true, "cancel_requested": true, ..}` (a request: the job ends in its own time); 404 when no such job waits or runs |
-//! | `/api/actions/reclaim` | `POST` | `{}` → the reclaimed and still quarantined slots |
-//! | `/api/actions/resize` | `POST` | `{"slots": 8}` → `{"ok": true, "capacity": 8}` |
+//! | `/api/actions/cancel` | `POST` | `{"job_id": "render-7", "lease_id": 42}` → `{"ok": true, "cancel_requested": true, ..}` (a request: the job ends in its own time); 409 `CONSOLE_TARGET_CHANGED` when lease 42 is no longer that job's, 409 `CONSOLE_TARGET_AMBIGUOUS` when the job id names another caller too; 404 when no such job waits or runs. Without `lease_id`, every job of that id |
+//! | `/api/actions/reclaim` | `POST` | `{"lease_ids": [3]}` (or `{}`: whatever is quarantined) → the reclaimed and still quarantined slots; 409 `CONSOLE_TARGET_CHANGED` when a lease not named is quarantined |
+//! | `/api/actions/resize` | `POST` | `{"slots": 8, "from": 4}` → `{"ok": true, "capacity": 8}`; 409 `CONSOLE_TARGET_CHANGED` when the capacity is not `from` |
 //!
 //! A refusal is `{"error": {"code": "CONSOLE_FORBIDDEN", "message": "..."}}`, with a
 //! `"cause"` holding the supervisor's own code when it is the supervisor that refused.
@@ -133,7 +145,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 pub use error::{ConsoleError, codes};
-pub use outcomes::{DEFAULT_HISTORY, Outcomes};
+pub use outcomes::{DEFAULT_HISTORY, JobNote, MAX_LABEL_LEN, Outcomes};
 
 use leasehold::Supervisor;
 
@@ -410,7 +422,7 @@ impl ConsoleBuilder {
         let stop = CancellationToken::new();
         let outcomes = Outcomes::new(t0, history);
         let reasons: sampler::Reasons = Arc::new(Mutex::new(Default::default()));
-        let waiters: sampler::Waiters = Arc::new(Mutex::new(Vec::new()));
+        let waiters: sampler::Waiters = Arc::new(Mutex::new(sampler::Listing::default()));
         let mut first = sampler::Sampler::new(
             supervisor.clone(),
             t0,

@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::error::{ApiError, codes};
 use super::{ActionsToken, BODY_TIMEOUT, MAX_ACTION_BODY, MAX_RESIZE_SLOTS, MAX_STREAMS};
-use leasehold::{JobSpec, Supervisor};
+use leasehold::{JobSpec, LeasePhase, Supervisor};
 
 const INDEX_HTML: &str = include_str!("assets/index.html");
 const CONSOLE_JS: &str = include_str!("assets/console.js");
@@ -203,13 +203,15 @@ async fn timeline(State(app): State<Arc<App>>) -> Response {
     json(StatusCode::OK, timeline.to_string())
 }
 
-/// A query's parameters: `?code=..&q=..&limit=..` (each optional).
+/// A query's parameters: `?code=..&q=..&limit=..&before=..` (each optional).
 #[derive(Deserialize)]
 struct Find {
     code: Option<String>,
     #[serde(default)]
     q: String,
     limit: Option<usize>,
+    /// The history's rows older than this row (`seq`): the next page.
+    before: Option<u64>,
 }
 
 /// The most rows one answer lists.
@@ -224,27 +226,34 @@ fn find(query: Result<Query<Find>, QueryRejection>) -> Result<Find, ApiError> {
     Ok(find)
 }
 
-/// The history of job ends, newest first: filtered by `code` (`unreported` for an end without
-/// one), searched by job id (`q`), at most `limit` (default and most 500).
+/// The history of job ends, newest first: filtered by `code` (a code or an embedder's label;
+/// `unreported` for an end without a code), searched by job id (`q`), the rows older than the
+/// row `before` (its `seq`: the next page), at most `limit` (default and most 500). Says how
+/// many rows the history holds (`total`), how many match (`matched`), and how many of those
+/// are newer than this page (`newer`).
 async fn history(
     State(app): State<Arc<App>>,
     query: Result<Query<Find>, QueryRejection>,
 ) -> Response {
     answer(query, |find, limit| {
         let code = find.code.as_deref().filter(|c| !c.is_empty());
-        let (rows, total) = app.outcomes.log().query(code, &find.q, limit);
-        serde_json::json!({ "total": total, "rows": rows })
+        let page = app.outcomes.log().query(code, &find.q, find.before, limit);
+        serde_json::to_value(&page).expect("a page always serializes")
     })
 }
 
-/// The waiting callers of the last listing (about once a second), in the order they are
-/// served: searched by job id (`q`), at most `limit` (default and most 500).
+/// The waiting callers of the last listing (about once a second) that the lease table does
+/// not show granted since, in the order they are served: searched by job id (`q`), at most
+/// `limit` (default and most 500).
 async fn queue(
     State(app): State<Arc<App>>,
     query: Result<Query<Find>, QueryRejection>,
 ) -> Response {
     answer(query, |find, limit| {
-        let (rows, listed) = crate::sampler::search_waiters(&app.waiters, &find.q, limit);
+        let leases = app.sup.leases();
+        let now = tokio::time::Instant::now();
+        let (rows, listed) =
+            crate::sampler::search_waiters(&app.waiters, (&leases, now), &find.q, limit);
         serde_json::json!({ "listed": listed, "rows": rows })
     })
 }
@@ -385,14 +394,18 @@ fn check_token(headers: &HeaderMap, token: &ActionsToken) -> Result<(), ApiError
         });
     // `ct_eq` on slices returns at once for different lengths (the length is not the secret:
     // it is at least MIN_TOKEN_LEN); for equal lengths it looks at every byte.
-    let ok = given.is_some_and(|given| bool::from(given.ct_eq(token.secret.as_bytes())));
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::forbidden(
+    match given {
+        Some(given) if bool::from(given.ct_eq(token.secret.as_bytes())) => Ok(()),
+        // The same code either way (nothing changed); the words say which it was.
+        Some(_) => Err(ApiError::forbidden(
             codes::CONSOLE_FORBIDDEN,
-            "this action needs the console's token in an `Authorization: Bearer` header",
-        ))
+            "the token is wrong: it is not this console's actions token",
+        )),
+        None => Err(ApiError::forbidden(
+            codes::CONSOLE_FORBIDDEN,
+            "no token: this action needs the console's token in an `Authorization: Bearer` \
+             header",
+        )),
     }
 }
 
@@ -445,30 +458,50 @@ async fn read_limited(headers: &HeaderMap, body: Body) -> Result<axum::body::Byt
 #[serde(deny_unknown_fields)]
 struct CancelBody {
     job_id: String,
+    /// The lease the user confirmed the cancel of: refused when it is no longer that job's.
+    #[serde(default)]
+    lease_id: Option<u64>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ReclaimBody {}
+struct ReclaimBody {
+    /// The quarantined leases the user confirmed: refused when another one is quarantined.
+    #[serde(default)]
+    lease_ids: Option<Vec<u64>>,
+}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ResizeBody {
     slots: u32,
+    /// The capacity the user saw when confirming: refused when it is another now.
+    #[serde(default)]
+    from: Option<u32>,
 }
 
-/// `POST /api/actions/cancel` `{"job_id": ".."}`: [`Supervisor::cancel`]. 404 when no job of
-/// that id waits or runs.
+/// `POST /api/actions/cancel` `{"job_id": "..", "lease_id": n}`: [`Supervisor::cancel`]. With
+/// a `lease_id` (the page always sends the one the user confirmed), the cancel is refused with
+/// `CONSOLE_TARGET_CHANGED` when that lease is not the job's running or draining lease any more,
+/// and with `CONSOLE_TARGET_AMBIGUOUS` when the job id also names another caller (leasehold
+/// cancels by job id: the cancel would reach it too). 404 when no job of that id waits or runs.
+///
+/// The check reads the lease table and the cancel follows it at once; leasehold's public API
+/// cancels by job id, so a second run of the same id granted a slot in between would be
+/// cancelled too.
 async fn cancel(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let CancelBody { job_id } = app.action(&headers, body).await?;
+    let CancelBody { job_id, lease_id } = app.action(&headers, body).await?;
     // The same boundary check a job's id passes, so that no id the supervisor would refuse is
     // sent to it.
     if let Err(e) = JobSpec::new(job_id.as_str()) {
         return Err(ApiError::bad_request(format!("not a job id: {e}")).with_cause(e.code()));
+    }
+    if let Some(lease_id) = lease_id {
+        confirmed_lease(&app, &job_id, lease_id)?;
     }
     let found = app
         .sup
@@ -481,17 +514,105 @@ async fn cancel(
         )));
     }
     // A request: the job ends in its own time (its outcome says how).
-    let body = serde_json::json!({ "ok": true, "job_id": job_id, "cancel_requested": true });
+    let body = serde_json::json!({
+        "ok": true,
+        "job_id": job_id,
+        "lease_id": lease_id,
+        "cancel_requested": true,
+    });
     Ok(json(StatusCode::OK, body.to_string()))
 }
 
-/// `POST /api/actions/reclaim` `{}`: [`Supervisor::reclaim_quarantined`].
+/// Whether `lease_id` is `job_id`'s running or draining lease now, and the only caller that
+/// job id names (no other lease of it in the table, none of it still waiting in the last
+/// listing).
+fn confirmed_lease(app: &App, job_id: &str, lease_id: u64) -> Result<(), ApiError> {
+    let leases = app.sup.leases();
+    let now = tokio::time::Instant::now();
+    let changed = |why: String| {
+        ApiError::conflict(
+            codes::CONSOLE_TARGET_CHANGED,
+            format!("nothing was cancelled: {why}"),
+        )
+    };
+    let Some(lease) = leases
+        .iter()
+        .find(|l| l.tokens.first().is_some_and(|t| t.lease_id() == lease_id))
+    else {
+        return Err(changed(format!(
+            "lease {lease_id} has ended: it is no longer `{job_id}`'s"
+        )));
+    };
+    if lease.job_id.as_deref() != Some(job_id) {
+        let holder = lease.job_id.as_deref().unwrap_or("an explicit lease");
+        return Err(changed(format!(
+            "lease {lease_id} is `{holder}`'s, not `{job_id}`'s"
+        )));
+    }
+    if !matches!(lease.phase, LeasePhase::Running | LeasePhase::Draining) {
+        return Err(changed(format!(
+            "the release of `{job_id}`'s lease {lease_id} has begun: a cancel no longer reaches \
+             it"
+        )));
+    }
+    let ambiguous = |what: &str| {
+        ApiError::conflict(
+            codes::CONSOLE_TARGET_AMBIGUOUS,
+            format!(
+                "nothing was cancelled: the job id `{job_id}` also names {what}, and a cancel by \
+                 job id would reach it too"
+            ),
+        )
+    };
+    if let Some(other) = leases.iter().find(|l| {
+        l.job_id.as_deref() == Some(job_id)
+            && l.tokens.first().is_some_and(|t| t.lease_id() != lease_id)
+    }) {
+        let other = other.tokens.first().map_or(0, |t| t.lease_id());
+        return Err(ambiguous(&format!("lease {other}")));
+    }
+    let waiting = app
+        .waiters
+        .lock()
+        .still_waiting(&leases, now)
+        .any(|w| w.job_id.as_deref() == Some(job_id));
+    if waiting {
+        return Err(ambiguous("a caller waiting for a slot"));
+    }
+    Ok(())
+}
+
+/// `POST /api/actions/reclaim` `{"lease_ids": [..]}`: [`Supervisor::reclaim_quarantined`].
+/// With `lease_ids` (the page sends those the user confirmed), refused with
+/// `CONSOLE_TARGET_CHANGED` when a lease not named is quarantined now (the reclaim would check
+/// it too); `{}` reclaims whatever is quarantined.
 async fn reclaim(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let ReclaimBody {} = app.action(&headers, body).await?;
+    let ReclaimBody { lease_ids } = app.action(&headers, body).await?;
+    if let Some(confirmed) = lease_ids {
+        let now = app
+            .sup
+            .quarantined()
+            .await
+            .map_err(|e| ApiError::from_supervisor(e.code(), &e))?;
+        if let Some(other) = now
+            .iter()
+            .find(|q| !confirmed.contains(&q.token.lease_id()))
+        {
+            return Err(ApiError::conflict(
+                codes::CONSOLE_TARGET_CHANGED,
+                format!(
+                    "nothing was reclaimed: slot {} (lease {}) is quarantined too, and was not \
+                     among the slots confirmed",
+                    other.token.slot_id(),
+                    other.token.lease_id()
+                ),
+            ));
+        }
+    }
     let report = app
         .sup
         .reclaim_quarantined()
@@ -519,18 +640,29 @@ async fn reclaim(
     Ok(json(StatusCode::OK, body.to_string()))
 }
 
-/// `POST /api/actions/resize` `{"slots": n}`: [`Supervisor::resize`], for `n` in
-/// `1..=MAX_RESIZE_SLOTS`.
+/// `POST /api/actions/resize` `{"slots": n, "from": m}`: [`Supervisor::resize`], for `n` in
+/// `1..=MAX_RESIZE_SLOTS`. With `from` (the page sends the capacity the user saw), refused with
+/// `CONSOLE_TARGET_CHANGED` when the capacity is another now.
 async fn resize(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let ResizeBody { slots } = app.action(&headers, body).await?;
+    let ResizeBody { slots, from } = app.action(&headers, body).await?;
     if slots > MAX_RESIZE_SLOTS {
         return Err(ApiError::bad_request(format!(
             "the console resizes to at most {MAX_RESIZE_SLOTS} slots"
         )));
+    }
+    if let Some(from) = from {
+        let now = app.sup.stats().capacity;
+        if now != Some(from as usize) {
+            let now = now.map_or_else(|| "unknown".to_owned(), |c| c.to_string());
+            return Err(ApiError::conflict(
+                codes::CONSOLE_TARGET_CHANGED,
+                format!("nothing was resized: the capacity is {now} now, not the {from} confirmed"),
+            ));
+        }
     }
     let capacity = app
         .sup

@@ -10,7 +10,7 @@
 //! and only while a slot is quarantined, or a caller waits. It runs apart from the sampler so
 //! that a busy actor never delays a frame.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -31,8 +31,45 @@ use leasehold::{
 /// The quarantine reasons last heard from the supervisor, by lease id.
 pub(crate) type Reasons = Arc<Mutex<HashMap<u64, QuarantinedSlot>>>;
 
-/// The waiting callers last heard from the supervisor, in the order they are served.
-pub(crate) type Waiters = Arc<Mutex<Vec<WaiterInfo>>>;
+/// The waiting callers last heard from the supervisor, in the order they are served, and when
+/// they were asked for.
+pub(crate) type Waiters = Arc<Mutex<Listing>>;
+
+/// One answer of [`Supervisor::waiters`].
+#[derive(Debug, Default)]
+pub(crate) struct Listing {
+    /// When it was asked for: a caller granted a slot since is not waiting any more, though
+    /// the listing still has it.
+    pub(crate) asked: Option<Instant>,
+    /// The callers, in the order they are served.
+    pub(crate) rows: Vec<WaiterInfo>,
+}
+
+impl Listing {
+    /// The listed callers that still wait as far as `leases` (a snapshot taken just before
+    /// `now`) shows: the listing is about a second old, the lease table is not, and a job whose
+    /// lease started after the listing was asked for holds its slot now, whatever the listing
+    /// says. (A job of the same id that held its slot before the listing was asked for is
+    /// another caller: it stays listed.)
+    pub(crate) fn still_waiting<'a>(
+        &'a self,
+        leases: &[LeaseInfo],
+        now: Instant,
+    ) -> impl Iterator<Item = &'a WaiterInfo> + 'a {
+        let asked = self.asked;
+        let granted: HashSet<Arc<str>> = leases
+            .iter()
+            .filter(|l| {
+                // Its start as seen from `now`, which is after the snapshot: never too early.
+                asked.is_some_and(|asked| now.checked_sub(l.held_for).is_some_and(|s| s >= asked))
+            })
+            .filter_map(|l| l.job_id.clone())
+            .collect();
+        self.rows
+            .iter()
+            .filter(move |w| w.job_id.as_ref().is_none_or(|job| !granted.contains(job)))
+    }
+}
 
 /// The label of an explicit lease's lane and timeline segment (its holder has no job id).
 const EXPLICIT: &str = "explicit lease";
@@ -107,10 +144,12 @@ impl Sampler {
         let now_ms = now.saturating_duration_since(self.t0).as_millis() as u64;
         let stats = self.sup.stats();
         let leases = self.sup.leases();
+        // After the snapshot: a lease's start seen from here is never earlier than its grant.
+        let taken = Instant::now();
         self.charts.queue(now_ms, stats.waiting);
 
         // The waits the queue listing shows, for the job ids whose lease is not seen yet.
-        for w in self.waiters.lock().iter() {
+        for w in self.waiters.lock().rows.iter() {
             if let Some(job) = &w.job_id
                 && (self.waited.len() < WAITED_KEPT || self.waited.contains_key(job))
             {
@@ -223,14 +262,19 @@ impl Sampler {
         };
         let reasons = self.reasons.lock().clone();
         let recent = self.outcomes.log().recent(RECENT);
-        // What the poller last heard, while someone still waits (read under its lock, not
-        // copied: the frame takes only the first rows and the count).
+        // What the poller last heard, while someone still waits, less the callers this frame's
+        // lanes show holding a slot (read under its lock, not copied: the frame takes only the
+        // first rows and the count).
         let listed = self.waiters.lock();
-        let waiters: &[WaiterInfo] = if stats.waiting > 0 { &listed } else { &[] };
+        let waiters: Vec<&WaiterInfo> = if stats.waiting > 0 {
+            listed.still_waiting(&leases, taken).collect()
+        } else {
+            Vec::new()
+        };
         let frame = build_frame(
             meta,
             (&stats, &leases),
-            (&reasons, waiters),
+            (&reasons, &waiters),
             &self.timeline,
             recent,
         );
@@ -404,21 +448,24 @@ impl From<&WaiterInfo> for WaiterView {
     }
 }
 
-/// The waiting callers of the last listing whose job id contains `search`, in the order they
-/// are served, at most `limit`; and how many the listing had.
+/// The waiting callers of the last listing that still wait (`leases`, a snapshot taken just
+/// before `now`, shows none of them granted since) whose job id contains `search`, in the
+/// order they are served, at most `limit`; and how many still wait of those listed.
 pub(crate) fn search_waiters(
     waiters: &Waiters,
+    (leases, now): (&[LeaseInfo], Instant),
     search: &str,
     limit: usize,
 ) -> (Vec<WaiterView>, usize) {
-    let waiters = waiters.lock();
-    let found = waiters
+    let listing = waiters.lock();
+    let waiting: Vec<&WaiterInfo> = listing.still_waiting(leases, now).collect();
+    let found = waiting
         .iter()
         .filter(|w| w.job_id.as_deref().unwrap_or(EXPLICIT).contains(search))
         .take(limit)
-        .map(WaiterView::from)
+        .map(|w| WaiterView::from(*w))
         .collect();
-    (found, waiters.len())
+    (found, waiting.len())
 }
 
 fn priority_name(p: Priority) -> &'static str {
@@ -516,7 +563,7 @@ fn gpu_views(sup: &Supervisor, leases: &[LeaseInfo]) -> Vec<GpuView> {
 fn build_frame(
     meta: Meta,
     (stats, leases): (&Stats, &[LeaseInfo]),
-    (reasons, waiters): (&HashMap<u64, QuarantinedSlot>, &[WaiterInfo]),
+    (reasons, waiters): (&HashMap<u64, QuarantinedSlot>, &[&WaiterInfo]),
     timeline: &Timeline,
     outcomes: Vec<Outcome>,
 ) -> Frame {
@@ -596,7 +643,7 @@ fn build_frame(
             waiters: waiters
                 .iter()
                 .take(QUEUE_ROWS)
-                .map(WaiterView::from)
+                .map(|w| WaiterView::from(*w))
                 .collect(),
         },
         lanes,
@@ -680,19 +727,132 @@ pub(crate) async fn poll_actor(
         }
         if stats.waiting == 0 {
             let mut waiters = waiters.lock();
-            if !waiters.is_empty() {
-                waiters.clear();
+            if !waiters.rows.is_empty() {
+                *waiters = Listing::default();
             }
         } else if due(waiters_asked) {
-            waiters_asked = Some(Instant::now());
+            let asked = Instant::now();
+            waiters_asked = Some(asked);
             // `waiters` is cancel safe too.
             let listed = tokio::select! {
                 () = stop.cancelled() => return,
                 listed = sup.waiters() => listed,
             };
-            if let Ok(listed) = listed {
-                *waiters.lock() = listed;
+            if let Ok(rows) = listed {
+                *waiters.lock() = Listing {
+                    asked: Some(asked),
+                    rows,
+                };
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use leasehold::JobSpec;
+    use tokio::sync::oneshot;
+
+    /// A job held until its gate opens.
+    fn held(
+        sup: &Supervisor,
+        id: &str,
+    ) -> (
+        oneshot::Sender<()>,
+        leasehold::JobHandle<(), std::io::Error>,
+    ) {
+        let (gate, rx) = oneshot::channel::<()>();
+        let handle = sup.submit(JobSpec::new(id).unwrap(), move |_ctx| async move {
+            let _ = rx.await;
+            Ok(())
+        });
+        (gate, handle)
+    }
+
+    async fn until_held(sup: &Supervisor, id: &str) {
+        tokio::time::timeout(std::time::Duration::from_secs(20), async {
+            while !sup.leases().iter().any(|l| l.job_id.as_deref() == Some(id)) {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the job holds its slot");
+    }
+
+    /// The listing is a second old, the lease table is not: a job granted since the listing
+    /// was asked for is not waiting, whatever the listing says; a job of the same id that held
+    /// its slot before is another caller, and the waiting one stays listed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_job_granted_since_the_listing_is_not_listed_as_waiting() {
+        let sup = Supervisor::builder().slots(2).start().await.unwrap();
+        let (first_gate, first) = held(&sup, "render");
+        until_held(&sup, "render").await;
+        let (blocker_gate, blocker) = held(&sup, "blocker");
+        until_held(&sup, "blocker").await;
+        // A second run of the id "render" waits, and "bake" behind it.
+        // (`submit` sends its request from a task of its own: each joins the queue before the
+        // next is submitted, so that the queue's order is known.)
+        let waiting = |n: usize| {
+            let sup = sup.clone();
+            async move {
+                tokio::time::timeout(std::time::Duration::from_secs(20), async {
+                    while sup.stats().waiting < n {
+                        tokio::task::yield_now().await;
+                    }
+                })
+                .await
+                .expect("it waits");
+            }
+        };
+        let (second_gate, second) = held(&sup, "render");
+        waiting(1).await;
+        let (bake_gate, bake) = held(&sup, "bake");
+        waiting(2).await;
+        let asked = Instant::now();
+        let listing = Listing {
+            asked: Some(asked),
+            rows: sup.waiters().await.unwrap(),
+        };
+        let ids = |leases: &[LeaseInfo]| {
+            listing
+                .still_waiting(leases, Instant::now())
+                .map(|w| w.job_id.as_deref().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(ids(&sup.leases()), ["render", "bake"]);
+        // The blocker ends: the second "render" is granted its slot after the listing.
+        blocker_gate.send(()).unwrap();
+        blocker.join().await.unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(20), async {
+            while sup
+                .leases()
+                .iter()
+                .filter(|l| l.job_id.as_deref() == Some("render"))
+                .count()
+                < 2
+            {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(ids(&sup.leases()), ["bake"], "granted since: not waiting");
+        // Without a time of asking, nothing is taken for granted.
+        let unknown = Listing {
+            asked: None,
+            rows: listing.rows.clone(),
+        };
+        assert_eq!(
+            unknown.still_waiting(&sup.leases(), Instant::now()).count(),
+            2
+        );
+        for gate in [first_gate, second_gate, bake_gate] {
+            gate.send(()).unwrap();
+        }
+        for job in [first, second, bake] {
+            job.join().await.unwrap();
+        }
+        sup.shutdown().await.unwrap();
     }
 }

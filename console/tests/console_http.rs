@@ -718,9 +718,24 @@ async fn an_action_without_the_token_or_with_a_wrong_one_is_refused_with_403_and
             ("Origin", origin.as_str()),
             ("Sec-Fetch-Site", "same-origin"),
         ];
+        let sent_one = extra.iter().any(|(n, _)| *n == "Authorization");
         headers.extend(extra);
         let reply = request(addr, "POST", &path, &headers, r#"{"job_id":"victim"}"#).await;
         assert_eq!(reply.refused(403), "CONSOLE_FORBIDDEN", "{why}");
+        // The same code, and words that say which it was: a wrong token is not a missing one.
+        let message = reply.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let (said, not_said) = if sent_one && why != "another scheme" && why != "no scheme" {
+            ("the token is wrong", "no token")
+        } else {
+            ("no token", "the token is wrong")
+        };
+        assert!(
+            message.contains(said) && !message.contains(not_said),
+            "{why}: {message}"
+        );
         farm.assert_unchanged(why);
     }
     // The same for the other actions.
@@ -1232,12 +1247,9 @@ async fn the_last_outcomes_show_recorded_codes_and_observed_job_ends() {
     let row = |job: &str| rows.iter().find(|o| o["job_id"] == job).unwrap().clone();
     assert_eq!(row("quick")["code"], "OK");
     assert_eq!(row("broken")["code"], "LEASE_BODY_FAILED");
-    assert!(
-        row("broken")["detail"]
-            .as_str()
-            .unwrap()
-            .contains("job body failed")
-    );
+    // One phrase: the body's own error, without "job failed: job body failed: ...".
+    assert_eq!(row("broken")["detail"], "scene file is corrupt");
+    assert_eq!(row("broken")["errors"]["summary"], "job failed");
     let gated_row = row("gated");
     assert!(gated_row["code"].is_null(), "{gated_row}");
     assert!(gated_row["slot"].is_u64());
@@ -1658,6 +1670,206 @@ async fn resize_is_not_offered_on_a_broker_that_decides_its_own_capacity() {
         .await
         .json();
     assert_eq!(frame["resizable"], false, "{frame}");
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Actions act on exactly what was confirmed
+// ---------------------------------------------------------------------------------------------
+
+/// The lease the victim holds now.
+fn lease_of(sup: &Supervisor, job: &str) -> u64 {
+    sup.leases()
+        .iter()
+        .find(|l| l.job_id.as_deref() == Some(job))
+        .and_then(|l| l.tokens.first())
+        .map(|t| t.lease_id())
+        .unwrap_or_else(|| panic!("{job} holds no lease"))
+}
+
+/// A cancel names the job and the lease the user confirmed: refused with
+/// `CONSOLE_TARGET_CHANGED` once that lease has ended or is another job's, with
+/// `CONSOLE_TARGET_AMBIGUOUS` when the job id also names another lease (a cancel by id would
+/// reach it too); nothing is cancelled then. The right pair cancels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_of_a_lease_that_is_no_longer_the_jobs_is_refused_and_cancels_nothing() {
+    let farm = Farm::start(true).await;
+    let addr = farm.addr();
+    let victim_lease = lease_of(&farm.sup, "victim");
+
+    // A lease that has ended: an earlier job's.
+    let done = farm
+        .sup
+        .run(JobSpec::new("earlier").unwrap(), |ctx| async move {
+            Ok::<_, std::io::Error>(ctx.lease_id())
+        })
+        .await
+        .unwrap();
+    let body = format!(r#"{{"job_id":"victim","lease_id":{done}}}"#);
+    let reply = action(addr, "cancel", &body).await;
+    assert_eq!(reply.refused(409), "CONSOLE_TARGET_CHANGED", "{reply:?}");
+    farm.assert_unchanged("a cancel of an ended lease");
+    // The victim's lease, named for another job.
+    let body = format!(r#"{{"job_id":"earlier","lease_id":{victim_lease}}}"#);
+    let reply = action(addr, "cancel", &body).await;
+    assert_eq!(reply.refused(409), "CONSOLE_TARGET_CHANGED", "{reply:?}");
+    assert!(
+        reply.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("`victim`'s"),
+        "{reply:?}"
+    );
+    farm.assert_unchanged("a cancel naming another job's lease");
+    // Not an id: refused before anything is looked at.
+    let reply = action(addr, "cancel", r#"{"job_id":"victim","lease_id":-1}"#).await;
+    assert_eq!(reply.refused(400), "CONSOLE_BAD_REQUEST");
+
+    // A second run of the id "victim" holds the other slot: a cancel by id would reach both.
+    let (gate, gate_rx) = oneshot::channel::<()>();
+    let (lease_tx, lease_rx) = oneshot::channel();
+    let twin = farm
+        .sup
+        .submit(JobSpec::new("victim").unwrap(), move |ctx| async move {
+            let _ = lease_tx.send((ctx.lease_id(), ctx.cancellation_token()));
+            let _ = gate_rx.await;
+            Ok::<_, std::io::Error>(())
+        });
+    let (twin_lease, twin_token) = lease_rx.await.unwrap();
+    let body = format!(r#"{{"job_id":"victim","lease_id":{victim_lease}}}"#);
+    let reply = action(addr, "cancel", &body).await;
+    assert_eq!(reply.refused(409), "CONSOLE_TARGET_AMBIGUOUS", "{reply:?}");
+    assert!(!farm.victim_token.is_cancelled() && !twin_token.is_cancelled());
+    let _ = twin_lease;
+    gate.send(()).unwrap();
+    twin.join().await.unwrap();
+
+    // The pair confirmed, as it is: cancelled.
+    let reply = action(addr, "cancel", &body).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.json()["lease_id"], victim_lease);
+    assert!(farm.victim_token.is_cancelled());
+    assert_eq!(
+        farm.victim.join().await.unwrap_err().code(),
+        "LEASE_BODY_CANCELLED"
+    );
+    farm.console.shutdown().await.unwrap();
+    farm.sup.shutdown().await.unwrap();
+}
+
+/// A reclaim names the quarantined leases the user confirmed: refused with
+/// `CONSOLE_TARGET_CHANGED` when another is quarantined (the reclaim would check it too); a
+/// resize names the capacity it was confirmed from: refused when it is another now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reclaim_or_a_resize_confirmed_on_another_state_is_refused_and_changes_nothing() {
+    let (sup, _root) = support::pool(3).await;
+    let console = Console::builder(sup.clone())
+        .actions(ActionsToken::new(TOKEN).unwrap())
+        .start()
+        .await
+        .unwrap();
+    let addr = console.local_addr();
+    let mut dirs = Vec::new();
+    for id in ["first", "second"] {
+        let (dir_tx, dir_rx) = oneshot::channel();
+        let err = sup
+            .run(JobSpec::new(id).unwrap(), |ctx| async move {
+                let _ = dir_tx.send(support::clobber_temp_dir(&ctx)?);
+                Ok::<_, std::io::Error>(())
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), "LEASE_CLEANUP_UNCONFIRMED");
+        let dir = dir_rx.await.unwrap();
+        std::fs::remove_file(&dir).unwrap();
+        dirs.push(dir);
+    }
+    let quarantined = sup.quarantined().await.unwrap();
+    assert_eq!(quarantined.len(), 2);
+    let first = quarantined
+        .iter()
+        .find(|q| q.job_id.as_deref() == Some("first"))
+        .unwrap()
+        .token
+        .lease_id();
+    let second = quarantined
+        .iter()
+        .find(|q| q.job_id.as_deref() == Some("second"))
+        .unwrap()
+        .token
+        .lease_id();
+    // Confirmed when only the first was quarantined: refused, both still quarantined.
+    let reply = action(addr, "reclaim", &format!(r#"{{"lease_ids":[{first}]}}"#)).await;
+    assert_eq!(reply.refused(409), "CONSOLE_TARGET_CHANGED", "{reply:?}");
+    assert_eq!(sup.stats().quarantined, 2);
+    let reply = action(
+        addr,
+        "reclaim",
+        &format!(r#"{{"lease_ids":[{first},{second}]}}"#),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.json()["reclaimed"].as_array().unwrap().len(), 2);
+    assert_eq!(sup.stats().quarantined, 0);
+
+    // A resize confirmed from 2 slots, on a pool of 3: refused.
+    let reply = action(addr, "resize", r#"{"slots":5,"from":2}"#).await;
+    assert_eq!(reply.refused(409), "CONSOLE_TARGET_CHANGED", "{reply:?}");
+    assert_eq!(sup.stats().capacity, Some(3));
+    let reply = action(addr, "resize", r#"{"slots":5,"from":3}"#).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(sup.stats().capacity, Some(5));
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
+}
+
+/// The history in pages: `before` cuts at a row, so a page of older rows does not move while
+/// newer ends arrive; each page says where it stands (`matched`, `newer`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_history_is_served_in_pages_cut_at_a_row() {
+    let sup = Supervisor::builder().slots(1).start().await.unwrap();
+    let console = Console::builder(sup.clone()).start().await.unwrap();
+    let addr = console.local_addr();
+    let outcomes = console.outcomes();
+    let ok = Ok::<_, leasehold::JobError<std::io::Error>>(());
+    for i in 0..60 {
+        outcomes.record(&format!("bake-{i:02}"), &ok);
+    }
+    let page = |query: String| async move {
+        request(addr, "GET", &format!("/api/history?{query}"), &[], "")
+            .await
+            .json()
+    };
+    let ids = |page: &Value| -> Vec<String> {
+        page["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["job_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let first = page("limit=25".into()).await;
+    assert_eq!(ids(&first)[0], "bake-59");
+    assert_eq!(
+        (first["matched"].as_u64(), first["newer"].as_u64()),
+        (Some(60), Some(0))
+    );
+    let cursor = first["rows"][24]["seq"].as_u64().unwrap();
+    let second = page(format!("limit=25&before={cursor}")).await;
+    assert_eq!(ids(&second)[0], "bake-34");
+    assert_eq!(second["newer"], 25);
+    for i in 60..70 {
+        outcomes.record(&format!("bake-{i:02}"), &ok);
+    }
+    let again = page(format!("limit=25&before={cursor}")).await;
+    assert_eq!(ids(&again), ids(&second), "an older page stays put");
+    assert_eq!(
+        (again["matched"].as_u64(), again["newer"].as_u64()),
+        (Some(70), Some(35))
+    );
+    let refused = request(addr, "GET", "/api/history?before=soon", &[], "").await;
+    assert_eq!(refused.refused(400), "CONSOLE_BAD_REQUEST");
     console.shutdown().await.unwrap();
     sup.shutdown().await.unwrap();
 }
