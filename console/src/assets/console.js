@@ -1,13 +1,17 @@
 // leasehold console: renders the frames the server sends (server-sent events, ten a second)
 // and sends the actions. No framework, no build step. The token lives in the input field
 // only: never a cookie, never storage.
+//
+// Every action names what it acts on: the first click arms its button with a question that
+// says exactly what (a job and its lease, the quarantined slots, the capacity from and to),
+// the second click sends that, and nothing else; an armed button whose target changes (its
+// lane passed to another job, another slot quarantined) disarms. The server refuses an action
+// whose target has changed since (CONSOLE_TARGET_CHANGED). Each answer shows next to the
+// button that asked.
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
 let actionsOn = false;
-// A cancel the console asked for, until the job's end shows in the outcomes: a cancel is a
-// request, and the page says so until the job has really ended.
-let pendingCancel = null;
 let lastNow = 0;
 
 function el(tag, cls, text) {
@@ -43,6 +47,15 @@ function secs(ms) {
   return m + " min " + Math.floor(s - m * 60) + " s";
 }
 
+// A stable code with a break opportunity after each underscore, so that a narrow column
+// breaks it between its words ("LEASE_BODY_" / "FAILED"), never inside one.
+function setCode(node, code) {
+  if (node.dataset.text === code) return;
+  node.dataset.text = code;
+  const parts = code.split(/(?<=_)/);
+  node.replaceChildren(...parts.flatMap((p, i) => (i < parts.length - 1 ? [p, el("wbr")] : [p])));
+}
+
 // ---- stats -------------------------------------------------------------------------------
 
 const STATS = [
@@ -68,6 +81,130 @@ function renderStats(stats) {
   }
 }
 
+// ---- confirming, and the answers next to their buttons ------------------------------------
+
+// Long enough to read the question; the target is checked at every frame meanwhile.
+const ARM_MS = 10000;
+
+// A first click arms the button for ARM_MS with a question that names `target` (a string that
+// identifies exactly what the action acts on); the second click, on the same target, acts.
+function confirmThen(button, target, question, action) {
+  if (button.dataset.armed === "true" && button.dataset.target === target) {
+    disarm(button);
+    action();
+    return;
+  }
+  disarm(button);
+  button.dataset.armed = "true";
+  button.dataset.target = target;
+  button.dataset.label = button.textContent;
+  button.textContent = question;
+  button.armTimer = setTimeout(() => disarm(button), ARM_MS);
+}
+
+function disarm(button) {
+  clearTimeout(button.armTimer);
+  if (button.dataset.armed === "true" && button.dataset.label) button.textContent = button.dataset.label;
+  button.dataset.armed = "false";
+  delete button.dataset.target;
+}
+
+// Disarms a button armed for another target than `target` (what it would act on now).
+function disarmUnless(button, target) {
+  if (button.dataset.armed === "true" && button.dataset.target !== target) disarm(button);
+}
+
+// Shows an answer in `out`, the output element next to the button that asked.
+function answer(out, text, { status = "", code = "", ok } = {}) {
+  out.textContent = text;
+  out.dataset.status = String(status);
+  out.dataset.code = code;
+  if (ok === undefined) delete out.dataset.ok; else out.dataset.ok = String(ok);
+  delete out.dataset.requested;
+  delete out.dataset.ended;
+  clearTimeout(out.clearTimer);
+}
+
+// Sends an action; its answer (or refusal) goes to `out`. `done(reply)` words a success.
+// Resolves to the reply of a success, else null.
+async function act(action, body, out, done) {
+  const token = $("#token").value;
+  const headers = { "Content-Type": "application/json" };
+  if (token) headers["Authorization"] = "Bearer " + token;
+  answer(out, `${action}…`);
+  let status = 0;
+  let reply = null;
+  try {
+    const res = await fetch("api/actions/" + action, {
+      method: "POST", headers, body: JSON.stringify(body), credentials: "omit", cache: "no-store",
+    });
+    status = res.status;
+    reply = await res.json();
+  } catch (e) {
+    answer(out, `${action}: ${e}`, { status: 0, ok: false });
+    return null;
+  }
+  if (reply.error) {
+    const e = reply.error;
+    answer(out, `${action}: ${status} ${e.code} — ${e.message}` + (e.cause ? ` (${e.cause})` : ""),
+      { status, code: e.code, ok: false });
+    return null;
+  }
+  answer(out, `${action}: ${status} OK — ${done(reply)}`, { status, code: "OK", ok: true });
+  return reply;
+}
+
+// ---- cancel ------------------------------------------------------------------------------
+
+// The cancels asked for, until the job's end shows in the outcomes: a cancel is a request,
+// and its answer says so until the job has really ended. Keyed by the answer's element.
+const pendingCancels = new Map();
+
+async function cancel(target, out) {
+  const body = { job_id: target.job };
+  if (target.lease !== undefined) body.lease_id = target.lease;
+  const since = lastNow;
+  const what = target.lease !== undefined ? `${target.job} (lease ${target.lease})` : target.job;
+  const reply = await act("cancel", body, out, () => `cancel requested for ${what}; waiting for it to end`);
+  if (!reply) return;
+  pendingCancels.set(out, { job: reply.job_id, lease: target.lease, since });
+  out.dataset.requested = reply.job_id;
+  out.dataset.ended = "";
+}
+
+// The outcome of each cancel asked for, once the job's end is in the outcomes.
+function settleCancels(rows) {
+  for (const [out, p] of pendingCancels) {
+    const row = rows.find((o) => o.job_id === p.job && o.at_ms >= p.since &&
+      (p.lease === undefined || o.lease_id === null || o.lease_id === p.lease));
+    if (!row) continue;
+    const ended = row.label || row.code || "code not reported";
+    out.textContent = out.textContent.replace(/; waiting for it to end$|; it ended: .*$/, `; it ended: ${ended}`);
+    out.dataset.ended = row.code || "unknown";
+    // An end observed before the embedder recorded its result: its code may follow.
+    if (row.code) {
+      pendingCancels.delete(out);
+      // A lane's answer goes after a while: the lane shows another job by then.
+      if (out.classList.contains("lane-result")) out.clearTimer = setTimeout(() => answer(out, ""), 20000);
+    }
+  }
+}
+
+// What a typed job id names now, from the lanes of the latest frame: its lease when it holds
+// exactly one, else every job of that id (waiting, or several leases).
+function typedTarget(job) {
+  const leases = lastFrame ? lastFrame.lanes.map((l) => l.lease).filter((l) => l && l.job_id === job) : [];
+  const unique = [...new Map(leases.map((l) => [l.lease_id, l])).values()];
+  if (unique.length === 1) {
+    const l = unique[0];
+    return { job, lease: l.lease_id, key: `${job}#${l.lease_id}`,
+      question: `Confirm: cancel ${job} (lease ${l.lease_id} on slot ${l.slots.join(", ")})?` };
+  }
+  const where = unique.length > 1 ? `all ${unique.length} leases of it` : "it holds no slot now";
+  return { job, key: `${job}#${unique.map((l) => l.lease_id).join(",")}`,
+    question: `Confirm: cancel every job named ${job} (${where})?` };
+}
+
 // ---- lanes -------------------------------------------------------------------------------
 
 function laneFor(slot) {
@@ -78,14 +215,23 @@ function laneFor(slot) {
   lane.dataset.slot = String(slot);
   lane.append(el("span", "slot", "slot " + slot), el("span", "holder"), el("span", "phase"),
     el("span", "held"), el("span", "waits"), el("span", "lane-actions"));
-  const cancel = el("button", "lane-cancel", "cancel");
-  cancel.type = "button";
-  cancel.hidden = true;
-  cancel.addEventListener("click", () => {
+  const button = el("button", "lane-cancel", "cancel");
+  button.type = "button";
+  button.hidden = true;
+  const out = el("output", "action-result lane-result");
+  out.setAttribute("aria-live", "polite");
+  button.addEventListener("click", () => {
+    // The job and lease the lane shows at this click: the confirmation names them, and the
+    // second click sends them, whatever the lane shows by then (a lane that changes hands
+    // disarms its button first: see renderLanes).
     const job = lane.dataset.job;
-    if (job) confirmThen(cancel, `confirm cancel of ${job}?`, () => act("cancel", { job_id: job }));
+    const lease = Number(lane.dataset.lease);
+    if (!job || !Number.isFinite(lease)) return;
+    confirmThen(button, `${job}#${lease}`, `Confirm: cancel ${job} (lease ${lease})?`,
+      () => cancel({ job, lease }, out));
   });
-  lane.querySelector(".lane-actions").append(cancel);
+  lane.querySelector(".lane-actions").append(button);
+  lane.append(out);
   lanes.append(lane);
   return lane;
 }
@@ -95,7 +241,7 @@ function renderLanes(lanes) {
   for (const { slot, lease } of lanes) {
     keep.add(String(slot));
     const lane = laneFor(slot);
-    const cancel = lane.querySelector(".lane-cancel");
+    const button = lane.querySelector(".lane-cancel");
     if (!lease) {
       setData(lane, "phase", "idle");
       setData(lane, "color", "idle");
@@ -105,7 +251,8 @@ function renderLanes(lanes) {
       setText(lane.querySelector(".phase"), "free");
       setText(lane.querySelector(".held"), "");
       setText(lane.querySelector(".waits"), "");
-      if (!cancel.hidden) cancel.hidden = true;
+      disarmUnless(button, "");
+      setHidden(button, true);
       continue;
     }
     setData(lane, "phase", lease.phase);
@@ -134,7 +281,9 @@ function renderLanes(lanes) {
     if (lease.child_pids.length) waits += ` · pids ${lease.child_pids.join(", ")}`;
     setText(lane.querySelector(".waits"), waits);
     const offer = !!(actionsOn && lease.job_id && (lease.phase === "running" || lease.phase === "draining"));
-    if (cancel.hidden === offer) cancel.hidden = !offer;
+    // Armed for the lane's previous holder (or its cancel no longer offered): disarmed.
+    disarmUnless(button, offer ? `${lease.job_id}#${lease.lease_id}` : "");
+    setHidden(button, !offer);
   }
   for (const lane of [...$("#lanes").children]) {
     if (!keep.has(lane.dataset.slot)) lane.remove();
@@ -144,6 +293,13 @@ function renderLanes(lanes) {
 // ---- timeline ----------------------------------------------------------------------------
 
 const SVG = "http://www.w3.org/2000/svg";
+
+function svgEl(tag, attrs, text) {
+  const e = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
 
 function renderTimeline(tl, lanes, now) {
   const box = $("#timeline");
@@ -157,21 +313,12 @@ function renderTimeline(tl, lanes, now) {
   for (const slot of slots) {
     const row = el("div", "tl-row");
     row.dataset.slot = String(slot);
-    const svg = document.createElementNS(SVG, "svg");
-    svg.setAttribute("viewBox", `0 0 ${span} 10`);
-    svg.setAttribute("preserveAspectRatio", "none");
+    const svg = svgEl("svg", { viewBox: `0 0 ${span} 10`, preserveAspectRatio: "none" });
     for (const seg of bySlot.get(slot) || []) {
       const x = Math.max(seg.from_ms, from) - from;
       const w = Math.max(seg.to_ms - Math.max(seg.from_ms, from), span / 500);
-      const r = document.createElementNS(SVG, "rect");
-      r.setAttribute("x", String(x));
-      r.setAttribute("y", "0");
-      r.setAttribute("width", String(w));
-      r.setAttribute("height", "10");
-      r.setAttribute("class", seg.color);
-      const t = document.createElementNS(SVG, "title");
-      t.textContent = `${seg.holder}: ${seg.color}, ${secs(seg.to_ms - seg.from_ms)}`;
-      r.append(t);
+      const r = svgEl("rect", { x, y: 0, width: w, height: 10, class: seg.color });
+      r.append(svgEl("title", {}, `${seg.holder}: ${seg.color}, ${secs(seg.to_ms - seg.from_ms)}`));
       svg.append(r);
     }
     row.append(el("span", "slot", "slot " + slot), svg);
@@ -184,11 +331,11 @@ function renderTimeline(tl, lanes, now) {
   box.append(scale);
 }
 
-// ---- queue, quarantine, outcomes ---------------------------------------------------------
+// ---- queue, quarantine -------------------------------------------------------------------
 
 // Keeps a table's rows in step with `items` without rebuilding them: a row per key, reused
 // from frame to frame, and a cell's text set only when it changed, so that a selection or a
-// tooltip in the table survives the updates.
+// tooltip in the table survives the updates. A cell whose class is "code" is set as a code.
 function syncRows(tbody, items, keyOf, cellsOf, decorate) {
   const old = new Map([...tbody.children].map((tr) => [tr.dataset.key, tr]));
   let at = 0;
@@ -202,9 +349,10 @@ function syncRows(tbody, items, keyOf, cellsOf, decorate) {
       for (const [cls] of cells) tr.append(el("td", cls));
     }
     old.delete(key);
-    cells.forEach(([, text, title], i) => {
+    cells.forEach(([cls, text, title], i) => {
       const td = tr.children[i];
-      if (td.textContent !== text) td.textContent = text;
+      if (cls === "code") setCode(td, text);
+      else if (td.textContent !== text) td.textContent = text;
       if (title !== undefined && td.title !== title) td.title = title;
     });
     if (decorate) decorate(tr, item);
@@ -232,21 +380,24 @@ function fillWaiters(waiters) {
     (w) => [["num", String(w.place)], ["job", w.job_id || "explicit lease"], ["priority", w.priority],
       ["num", w.gathered > 0 ? `${w.gathered} of ${w.slots}` : String(w.slots)], ["num", secs(w.waited_ms)]],
     (tr, w) => { tr.dataset.job = w.job_id || ""; tr.dataset.priority = w.priority; });
-  $("#waiters").hidden = waiters.length === 0;
+  setHidden($("#waiters"), waiters.length === 0);
 }
 
 function queueSearch() {
   return $("#queue-search").value.trim();
 }
 
+const SEARCH_ROWS = 25;
+
 async function searchQueue() {
   const q = queueSearch();
   if (!q) return;
   try {
-    const res = await fetch("api/queue?limit=50&q=" + encodeURIComponent(q), { cache: "no-store", credentials: "omit" });
-    const answer = await res.json();
-    fillWaiters(answer.rows);
-    $("#queue-found").textContent = `${answer.rows.length} of the ${answer.listed} listed match “${q}”`;
+    const res = await fetch(`api/queue?limit=${SEARCH_ROWS}&q=` + encodeURIComponent(q), { cache: "no-store", credentials: "omit" });
+    const reply = await res.json();
+    fillWaiters(reply.rows);
+    $("#queue-found").textContent = `${reply.rows.length} of the ${reply.listed} listed match “${q}”` +
+      (reply.rows.length === SEARCH_ROWS ? " (the first shown)" : "");
   } catch (e) { /* the connection state says why */ }
 }
 
@@ -255,11 +406,23 @@ function renderQuarantine(rows) {
     (q) => [[null, String(q.slot)], ["job", q.job_id || "explicit lease"], [null, String(q.lease_id)],
       ["reason", q.reason || "(asking the supervisor…)"]],
     (tr, q) => { tr.dataset.lease = String(q.lease_id); tr.dataset.slot = String(q.slot); });
-  $("#quarantine-empty").hidden = rows.length > 0;
+  setHidden($("#quarantine-empty"), rows.length > 0);
+  // Reclaim: offered while a slot is quarantined; armed for the slots it named.
+  const offer = actionsOn && rows.length > 0;
+  setHidden($("#reclaim-row"), !offer && !$("#reclaim-result").textContent);
+  setHidden($("#reclaim-btn"), !offer);
+  disarmUnless($("#reclaim-btn"), offer ? reclaimTarget(rows).key : "");
+}
+
+function reclaimTarget(rows) {
+  const ids = [...new Set(rows.map((q) => q.lease_id))].sort((a, b) => a - b);
+  const slots = [...new Set(rows.map((q) => q.slot))].sort((a, b) => a - b);
+  const what = slots.length === 1 ? `slot ${slots[0]}` : `slots ${slots.join(", ")}`;
+  return { ids, key: ids.join(","), question: `Confirm: reclaim ${what} (lease ${ids.join(", ")})?` };
 }
 
 function renderGpu(devices) {
-  $("#gpu-section").hidden = devices.length === 0;
+  setHidden($("#gpu-section"), devices.length === 0);
   syncRows($("#gpu tbody"), devices, (d) => d.index,
     (d) => [["num", String(d.index) + (d.adopted ? " (the engine's)" : "")], [null, `${d.adapter} · ${d.backend}`],
       ["num", `${d.in_use} of ${d.sub_slots}`], ["num", String(d.fence_waits)],
@@ -267,58 +430,95 @@ function renderGpu(devices) {
     (tr, d) => { tr.dataset.device = String(d.index); tr.dataset.lost = String(!!d.lost); });
 }
 
-// ---- history and a job's detail ----------------------------------------------------------
+// ---- history, in pages, and a job's detail -----------------------------------------------
 
+const PAGE_ROWS = 25;
 let historyRows = [];
 let historyVersion = -1;
 let historyAsked = false;
+let historyAgain = false;
+// The page shown: the rows older than `cursor` (null: the newest rows, live); the cursors of
+// the newer pages, to go back.
+let cursor = null;
+const newerCursors = [];
+
+function ended(o) {
+  // The phase its lease was last sampled in before it left the table.
+  return o.last_phase ? `ended while ${o.last_phase}` : "";
+}
 
 function outcomeCells(o, now) {
-  let detail = o.detail || "";
-  if (o.last_phase) detail = (detail ? detail + " · " : "") + "last seen " + o.last_phase;
-  if (o.code === null) detail = (detail ? detail + " · " : "") + "code not reported";
+  const detail = [o.note, o.detail, ended(o), o.code === null ? "code not reported" : ""].filter(Boolean).join(" · ");
+  const codeTitle = o.code === null ? "code not reported: the embedder did not record this job's result"
+    : o.label ? `the embedder's label; code ${o.code}` : "";
   return [["num", secs(now - o.at_ms) + " ago"], ["job", o.job_id],
-    ["code", o.code || "ended", o.code === null ? "code not reported: the embedder did not record this job's result" : ""],
+    ["code", o.label || o.code || "ended", codeTitle],
     ["num", o.slot === null ? "–" : String(o.slot)], ["num", secs(o.held_ms)], ["detail", detail]];
 }
 
 function renderHistory(now) {
-  syncRows($("#outcomes tbody"), historyRows, (o) => `${o.at_ms}:${o.job_id}`, (o) => outcomeCells(o, now),
+  syncRows($("#outcomes tbody"), historyRows, (o) => o.seq, (o) => outcomeCells(o, now),
     (tr, o) => {
       tr.dataset.job = o.job_id;
       tr.tabIndex = 0;
-      tr.querySelector(".code").dataset.ok = o.code === null ? "unknown" : String(o.code === "OK");
+      setData(tr.querySelector(".code"), "ok", o.code === null ? "unknown" : String(o.code === "OK"));
+      setData(tr.querySelector(".code"), "label", o.label || undefined);
     });
-  $("#outcomes-empty").hidden = historyRows.length > 0;
+  setHidden($("#outcomes-empty"), historyRows.length > 0);
 }
 
 async function fetchHistory() {
-  if (historyAsked) return;
+  if (historyAsked) { historyAgain = true; return; }
   historyAsked = true;
   const code = $("#history-code").value.trim();
   const q = $("#history-search").value.trim();
   try {
-    const res = await fetch(`api/history?limit=200&code=${encodeURIComponent(code)}&q=${encodeURIComponent(q)}`,
-      { cache: "no-store", credentials: "omit" });
-    const answer = await res.json();
-    historyRows = answer.rows;
-    $("#history-count").textContent = (code || q)
-      ? `${answer.rows.length} of ${answer.total} job ends match`
-      : `the newest ${answer.rows.length} of ${answer.total} job ends`;
+    let url = `api/history?limit=${PAGE_ROWS}&code=${encodeURIComponent(code)}&q=${encodeURIComponent(q)}`;
+    if (cursor !== null) url += `&before=${cursor}`;
+    const res = await fetch(url, { cache: "no-store", credentials: "omit" });
+    const page = await res.json();
+    historyRows = page.rows;
+    const first = page.newer + 1;
+    const last = page.newer + page.rows.length;
+    const range = page.rows.length ? `rows ${first}–${last} of ${page.matched}` : `none of ${page.matched}`;
+    $("#history-range").textContent = !page.total ? ""
+      : (code || q) ? `${range} matching (${page.total} job ends kept)` : `${range} job ends`;
+    $("#history-older").disabled = last >= page.matched;
+    $("#history-newer").disabled = cursor === null;
+    $("#history-newest").disabled = cursor === null;
     renderHistory(lastNow);
-    const open = $("#detail").dataset.key;
-    if (open) showDetail(historyRows.find((o) => `${o.at_ms}:${o.job_id}` === open));
+    const open = $("#detail");
+    if (open.open && open.dataset.seq) {
+      const row = historyRows.find((o) => String(o.seq) === open.dataset.seq);
+      if (row) fillDetail(row);
+    }
   } catch (e) { /* the connection state says why */ }
   historyAsked = false;
+  if (historyAgain) { historyAgain = false; fetchHistory(); }
 }
 
-function showDetail(o) {
+function toPage(next) {
+  if (next === "older" && historyRows.length) {
+    newerCursors.push(cursor);
+    cursor = historyRows[historyRows.length - 1].seq;
+  } else if (next === "newer") {
+    cursor = newerCursors.length ? newerCursors.pop() : null;
+  } else {
+    cursor = null;
+    newerCursors.length = 0;
+  }
+  fetchHistory();
+}
+
+function fillDetail(o) {
   const box = $("#detail");
-  if (!o) { box.hidden = true; delete box.dataset.key; return; }
-  box.dataset.key = `${o.at_ms}:${o.job_id}`;
+  box.dataset.seq = String(o.seq);
   box.dataset.job = o.job_id;
   const t = o.timings;
-  const rows = [["job", o.job_id], ["code", o.code || "not reported"], ["slot", o.slot === null ? "–" : String(o.slot)]];
+  const rows = [["job", o.job_id], ["code", o.code || "not reported"]];
+  if (o.label) rows.push(["label", o.label]);
+  if (o.note) rows.push(["note", o.note]);
+  rows.push(["slot", o.slot === null ? "–" : String(o.slot)]);
   if (t) {
     rows.push(["lease", `${t.lease_id} (${t.kind}${t.gpu_device !== null ? `, GPU device ${t.gpu_device}` : ""})`]);
     rows.push(["waited", t.waited_ms === null ? "not seen waiting" : "at least " + secs(t.waited_ms)]);
@@ -327,134 +527,116 @@ function showDetail(o) {
     if (t.draining_ms !== null) rows.push(["drained", secs((t.releasing_ms ?? t.ended_ms) - t.draining_ms)]);
     for (const [proof, at] of t.proofs) rows.push(["· " + proof, "done " + secs(at - drain) + " into the drain"]);
     if (t.releasing_ms !== null) rows.push(["released", secs(t.ended_ms - t.releasing_ms)]);
+    if (o.last_phase) rows.push(["ended", `while ${o.last_phase} (the phase its lease was last sampled in)`]);
   } else {
-    rows.push(["lease", "not seen by the console (too short, or it never got a slot)"]);
+    rows.push(["lease", o.lease_id !== null ? `${o.lease_id} (as the embedder said; too short for the console to sample)`
+      : "not seen by the console (too short, or it never got a slot)"]);
   }
   const e = o.errors || {};
   if (e.acquire) rows.push(["acquire error", e.acquire]);
+  if (e.prepare) rows.push(["prepare error", e.prepare]);
   if (e.body) rows.push(["body error", e.body]);
   if (e.cleanup) rows.push(["cleanup error", e.cleanup]);
-  const dl = $("#detail dl");
-  dl.replaceChildren(...rows.flatMap(([k, v]) => [el("dt", null, k), el("dd", null, v)]));
-  box.hidden = false;
+  $("#detail dl").replaceChildren(...rows.flatMap(([k, v]) => [el("dt", null, k), el("dd", null, v)]));
+}
+
+// The detail opens as a dialog over the page, where the user is looking, not below the list.
+function showDetail(o) {
+  const box = $("#detail");
+  if (!o) { if (box.open) box.close(); return; }
+  fillDetail(o);
+  if (!box.open) box.showModal();
 }
 
 // ---- actions -----------------------------------------------------------------------------
 
-async function act(action, body) {
-  const out = $("#action-result");
-  const token = $("#token").value;
-  const headers = { "Content-Type": "application/json" };
-  if (token) headers["Authorization"] = "Bearer " + token;
-  out.textContent = `${action}…`;
-  out.dataset.status = "";
-  out.dataset.code = "";
-  let status = 0;
-  let answer = null;
-  try {
-    const res = await fetch("api/actions/" + action, {
-      method: "POST", headers, body: JSON.stringify(body), credentials: "omit", cache: "no-store",
-    });
-    status = res.status;
-    answer = await res.json();
-  } catch (e) {
-    out.textContent = `${action}: ${e}`;
-    out.dataset.status = "0";
-    out.dataset.ok = "false";
-    return;
-  }
-  const code = answer.error ? answer.error.code : "OK";
-  out.dataset.status = String(status);
-  out.dataset.code = code;
-  out.dataset.ok = String(!answer.error);
-  let text = `${action}: ${status} ${code}`;
-  if (answer.error) text += ` — ${answer.error.message}` + (answer.error.cause ? ` (${answer.error.cause})` : "");
-  else if (action === "resize") text += ` — capacity ${answer.capacity}`;
-  else if (action === "reclaim") text += ` — ${answer.reclaimed.length} reclaimed, ${answer.still_quarantined.length} still quarantined`;
-  else if (action === "cancel") {
-    text += ` — cancel requested for ${answer.job_id}; waiting for it to end`;
-    pendingCancel = { job: answer.job_id, since: lastNow, text };
-    out.dataset.requested = answer.job_id;
-    out.dataset.ended = "";
-  }
-  out.textContent = text;
-}
+const MAX_RESIZE = 4096;
 
-// The outcome of a cancel asked for: once the job's end is in the outcomes.
-function settleCancel(rows) {
-  if (!pendingCancel) return;
-  const row = rows.find((o) => o.job_id === pendingCancel.job && o.at_ms >= pendingCancel.since);
-  if (!row) return;
-  const out = $("#action-result");
-  const ended = row.code || "code not reported";
-  out.textContent = pendingCancel.text.replace("; waiting for it to end", `; it ended: ${ended}`);
-  out.dataset.ended = row.code || "unknown";
-  // An end observed before the embedder recorded its result: its code may follow.
-  if (row.code) pendingCancel = null;
-}
-
-// A first click arms the button for 4 s and asks to confirm; the second click acts.
-function confirmThen(button, question, action) {
-  if (button.dataset.armed === "true") {
-    disarm(button);
-    action();
-    return;
+// The resize the field asks for, from the capacity shown: a whole number of slots in
+// 1..=MAX_RESIZE, or why not (nothing is sent then).
+function resizeTarget() {
+  const typed = $("#resize-slots").value.trim();
+  if (typed === "") return { why: "type the number of slots first" };
+  if (!/^[0-9]+$/.test(typed) || Number(typed) < 1 || Number(typed) > MAX_RESIZE) {
+    return { why: `“${typed}” is not a whole number of slots from 1 to ${MAX_RESIZE}` };
   }
-  button.dataset.armed = "true";
-  button.dataset.label = button.textContent;
-  button.textContent = question;
-  button.armTimer = setTimeout(() => disarm(button), 4000);
-}
-
-function disarm(button) {
-  clearTimeout(button.armTimer);
-  button.dataset.armed = "false";
-  if (button.dataset.label) button.textContent = button.dataset.label;
+  const n = Number(typed);
+  const from = lastFrame ? lastFrame.stats.capacity : null;
+  if (from === n) return { why: `the capacity is ${n} already` };
+  const was = from === null ? "" : `from ${from} `;
+  return { n, from, key: `${from}->${n}`, question: `Confirm: resize ${was}to ${n} slots?` };
 }
 
 function wireActions() {
   const cancelBtn = $("#cancel-btn");
+  const cancelOut = $("#cancel-result");
   cancelBtn.addEventListener("click", () => {
     const job = $("#cancel-job").value.trim();
-    confirmThen(cancelBtn, `Confirm: cancel ${job}?`, () => act("cancel", { job_id: job }));
+    if (!job) { disarm(cancelBtn); answer(cancelOut, "cancel: type a job id first", { ok: false }); return; }
+    const target = typedTarget(job);
+    confirmThen(cancelBtn, target.key, target.question, () => cancel(target, cancelOut));
   });
-  $("#reclaim-btn").addEventListener("click", () => act("reclaim", {}));
-  $("#resize-btn").addEventListener("click", () => {
-    const typed = $("#resize-slots").value.trim();
-    if (typed === "") {
-      // Never a value the user did not type (an empty field is not 0).
-      const out = $("#action-result");
-      out.textContent = "resize: type the number of slots first";
-      out.dataset.status = "";
-      out.dataset.code = "";
-      return;
-    }
-    const n = Number(typed);
-    act("resize", { slots: Number.isInteger(n) ? n : -1 });
+  $("#cancel-job").addEventListener("input", () => disarm(cancelBtn));
+
+  const reclaimBtn = $("#reclaim-btn");
+  reclaimBtn.addEventListener("click", () => {
+    const rows = lastFrame ? lastFrame.quarantined : [];
+    if (!rows.length) return;
+    const target = reclaimTarget(rows);
+    confirmThen(reclaimBtn, target.key, target.question, () =>
+      act("reclaim", { lease_ids: target.ids }, $("#reclaim-result"),
+        (r) => `${r.reclaimed.length} reclaimed, ${r.still_quarantined.length} still quarantined` +
+          r.still_quarantined.map((q) => ` · slot ${q.slot}: ${q.reason}`).join("")));
   });
+
+  const resizeBtn = $("#resize-btn");
+  const resizeOut = $("#resize-result");
+  resizeBtn.addEventListener("click", () => {
+    const target = resizeTarget();
+    if (target.why) { disarm(resizeBtn); answer(resizeOut, "resize: " + target.why, { ok: false }); return; }
+    const body = { slots: target.n };
+    if (target.from !== null) body.from = target.from;
+    confirmThen(resizeBtn, target.key, target.question, () =>
+      act("resize", body, resizeOut, (r) => `capacity ${r.capacity}`));
+  });
+  $("#resize-slots").addEventListener("input", () => disarm(resizeBtn));
+}
+
+// Disarms the typed cancel and the resize when what they would act on changed.
+function renderActions(frame) {
+  setHidden($("#actions"), !frame.actions);
+  // Offered only where it can work: the supervisor's in-process pool.
+  setHidden($("#resize-row"), !(frame.actions && frame.resizable));
+  const cancelBtn = $("#cancel-btn");
+  if (cancelBtn.dataset.armed === "true") {
+    const job = $("#cancel-job").value.trim();
+    disarmUnless(cancelBtn, job ? typedTarget(job).key : "");
+  }
+  const resizeBtn = $("#resize-btn");
+  if (resizeBtn.dataset.armed === "true") disarmUnless(resizeBtn, resizeTarget().key || "");
 }
 
 // ---- the stream --------------------------------------------------------------------------
 
 let paused = false;
+// The frame the page shows (what an action's confirmation names), and the latest heard.
 let lastFrame = null;
+let latestFrame = null;
 
 function render(frame) {
-  lastFrame = frame;
-  settleCancel(frame.outcomes);
-  lastNow = frame.now_ms;
+  latestFrame = frame;
+  if (!paused) lastFrame = frame;
+  settleCancels(frame.outcomes);
   // Counted in a variable, not an attribute: an attribute on <body> would make the browser
   // recheck the style of the whole page every frame.
   window.consoleFrames = (window.consoleFrames || 0) + 1;
   if (paused) return;
+  lastNow = frame.now_ms;
   actionsOn = frame.actions;
   setHidden($("#exposed"), !frame.exposed);
-  setHidden($("#actions"), !frame.actions);
-  setHidden($("#reclaim-btn"), !frame.actions);
-  // Offered only where it can work: the supervisor's in-process pool.
-  setHidden($("#resize-row"), !frame.resizable);
   setText($("#clock"), "console up " + secs(frame.now_ms));
   renderStats(frame.stats);
+  renderActions(frame);
   renderLanes(frame.lanes);
   renderQueue(frame.queue);
   renderQuarantine(frame.quarantined);
@@ -469,65 +651,123 @@ function render(frame) {
 
 // ---- charts: per second, the last five minutes --------------------------------------------
 
+// Each chart: its key, title, note, the series (a key of the data, and its legend), and how a
+// value is written.
+const count = (v) => String(v);
 const CHARTS = [
-  ["throughput", "throughput", "jobs ended / s", (v) => String(v)],
-  ["queue", "queue depth", "callers waiting", (v) => String(v)],
-  ["wait", "wait p50 / p99", "as the queue listing showed it", (v) => secs(v)],
-  ["drain_p99_ms", "drain p99", "from the body's end to the release", (v) => secs(v)],
+  ["throughput", "throughput", "jobs ended per second", [["throughput", "ends / s"]], count],
+  ["queue", "queue depth", "the deepest the queue was in the second", [["queue", "callers waiting"]], count],
+  ["wait", "wait", "of the jobs granted in the second, as the queue listing showed it",
+    [["wait_p50_ms", "p50"], ["wait_p99_ms", "p99"]], secs],
+  ["drain", "drain", "from the body's end to the release, of the jobs that ended in the second",
+    [["drain_p99_ms", "p99"]], secs],
 ];
+
+// The chart's drawing area, in the SVG's own units (it scales with the page's width).
+const CW = 320, CH = 128, CL = 44, CR = 10, CT = 18, CB = 18, MAX_SPAN_S = 300;
+
+// How far back a chart goes: five minutes, or less while the console is younger (a minute at
+// least, whole minutes beyond), so that a young console's values are not squeezed against
+// "now"; and its time ticks.
+function timeAxis(c) {
+  const span = Math.min(MAX_SPAN_S, Math.max(60, Math.ceil(c.now_s / 60) * 60));
+  const ticks = span === 60 ? [60, 45, 30, 15, 0].map((s) => [s, s === 0 ? "now" : `−${s} s`])
+    : [...Array(span / 60 + 1).keys()].reverse().map((m) => [m * 60, m === 0 ? "now" : `−${m} min`]);
+  return { span, ticks };
+}
 
 function chartFor(key, title, note) {
   let box = document.querySelector(`.chart[data-chart="${key}"]`);
   if (box) return box;
   box = el("figure", "chart");
   box.dataset.chart = key;
-  const svg = document.createElementNS(SVG, "svg");
-  svg.setAttribute("viewBox", "0 0 300 40");
-  svg.setAttribute("preserveAspectRatio", "none");
-  svg.setAttribute("role", "img");
-  svg.setAttribute("aria-label", `${title}, per second, the last five minutes`);
+  const svg = svgEl("svg", { viewBox: `0 0 ${CW} ${CH}`, role: "img",
+    "aria-label": `${title}, per second, the last five minutes` });
   const caption = el("figcaption");
-  caption.append(el("span", "chart-title", title), el("span", "chart-now"), el("span", "note", " " + note));
+  caption.append(el("span", "chart-title", title), el("span", "chart-now"), el("span", "note", " · " + note));
   box.append(caption, svg);
   $("#charts").append(box);
   return box;
 }
 
-// A line per series over 300 seconds, scaled to the highest value; a second without a value
-// breaks the line.
-function drawLines(svg, series, max) {
+// 1, 2 or 5 times a power of ten, at least `v` (at least 1).
+function niceMax(v) {
+  if (!(v > 1)) return 1;
+  const p = Math.pow(10, Math.floor(Math.log10(v)));
+  for (const m of [1, 2, 5, 10]) if (m * p >= v) return m * p;
+  return 10 * p;
+}
+
+// Draws one chart: a time axis (the last five minutes, "now" at the right: the last second
+// that has ended), a y scale from 0 to a round maximum, a legend, each series as lines, and a
+// value with no neighbour as a dot, so that a lone value is seen.
+function drawChart(svg, c, series, fmt) {
   svg.replaceChildren();
-  series.forEach((values, i) => {
-    const offset = 300 - values.length;
-    let points = [];
+  const lastS = c.now_s - 1;
+  const { span, ticks: timeTicks } = timeAxis(c);
+  const x = (s) => CL + ((s - (lastS - span)) / span) * (CW - CL - CR);
+  const all = series.flatMap(([values]) => values.filter((v) => v !== null));
+  // At least 1 of a count, 1 s of a time: an empty chart still has a readable scale.
+  const max = niceMax(Math.max(fmt === count ? 1 : 1000, ...all));
+  const y = (v) => CT + (1 - v / max) * (CH - CT - CB);
+  svg.dataset.nowS = String(lastS);
+  svg.dataset.max = String(max);
+  // The y scale: 0, the middle (when a count can be that) and the maximum.
+  const ticks = Number.isInteger(max / 2) ? [0, max / 2, max] : [0, max];
+  for (const t of ticks) {
+    svg.append(svgEl("line", { class: t === 0 ? "axis" : "grid", x1: CL, x2: CW - CR, y1: y(t), y2: y(t) }));
+    svg.append(svgEl("text", { class: "y-tick", x: CL - 4, y: y(t) + 3, "text-anchor": "end" }, fmt(t)));
+  }
+  // The time axis, "now" at the right.
+  svg.append(svgEl("line", { class: "axis", x1: CL, x2: CL, y1: CT, y2: CH - CB }));
+  timeTicks.forEach(([ago, label], i) => {
+    const at = x(lastS - ago);
+    const anchor = i === 0 ? "start" : i === timeTicks.length - 1 ? "end" : "middle";
+    svg.append(svgEl("line", { class: "grid", x1: at, x2: at, y1: CH - CB, y2: CH - CB + 3 }));
+    svg.append(svgEl("text", { class: "x-tick", x: at, y: CH - 4, "text-anchor": anchor }, label));
+  });
+  // The legend, top right: a line in the series' colour, then its name.
+  const widths = series.map(([, label]) => label.length * 5 + 22);
+  let lx = CW - CR - widths.reduce((a, b) => a + b, 0);
+  series.forEach(([, label], i) => {
+    svg.append(svgEl("line", { class: `key series-${i}`, x1: lx + 6, x2: lx + 18, y1: 8, y2: 8 }));
+    svg.append(svgEl("text", { class: "key", x: lx + 21, y: 11 }, label));
+    lx += widths[i];
+  });
+  // The series: runs of values as lines, a lone value as a dot.
+  series.forEach(([values], i) => {
+    let run = [];
     const flush = () => {
-      if (points.length) {
-        const line = document.createElementNS(SVG, "polyline");
-        line.setAttribute("points", points.join(" "));
-        line.setAttribute("class", "series-" + i);
-        svg.append(line);
+      if (run.length === 1) {
+        svg.append(svgEl("circle", { class: `series-${i} lone`, cx: run[0][0], cy: run[0][1], r: 2.5 }));
+      } else if (run.length > 1) {
+        svg.append(svgEl("polyline", { class: `series-${i}`, points: run.map((p) => p.join(",")).join(" ") }));
       }
-      points = [];
+      run = [];
     };
-    values.forEach((v, x) => {
-      if (v === null) { flush(); return; }
-      points.push(`${offset + x},${(40 - (v / max) * 38).toFixed(1)}`);
+    values.forEach((v, k) => {
+      // Older than the axis (a console younger than five minutes shows less): left out.
+      if (v === null || c.from_s + k < lastS - span) { flush(); return; }
+      run.push([x(c.from_s + k).toFixed(1), y(v).toFixed(1)]);
     });
     flush();
   });
+  return all.length;
 }
 
 function renderCharts(c) {
-  for (const [key, title, note, fmt] of CHARTS) {
+  for (const [key, title, note, defs, fmt] of CHARTS) {
     const box = chartFor(key, title, note);
-    const series = key === "wait" ? [c.wait_p50_ms, c.wait_p99_ms] : [c[key]];
-    const all = series.flat().filter((v) => v !== null);
-    const max = Math.max(1, ...all);
-    drawLines(box.querySelector("svg"), series, max);
-    const last = series.map((s) => s.filter((v) => v !== null).at(-1));
-    box.querySelector(".chart-now").textContent =
-      " now " + last.map((v) => (v === undefined ? "–" : fmt(v))).join(" / ") + ", max " + fmt(max);
-    box.dataset.points = String(all.length);
+    const series = defs.map(([k, label]) => [c[k], label]);
+    const points = drawChart(box.querySelector("svg"), c, series, fmt);
+    // "now": the last second that has ended (the second in progress has not counted all of
+    // its ends yet).
+    const now = series.map(([values, label]) => {
+      const v = values.length ? values[values.length - 1] : null;
+      return (series.length > 1 ? label + " " : "") + (v === null ? "–" : fmt(v));
+    });
+    setText(box.querySelector(".chart-now"), " · now " + now.join(", "));
+    box.dataset.points = String(points);
   }
 }
 
@@ -549,23 +789,28 @@ function wireView() {
     pause.textContent = paused ? "Resume" : "Pause";
     pause.setAttribute("aria-pressed", String(paused));
     document.body.dataset.paused = String(paused);
-    if (!paused && lastFrame) render(lastFrame);
+    if (!paused && latestFrame) render(latestFrame);
   });
   let typing = null;
   const later = (f) => () => { clearTimeout(typing); typing = setTimeout(f, 250); };
-  $("#history-code").addEventListener("input", later(fetchHistory));
-  $("#history-search").addEventListener("input", later(fetchHistory));
+  const refilter = () => { cursor = null; newerCursors.length = 0; fetchHistory(); };
+  $("#history-code").addEventListener("input", later(refilter));
+  $("#history-search").addEventListener("input", later(refilter));
+  $("#history-older").addEventListener("click", () => toPage("older"));
+  $("#history-newer").addEventListener("click", () => toPage("newer"));
+  $("#history-newest").addEventListener("click", () => toPage("newest"));
   $("#queue-search").addEventListener("input", later(() => {
     $("#queue-found").textContent = "";
     if (queueSearch()) searchQueue(); else if (lastFrame) fillWaiters(lastFrame.queue.waiters);
   }));
-  $("#outcomes tbody").addEventListener("click", (ev) => {
+  const rowOf = (ev) => {
     const tr = ev.target.closest("tr");
-    if (tr) showDetail(historyRows.find((o) => `${o.at_ms}:${o.job_id}` === tr.dataset.key));
-  });
+    return tr && historyRows.find((o) => String(o.seq) === tr.dataset.key);
+  };
+  $("#outcomes tbody").addEventListener("click", (ev) => { const o = rowOf(ev); if (o) showDetail(o); });
   $("#outcomes tbody").addEventListener("keydown", (ev) => {
-    const tr = ev.target.closest("tr");
-    if (tr && ev.key === "Enter") showDetail(historyRows.find((o) => `${o.at_ms}:${o.job_id}` === tr.dataset.key));
+    const o = rowOf(ev);
+    if (o && ev.key === "Enter") showDetail(o);
   });
   $("#detail-close").addEventListener("click", () => showDetail(null));
   setInterval(fetchTimeline, 1000);
