@@ -21,8 +21,8 @@
 //! With `--console` (built by leasehold-console, as above) it also serves leasehold's live web console on
 //! 127.0.0.1 (or the address given: `--console 0.0.0.0:8080`, which exposes it to the network),
 //! prints its URL (and, with `--console-actions`, turns its actions on and prints their token),
-//! records every job's outcome there, and keeps serving
-//! after the run until Enter is pressed.
+//! records every job's outcome there (a skipped frame as `SKIPPED`, with the note the table
+//! below prints and the job's slot), and keeps serving after the run until Enter is pressed.
 //!
 //! Needs a Vulkan or GL adapter; Mesa's software drivers are enough: lavapipe for Vulkan
 //! (Debian package `mesa-vulkan-drivers`) or llvmpipe through EGL for GL (`libegl-mesa0`,
@@ -614,11 +614,17 @@ mod app {
                 farm.called(index);
                 let job_farm = Arc::clone(&farm);
                 let result = sup.run(spec, move |ctx| body(ctx, input, job_farm)).await;
+                let (outcome, note) = describe(&result, &farm, index);
                 #[cfg(leasehold_console)]
                 if let Some(outcomes) = &outcomes {
-                    outcomes.record(&id, &result);
+                    web::record(
+                        outcomes,
+                        &id,
+                        &result,
+                        (&outcome, &note),
+                        &farm.records()[index],
+                    );
                 }
-                let (outcome, note) = describe(&result, &farm, index);
                 farm.returned(index, &outcome, note);
                 let _ = finished.send(true);
             }));
@@ -730,10 +736,10 @@ mod app {
     mod web {
         use std::net::SocketAddr;
 
-        use leasehold::Supervisor;
-        use leasehold_console::{ActionsToken, Console, ConsoleHandle};
+        use leasehold::{JobError, Supervisor};
+        use leasehold_console::{ActionsToken, Console, ConsoleHandle, JobNote, Outcomes};
 
-        use crate::farm::Progress;
+        use crate::farm::{JobRecord, Progress};
 
         /// Starts the console on `addr`, read-only unless `actions`: then with a fresh actions
         /// token, which it prints.
@@ -762,6 +768,37 @@ mod app {
                 ),
             });
             Ok(console)
+        }
+
+        /// Hands a job's result to the console with the demo's own word on it: its label when
+        /// the code does not say it (`SKIPPED`: the frame was rendered already, the body
+        /// returned `Ok` early), its note, and the slot and lease its body saw (a frame skipped
+        /// within one sample is never seen holding its slot by the console).
+        pub fn record<T, E: std::fmt::Display>(
+            outcomes: &Outcomes,
+            id: &str,
+            result: &Result<T, JobError<E>>,
+            (outcome, note): (&str, &str),
+            record: &JobRecord,
+        ) {
+            let code = match result {
+                Ok(_) => "OK",
+                Err(e) => e.code(),
+            };
+            let mut said = JobNote::new().note(note);
+            if outcome != code {
+                // A label of the demo's own making: always a valid one.
+                said = said
+                    .label(outcome)
+                    .unwrap_or_else(|_| JobNote::new().note(note));
+            }
+            if let Some(slot) = record.slot {
+                said = said.slot(slot);
+            }
+            if let Some(lease) = record.lease {
+                said = said.lease(lease);
+            }
+            outcomes.record_with(id, result, said);
         }
 
         /// Keeps the console serving until Enter (or the end of standard input), then stops it.
