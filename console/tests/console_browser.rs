@@ -1240,9 +1240,9 @@ async fn every_action_asks_to_confirm_first_and_a_hidden_control_is_not_shown() 
 }
 
 /// A page at most this tall (CSS pixels) at 1400 px wide, whatever the history holds.
-const MAX_PAGE_HEIGHT_1400: f64 = 3000.0;
+const MAX_PAGE_HEIGHT_1400: f64 = 2500.0;
 /// ... and at 390 px wide (a phone: one column).
-const MAX_PAGE_HEIGHT_390: f64 = 6500.0;
+const MAX_PAGE_HEIGHT_390: f64 = 5000.0;
 
 /// Answers and details show where the user clicked: a history row's detail opens over the page
 /// in view (it opened below a list of 200 rows, 12,564 px down), an action's answer next to its
@@ -1285,6 +1285,13 @@ async fn answers_and_details_show_beside_the_click_and_a_long_history_keeps_the_
         "document.querySelector('#history-range').textContent === 'rows 1–25 of 1000 job ends' && \
          document.querySelectorAll('#outcomes tbody tr').length === 25 && \
          document.querySelector('#outcomes tbody tr').dataset.job === 'bake-0999'",
+    )
+    .await;
+    wait_for(
+        &page,
+        "the charts and the timeline drawn",
+        "document.querySelectorAll('#charts .chart svg').length === 4 && \
+         document.querySelectorAll('#timeline .tl-row').length === 2",
     )
     .await;
     let height: f64 = js(&page, "document.documentElement.scrollHeight").await;
