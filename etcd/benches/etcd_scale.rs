@@ -44,6 +44,8 @@
 mod etcd_server;
 #[path = "etcd_scale/measure.rs"]
 mod measure;
+#[path = "etcd_scale/pprof.rs"]
+mod pprof;
 #[path = "etcd_scale/proxy.rs"]
 mod proxy;
 
@@ -51,7 +53,7 @@ use std::collections::HashMap;
 use std::fs::OpenOptions;
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
 use std::sync::mpsc::Receiver;
@@ -117,6 +119,12 @@ fn main() {
             Ok("none") => Kill::None,
             _ => Kill::Follower,
         },
+        profile_seconds: if test_mode {
+            1
+        } else {
+            env_or("LEASEHOLD_SCALE_PPROF_SECONDS", 4) as u64
+        },
+        profile_dir: std::env::var_os("LEASEHOLD_SCALE_PPROF").map(PathBuf::from),
     };
     let Some(bin) = find_etcd(None) else {
         if std::env::var("LEASEHOLD_REQUIRE_ETCD").as_deref() == Ok("1") {
@@ -139,6 +147,11 @@ struct Plan {
     /// One-way delays (ms) to run every phase at.
     delays: Vec<u64>,
     kill: Kill,
+    /// How long each profiled phase's members are profiled (from its start; 0: not at all).
+    profile_seconds: u64,
+    /// Where the profiles are kept (every phase is then profiled); else a scratch dir, and only
+    /// the phases whose split is printed.
+    profile_dir: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -202,6 +215,8 @@ struct Figures {
     left: Option<i64>,
     /// Leases/s after a member was killed.
     after_kill: Option<f64>,
+    /// The members' CPU by request type (their pprof profiles over the phase's first seconds).
+    split: Option<pprof::Split>,
 }
 
 impl Figures {
@@ -268,7 +283,8 @@ struct AtDelay {
 }
 
 fn run(bin: &Path, plan: &Plan, test_mode: bool) {
-    let mut cluster = Cluster::start_in(bin, 3, bench_data_base().as_deref());
+    // Every member serves its CPU profile: the phases below are profiled (see `profile`).
+    let mut cluster = Cluster::start_with(bin, 3, bench_data_base().as_deref(), true);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -298,6 +314,9 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             jobs,
             label: label.to_owned(),
             kill: None,
+            // In a smoke run, the main figure's only (its phases are shorter than a profile).
+            profile: plan.profile_dir.is_some()
+                || (mode != "broker" && !(test_mode && (mode != "leases" || slots == 1))),
         };
         let bare = bare(
             &mut procs,
@@ -306,6 +325,8 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             &all,
             plan,
             "bare loop, 3 members",
+            !test_mode || plan.profile_dir.is_some(),
+            &work,
         );
         let leases = phase(
             &mut procs,
@@ -313,6 +334,7 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             &net,
             &rt,
             &work,
+            plan,
             &p("leases", plan.slots, plan.jobs, "leasehold (supervisor)"),
         );
         let broker = phase(
@@ -321,6 +343,7 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             &net,
             &rt,
             &work,
+            plan,
             &p("broker", plan.slots, plan.jobs, "↳ the broker alone"),
         );
         let one_slot = phase(
@@ -329,6 +352,7 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             &net,
             &rt,
             &work,
+            plan,
             &p("leases", 1, plan.one_slot_jobs, "one slot: leasehold"),
         );
         let one_broker = phase(
@@ -337,6 +361,7 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             &net,
             &rt,
             &work,
+            plan,
             &p("broker", 1, plan.one_slot_jobs, "↳ the broker alone"),
         );
         let lock = phase(
@@ -345,6 +370,7 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             &net,
             &rt,
             &work,
+            plan,
             &p("lock", 1, plan.one_slot_jobs, "one slot: etcd v3 Lock"),
         );
         results.push(AtDelay {
@@ -378,6 +404,7 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             &net,
             &rt,
             &work,
+            plan,
             &Phase {
                 mode: "leases".into(),
                 pool: "scale-kill".into(),
@@ -385,6 +412,7 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
                 jobs: plan.jobs,
                 label: format!("leasehold, {who} killed at 1/3 (D = 0)"),
                 kill: Some(victim),
+                profile: false,
             },
         );
         let live: Vec<usize> = all.iter().copied().filter(|i| *i != victim).collect();
@@ -395,6 +423,8 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
             &live,
             plan,
             "bare loop, 2 survivors",
+            false,
+            &work,
         );
         (killed, bare2)
     });
@@ -452,6 +482,28 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
                 f.counters.profile(f.n.max(1) as f64)
             );
         }
+        for f in [&r.bare, &r.leases, &r.one_slot, &r.lock] {
+            if let Some(split) = &f.split {
+                println!(
+                    "members' CPU by request type, {} (pprof of the 3 members over the first {} s; share, and ms per {}): {}",
+                    f.label,
+                    if f.label.starts_with("bare") {
+                        plan.bare_for
+                            .as_secs()
+                            .max(1)
+                            .min(plan.profile_seconds.max(1))
+                    } else {
+                        plan.profile_seconds
+                    },
+                    if f.label.starts_with("bare") {
+                        "pair"
+                    } else {
+                        "lease"
+                    },
+                    split.line(f.members_cpu_ms)
+                );
+            }
+        }
     }
     if let Some((killed, bare2)) = &killed {
         println!();
@@ -504,6 +556,13 @@ fn run(bin: &Path, plan: &Plan, test_mode: bool) {
                 "members' CPU per lease at D = 0: {ratio:.2}× a bare pair (≤ 2.5×: {})",
                 verdict(ratio <= 2.5)
             );
+            if let (Some(lease), Some(pair)) = (&r.leases.split, &r.bare.split) {
+                println!(
+                    "  where, per lease: {}\n  and per bare pair: {}",
+                    lease.line(r.leases.members_cpu_ms),
+                    pair.line(r.bare.members_cpu_ms)
+                );
+            }
         } else if !r.leases.hand_off.is_empty() {
             let bound = plan.slots as f64 / ((3.0 + rtt_ms) / 1e3);
             let (p50, p99) = (
@@ -586,6 +645,7 @@ fn cpu(procs: &[Proc], cluster: &Cluster) -> (f64, f64) {
     (cpu_seconds(&clients), cpu_seconds(&members))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn bare(
     procs: &mut [Proc],
     cluster: &Cluster,
@@ -593,6 +653,8 @@ fn bare(
     members: &[usize],
     plan: &Plan,
     label: &str,
+    profile: bool,
+    work: &tempfile::TempDir,
 ) -> Figures {
     let joined = net.endpoints(members);
     for p in procs.iter_mut() {
@@ -607,11 +669,22 @@ fn bare(
     for p in procs.iter_mut() {
         p.send("go");
     }
+    let profiles = profile.then(|| {
+        let name = format!("bare-{}-{}", net.delay.as_millis(), members.len());
+        // The loop's own length: the profile ends with it.
+        let seconds = plan
+            .bare_for
+            .as_secs()
+            .max(1)
+            .min(plan.profile_seconds.max(1));
+        profile_members(cluster, members, &name, seconds, plan, work)
+    });
     let mut pairs = 0u64;
     for p in procs.iter_mut() {
         let line = p.expect("BARE");
         pairs += line.split(' ').nth(1).unwrap().parse::<u64>().unwrap();
     }
+    let split = profiles.and_then(Profiles::split);
     let b1 = net.bytes();
     let cpu1 = cpu(procs, cluster);
     let counters = c0.since(&Counters::read(cluster, members));
@@ -629,6 +702,7 @@ fn bare(
         failed: 0,
         left: None,
         after_kill: None,
+        split,
     }
 }
 
@@ -643,6 +717,8 @@ struct Phase {
     label: String,
     /// The member to SIGKILL once a third of the jobs are done.
     kill: Option<usize>,
+    /// Its members' CPU is split by request type (see `profile_members`).
+    profile: bool,
 }
 
 fn phase(
@@ -651,6 +727,7 @@ fn phase(
     net: &Net,
     rt: &tokio::runtime::Runtime,
     work: &tempfile::TempDir,
+    plan: &Plan,
     phase: &Phase,
 ) -> Figures {
     let dir = work.path().join(&phase.pool);
@@ -677,7 +754,16 @@ fn phase(
     for p in procs.iter_mut() {
         p.send("go");
     }
-    let profiles = profile_members(cluster, &phase.pool);
+    let profiles = phase.profile.then(|| {
+        profile_members(
+            cluster,
+            &members,
+            &phase.pool,
+            plan.profile_seconds,
+            plan,
+            work,
+        )
+    });
     let total = procs.len() * phase.jobs;
     let mut before_kill = Counters::default();
     let mut victim_cpu = 0.0;
@@ -709,9 +795,7 @@ fn phase(
         failed += f[2].parse::<usize>().unwrap();
     }
     let wall = started.elapsed();
-    for p in profiles {
-        let _ = p.join();
-    }
+    let split = profiles.and_then(Profiles::split);
     let b1 = net.bytes();
     let cpu1 = cpu(procs, cluster);
     let alive: Vec<usize> = members
@@ -743,25 +827,34 @@ fn phase(
         failed,
         left,
         after_kill,
+        split,
     }
 }
 
-/// With `LEASEHOLD_SCALE_PPROF=DIR` (and `LEASEHOLD_ETCD_PPROF=1`, which starts the members
-/// with `--enable-pprof`), a CPU profile of each member over the first
-/// `LEASEHOLD_SCALE_PPROF_SECONDS` (6) of the phase, written to `DIR/{pool}-m{i}.pb.gz`.
-fn profile_members(cluster: &Cluster, pool: &str) -> Vec<std::thread::JoinHandle<()>> {
-    let Some(dir) = std::env::var_os("LEASEHOLD_SCALE_PPROF") else {
-        return Vec::new();
-    };
-    let seconds: u64 = std::env::var("LEASEHOLD_SCALE_PPROF_SECONDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(6);
-    (0..cluster.len())
-        .map(|i| {
+/// A CPU profile of each of the members `members` over the next `seconds` (their pprof
+/// endpoint: the cluster serves it), written to `{dir}/{name}-m{i}.pb.gz`: the dir of
+/// `LEASEHOLD_SCALE_PPROF` (kept, for `go tool pprof`), else the bench's scratch dir.
+fn profile_members(
+    cluster: &Cluster,
+    members: &[usize],
+    name: &str,
+    seconds: u64,
+    plan: &Plan,
+    work: &tempfile::TempDir,
+) -> Profiles {
+    let dir = plan
+        .profile_dir
+        .clone()
+        .unwrap_or_else(|| work.path().join("pprof"));
+    let _ = std::fs::create_dir_all(&dir);
+    let (threads, files) = members
+        .iter()
+        .filter(|_| seconds > 0)
+        .map(|&i| {
             let port = cluster.client_port(i);
-            let file = Path::new(&dir).join(format!("{pool}-m{i}.pb.gz"));
-            std::thread::spawn(move || {
+            let file = dir.join(format!("{name}-m{i}.pb.gz"));
+            let to = file.clone();
+            let thread = std::thread::spawn(move || {
                 use std::io::Read;
                 let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
                     return;
@@ -773,11 +866,29 @@ fn profile_members(cluster: &Cluster, pool: &str) -> Vec<std::thread::JoinHandle
                 let mut body = Vec::new();
                 let _ = s.read_to_end(&mut body);
                 if let Some(at) = body.windows(4).position(|w| w == b"\r\n\r\n") {
-                    let _ = std::fs::write(file, &body[at + 4..]);
+                    let _ = std::fs::write(to, &body[at + 4..]);
                 }
-            })
+            });
+            (thread, file)
         })
-        .collect()
+        .unzip();
+    Profiles { threads, files }
+}
+
+/// Profiles being taken.
+struct Profiles {
+    threads: Vec<std::thread::JoinHandle<()>>,
+    files: Vec<PathBuf>,
+}
+
+impl Profiles {
+    /// Waits for them, and splits the CPU they sampled by request type.
+    fn split(self) -> Option<pprof::Split> {
+        for t in self.threads {
+            let _ = t.join();
+        }
+        pprof::Split::read(&self.files)
+    }
 }
 
 /// Keys under the pool `pool` besides its capacity record, read from a live member directly.

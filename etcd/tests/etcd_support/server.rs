@@ -616,6 +616,8 @@ pub struct Cluster {
     members: Vec<ClusterMember>,
     logs: TempDir,
     token: String,
+    /// Members serve their profiles (`--enable-pprof`).
+    pprof: bool,
 }
 
 impl Cluster {
@@ -626,8 +628,16 @@ impl Cluster {
         Cluster::start_in(bin, n, None)
     }
 
-    /// [`start`](Self::start), with the data dirs under `base`.
+    /// [`start`](Self::start), with the data dirs under `base`; with `--enable-pprof` when
+    /// `LEASEHOLD_ETCD_PPROF` is set.
     pub fn start_in(bin: &Path, n: usize, base: Option<&Path>) -> Cluster {
+        let pprof = std::env::var_os("LEASEHOLD_ETCD_PPROF").is_some();
+        Cluster::start_with(bin, n, base, pprof)
+    }
+
+    /// [`start_in`](Self::start_in); `pprof`: every member serves its profiles
+    /// (`--enable-pprof`: `/debug/pprof/` on its client port).
+    pub fn start_with(bin: &Path, n: usize, base: Option<&Path>, pprof: bool) -> Cluster {
         assert!(n >= 1, "a cluster needs a member");
         let mut last = String::new();
         for attempt in 1..=START_ATTEMPTS {
@@ -654,6 +664,7 @@ impl Cluster {
                     .tempdir()
                     .expect("create etcd log dir"),
                 token: format!("leasehold-{}-{attempt}", std::process::id()),
+                pprof,
             };
             for i in 0..n {
                 cluster.spawn(i, "new");
@@ -819,7 +830,7 @@ impl Cluster {
             .arg("--log-outputs")
             .arg("stderr")
             // For profiling a benchmark's members (`/debug/pprof/` on the client port).
-            .args(std::env::var_os("LEASEHOLD_ETCD_PPROF").map(|_| "--enable-pprof"))
+            .args(self.pprof.then_some("--enable-pprof"))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)
