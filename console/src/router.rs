@@ -586,6 +586,10 @@ fn confirmed_lease(app: &App, job_id: &str, lease_id: u64) -> Result<(), ApiErro
 /// With `lease_ids` (the page sends those the user confirmed), refused with
 /// `CONSOLE_TARGET_CHANGED` when a lease not named is quarantined now (the reclaim would check
 /// it too); `{}` reclaims whatever is quarantined.
+///
+/// The check asks the supervisor for its quarantined slots and the reclaim follows at once;
+/// leasehold's reclaim takes no list, so a slot quarantined in between is checked too (a
+/// reclaim only ever releases a slot it finds clean).
 async fn reclaim(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
