@@ -150,7 +150,7 @@ impl Split {
     pub fn line(&self, per_lease_ms: f64) -> String {
         let total = self.total().max(1) as f64;
         let mut kinds: Vec<&(String, u64)> = self.nanos.iter().filter(|(_, n)| *n > 0).collect();
-        kinds.sort_by(|a, b| b.1.cmp(&a.1));
+        kinds.sort_by_key(|k| std::cmp::Reverse(k.1));
         kinds
             .iter()
             .map(|(k, n)| {
