@@ -3,9 +3,10 @@
 //! whole acquire with the same request id) finds its own work instead of taking a second slot;
 //! and what an acquire that ends without a grant (dropped, failed, refused) leaves: nothing.
 //!
-//! The first transaction is guarded by the request's marker (`request/{rk}`): it acts only when
-//! no marker exists, and otherwise only reads it back. So a copy of it that arrives late, or a
-//! retry after a lost answer, cannot queue or claim twice. An acquire given up writes the marker
+//! The first transaction is guarded by the request's marker (`request/{rk}`, written only by a
+//! grant or a give-up) and its queue place: it acts only when neither exists, and otherwise only
+//! reads them back (a queue key of this request under this session: it joined). So a copy of
+//! it that arrives late, or a retry after a lost answer, cannot queue or claim twice. An acquire given up writes the marker
 //! as a tombstone (`abandoned`) in the same transaction that removes its queue place, which
 //! fences any late copy of its first transaction; a slot it was granted meanwhile is passed on.
 
@@ -14,13 +15,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use etcd_client::{
-    Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp, WatchFilterType,
-    WatchOptions,
-};
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
 use parking_lot::Mutex;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
-use tokio_util::sync::CancellationToken;
 
 use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
@@ -33,9 +30,8 @@ use leasehold::{AcquireRequest, SlotToken};
 /// What the first transaction found or did.
 enum First {
     Granted(Grant),
-    /// Queued; what the join read, if it did (then the marker's watch starts after it), and
-    /// the watch of the place ahead, if any.
-    Queued(Ticket, Option<Look>, Option<FrontHint>),
+    /// Queued; what the join read, if it did (then the marker's watch starts after it).
+    Queued(Ticket, Option<Look>),
     /// Something left by an earlier attempt was cleared: send the first transaction again.
     Again,
     /// The idle pool's claim found the pool busy: join the queue.
@@ -271,7 +267,7 @@ impl Inner {
             }
             match self.first(rk, &session, join, deadline).await {
                 Ok(First::Granted(grant)) => return Ok(grant),
-                Ok(First::Queued(ticket, joined, hint)) => {
+                Ok(First::Queued(ticket, joined)) => {
                     // Its marker's watch, from the revision after the join: a grant made
                     // meanwhile is replayed, and the join's own write is not sent back.
                     #[cfg(feature = "fault-injection")]
@@ -286,8 +282,6 @@ impl Inner {
                         }
                         None => None,
                     };
-                    // Watching the predecessor while this waits (see `FrontHint`).
-                    let _hint = hint;
                     return self.wait(ticket, stream, joined).await;
                 }
                 Ok(First::Busy) => join = true,
@@ -368,8 +362,8 @@ impl Inner {
                     ),
                 ]
             }
-            // Join the queue, reading which slot keys exist (the held slots), the oldest
-            // waiters and the place just ahead of this one.
+            // Join the queue (its queue key alone: a request has no marker while it waits),
+            // reading which slot keys exist (the held slots).
             None => {
                 // Never over a live key: a place this broker freed may still hold a key
                 // (see `retire_place`), and a put would keep its create revision (its place
@@ -381,26 +375,7 @@ impl Inner {
                 ));
                 vec![
                     TxnOp::put(l.queue_key(qk), l.waiter_value(self.owner, rk), under()),
-                    TxnOp::put(
-                        l.request_key(rk),
-                        l.marker_value(MarkerState::Waiting),
-                        under(),
-                    ),
                     slot_keys(l),
-                    // The oldest waiters, as of the join: the chain of this broker's next
-                    // release (see `release`).
-                    self.oldest_read(),
-                    // The two youngest: this place and the one just ahead of it.
-                    TxnOp::get(
-                        l.queue_prefix(),
-                        Some(
-                            GetOptions::new()
-                                .with_prefix()
-                                .with_keys_only()
-                                .with_sort(SortTarget::Create, SortOrder::Descend)
-                                .with_limit(2),
-                        ),
-                    ),
                 ]
             }
         };
@@ -426,27 +401,10 @@ impl Inner {
             let Some(slot) = guess else {
                 // Queued.
                 self.contended.store(true, Ordering::Relaxed);
-                let mut ahead = None;
                 let held = match gets(&ops).as_slice() {
-                    [slots, oldest, youngest] => {
-                        // A stray it cannot read only leaves the cache as it was.
-                        let _ = self.keep_heads(oldest);
-                        let own = l.queue_key(qk);
-                        ahead = youngest
-                            .kvs()
-                            .iter()
-                            .map(|kv| kv.key())
-                            .find(|k| l.is_queue_key(k) && *k != own.as_bytes())
-                            .map(|k| String::from_utf8_lossy(k).into_owned());
-                        Some(held_in(l, slots))
-                    }
+                    [slots] => Some(held_in(l, slots)),
                     _ => None,
                 };
-                // Only while this broker holds no slot: one that holds one will release soon,
-                // and its release's own read keeps the cache fresh.
-                let hint = ahead
-                    .filter(|_| self.held.lock().is_empty())
-                    .map(|key| self.front_hint(key));
                 return Ok(First::Queued(
                     Ticket {
                         rk,
@@ -454,8 +412,7 @@ impl Inner {
                         rev: revision,
                         session: Arc::clone(session),
                     },
-                    held.map(|held| Look::joined(revision, session.id, held)),
-                    hint,
+                    held.map(Look::joined),
                 ));
             };
             self.heads.lock().clear();
@@ -480,6 +437,23 @@ impl Inner {
                 self.contended.store(true, Ordering::Relaxed);
                 return Ok(First::Busy);
             }
+            // A request that waits has no marker: its queue key says it joined (an earlier
+            // copy of this transaction whose answer was lost).
+            if let Some(kv) = queued.kvs().first()
+                && let Ok(waiter) = l.waiter(kv)
+                && waiter.rk == rk
+                && waiter.lease == session.id
+            {
+                return Ok(First::Queued(
+                    Ticket {
+                        rk,
+                        qk,
+                        rev: kv.create_revision(),
+                        session: Arc::clone(session),
+                    },
+                    None,
+                ));
+            }
             if !queued.kvs().is_empty() {
                 // The place holds a key that is not this request's (a cleanup of this broker's
                 // that could not reach etcd, or someone else's write): never written over.
@@ -496,24 +470,6 @@ impl Inner {
         let stale = found.lease != session.id || found.state == MarkerState::Abandoned;
         match found.state {
             _ if stale => {}
-            MarkerState::Waiting => {
-                if let Some(kv) = queued.kvs().first()
-                    && let waiter = l.waiter(kv).map_err(Fail::Fatal)?
-                    && waiter.rk == rk
-                    && waiter.lease == session.id
-                {
-                    return Ok(First::Queued(
-                        Ticket {
-                            rk,
-                            qk,
-                            rev: kv.create_revision(),
-                            session: Arc::clone(session),
-                        },
-                        None,
-                        None,
-                    ));
-                }
-            }
             MarkerState::Granted { slot } => {
                 let key = l.slot_key(slot);
                 let resp = self
@@ -810,7 +766,7 @@ impl Inner {
                             Err(f) => return Err(f.into_etcd("pass on an abandoned grant")),
                         }
                     }
-                    // Waiting (or a grant whose slot had moved on): leave the queue.
+                    // A grant passed on (or whose slot had moved on): leave the queue.
                     let mut ops = vec![tomb.clone()];
                     ops.extend(place.map(|qk| TxnOp::delete(l.queue_key(qk), None)));
                     Txn::new()
@@ -909,50 +865,6 @@ impl Inner {
                 )
                 .await;
         });
-    }
-}
-
-/// While a waiter waits: a watch of the queue key just ahead of it, for its deletion only.
-/// When it goes (granted, or given up), this waiter is near the front, and this broker will
-/// soon release the slot it is granted: the broker reads the oldest waiters then, so that the
-/// release's chain names who waits now (see `release`). One event per waiter, to its own
-/// process; a hint, never a grant. Dropped with the wait.
-pub(super) struct FrontHint(CancellationToken);
-
-impl Drop for FrontHint {
-    fn drop(&mut self) {
-        self.0.cancel();
-    }
-}
-
-impl Inner {
-    fn front_hint(self: &Arc<Self>, ahead: String) -> FrontHint {
-        let stop = CancellationToken::new();
-        let inner = Arc::downgrade(self);
-        let hub = Arc::clone(&self.hub);
-        let cancelled = stop.clone();
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                let options = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
-                let mut watch = tokio::select! {
-                    () = cancelled.cancelled() => return,
-                    watch = hub.watch(ahead, options, None) => match watch {
-                        Ok(watch) => watch,
-                        Err(_) => return,
-                    },
-                };
-                drop(hub);
-                tokio::select! {
-                    () = cancelled.cancelled() => {}
-                    seen = watch.seen.recv() => {
-                        if seen.is_some() && let Some(me) = inner.upgrade() {
-                            me.refresh_heads();
-                        }
-                    }
-                }
-            });
-        }
-        FrontHint(stop)
     }
 }
 

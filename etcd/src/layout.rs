@@ -7,13 +7,16 @@
 //! | key | value | lease |
 //! |---|---|---|
 //! | `capacity` | `leasehold/v1 capacity=N` | none |
-//! | `request/{rk:016x}` | `leasehold/v1 request waiting`, `… granted slot=N` or `… abandoned` | the requester's session |
+//! | `request/{rk:016x}` | `leasehold/v1 request granted slot=N[ next=…]` or `… abandoned` | the requester's session |
 //! | `queue/{qk:016x}` | `leasehold/v1 waiter owner={owner:016x} request={rk:016x}` | the waiter's session |
 //! | `slot/{index:06}` | `leasehold/v1 holder request={rk:016x}` | the holder's session |
 //!
 //! `rk`, the request key, is derived from the broker's random owner id, the supervisor's origin
 //! and the request id: it names the request's marker and its slot, which is what makes a retry
-//! find its own work. `qk`, the place key, names a queue place: derived from the owner id and a
+//! find its own work. A request has no marker while it waits: the marker is only ever its grant
+//! (or, given up, its tombstone). A grant made by a release carries `next=`, the waiters after
+//! the grantee that the releaser knew (at most [`NEXT_MAX`], oldest first, each
+//! `{qk:016x}.{create revision:x}.{lease:x}.{rk:016x}`): the chain of the grantee's own release. `qk`, the place key, names a queue place: derived from the owner id and a
 //! small index the broker reuses once a place is free, so that the queue's range holds a bounded
 //! set of key names (etcd keeps every name a range ever held until it is compacted, and a range
 //! read visits them all).
@@ -29,6 +32,8 @@ pub(super) const FORMAT: &str = "leasehold/v1";
 pub(super) const SECTIONS: [&str; 4] = ["capacity", "queue", "request", "slot"];
 /// The largest pool an `EtcdBroker` manages (slot keys have six digits).
 pub(super) const MAX_CAPACITY: u32 = 100_000;
+/// The most waiters a grant's `next=` list names.
+pub(super) const NEXT_MAX: usize = 8;
 
 /// A slot key, read back: who holds slot `index`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,11 +58,9 @@ pub(super) struct Waiter {
     pub(super) create_rev: i64,
 }
 
-/// Where a request stands, as its `request/` key says.
+/// Where a request stands, as its `request/` key says (a request that waits has none).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum MarkerState {
-    /// Queued (or about to be).
-    Waiting,
     /// Holds slot `slot`, granted at the key's mod revision.
     Granted { slot: u32 },
     /// Given up: the key stays as a tombstone so that a late copy of the request's first
@@ -196,10 +199,25 @@ impl Layout {
 
     pub(super) fn marker_value(&self, state: MarkerState) -> String {
         match state {
-            MarkerState::Waiting => format!("{FORMAT} request waiting"),
             MarkerState::Granted { slot } => format!("{FORMAT} request granted slot={slot}"),
             MarkerState::Abandoned => format!("{FORMAT} request abandoned"),
         }
+    }
+
+    /// A grant of `slot` that names `next` (at most [`NEXT_MAX`] of them), the waiters after
+    /// the grantee that the releaser knew, oldest first.
+    pub(super) fn grant_value(&self, slot: u32, next: &[Waiter]) -> String {
+        use std::fmt::Write;
+        let mut value = self.marker_value(MarkerState::Granted { slot });
+        for (i, w) in next.iter().take(NEXT_MAX).enumerate() {
+            value.push_str(if i == 0 { " next=" } else { "," });
+            let _ = write!(
+                value,
+                "{:016x}.{:x}.{:x}.{:016x}",
+                w.qk, w.create_rev, w.lease as u64, w.rk
+            );
+        }
+        value
     }
 
     pub(super) fn foreign(&self, kv: Raw<'_>, why: &str) -> EtcdError {
@@ -286,19 +304,8 @@ impl Layout {
         let kv = kv.into();
         let rest = self.rest(kv, "request/")?;
         parse_hex(rest).ok_or_else(|| self.foreign(kv, "not a request key"))?;
-        let state = std::str::from_utf8(kv.value)
-            .ok()
-            .and_then(|v| v.strip_prefix(FORMAT))
-            .and_then(|v| v.strip_prefix(" request "))
-            .and_then(|v| match v {
-                "waiting" => Some(MarkerState::Waiting),
-                "abandoned" => Some(MarkerState::Abandoned),
-                other => other
-                    .strip_prefix("granted slot=")
-                    .and_then(|n| n.parse::<u32>().ok())
-                    .filter(|n| *n < self.capacity)
-                    .map(|slot| MarkerState::Granted { slot }),
-            })
+        let (state, _) = self
+            .marker_parts(kv.value)
             .filter(|_| kv.lease != 0)
             .ok_or_else(|| self.corrupt(kv, "not a request record under a lease"))?;
         Ok(Marker {
@@ -306,6 +313,49 @@ impl Layout {
             lease: kv.lease,
             mod_rev: kv.mod_rev,
         })
+    }
+
+    /// The waiters a grant's marker names after the grantee (see [`grant_value`]): none for a
+    /// grant without a list, or for anything that is not a grant leasehold wrote.
+    ///
+    /// [`grant_value`]: Self::grant_value
+    pub(super) fn next_of(&self, value: &[u8]) -> Vec<Waiter> {
+        self.marker_parts(value)
+            .map_or_else(Vec::new, |(_, next)| next)
+    }
+
+    /// A marker's value: its state and, for a grant, the waiters it names after the grantee.
+    fn marker_parts(&self, value: &[u8]) -> Option<(MarkerState, Vec<Waiter>)> {
+        let v = std::str::from_utf8(value)
+            .ok()?
+            .strip_prefix(FORMAT)?
+            .strip_prefix(" request ")?;
+        if v == "abandoned" {
+            return Some((MarkerState::Abandoned, Vec::new()));
+        }
+        let v = v.strip_prefix("granted slot=")?;
+        let (slot, next) = match v.split_once(" next=") {
+            Some((slot, next)) => (slot, Some(next)),
+            None => (v, None),
+        };
+        if slot.is_empty() || !slot.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let slot = slot.parse::<u32>().ok().filter(|n| *n < self.capacity)?;
+        let next = match next {
+            None => Vec::new(),
+            Some(list) => {
+                let next = list
+                    .split(',')
+                    .map(parse_next)
+                    .collect::<Option<Vec<Waiter>>>()?;
+                if next.len() > NEXT_MAX {
+                    return None;
+                }
+                next
+            }
+        };
+        Some((MarkerState::Granted { slot }, next))
     }
 
     /// A grant that a waiter's marker says it has (`marker`, already read as this request's,
@@ -486,7 +536,6 @@ fn shown(bytes: &[u8]) -> String {
     format!("{out:?}")
 }
 
-/// Exactly sixteen hex digits.
 /// A read of the queue's `n` oldest waiters, oldest first (under [`Layout::queue_prefix`]): the
 /// queue's order is its keys' create revisions, and every read of its head uses this one.
 pub(super) fn oldest_waiters(n: i64) -> GetOptions {
@@ -496,6 +545,37 @@ pub(super) fn oldest_waiters(n: i64) -> GetOptions {
         .with_limit(n)
 }
 
+/// One waiter of a grant's `next=` list: `{qk:016x}.{create revision:x}.{lease:x}.{rk:016x}`,
+/// lowercase, with a positive revision and lease.
+fn parse_next(entry: &str) -> Option<Waiter> {
+    let mut parts = entry.split('.');
+    let (qk, rev, lease, rk) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() {
+        return None;
+    }
+    let short_hex = |s: &str| {
+        (!s.is_empty()
+            && s.len() <= 16
+            && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+        .then(|| u64::from_str_radix(s, 16).ok())
+        .flatten()
+        .and_then(|x| i64::try_from(x).ok())
+        .filter(|x| *x > 0)
+    };
+    let long_hex = |s: &str| {
+        (s.len() == 16 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+            .then(|| u64::from_str_radix(s, 16).ok())
+            .flatten()
+    };
+    Some(Waiter {
+        qk: long_hex(qk)?,
+        rk: long_hex(rk)?,
+        lease: short_hex(lease)?,
+        create_rev: short_hex(rev)?,
+    })
+}
+
+/// Exactly sixteen hex digits.
 pub(super) fn parse_hex(hex: &str) -> Option<u64> {
     if hex.len() != 16 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
@@ -581,11 +661,7 @@ mod tests {
     #[test]
     fn every_value_leasehold_writes_reads_back_as_what_it_says() {
         let layout = Layout::new("leasehold", "p", 8);
-        for state in [
-            MarkerState::Waiting,
-            MarkerState::Granted { slot: 7 },
-            MarkerState::Abandoned,
-        ] {
+        for state in [MarkerState::Granted { slot: 7 }, MarkerState::Abandoned] {
             let (key, value) = (layout.request_key(3), layout.marker_value(state));
             let marker = layout.marker(raw(&key, &value, 11)).unwrap();
             assert_eq!((marker.state, marker.lease, marker.mod_rev), (state, 11, 9));
@@ -606,6 +682,59 @@ mod tests {
         assert_eq!(
             (waiter.qk, waiter.rk, waiter.lease, waiter.create_rev),
             (0xabc, 0xdef, 11, 5)
+        );
+    }
+
+    #[test]
+    fn a_grants_list_of_the_waiters_after_the_grantee_reads_back_and_nothing_else_does() {
+        let layout = Layout::new("leasehold", "p", 8);
+        let waiter = |i: u64| Waiter {
+            qk: 0xa0 + i,
+            rk: 0xb0 + i,
+            lease: 0x7000 + i as i64,
+            create_rev: 40 + i as i64,
+        };
+        let next: Vec<Waiter> = (1..=3).map(waiter).collect();
+        let (key, value) = (layout.request_key(3), layout.grant_value(5, &next));
+        let marker = layout.marker(raw(&key, &value, 11)).unwrap();
+        assert_eq!(marker.state, MarkerState::Granted { slot: 5 });
+        assert_eq!(layout.next_of(value.as_bytes()), next);
+        assert_eq!(
+            layout.grant_value(5, &[]),
+            layout.marker_value(MarkerState::Granted { slot: 5 })
+        );
+        // At most NEXT_MAX are named.
+        let many: Vec<Waiter> = (1..=20).map(waiter).collect();
+        let value = layout.grant_value(5, &many);
+        assert_eq!(layout.next_of(value.as_bytes()), many[..NEXT_MAX].to_vec());
+        let entry = "00000000000000a1.29.7001.00000000000000b1";
+        let nine = [entry; NEXT_MAX + 1].join(",");
+        for bad in [
+            " next=".to_owned(),
+            format!(" next={entry},"),
+            " next=00000000000000a1.29.7001".to_owned(),
+            " next=00000000000000A1.29.7001.00000000000000b1".to_owned(),
+            " next=00000000000000a1.0.7001.00000000000000b1".to_owned(),
+            " next=00000000000000a1.29.0.00000000000000b1".to_owned(),
+            " next=00000000000000a1.29.8000000000000000.00000000000000b1".to_owned(),
+            " next=0a1.29.7001.00000000000000b1".to_owned(),
+            format!(" next={entry}.1"),
+            format!(" next={entry} "),
+            format!(" next={nine}"),
+            " next=00000000000000a1.+29.7001.00000000000000b1".to_owned(),
+        ] {
+            let value = format!("leasehold/v1 request granted slot=5{bad}");
+            assert_eq!(
+                layout.marker(raw(&key, &value, 11)).unwrap_err().code(),
+                "ETCD_CORRUPT_RECORD",
+                "{value}"
+            );
+        }
+        // No marker says a request waits: a request that waits has none.
+        let waiting = "leasehold/v1 request waiting";
+        assert_eq!(
+            layout.marker(raw(&key, waiting, 11)).unwrap_err().code(),
+            "ETCD_CORRUPT_RECORD"
         );
     }
 

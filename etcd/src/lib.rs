@@ -17,8 +17,7 @@
 // - `acquire` — the idempotent first transaction, and the cleanup of an acquire given up;
 // - `queue` — FIFO, work-conserving, herd-free waiting;
 // - `watches` — one watch stream per broker, shared by its waiters;
-// - `slots` — the broker's watch of the slot keys while it has waiters: frees, grants
-//   confirmed without a read, the cache of the oldest waiters kept fresh;
+// - `slots` — the broker's watch of the slot keys (deletions) while it has waiters;
 // - `release` — the hand-off to the next waiter, and releases settled in the background;
 // - `trust_tests` — a property test of the decoding and decision functions over arbitrary
 //   pools.
@@ -78,7 +77,7 @@ use session::{Held, Session};
 /// | key | value | lease |
 /// |---|---|---|
 /// | `capacity` | `leasehold/v1 capacity=N` | none: written once, compared by every broker |
-/// | `request/{rk:016x}` | `leasehold/v1 request waiting`, `… granted slot=N` or `… abandoned` | the broker's session |
+/// | `request/{rk:016x}` | `leasehold/v1 request granted slot=N[ next=…]` or `… abandoned` (none while the request waits) | the broker's session |
 /// | `queue/{qk:016x}` | `leasehold/v1 waiter owner=… request={rk:016x}` | the waiter's session |
 /// | `slot/{index:06}` | `leasehold/v1 holder request={rk:016x}` | the holder's session |
 ///
@@ -95,14 +94,15 @@ use session::{Held, Session};
 /// the request key, so a retry of an ambiguous call (or of the whole acquire with the same
 /// request id) finds what the first attempt did and never takes a second slot.
 ///
-/// Otherwise the acquire joins the queue, ordered by the queue key's create revision (FIFO).
-/// A release hands its slot straight to the oldest waiter in its own transaction, writing the
-/// grant into the waiter's marker: no slot sits idle while someone waits. The waiter watches
-/// only its own marker (on one watch stream per broker) and takes the grant from that one event;
-/// no other process hears of it. So a hand-off is one transaction and one event, one round trip;
-/// steady state costs two consensus writes per lease (the join and the release), and about two
-/// watch events (the grant, and now and then a hint that a waiter nears the front, see
-/// `release`). A slot freed without a release (a holder's session expired) is deleted, and each
+/// Otherwise the acquire joins the queue (its queue key alone), ordered by the queue key's
+/// create revision (FIFO). A release hands its slot straight to the oldest waiter in its own
+/// transaction, writing the grant into the waiter's marker: no slot sits idle while someone
+/// waits. The grant names the waiters after the grantee that the releaser knew, which the
+/// grantee's own release chains over. The waiter watches only its own marker (on one watch
+/// stream per broker) and takes the grant from that one event; no other process hears of it.
+/// So a hand-off is one transaction, one raft proposal and one event, one round trip; steady
+/// state costs two consensus writes per lease (the join and the release) and one watch event
+/// (see `release`). A slot freed without a release (a holder's session expired) is deleted, and each
 /// broker with waiters watches the slot keys for deletions: its waiters look for their place,
 /// and the head claims it. A waiter keeps its place through outages and leader elections and
 /// fails (`ETCD_SESSION_EXPIRED`) only when etcd says its session expired.
@@ -173,8 +173,9 @@ struct Inner {
     forgotten: Mutex<VecDeque<SlotToken>>,
     /// A slot index likely to be free (the idle pool's first guess).
     hint: AtomicU32,
-    /// The oldest waiters this broker last read (a release chains over them): read in its
-    /// joins' and releases' own transactions, and when a waiter of its nears the front.
+    /// The oldest waiters this broker knows of (a release chains over them): named by the
+    /// grants it receives, read by a release that found nobody in its chain, and read in the
+    /// background when a grant leaves fewer than a chain's worth (see `release`).
     heads: Mutex<Vec<layout::Waiter>>,
     /// A read of `heads` is on its way.
     refreshing: AtomicBool,
@@ -183,6 +184,9 @@ struct Inner {
     /// Test support: acquires wait before setting up their marker's watch while `true`.
     #[cfg(feature = "fault-injection")]
     hold_watches: tokio::sync::watch::Sender<bool>,
+    /// Test support: no background read of the oldest waiters while `true`.
+    #[cfg(feature = "fault-injection")]
+    hold_refreshes: AtomicBool,
     /// The broker's shared watch stream (see `watches`).
     hub: Arc<watches::Hub>,
     /// Bumped on every slot deletion while the broker has waiters (see `slots`).
@@ -319,6 +323,8 @@ impl EtcdBroker {
         let inner = Arc::new(Inner {
             #[cfg(feature = "fault-injection")]
             hold_watches: tokio::sync::watch::Sender::new(false),
+            #[cfg(feature = "fault-injection")]
+            hold_refreshes: AtomicBool::new(false),
             hub,
             layout,
             endpoints,
@@ -456,6 +462,15 @@ impl EtcdBroker {
     #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
     pub fn hold_marker_watches(&self, hold: bool) {
         self.inner.hold_watches.send_replace(hold);
+    }
+
+    /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):
+    /// while `true`, the broker makes no background read of the queue's oldest waiters (its
+    /// releases chain over what grants named, and what their own transactions read).
+    #[cfg(feature = "fault-injection")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+    pub fn hold_queue_reads(&self, hold: bool) {
+        self.inner.hold_refreshes.store(hold, Ordering::Relaxed);
     }
 
     /// Unstable test support (feature `fault-injection`, not covered by semantic versioning):

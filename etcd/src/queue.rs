@@ -1,9 +1,10 @@
 //! Queue and waiting: FIFO by the queue key's create revision, work-conserving and herd-free.
 //!
-//! A release hands its slot straight to the oldest waiter, in its own transaction (see
-//! `release`), and writes the grant into that waiter's marker (`request/{rk}`): a waiter learns
-//! of its grant from one watch event on its own marker (watched from the revision after its
-//! join, so a grant made before the watch was in place is replayed). The event is the grant as
+//! A waiter is its queue key alone; its marker (`request/{rk}`) is only ever its grant. A
+//! release hands its slot straight to the oldest waiter, in its own transaction (see
+//! `release`), and writes the grant into that waiter's marker: a waiter learns of its grant from
+//! one watch event on its own marker (watched from the revision after its join, so a grant made
+//! before the watch was in place is replayed). The event is the grant as
 //! the transaction wrote it: checked by key, by the waiter's own session and by a revision after
 //! its join, it is taken without a read. A marker found by a read instead (after a watch was
 //! set up again) is checked against its slot key first. While every slot is held that is all a
@@ -38,6 +39,7 @@ use tokio::time::{Instant, sleep};
 use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{Confirmed, Layout, Marker, MarkerState, Raw, Waiter, oldest_waiters, raws};
+use super::release::{CHAIN_MAX, merge};
 use super::session::Session;
 use super::txn::{Grant, gets, held_in, revision_of, slot_keys, txn_shape};
 use super::watches::{Seen, Watch};
@@ -56,7 +58,8 @@ pub(super) struct Ticket {
 /// What a waiter read about itself.
 #[derive(Debug, Clone)]
 pub(super) struct Look {
-    /// Its request marker.
+    /// Its request marker (none while it waits: the marker is only ever its grant, or its
+    /// tombstone).
     pub(super) marker: Option<Marker>,
     /// Whether its queue key exists.
     pub(super) queued: bool,
@@ -69,32 +72,33 @@ pub(super) struct Look {
     /// The marker came from an event of the waiter's own marker watch (the transaction that
     /// wrote it, as it happened), not from a read.
     pub(super) seen: bool,
+    /// The waiters a grant in the marker names after the grantee (see `release`).
+    pub(super) next: Vec<Waiter>,
 }
 
 impl Look {
-    /// What a waiter knows right after joining, from the join's own transaction.
-    pub(super) fn joined(revision: i64, lease: i64, held: i64) -> Look {
+    /// What a waiter knows right after joining, from the join's own transaction: it is
+    /// queued (without a marker), and `held` slots are held.
+    pub(super) fn joined(held: i64) -> Look {
         Look {
-            marker: Some(Marker {
-                state: MarkerState::Waiting,
-                lease,
-                mod_rev: revision,
-            }),
+            marker: None,
             queued: true,
             predecessor: None,
             held,
             seen: false,
+            next: Vec::new(),
         }
     }
 
     /// What a watch event on the waiter's marker says (nothing about the slots).
-    fn of_marker(marker: Marker) -> Look {
+    fn of_marker(marker: Marker, next: Vec<Waiter>) -> Look {
         Look {
             marker: Some(marker),
             queued: false,
             predecessor: None,
             held: 0,
             seen: true,
+            next,
         }
     }
 
@@ -109,6 +113,7 @@ impl Look {
         predecessor: Option<Option<Raw<'_>>>,
     ) -> Result<Look, EtcdError> {
         Ok(Look {
+            next: marker.map_or_else(Vec::new, |kv| layout.next_of(kv.value)),
             marker: marker.map(|kv| layout.marker(kv)).transpose()?,
             queued,
             predecessor: predecessor
@@ -125,13 +130,12 @@ impl Look {
 pub(super) enum Next {
     /// It holds `slot`, granted at `revision`.
     Granted { slot: u32, revision: i64 },
-    /// Its marker is gone: its session expired (or someone deleted its records).
+    /// It has no marker and no queue key: its session expired (or someone deleted its
+    /// records).
     Gone,
     /// Its marker lives under another lease than the waiter's session: leasehold did not
     /// write it for this waiter, and whatever it says grants nothing.
     NotOurs { lease: i64 },
-    /// Its marker says waiting but its queue key is gone: someone else deleted it.
-    Broken,
     /// Its marker is a tombstone: it was given up.
     Abandoned,
     /// Every slot is held: wait for a grant (or a slot deletion).
@@ -146,32 +150,35 @@ pub(super) enum Next {
 
 /// Pure: what a waiter of session `session` does next. A grant is only ever decided from a
 /// marker under the waiter's own session (and is then checked against its slot key, see
-/// `Layout::confirm_grant`); it waits only while all `capacity` slot keys exist: a wait that a
-/// slot's release (a hand-off) or deletion ends. (Keys under `slot/` that are not slot keys are
-/// not counted, so they never make a free pool look full.)
+/// `Layout::confirm_grant`); a waiter has no marker, only its queue key; it waits only while
+/// all `capacity` slot keys exist: a wait that a slot's release (a hand-off) or deletion ends.
+/// (Keys under `slot/` that are not slot keys are not counted, so they never make a free pool
+/// look full.)
 pub(super) fn decide(look: &Look, capacity: u32, session: i64) -> Next {
-    let Some(marker) = look.marker else {
-        return Next::Gone;
-    };
-    if marker.lease != session {
-        return Next::NotOurs {
-            lease: marker.lease,
+    if let Some(marker) = look.marker {
+        if marker.lease != session {
+            return Next::NotOurs {
+                lease: marker.lease,
+            };
+        }
+        return match marker.state {
+            MarkerState::Granted { slot } => Next::Granted {
+                slot,
+                revision: marker.mod_rev,
+            },
+            MarkerState::Abandoned => Next::Abandoned,
         };
     }
-    let capacity = i64::from(capacity);
-    match marker.state {
-        MarkerState::Granted { slot } => Next::Granted {
-            slot,
-            revision: marker.mod_rev,
-        },
-        MarkerState::Abandoned => Next::Abandoned,
-        MarkerState::Waiting if !look.queued => Next::Broken,
-        MarkerState::Waiting if look.held >= capacity => Next::Wait,
-        MarkerState::Waiting => match &look.predecessor {
-            None => Next::LookCloser,
-            Some(None) => Next::Head,
-            Some(Some(p)) => Next::Behind { predecessor: p.qk },
-        },
+    if !look.queued {
+        return Next::Gone;
+    }
+    if look.held >= i64::from(capacity) {
+        return Next::Wait;
+    }
+    match &look.predecessor {
+        None => Next::LookCloser,
+        Some(None) => Next::Head,
+        Some(Some(p)) => Next::Behind { predecessor: p.qk },
     }
 }
 
@@ -210,7 +217,7 @@ impl Inner {
                     // written under its own session after it joined (`decide` grants only from
                     // one under its session). The transaction that wrote it wrote the slot key
                     // under the same session at the same revision (see `release`); no read.
-                    self.served_up_to(ticket.rev);
+                    self.granted_here(ticket.rev, &look.next);
                     return Ok(Grant {
                         slot,
                         revision,
@@ -226,11 +233,14 @@ impl Inner {
                         mod_rev: revision,
                     };
                     return match self.confirm(&ticket, &marker).await? {
-                        Confirmed::Held => Ok(Grant {
-                            slot,
-                            revision,
-                            session: Arc::clone(&ticket.session),
-                        }),
+                        Confirmed::Held => {
+                            self.granted_here(ticket.rev, &look.next);
+                            Ok(Grant {
+                                slot,
+                                revision,
+                                session: Arc::clone(&ticket.session),
+                            })
+                        }
                         Confirmed::Missing => Err(self.gone(&ticket).await),
                     };
                 }
@@ -238,15 +248,6 @@ impl Inner {
                     return Err(self.layout.not_ours(ticket.rk, lease, session));
                 }
                 Next::Gone => return Err(self.gone(&ticket).await),
-                Next::Broken => {
-                    return Err(EtcdError::new(
-                        EtcdErrorKind::InvalidResponse,
-                        format!(
-                            "the queue key of request {:016x} was deleted by someone else",
-                            ticket.rk
-                        ),
-                    ));
-                }
                 Next::Abandoned => {
                     return Err(EtcdError::new(
                         EtcdErrorKind::InvalidResponse,
@@ -288,11 +289,21 @@ impl Inner {
         }
     }
 
-    /// A waiter of this broker that joined at `joined` was granted: every waiter older than it
-    /// has been served or has left (grants follow the queue's order), so none of them is worth
-    /// a link of the next release's chain.
-    pub(super) fn served_up_to(&self, joined: i64) {
-        self.heads.lock().retain(|w| w.create_rev > joined);
+    /// A waiter of this broker that joined at `joined` was granted, by a grant that names
+    /// `next`, the waiters after it that its releaser knew. Every waiter older than it has been
+    /// served or has left (grants follow the queue's order), so none of them is worth a link of
+    /// the next release's chain; those named are added. When fewer than a chain's worth are
+    /// known, the oldest waiters are read in the background, off the release's path.
+    pub(super) fn granted_here(self: &Arc<Self>, joined: i64, next: &[Waiter]) {
+        let short = {
+            let mut heads = self.heads.lock();
+            merge(&mut heads, next);
+            heads.retain(|w| w.create_rev > joined);
+            heads.len() < CHAIN_MAX
+        };
+        if short {
+            self.refresh_heads();
+        }
     }
 
     /// Reads the grant's slot key, and checks it says what the marker does (see
@@ -534,7 +545,7 @@ impl Inner {
         // A claim that landed but whose answer is malformed fails the acquire: its guard
         // passes the slot on.
         let revision = revision_of(resp.header().map(|h| h.revision()), "claim a free slot")?;
-        self.served_up_to(ticket.rev);
+        self.granted_here(ticket.rev, &[]);
         Ok(Some(Grant {
             slot,
             revision,
@@ -652,14 +663,10 @@ impl Inner {
                                 }
                                 if event.event_type() == EventType::Put {
                                     // Checked like any read: decided by `decide` (its own
-                                    // session's, or refused), a grant confirmed by its slot key.
+                                    // session's, or refused).
                                     let marker = self.layout.marker(kv)?;
-                                    if marker.lease == ticket.session.id
-                                        && marker.state == MarkerState::Waiting
-                                    {
-                                        continue; // its own "waiting"
-                                    }
-                                    return Ok(Look::of_marker(marker));
+                                    let next = self.layout.next_of(kv.value());
+                                    return Ok(Look::of_marker(marker, next));
                                 }
                                 return self.look(ticket, false).await; // its marker went: why?
                             }
@@ -754,6 +761,7 @@ mod tests {
         held: i64,
     ) -> Look {
         Look {
+            next: Vec::new(),
             marker: marker.map(|state| Marker {
                 state,
                 lease: 7,
@@ -783,16 +791,13 @@ mod tests {
     #[test]
     fn while_every_slot_is_held_a_waiter_only_waits_for_its_grant() {
         for predecessor in [None, Some(None), Some(Some(3))] {
-            assert_eq!(
-                decide_(&look(Some(MarkerState::Waiting), true, predecessor, 2), 2),
-                Next::Wait
-            );
+            assert_eq!(decide_(&look(None, true, predecessor, 2), 2), Next::Wait);
         }
     }
 
     #[test]
     fn with_a_slot_free_a_waiter_finds_its_place_and_only_the_head_claims() {
-        let waiting = Some(MarkerState::Waiting);
+        let waiting = None;
         assert_eq!(decide_(&look(waiting, true, None, 1), 2), Next::LookCloser);
         assert_eq!(decide_(&look(waiting, true, Some(None), 1), 2), Next::Head);
         assert_eq!(
@@ -823,10 +828,7 @@ mod tests {
     #[test]
     fn missing_or_inconsistent_records_end_the_wait() {
         assert_eq!(decide_(&look(None, false, None, 0), 2), Next::Gone);
-        assert_eq!(
-            decide_(&look(Some(MarkerState::Waiting), false, None, 0), 2),
-            Next::Broken
-        );
+        assert_eq!(decide_(&look(None, false, Some(None), 0), 2), Next::Gone);
         assert_eq!(
             decide_(&look(Some(MarkerState::Abandoned), false, None, 0), 2),
             Next::Abandoned
@@ -835,11 +837,7 @@ mod tests {
 
     #[test]
     fn a_marker_under_another_lease_grants_nothing_whatever_it_says() {
-        for state in [
-            MarkerState::Granted { slot: 0 },
-            MarkerState::Waiting,
-            MarkerState::Abandoned,
-        ] {
+        for state in [MarkerState::Granted { slot: 0 }, MarkerState::Abandoned] {
             let look = look(Some(state), true, Some(None), 0);
             assert_eq!(decide(&look, 2, SESSION + 1), Next::NotOurs { lease: 7 });
         }

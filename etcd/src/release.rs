@@ -3,25 +3,31 @@
 //!
 //! The transaction compares the slot key's mod revision with the token (so a retry after a lost
 //! answer, or a late copy, does nothing once the slot has moved on). Then a chain of nested
-//! transactions over the oldest waiters this broker last read (`heads`, at most [`CHAIN_MAX`]):
-//! the first of them still waiting (its queue key at the create revision read) gets the slot:
-//! its slot key written under the waiter's session, its queue key deleted and the grant written
-//! into its marker, all at one revision (the new token). Its process hears of it from that
-//! marker's event, and nobody else hears of it at all. Last, "if nobody waits, delete the
-//! slot". After the chain, in the same transaction, it reads the oldest waiters and the slot
-//! keys as they are now: the next release's chain, and whether slots sit free.
+//! transactions over the oldest waiters this broker knows of (`heads`, at most [`CHAIN_MAX`]):
+//! the first of them still waiting (its queue key at the create revision, and under the lease,
+//! that the list says) gets the slot: its slot key written under the waiter's session, its
+//! queue key deleted and the grant written into its marker, all at one revision (the new
+//! token). The grant names the waiters after the grantee that this broker knew (at most
+//! `NEXT_MAX`): the grantee's own release chains over them without a read. The grantee's
+//! process hears of the grant from that marker's event, and nobody else hears of it at all.
+//! Last, "if nobody waits, delete the slot". The releaser's own marker goes (or becomes a
+//! tombstone) in the same transaction. So a release with waiters is one transaction, one raft
+//! proposal, with no read of the queue, and one watch event.
 //!
 //! When this broker knows of no waiter (an idle pool), the release is the plain one: "if the
 //! slot is the token's and nobody waits, delete it", with the reads in its other branch.
 //!
-//! A slot never sits free while someone waits. Any waiter older than those read does not exist
-//! (the queue only grows at its young end, and grants follow its order), so a stale list only
-//! risks a chain that finds nobody left: then the slot is still the token's, the transaction's
-//! read names who waits now, and a second transaction hands off (two consensus rounds, the only
-//! case that costs more than one). What keeps `heads` fresh without any event of other
-//! processes' grants: the read of every join and release of this broker, the pruning of every
-//! waiter older than one of its own that was granted (they were served first), and a read when
-//! the queue key just ahead of one of its waiters goes (see `acquire::FrontHint`).
+//! A slot never sits free while someone waits. Any waiter older than those known does not
+//! exist (the queue only grows at its young end, and grants follow its order; a list of the
+//! oldest waiters read at one time, or a grant's list of those after its grantee, joined with
+//! another such list, still names every waiter older than its last), so a stale list only risks
+//! a chain that finds nobody left: then the slot is still the token's, the last link reads who
+//! waits now, and a second transaction hands off (two consensus rounds, the only case that
+//! costs more than one). What keeps `heads` fresh without any event of other processes'
+//! grants: the list each grant to this broker names, the forgetting of every waiter older than
+//! one of its own that was granted (they were served first) or than the one its release handed
+//! to, and a read of the oldest waiters (serializable, on one member, off the release's path)
+//! when a grant leaves fewer than a chain's worth known.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -35,7 +41,7 @@ use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{MarkerState, Waiter, oldest_waiters, raws};
 use super::session::{Claim, Held, Settling};
-use super::txn::{gets, held_in, slot_keys, txn_shape};
+use super::txn::{gets, txn_shape};
 use leasehold::{BrokerError, SlotToken};
 
 /// How a give-back ended.
@@ -187,7 +193,7 @@ impl Inner {
                 (heads, strays_only) = self.keep_heads(oldest).map_err(Fail::Fatal)?;
                 continue;
             }
-            let txn = self.hand_off(token, &chain, &marker, strays_only);
+            let txn = self.hand_off(token, &heads, &marker, strays_only);
             let resp = self
                 .endpoints
                 .call("hand the slot on", deadline, |mut c| {
@@ -195,45 +201,52 @@ impl Inner {
                     async move { c.txn(txn).await }
                 })
                 .await?;
-            let outer = resp.op_responses();
             if !resp.succeeded() {
                 // The slot no longer carries the token: an earlier attempt (whose answer was
                 // lost) moved it on, or it went with the session.
                 return Ok(GaveBack::Gone);
             }
-            let reads = gets(&outer);
-            let (Some(etcd_client::TxnOpResponse::Txn(first)), [oldest, slots]) =
-                (outer.first().cloned(), reads.as_slice())
+            let outer = resp.op_responses();
+            let (Some(etcd_client::TxnOpResponse::Txn(first)), Some(slots)) =
+                (outer.first().cloned(), gets(&outer).first().cloned())
             else {
                 return Err(Fail::Fatal(txn_shape("hand the slot on")));
             };
-            // Walk down the chain to the link that ran, if one did.
+            // Walk down the chain to the link that ran, if one did: its waiter got the slot.
             let mut link = first;
             let mut depth = 0;
-            while !link.succeeded() {
+            while !link.succeeded() && depth < chain.len() {
                 match link.op_responses().into_iter().next() {
                     Some(etcd_client::TxnOpResponse::Txn(next)) => {
                         link = next;
                         depth += 1;
                     }
-                    _ => break,
+                    _ => return Err(Fail::Fatal(txn_shape("hand the slot on"))),
                 }
             }
-            // The oldest waiters after it, read in the same transaction: the next release's
-            // chain (the releases of other processes since are what makes it stale).
-            (heads, strays_only) = self.keep_heads(oldest).map_err(Fail::Fatal)?;
-            if link.succeeded() {
-                let handed = depth < chain.len();
-                if handed {
-                    let held = held_in(&self.layout, slots);
-                    if held < i64::from(self.layout.capacity()) {
-                        self.fill_free_slots(chain[depth].rk);
-                    }
+            if depth < chain.len() {
+                // Handed to `chain[depth]`; those before it had left the queue. The rest of the
+                // list is this broker's next chain.
+                let granted = chain[depth].clone();
+                heads.retain(|w| w.create_rev > granted.create_rev);
+                self.keep_after(granted.create_rev);
+                if slots.count() < i64::from(self.layout.capacity()) {
+                    self.fill_free_slots(granted.rk);
                 }
                 return Ok(GaveBack::Released);
             }
-            // Nobody in the chain waits any more, but someone does: again, over the waiters
-            // just read.
+            if link.succeeded() {
+                // Nobody waits: the slot was deleted.
+                self.heads.lock().clear();
+                self.contended.store(false, Ordering::Relaxed);
+                return Ok(GaveBack::Released);
+            }
+            // Nobody in the chain waits any more, but someone does: the slot is still the
+            // token's, and the last link read who waits now. Again, over them.
+            let Some(oldest) = gets(&link.op_responses()).into_iter().next() else {
+                return Err(Fail::Fatal(txn_shape("hand the slot on")));
+            };
+            (heads, strays_only) = self.keep_heads(&oldest).map_err(Fail::Fatal)?;
         }
         Err(Fail::Ambiguous(
             "the queue kept changing under the release".into(),
@@ -273,7 +286,7 @@ impl Inner {
     pub(super) fn oldest_read(&self) -> TxnOp {
         TxnOp::get(
             self.layout.queue_prefix(),
-            Some(oldest_waiters(CHAIN_MAX as i64)),
+            Some(oldest_waiters(HEADS_READ as i64)),
         )
     }
 
@@ -285,17 +298,30 @@ impl Inner {
         &self,
         oldest: &etcd_client::GetResponse,
     ) -> Result<(Vec<Waiter>, bool), EtcdError> {
-        let heads = self.layout.waiters(raws(oldest.kvs()))?;
-        let strays_only = heads.is_empty() && !oldest.kvs().is_empty();
+        let read = self.layout.waiters(raws(oldest.kvs()))?;
+        let strays_only = read.is_empty() && !oldest.kvs().is_empty();
+        let mut heads = self.heads.lock();
+        adopt(&mut heads, &read, !oldest.more());
         self.contended.store(!heads.is_empty(), Ordering::Relaxed);
-        *self.heads.lock() = heads.clone();
-        Ok((heads, strays_only))
+        Ok((heads.clone(), strays_only))
     }
 
-    /// The release's transaction. If the slot still carries the token: the chain, for each
-    /// waiter in `heads` in order, "if it still waits, hand it the slot, else try the next"
-    /// and last "if nobody waits, delete the slot" — then, in the same transaction, read the
-    /// oldest waiters and the slot keys as they are after it. Else, nothing.
+    /// This broker's release handed its slot to the waiter that joined at `granted`: it and
+    /// every waiter older than it are served (grants follow the queue's order).
+    fn keep_after(&self, granted: i64) {
+        self.heads.lock().retain(|w| w.create_rev > granted);
+    }
+
+    /// The release's transaction. If the slot still carries the token: the chain over the
+    /// first [`CHAIN_MAX`] waiters of `heads`, for each in order "if its queue key is still
+    /// there, at the revision and under the lease listed, hand it the slot (its grant names the
+    /// waiters after it that `heads` names), else try the next", and last "if nobody waits,
+    /// delete the slot, else read who waits"; the request's marker goes (or becomes its
+    /// tombstone); and a count of the keys under `slot/` (more than the slots held only when
+    /// stray keys are there: a hint that slots sit free). Else, nothing.
+    ///
+    /// Every put sits in a nested transaction: etcd's NOSPACE alarm, which refuses a
+    /// transaction with a put at its top level, lets a release through.
     fn hand_off(
         &self,
         token: SlotToken,
@@ -305,28 +331,27 @@ impl Inner {
     ) -> Txn {
         let l = &self.layout;
         let slot_key = l.slot_key(token.slot_id());
+        let chain = &heads[..heads.len().min(CHAIN_MAX)];
         let mut link = Txn::new()
             .when(Vec::from_iter(self.nobody_waits(strays_only)))
-            .and_then([TxnOp::delete(slot_key.clone(), None), marker.clone()]);
-        for w in heads.iter().rev() {
+            .and_then([TxnOp::delete(slot_key.clone(), None)])
+            .or_else([self.oldest_read()]);
+        for (i, w) in chain.iter().enumerate().rev() {
             let under = || Some(PutOptions::new().with_lease(w.lease));
+            let queue_key = l.queue_key(w.qk);
             link = Txn::new()
-                .when([Compare::create_revision(
-                    l.queue_key(w.qk),
-                    CompareOp::Equal,
-                    w.create_rev,
-                )])
+                .when([
+                    Compare::create_revision(queue_key.clone(), CompareOp::Equal, w.create_rev),
+                    Compare::lease(queue_key.clone(), CompareOp::Equal, w.lease),
+                ])
                 .and_then([
                     TxnOp::put(slot_key.clone(), l.holder_value(w.rk), under()),
-                    TxnOp::delete(l.queue_key(w.qk), None),
+                    TxnOp::delete(queue_key, None),
                     TxnOp::put(
                         l.request_key(w.rk),
-                        l.marker_value(MarkerState::Granted {
-                            slot: token.slot_id(),
-                        }),
+                        l.grant_value(token.slot_id(), &heads[i + 1..]),
                         under(),
                     ),
-                    marker.clone(),
                 ])
                 .or_else([TxnOp::txn(link)]);
         }
@@ -336,18 +361,29 @@ impl Inner {
                 CompareOp::Equal,
                 token.lease_id() as i64,
             )])
-            .and_then([TxnOp::txn(link), self.oldest_read(), slot_keys(l)])
+            .and_then([
+                TxnOp::txn(link),
+                TxnOp::txn(Txn::new().and_then([marker.clone()])),
+                TxnOp::get(
+                    l.slot_prefix(),
+                    Some(GetOptions::new().with_prefix().with_count_only()),
+                ),
+            ])
     }
 
     /// Reads the queue's oldest waiters into `heads`, off the release's path: one serializable
     /// read on one member (a stale answer only costs a link that fails); the waiters the slot
     /// watch saw served meanwhile are left out.
     pub(super) fn refresh_heads(self: &Arc<Self>) {
+        #[cfg(feature = "fault-injection")]
+        if self.hold_refreshes.load(Ordering::Relaxed) {
+            return;
+        }
         self.spawn_alone(
             |inner| &inner.refreshing,
             |me| async move {
                 let prefix = me.layout.queue_prefix();
-                let n = CHAIN_MAX as i64;
+                let n = HEADS_READ as i64;
                 let read = me
                     .endpoints
                     .call(
@@ -365,8 +401,9 @@ impl Inner {
                 if let Ok(resp) = read
                     && let Ok(waiters) = me.layout.waiters(raws(resp.kvs()))
                 {
-                    me.contended.store(!waiters.is_empty(), Ordering::Relaxed);
-                    *me.heads.lock() = waiters;
+                    let mut heads = me.heads.lock();
+                    adopt(&mut heads, &waiters, !resp.more());
+                    me.contended.store(!heads.is_empty(), Ordering::Relaxed);
                 }
             },
         );
@@ -560,10 +597,36 @@ impl Inner {
     }
 }
 
-/// The longest chain, and how many of the oldest waiters a release or a join reads: etcd
-/// counts each nested level's operations against its limit on one transaction
-/// (`--max-txn-ops`, 128 by default): four per link here, three at the outer level.
-const CHAIN_MAX: usize = 12;
+/// The longest chain (each link is about 250 bytes of the release's request, sent whether it
+/// runs or not).
+pub(super) const CHAIN_MAX: usize = 12;
+/// How many of the oldest waiters a read takes: a chain's worth after this broker's own
+/// grantee a few releases later. etcd reads the whole queue for a read sorted by create
+/// revision, whatever its limit: a larger one only costs the answer's bytes.
+const HEADS_READ: usize = 32;
+/// The most waiters a broker keeps for its chains.
+const HEADS_MAX: usize = 64;
+
+/// Takes in `read`, the oldest waiters as a read found them (all of them when `complete`),
+/// into the waiters this broker knows (`heads`, oldest first). Those known that are older than
+/// the last one read and not among those read have left the queue (the read is its oldest, in
+/// order); younger ones known from elsewhere (a grant's list) are kept after them.
+pub(super) fn adopt(heads: &mut Vec<Waiter>, read: &[Waiter], complete: bool) {
+    match read.last() {
+        Some(last) if !complete => heads.retain(|w| w.create_rev > last.create_rev),
+        _ => heads.clear(),
+    }
+    merge(heads, read);
+}
+
+/// Adds `more` to the waiters this broker knows (`heads`, oldest first, each once), keeping
+/// the oldest [`HEADS_MAX`].
+pub(super) fn merge(heads: &mut Vec<Waiter>, more: &[Waiter]) {
+    heads.extend_from_slice(more);
+    heads.sort_by_key(|w| (w.create_rev, w.qk));
+    heads.dedup_by_key(|w| (w.create_rev, w.qk));
+    heads.truncate(HEADS_MAX);
+}
 
 /// Marks request `rk` as having a release settling while it lives (see
 /// [`Inner::settles`]).

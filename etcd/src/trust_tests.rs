@@ -88,8 +88,17 @@ fn value(capacity: u32) -> impl Strategy<Value = Vec<u8>> {
         3 => (0..capacity + 2).prop_map(move |slot| {
             a.marker_value(MarkerState::Granted { slot }).into_bytes()
         }),
-        2 => prop_oneof![Just(MarkerState::Waiting), Just(MarkerState::Abandoned)]
-            .prop_map(move |state| b.marker_value(state).into_bytes()),
+        2 => prop_oneof![
+            Just(b.marker_value(MarkerState::Abandoned)),
+            Just("leasehold/v1 request waiting".to_owned()),
+            (0..capacity + 2).prop_map(move |slot| b.grant_value(slot, &[crate::layout::Waiter {
+                qk: QK,
+                rk: 0x2a,
+                lease: 0x52,
+                create_rev: JOINED + 1,
+            }])),
+        ]
+        .prop_map(String::into_bytes),
         3 => rk().prop_map(move |rk| c.holder_value(rk).into_bytes()),
         2 => (any::<u64>(), rk()).prop_map(move |(owner, rk)| d.waiter_value(owner, rk).into_bytes()),
         1 => (0..capacity + 2).prop_map(|n| format!("leasehold/v1 capacity={n}").into_bytes()),
@@ -232,8 +241,13 @@ proptest! {
                         let m = &pool[&marker_key];
                         let s = &pool[&slot_key];
                         prop_assert_eq!(
-                            &m.value,
-                            &l.marker_value(MarkerState::Granted { slot }).into_bytes()
+                            l.marker(raw(&marker_key, m)).map(|m| m.state),
+                            Ok(MarkerState::Granted { slot })
+                        );
+                        prop_assert!(
+                            m.value == l.marker_value(MarkerState::Granted { slot }).into_bytes()
+                                || m.value == l.grant_value(slot, &l.next_of(&m.value)).into_bytes(),
+                            "a value leasehold writes"
                         );
                         prop_assert_eq!(&s.value, &l.holder_value(RK).into_bytes());
                         prop_assert_eq!((m.lease, s.lease), (SESSION, SESSION));
@@ -267,7 +281,11 @@ proptest! {
                     prop_assert!(pool.contains_key(l.queue_key(predecessor).as_bytes()));
                 }
             }
-            Next::Gone | Next::Broken | Next::Abandoned => {}
+            Next::Gone => {
+                // Neither a marker nor a queue key: nothing to wait for.
+                prop_assert!(look.marker.is_none() && !look.queued);
+            }
+            Next::Abandoned => {}
         }
     }
 

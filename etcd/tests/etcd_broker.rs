@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use etcd_client::{Client, GetOptions};
-use etcd_support::{Etcd, Proxy, etcd_binary};
+use etcd_support::{Etcd, Proxy, etcd_binary, wait_queued};
 use leasehold::{
     AcquireRequest, BrokerErrorKind, BrokerEvents, FencingGuard, JobSpec, SlotBroker, SlotToken,
     Supervisor,
@@ -70,8 +70,8 @@ async fn a_pool_grants_its_capacity_in_fifo_order_and_fencing_tokens_increase() 
             t
         }));
         // Queue order is etcd's create revision: wait until this waiter's key exists.
-        let mut c = client(&etcd).await;
-        wait_for_key(&mut c, &broker.request_key_for(&request(id))).await;
+        let c = client(&etcd).await;
+        wait_queued(&c, &broker, &request(id)).await;
     }
     broker.release(a).await.unwrap();
     let (first, c) = rx.recv().await.unwrap();
@@ -328,18 +328,11 @@ async fn foreign_keys_are_refused_at_connect_ignored_when_read_and_grant_nothing
     )
     .await
     .unwrap();
-    c.put(
-        "leasehold/guard/request/000000000000002a",
-        "leasehold/v1 request waiting",
-        under(),
-    )
-    .await
-    .unwrap();
     let pending = {
         let broker = Arc::clone(&broker);
         tokio::spawn(async move { broker.acquire(request(2)).await })
     };
-    wait_for_key(&mut c, &broker.request_key_for(&request(2))).await;
+    wait_queued(&c, &broker, &request(2)).await;
     c.lease_revoke(lease).await.unwrap();
     let err = pending.await.unwrap().unwrap_err();
     assert_eq!(err.code(), Some("ETCD_CORRUPT_RECORD"), "{err}");
@@ -539,19 +532,12 @@ async fn a_slot_handed_to_a_waiter_whose_process_died_comes_back_within_its_ttl(
     )
     .await
     .unwrap();
-    c.put(
-        format!("leasehold/dead/request/{dead:016x}"),
-        "leasehold/v1 request waiting",
-        under(),
-    )
-    .await
-    .unwrap();
     // A live waiter queues behind the dead one.
     let next = {
         let broker = Arc::clone(&broker);
         tokio::spawn(async move { broker.acquire(request(2)).await })
     };
-    wait_for_key(&mut c, &broker.request_key_for(&request(2))).await;
+    wait_queued(&c, &broker, &request(2)).await;
 
     // The release hands the slot to the dead waiter, in FIFO order; its TTL brings it back,
     // and the live waiter, now the head, takes it.
@@ -625,7 +611,7 @@ async fn an_acquire_dropped_while_waiting_leaves_no_queue_place_and_no_slot_behi
         let broker = Arc::clone(&broker);
         tokio::spawn(async move { broker.acquire(request(2)).await })
     };
-    wait_for_key(&mut c, &broker.request_key_for(&request(2))).await;
+    wait_queued(&c, &broker, &request(2)).await;
     // The broker names the waiter's place, and it is the one key in the queue.
     let place = broker
         .queue_key_for(&request(2))
@@ -696,7 +682,7 @@ async fn an_acquire_dropped_after_its_grant_passes_the_slot_on() {
         let waiter = Arc::clone(&waiter);
         tokio::spawn(async move { waiter.acquire(request(2)).await })
     };
-    wait_for_key(&mut c, &waiter.request_key_for(&request(2))).await;
+    wait_queued(&c, &waiter, &request(2)).await;
 
     // The waiter is cut off, the release hands it the slot, and its acquire is dropped before
     // it could hear of the grant.

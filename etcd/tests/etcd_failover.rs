@@ -21,7 +21,7 @@ use std::time::Duration;
 use etcd_client::{Client, GetOptions};
 use etcd_support::{
     ChildGuard, Cluster, Ledger, Proxy, etcd_binary, lines_of, next_line_with, now_ns,
-    spawn_test_child,
+    spawn_test_child, wait_queued,
 };
 use leasehold::{AcquireRequest, JobSpec, SlotBroker, SlotToken, Supervisor, codes};
 use leasehold_etcd::{EtcdBroker, EtcdConfig};
@@ -452,12 +452,7 @@ async fn a_waiter_whose_session_expires_fails_with_etcd_session_expired_and_gets
         tokio::spawn(async move { waiter.acquire(AcquireRequest::new(1, None)).await })
     };
     let mut c = client(&endpoints).await;
-    let place = waiter.request_key_for(&AcquireRequest::new(1, None));
-    wait_until(Duration::from_secs(10), "the waiter queued", || {
-        let (mut c, place) = (c.clone(), place.clone());
-        async move { !c.get(place, None).await.unwrap().kvs().is_empty() }
-    })
-    .await;
+    wait_queued(&c, &waiter, &AcquireRequest::new(1, None)).await;
     let session = waiter.session_lease().unwrap();
     proxy.blackhole();
     // etcd expires the cut-off session one TTL later, and its place with it.
@@ -533,21 +528,20 @@ async fn waiters_keep_their_fifo_places_through_a_leader_election() {
                 .unwrap(),
         );
         let request = AcquireRequest::new(1, None);
-        let place = broker.request_key_for(&request);
         let granted_tx = granted_tx.clone();
-        waiters.push(tokio::spawn(async move {
-            let token = broker
-                .acquire(request)
-                .await
-                .expect("a waiter never fails here");
-            granted_tx.send((w, token)).unwrap();
-            broker.release(token).await.unwrap();
+        waiters.push(tokio::spawn({
+            let broker = Arc::clone(&broker);
+            let request = request.clone();
+            async move {
+                let token = broker
+                    .acquire(request)
+                    .await
+                    .expect("a waiter never fails here");
+                granted_tx.send((w, token)).unwrap();
+                broker.release(token).await.unwrap();
+            }
         }));
-        wait_until(Duration::from_secs(10), "the waiter queued", || {
-            let (mut c, place) = (c.clone(), place.clone());
-            async move { !c.get(place, None).await.unwrap().kvs().is_empty() }
-        })
-        .await;
+        wait_queued(&c, &broker, &request).await;
     }
     // The leader dies with everyone queued; the holder's release goes through the election.
     let leader = cluster.wait_leader(Duration::from_secs(10));

@@ -15,7 +15,9 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use etcd_client::{Client, GetOptions, PutOptions};
-use etcd_support::{Etcd, etcd_binary, keep, slot_keys, test_config as config, wait_until};
+use etcd_support::{
+    Etcd, etcd_binary, keep, slot_keys, test_config as config, wait_queued, wait_until,
+};
 use leasehold::{AcquireRequest, SlotBroker};
 use leasehold_etcd::EtcdBroker;
 
@@ -25,17 +27,6 @@ async fn client(etcd: &Etcd) -> Client {
 
 fn request(id: u64) -> AcquireRequest {
     AcquireRequest::new(id, Some("job"))
-}
-
-/// Waits until etcd has `key`.
-async fn wait_for_key(c: &mut Client, key: &str) {
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while c.get(key, None).await.unwrap().kvs().is_empty() {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await
-    .unwrap_or_else(|_| panic!("{key} never appeared"));
 }
 
 /// Every key under `prefix`, with its value and lease.
@@ -86,9 +77,7 @@ async fn a_marker_another_client_wrote_grants_nothing() {
         tokio::spawn(async move { waiter.acquire(request(2)).await })
     };
     let marker = waiter.request_key_for(&request(2));
-    wait_for_key(&mut c, &marker).await;
-    let place = waiter.queue_key_for(&request(2)).expect("it waits");
-    wait_for_key(&mut c, &place).await;
+    wait_queued(&c, &waiter, &request(2)).await;
 
     // A neighbour writes a well-formed grant of the held slot into the waiter's marker, under
     // its own etcd lease: not a grant leasehold made.
@@ -240,8 +229,7 @@ async fn a_foreign_key_under_the_slot_prefix_is_ignored_and_never_stalls_a_waite
         let waiter = Arc::clone(&waiter);
         tokio::spawn(async move { waiter.acquire(request(2)).await })
     };
-    wait_for_key(&mut c, &waiter.request_key_for(&request(2))).await;
-    wait_for_key(&mut c, &waiter.queue_key_for(&request(2)).unwrap()).await;
+    wait_queued(&c, &waiter, &request(2)).await;
 
     // A key leasehold did not write lands among the slot keys; then the holder's session goes
     // (its slot freed without a hand-off): the pool has a free slot and a waiter.
@@ -362,7 +350,7 @@ async fn two_concurrent_acquires_with_one_request_id_never_return_a_freed_token(
         let broker = Arc::clone(&broker);
         tokio::spawn(async move { broker.acquire(request(7)).await })
     };
-    wait_for_key(&mut c, &broker.request_key_for(&request(7))).await;
+    wait_queued(&c, &broker, &request(7)).await;
     // The second copy is in flight (suspended once) before the first is granted.
     let mut second = {
         let broker = Arc::clone(&broker);
@@ -486,8 +474,8 @@ async fn an_acquire_dropped_at_any_await_point_withdraws_its_queue_key_at_once()
     let mut dropped_at = 0;
     for n in 0.. {
         // A pool whose one slot is held by another broker, given up as soon as the acquire
-        // under test has written its marker: the acquire goes through the queue to a grant,
-        // and is dropped after its n-th suspension, wherever that is.
+        // under test has joined the queue: the acquire goes through the queue to a grant, and
+        // is dropped after its n-th suspension, wherever that is.
         let pool = format!("drop{n}");
         let holder = EtcdBroker::connect(config(&etcd.endpoint(), &pool, 1))
             .await
@@ -498,13 +486,17 @@ async fn an_acquire_dropped_at_any_await_point_withdraws_its_queue_key_at_once()
                 .unwrap(),
         );
         let held = holder.acquire(request(1)).await.unwrap();
-        let marker = broker.request_key_for(&request(2));
         let (go, now) = tokio::sync::oneshot::channel::<()>();
         let releaser = {
-            let mut c = c.clone();
+            let (c, pool) = (c.clone(), pool.clone());
             tokio::spawn(async move {
+                let joined = async {
+                    while queue_is_empty(&c, &pool).await {
+                        tokio::task::yield_now().await;
+                    }
+                };
                 tokio::select! {
-                    () = wait_for_key(&mut c, &marker) => {}
+                    () = joined => {}
                     _ = now => {}
                 }
                 holder.release(held).await.unwrap();
@@ -597,9 +589,7 @@ async fn a_grant_forged_under_the_waiters_own_lease_is_taken_and_only_fencing_or
         let waiter = Arc::clone(&waiter);
         tokio::spawn(async move { waiter.acquire(request(2)).await })
     };
-    wait_for_key(&mut c, &waiter.request_key_for(&request(2))).await;
-    let queue_key = waiter.queue_key_for(&request(2)).unwrap();
-    wait_for_key(&mut c, &queue_key).await;
+    let queue_key = wait_queued(&c, &waiter, &request(2)).await;
 
     // What a neighbour with write access reads: the waiter's lease and request, on its queue
     // key. One transaction under that lease forges the grant leasehold would write.
@@ -649,4 +639,106 @@ async fn a_grant_forged_under_the_waiters_own_lease_is_taken_and_only_fencing_or
     waiter.release(second).await.unwrap();
     holder.release(first).await.unwrap();
     assert!(slot_keys(&mut c, "forged").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grants_list_of_waiters_hands_the_slot_only_to_what_the_waiters_queue_key_says() {
+    let Some(bin) = etcd_binary("a_grants_list_of_waiters") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let mut c = client(&etcd).await;
+    let connect = || async {
+        Arc::new(
+            EtcdBroker::connect(config(&etcd.endpoint(), "listed", 1))
+                .await
+                .unwrap(),
+        )
+    };
+    let (holder, waiter, behind) = (connect().await, connect().await, connect().await);
+    let first = holder.acquire(request(1)).await.unwrap();
+    let _renewal = keep(&holder, first);
+    // The waiter's releases chain over what its grants name, nothing it read on its own.
+    waiter.hold_queue_reads(true);
+    let waiting = {
+        let waiter = Arc::clone(&waiter);
+        tokio::spawn(async move { waiter.acquire(request(2)).await })
+    };
+    let queue_key = wait_queued(&c, &waiter, &request(2)).await;
+    let next = {
+        let behind = Arc::clone(&behind);
+        tokio::spawn(async move { behind.acquire(request(3)).await })
+    };
+    let next_key = wait_queued(&c, &behind, &request(3)).await;
+
+    // A neighbour forges the waiter's grant (under the waiter's own lease, as in the test
+    // above), and its list names the place of the waiter behind, at its revision, but under
+    // the neighbour's own lease and request.
+    let reader = c.clone();
+    let kv = |key: &str| {
+        let mut c = reader.clone();
+        let key = key.to_owned();
+        async move { c.get(key, None).await.unwrap().kvs()[0].clone() }
+    };
+    let (queued, behind_kv) = (kv(&queue_key).await, kv(&next_key).await);
+    let rk = |kv: &etcd_client::KeyValue| {
+        kv.value_str()
+            .unwrap()
+            .rsplit("request=")
+            .next()
+            .unwrap()
+            .to_owned()
+    };
+    let neighbour = c.lease_grant(30, None).await.unwrap().id();
+    let place = next_key.rsplit('/').next().unwrap();
+    let entry = format!(
+        "{place}.{:x}.{neighbour:x}.00000000000000ff",
+        behind_kv.create_revision()
+    );
+    let under = || Some(PutOptions::new().with_lease(queued.lease()));
+    let forge = etcd_client::Txn::new().and_then([
+        etcd_client::TxnOp::put(
+            format!("leasehold/listed/request/{}", rk(&queued)),
+            format!("leasehold/v1 request granted slot=0 next={entry}"),
+            under(),
+        ),
+        etcd_client::TxnOp::put(
+            "leasehold/listed/slot/000000",
+            format!("leasehold/v1 holder request={}", rk(&queued)),
+            under(),
+        ),
+        etcd_client::TxnOp::delete(queue_key.as_str(), None),
+    ]);
+    c.txn(forge).await.unwrap();
+    let second = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the forged grant is taken (see above)")
+        .unwrap()
+        .unwrap();
+
+    // Its release tries the listed place under the listed lease: the queue key is not under
+    // it, so that link grants nothing; the release reads who waits and hands to the waiter
+    // behind, under its own lease and request.
+    waiter.release(second).await.unwrap();
+    let third = tokio::time::timeout(Duration::from_secs(10), next)
+        .await
+        .expect("the waiter behind is served")
+        .unwrap()
+        .unwrap();
+    let slot = kv("leasehold/listed/slot/000000").await;
+    assert_eq!(slot.lease(), behind.session_lease().unwrap());
+    assert_eq!(
+        slot.value_str().unwrap(),
+        format!("leasehold/v1 holder request={}", rk(&behind_kv))
+    );
+    assert!(
+        c.get("leasehold/listed/request/00000000000000ff", None)
+            .await
+            .unwrap()
+            .kvs()
+            .is_empty(),
+        "no grant was written for the request the list made up"
+    );
+    behind.release(third).await.unwrap();
+    c.lease_revoke(neighbour).await.unwrap();
 }
