@@ -246,7 +246,7 @@ where
                 .map_err(|e| e.to_string())
         }
         Err(payload) => {
-            shared.record_panic(&*payload);
+            shared.record_caught(payload);
             Err("the arguments closure panicked".to_owned())
         }
     };

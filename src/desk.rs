@@ -289,7 +289,7 @@ async fn hold(
         _ = holder.wait(None) => return,
     };
     // Nobody may be left to hear a release's failure: it goes to the error sink then.
-    let sink = sup.error_sink();
+    let sink = sup.sink().clone();
     drop(sup);
     let mut lease = match acquired {
         Ok(lease) => lease,
@@ -339,7 +339,7 @@ async fn hold(
             {
                 // The caller gave up (its `call!` timed out): the failure still reaches someone
                 // (invariant 7), once.
-                crate::sink::report_orphaned(sink.as_ref(), None, cleanup);
+                sink.report(None, cleanup);
             }
         }
         () = exited => {

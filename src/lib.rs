@@ -58,8 +58,8 @@ pub use process::{JobProcess, ProcessError, ProcessSpec};
 pub use sink::OrphanedFailure;
 pub use supervisor::{
     GpuDeviceInfo, LeaseInfo, LeaseKind, LeasePhase, QuarantinedSlot, ReclaimReport,
-    ShutdownReport, Stats, Supervisor, SupervisorBuilder, UnclosedDevice, WaiterInfo, WaitingFor,
-    metric_names,
+    ShutdownReport, SpawnedJob, Stats, Supervisor, SupervisorBuilder, UnclosedDevice, WaiterInfo,
+    WaitingFor, metric_names,
 };
 /// Re-exported (feature `gpu`) so that jobs use exactly the wgpu the supervisor was built with.
 #[cfg(feature = "gpu")]

@@ -151,13 +151,48 @@ where
 pub(crate) fn caught<F: Future>(fut: F) -> impl Future<Output = Result<F::Output, String>> {
     AssertUnwindSafe(fut)
         .catch_unwind()
-        .map(|result| result.map_err(|payload| panic_message(&*payload)))
+        .map(|result| result.map_err(message_of))
 }
 
 /// Calls code leasehold did not write synchronously (the error sink, a hook, a GPU backend
 /// call, a host building its future), catching its panic: `Err` carries the panic's message.
 pub(crate) fn call<T>(f: impl FnOnce() -> T) -> Result<T, String> {
-    catch_unwind(AssertUnwindSafe(f)).map_err(|payload| panic_message(&*payload))
+    catch_unwind(AssertUnwindSafe(f)).map_err(message_of)
+}
+
+/// A caught panic's message; the payload itself is disposed of (see [`dispose`]). Every panic
+/// leasehold catches goes through here: its payload is a value the panicking code chose, and
+/// its `Drop` may panic too.
+pub(crate) fn message_of(payload: Box<dyn Any + Send>) -> String {
+    let message = panic_message(&*payload);
+    dispose(payload);
+    message
+}
+
+/// Drops a value leasehold did not write (a panic's payload, a job's closure, a broker) under
+/// the panic catch. A drop that panics is not retried: what is left of the value is leaked, and
+/// so is the payload of that second panic (its drop could panic again). Several such values are
+/// disposed of one by one, never as one collection: a second panic while the first unwinds
+/// would abort the process.
+pub(crate) fn dispose<T>(value: T) {
+    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(value))) {
+        tracing::error!(panic = %panic_message(&*again), "a value leasehold did not write panicked while it was dropped; it was leaked");
+        std::mem::forget(again);
+    }
+}
+
+/// Drops a value leasehold did not write away from the caller's thread: on tokio's blocking
+/// pool when a runtime is current, so that a `Drop` that blocks holds a blocking thread, never
+/// the supervisor's turn; under the panic catch ([`dispose`]). Without a runtime (it is being
+/// dropped), here.
+pub(crate) fn dispose_off_turn<T: Send + 'static>(value: T) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            crate::counters::task();
+            drop(runtime.spawn_blocking(move || dispose(value)));
+        }
+        Err(_) => dispose(value),
+    }
 }
 
 /// A panic's message, when it carries one (`panic!` with a literal or a format string).
@@ -216,6 +251,45 @@ mod tests {
         }
         heard.sort();
         assert_eq!(heard, ["2s", "after an await", "building", "done 3"]);
+    }
+
+    /// A panic payload whose own drop panics.
+    struct Bomb;
+
+    impl Drop for Bomb {
+        fn drop(&mut self) {
+            panic!("the payload's drop");
+        }
+    }
+
+    #[test]
+    fn a_panic_whose_payload_panics_when_dropped_is_caught_and_the_payload_leaked() {
+        let caught = call(|| std::panic::panic_any(Bomb));
+        assert_eq!(caught.unwrap_err(), "non-string panic payload");
+        let first: First<()> = first_poll(|| Box::pin(async { std::panic::panic_any(Bomb) }));
+        assert!(matches!(first, First::Ended(Outcome::Panicked(_))));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_that_panics_with_a_payload_that_panics_when_dropped_still_reports_once() {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let _ = finish(
+            Box::pin(async {
+                tokio::task::yield_now().await;
+                std::panic::panic_any(Bomb)
+            }),
+            None,
+            move |o: Outcome<()>| {
+                let _ = tx.send(o.fold(|()| "done".to_owned(), |m| m, |_| "timed out".into()));
+            },
+        );
+        assert_eq!(rx.await.unwrap(), "non-string panic payload");
+    }
+
+    #[test]
+    fn a_value_whose_drop_panics_is_disposed_of_without_unwinding_into_the_caller() {
+        dispose(Bomb);
+        dispose(Bomb);
     }
 
     #[tokio::test(start_paused = true)]

@@ -126,3 +126,108 @@ fn a_handle_whose_supervisor_runtime_is_gone_answers_supervisor_stopped() {
     let err = poll_until(|| handle.try_take()).unwrap_err();
     assert_eq!(err.code(), "SUPERVISOR_STOPPED");
 }
+
+#[test]
+fn jobs_submitted_one_after_another_are_served_in_that_order() {
+    let rt = runtime();
+    let sup = rt.block_on(Supervisor::builder().slots(1).start()).unwrap();
+    // From a task on a runtime thread, as a frame loop driven by the runtime would: each
+    // submission is queued when `submit` returns, whatever the runtime runs first.
+    let order = rt.block_on(rt.spawn({
+        let sup = sup.clone();
+        async move {
+            let served = Arc::new(parking_lot::Mutex::new(Vec::new()));
+            let handles: Vec<_> = (0..8)
+                .map(|i| {
+                    let served = Arc::clone(&served);
+                    sup.submit(JobSpec::new(format!("frame-{i}")).unwrap(), move |_ctx| {
+                        served.lock().push(i);
+                        async { Ok::<_, std::io::Error>(()) }
+                    })
+                })
+                .collect();
+            for handle in handles {
+                handle.join().await.unwrap();
+            }
+            served.lock().clone()
+        }
+    }));
+    assert_eq!(order.unwrap(), (0..8).collect::<Vec<_>>());
+    rt.block_on(sup.shutdown()).unwrap();
+}
+
+#[test]
+fn a_cancel_by_id_right_after_submit_finds_the_job() {
+    let rt = runtime();
+    let sup = rt.block_on(Supervisor::builder().slots(1).start()).unwrap();
+    // The slot is busy: the job waits in the queue.
+    let held = rt.block_on(sup.acquire()).unwrap();
+    let (found, handle) = rt
+        .block_on(rt.spawn({
+            let sup = sup.clone();
+            async move {
+                let handle = sup.submit(JobSpec::new("stale-bake").unwrap(), |_ctx| async {
+                    Ok::<_, std::io::Error>(())
+                });
+                (sup.cancel("stale-bake").await.unwrap(), handle)
+            }
+        }))
+        .unwrap();
+    assert!(
+        found,
+        "the cancel did not find the job submitted just before it"
+    );
+    let ended = rt.block_on(handle.join());
+    assert_eq!(ended.unwrap_err().code(), "LEASE_ACQUIRE_CANCELLED");
+    drop(held);
+    rt.block_on(sup.shutdown()).unwrap();
+}
+
+#[test]
+fn spawn_job_queues_the_job_before_its_future_is_polled() {
+    struct Idle;
+    impl ractor::Actor for Idle {
+        type Msg = ();
+        type State = ();
+        type Arguments = ();
+        async fn pre_start(
+            &self,
+            _myself: ractor::ActorRef<()>,
+            _args: (),
+        ) -> Result<(), ractor::ActorProcessingErr> {
+            Ok(())
+        }
+    }
+    let rt = runtime();
+    let sup = rt.block_on(Supervisor::builder().slots(1).start()).unwrap();
+    let held = rt.block_on(sup.acquire()).unwrap();
+    let spawned = sup.spawn_job(JobSpec::new("actor-job").unwrap(), Idle, |_ctx| ());
+    assert!(
+        rt.block_on(sup.cancel("actor-job")).unwrap(),
+        "the job was not in the queue before its future was polled"
+    );
+    let err = rt.block_on(spawned).unwrap_err();
+    assert_eq!(err.code(), "LEASE_ACQUIRE_CANCELLED");
+    drop(held);
+    rt.block_on(sup.shutdown()).unwrap();
+}
+
+#[test]
+fn a_handle_whose_supervisor_runtime_is_gone_says_it_is_finished() {
+    let rt = runtime();
+    let sup = rt.block_on(Supervisor::builder().slots(1).start()).unwrap();
+    // The slot is busy: the job waits in the queue when the runtime goes.
+    let held = rt.block_on(sup.acquire()).unwrap();
+    let mut handle = sup.submit(JobSpec::new("waiting").unwrap(), |_ctx| async {
+        Ok::<_, std::io::Error>(())
+    });
+    assert!(!handle.is_finished());
+    drop(rt);
+    drop(held);
+    poll_until(|| handle.is_finished().then_some(()));
+    let err = handle
+        .try_take()
+        .expect("finished, so the result is there")
+        .unwrap_err();
+    assert_eq!(err.code(), "SUPERVISOR_STOPPED");
+}

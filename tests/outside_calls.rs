@@ -524,3 +524,245 @@ async fn a_reclaim_lists_a_slot_whose_temp_dir_still_cannot_be_removed_as_still_
     let report = guarded("shutdown", sup.shutdown()).await.unwrap();
     assert_eq!(report.quarantined, 0, "{report:?}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Values the user wrote: panic payloads, job closures, the error sink, the broker's drop
+// ---------------------------------------------------------------------------------------------
+
+/// A panic payload whose own `Drop` panics.
+struct PayloadThatPanicsWhenDropped;
+
+impl Drop for PayloadThatPanicsWhenDropped {
+    fn drop(&mut self) {
+        panic!("the panic's payload panicked while it was dropped");
+    }
+}
+
+/// A value a job's closure captures, whose `Drop` panics.
+struct PanicsWhenDropped;
+
+impl Drop for PanicsWhenDropped {
+    fn drop(&mut self) {
+        panic!("a job's closure panicked while it was dropped");
+    }
+}
+
+/// A value whose `Drop` blocks its thread until the gate opens.
+struct BlocksWhenDropped(common::ThreadGate);
+
+impl Drop for BlocksWhenDropped {
+    fn drop(&mut self) {
+        self.0.wait();
+    }
+}
+
+/// The in-process pool, but its `n`th acquire panics with a payload that panics when dropped.
+struct PanickingPayloadBroker {
+    local: LocalBroker,
+    calls: AtomicU64,
+    nth: u64,
+}
+
+impl SlotBroker for PanickingPayloadBroker {
+    async fn acquire(&self, request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == self.nth {
+            std::panic::panic_any(PayloadThatPanicsWhenDropped);
+        }
+        self.local.acquire(request).await
+    }
+
+    async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
+        self.local.release(token).await
+    }
+
+    fn capacity(&self) -> Option<u32> {
+        Some(2)
+    }
+}
+
+#[tokio::test]
+async fn a_broker_acquire_that_panics_with_a_payload_that_panics_when_dropped_fails_that_acquire_and_the_supervisor_keeps_serving()
+ {
+    let sup = Supervisor::builder()
+        .broker(PanickingPayloadBroker {
+            local: LocalBroker::new(2),
+            calls: AtomicU64::new(0),
+            nth: 0,
+        })
+        .start()
+        .await
+        .unwrap();
+    let err = guarded("the panicking acquire", sup.acquire())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, AcquireError::Failed(e) if is_panicked(e)),
+        "{err:?}"
+    );
+    still_serves(&sup).await;
+    sup.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_error_sink_that_panics_with_a_payload_that_panics_when_dropped_leaves_the_supervisor_serving()
+ {
+    let broker = TestBroker::new(2);
+    broker.on_release(|_| Plan::Fail);
+    let (heard_tx, mut heard) = tokio::sync::mpsc::unbounded_channel();
+    let sup = Supervisor::builder()
+        .broker(broker.clone())
+        .error_sink(move |failure| {
+            let _ = heard_tx.send(failure.error.code());
+            std::panic::panic_any(PayloadThatPanicsWhenDropped);
+        })
+        .start()
+        .await
+        .unwrap();
+    // A dropped lease whose release fails: nobody is left to hear it but the sink.
+    drop(guarded("an acquire", sup.acquire()).await.unwrap());
+    let heard = guarded("the sink's call", heard.recv()).await.unwrap();
+    assert_eq!(heard, "LEASE_CLEANUP_FAILED");
+    broker.on_release(|_| Plan::Ok);
+    still_serves(&sup).await;
+    sup.shutdown().await.unwrap();
+}
+
+/// A job waiting behind the one slot, whose closure holds `value`; the caller gives up.
+async fn a_queued_job_is_cancelled<V: Send + 'static>(sup: &Supervisor, value: V) {
+    let held = guarded("the slot", sup.acquire()).await.unwrap();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let job = JobSpec::new("queued-then-cancelled")
+        .unwrap()
+        .with_cancel(cancel.clone());
+    let waiting = tokio::spawn({
+        let sup = sup.clone();
+        async move {
+            sup.run(job, move |_ctx| async move {
+                drop(value);
+                Ok::<_, Infallible>(())
+            })
+            .await
+        }
+    });
+    until("the job to queue", || sup.stats().waiting == 1).await;
+    cancel.cancel();
+    let ended = guarded("the cancelled job", waiting).await.unwrap();
+    assert_eq!(ended.unwrap_err().code(), "LEASE_ACQUIRE_CANCELLED");
+    drop(held);
+}
+
+#[tokio::test]
+async fn a_queued_job_whose_closure_panics_when_dropped_is_cancelled_and_the_supervisor_keeps_serving()
+ {
+    let sup = Supervisor::builder().slots(1).start().await.unwrap();
+    a_queued_job_is_cancelled(&sup, PanicsWhenDropped).await;
+    still_serves(&sup).await;
+    sup.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_job_whose_closure_blocks_when_dropped_is_cancelled_and_no_other_caller_waits_for_it()
+ {
+    let sup = Supervisor::builder().slots(1).start().await.unwrap();
+    let gate = common::ThreadGate::default();
+    let _open = OpenOnDrop(gate.clone());
+    a_queued_job_is_cancelled(&sup, BlocksWhenDropped(gate.clone())).await;
+    // The closure's drop is still blocked: the supervisor answers all the same.
+    still_serves(&sup).await;
+    gate.open();
+    sup.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_sink_that_blocks_does_not_delay_an_acquire_of_a_free_slot() {
+    let broker = TestBroker::new(2);
+    broker.on_release(|_| Plan::Fail);
+    let gate = common::ThreadGate::default();
+    let _open = OpenOnDrop(gate.clone());
+    let (entered_tx, mut entered) = tokio::sync::mpsc::unbounded_channel();
+    let sup = Supervisor::builder()
+        .broker(broker.clone())
+        .error_sink({
+            let gate = gate.clone();
+            move |_failure| {
+                let _ = entered_tx.send(());
+                gate.wait();
+            }
+        })
+        .start()
+        .await
+        .unwrap();
+    drop(guarded("an acquire", sup.acquire()).await.unwrap());
+    guarded("the sink to be called", entered.recv())
+        .await
+        .unwrap();
+    // The sink blocks now. Another failure for it, and an acquire of a free slot: answered.
+    drop(guarded("a second acquire", sup.acquire()).await.unwrap());
+    let mut lease = tokio::time::timeout(Duration::from_secs(10), sup.acquire())
+        .await
+        .expect("an acquire of a free slot waited for the blocked error sink")
+        .unwrap();
+    broker.on_release(|_| Plan::Ok);
+    lease.release().await.unwrap();
+    gate.open();
+    let report = sup.shutdown().await.unwrap();
+    assert!(report.outlived.is_empty(), "{:?}", report.outlived);
+}
+
+/// The in-process pool, whose `Drop` blocks until the gate opens.
+struct BrokerThatBlocksWhenDropped {
+    local: LocalBroker,
+    gate: common::ThreadGate,
+}
+
+impl Drop for BrokerThatBlocksWhenDropped {
+    fn drop(&mut self) {
+        self.gate.wait();
+    }
+}
+
+impl SlotBroker for BrokerThatBlocksWhenDropped {
+    async fn acquire(&self, request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+        self.local.acquire(request).await
+    }
+
+    async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
+        self.local.release(token).await
+    }
+
+    fn capacity(&self) -> Option<u32> {
+        Some(1)
+    }
+}
+
+/// Opens the gate when the test ends, failed or not: a thread still blocked on it would hold
+/// the runtime's own shutdown.
+struct OpenOnDrop(common::ThreadGate);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_answers_within_its_bound_when_the_brokers_drop_blocks_and_names_it() {
+    let gate = common::ThreadGate::default();
+    let _open = OpenOnDrop(gate.clone());
+    let sup = Supervisor::builder()
+        .broker(BrokerThatBlocksWhenDropped {
+            local: LocalBroker::new(1),
+            gate: gate.clone(),
+        })
+        .shutdown_timeout(Duration::from_secs(1))
+        .start()
+        .await
+        .unwrap();
+    still_serves(&sup).await;
+    let report = tokio::time::timeout(Duration::from_secs(10), sup.shutdown())
+        .await
+        .expect("shutdown waited for the broker's drop past its bound")
+        .unwrap();
+    assert_eq!(report.outlived, ["the broker"]);
+    gate.open();
+}

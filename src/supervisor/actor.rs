@@ -48,8 +48,9 @@ use crate::broker::{AcquireRequest, BrokerEvent, DynBroker, LocalBroker, SlotTok
 use crate::error::{AcquireError, CleanupError, PrepareError};
 use crate::hosts::Hosts;
 use crate::lease::{Lease, LeaseCell, ReleaseReply};
+use crate::outside;
 use crate::process::{Evidence, ProcessPolicy};
-use crate::sink::ErrorSink;
+use crate::sink::Sink;
 use crate::worker::{JobShared, WorkerActor, WorkerArgs};
 
 mod brokerage;
@@ -72,7 +73,7 @@ pub(crate) struct Config {
     pub(crate) drain_timeout: Option<Duration>,
     pub(crate) shutdown_timeout: Duration,
     pub(crate) work_root: Arc<PathBuf>,
-    pub(crate) error_sink: Option<ErrorSink>,
+    pub(crate) sink: Sink,
     pub(crate) process_policy: ProcessPolicy,
     pub(crate) hosts: Hosts,
     /// Warn once about a lease held at least this long.
@@ -570,9 +571,10 @@ impl Shell {
             WaiterKind::Job(job) => {
                 // A grant racing with the caller's cancellation: the caller has left.
                 if job.shared.cancel.is_cancelled() || job.reply.is_closed() {
-                    let _ = job
-                        .reply
-                        .send(RunOutcome::NotGranted(Box::new(AcquireError::Cancelled)));
+                    let PendingJob { reply, body, .. } = *job;
+                    let _ = reply.send(RunOutcome::NotGranted(Box::new(AcquireError::Cancelled)));
+                    // The job's closure is the user's: never dropped in the supervisor's turn.
+                    outside::dispose_off_turn(body);
                     return self.core.apply(Input::Undelivered { key });
                 }
                 self.record_grant(job.span.get(), since, token, 1 + more.len());
@@ -795,7 +797,11 @@ impl Shell {
                         let _ = reply.send(Err(error));
                     }
                     WaiterKind::Job(job) => {
-                        let _ = job.reply.send(RunOutcome::NotGranted(Box::new(error)));
+                        let PendingJob { reply, body, .. } = *job;
+                        let _ = reply.send(RunOutcome::NotGranted(Box::new(error)));
+                        // The job's closure is the user's: never dropped in the supervisor's
+                        // turn.
+                        outside::dispose_off_turn(body);
                     }
                 },
                 Outgoing::Control(send) => send(),
@@ -905,7 +911,7 @@ impl Shell {
 
     /// A cleanup failure with no caller left: the error sink and a tracing error event.
     fn sink(&self, job_id: Option<String>, error: CleanupError) {
-        crate::sink::report_orphaned(self.config.error_sink.as_ref(), job_id, error);
+        self.config.sink.report(job_id, error);
     }
 }
 

@@ -148,7 +148,11 @@ impl SupervisorBuilder {
     }
 
     /// Where cleanup failures go when no caller is left to hear them (a dropped lease, a dropped
-    /// `run` future). Called on the supervisor's task: keep it quick and non-blocking.
+    /// `run` future). Never called in the supervisor's turn: failures wait in a bounded queue
+    /// (1024) and the sink is called on tokio's blocking pool, one failure at a time, in order.
+    /// A sink that blocks or falls behind delays no caller; the failures its queue has no room
+    /// for are counted in `render_slot.sink.dropped.count` and logged. A panic in it is caught
+    /// and logged, and it is called again for the next failure.
     pub fn error_sink(mut self, sink: impl Fn(&OrphanedFailure) + Send + Sync + 'static) -> Self {
         self.error_sink = Some(Arc::new(sink));
         self
@@ -283,13 +287,16 @@ impl SupervisorBuilder {
                 (dir.path().to_path_buf(), Some(dir))
             }
         };
+        // The user's error sink runs off the supervisor's turn, fed by a bounded queue.
+        let sink =
+            crate::sink::Sink::new(self.error_sink.clone(), tokio::runtime::Handle::current());
         let config = Arc::new(Config {
             cleanup_timeout: self.cleanup_timeout,
             cancel_grace: self.cancel_grace,
             drain_timeout: self.drain_timeout,
             shutdown_timeout: self.shutdown_timeout,
             work_root: Arc::new(work_root.clone()),
-            error_sink: self.error_sink.clone(),
+            sink: sink.clone(),
             hosts,
             held_warning: self.held_warning,
             process_policy: ProcessPolicy {
@@ -351,9 +358,14 @@ impl SupervisorBuilder {
             inbox,
             join,
             (stats, table, last_report),
-            (self.acquire_timeout, self.cancel_grace, resizable),
+            (
+                self.acquire_timeout,
+                self.cancel_grace,
+                self.shutdown_timeout,
+                resizable,
+            ),
             work_root,
-            self.error_sink,
+            sink,
             #[cfg(feature = "gpu")]
             gpu,
         ))

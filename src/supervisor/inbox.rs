@@ -124,12 +124,15 @@ impl Inbox {
 
     /// Closes the inbox and drops what is queued (their reply senders with them).
     pub(crate) fn close(&self) {
-        let queued = {
-            let mut state = self.state.lock();
-            state.closed = true;
-            mem::take(&mut state.queue)
-        };
-        drop(queued);
+        drop(self.close_taking());
+    }
+
+    /// Closes the inbox and gives back what was queued, for the caller to drop (their reply
+    /// senders with them: every caller waiting on one hears the supervisor is gone).
+    pub(crate) fn close_taking(&self) -> Vec<SupMsg> {
+        let mut state = self.state.lock();
+        state.closed = true;
+        mem::take(&mut state.queue)
     }
 
     /// Gives back the queue's memory after a flood: also when a message or two arrived since

@@ -92,12 +92,15 @@ pub(crate) struct Inner {
     /// The report of the shutdown that stopped the actor, for a later `shutdown()` call.
     last_report: Arc<LastReport>,
     acquire_timeout: Option<Duration>,
+    /// The shutdown's bound, which `shutdown` also holds what it waits for to.
+    shutdown_timeout: Duration,
     next_waiter: AtomicU64,
     work_root: PathBuf,
     /// The runtime the supervisor was started on, for `submit` from non-async code.
     runtime: tokio::runtime::Handle,
-    /// Where `submit` reports a cleanup failure whose handle is gone.
-    error_sink: Option<crate::sink::ErrorSink>,
+    /// Where a cleanup failure whose handle is gone is reported (the same sink the actor
+    /// reports to).
+    sink: crate::sink::Sink,
     /// How long a cancelled job actor may take to stop before it is killed.
     cancel_grace: Duration,
     /// Its broker is the in-process pool, whose size `resize` changes.
@@ -130,9 +133,14 @@ impl Supervisor {
         inbox: Arc<Inbox>,
         join: JoinHandle<()>,
         (stats, table, last_report): (Arc<SharedStats>, Arc<LeaseTable>, Arc<LastReport>),
-        (acquire_timeout, cancel_grace, resizable): (Option<Duration>, Duration, bool),
+        (acquire_timeout, cancel_grace, shutdown_timeout, resizable): (
+            Option<Duration>,
+            Duration,
+            Duration,
+            bool,
+        ),
         work_root: PathBuf,
-        error_sink: Option<crate::sink::ErrorSink>,
+        sink: crate::sink::Sink,
         #[cfg(feature = "gpu")] gpu: Option<Arc<crate::gpu::GpuPool>>,
     ) -> Self {
         Self {
@@ -143,10 +151,11 @@ impl Supervisor {
                 table,
                 last_report,
                 acquire_timeout,
+                shutdown_timeout,
                 next_waiter: AtomicU64::new(1),
                 work_root,
                 runtime: tokio::runtime::Handle::current(),
-                error_sink,
+                sink,
                 cancel_grace,
                 resizable,
                 desk: tokio::sync::OnceCell::new(),
@@ -166,8 +175,8 @@ impl Supervisor {
     }
 
     /// Where a cleanup failure with nobody left to hear it goes.
-    pub(crate) fn error_sink(&self) -> Option<crate::sink::ErrorSink> {
-        self.inner.error_sink.clone()
+    pub(crate) fn sink(&self) -> &crate::sink::Sink {
+        &self.inner.sink
     }
 
     /// A cheap snapshot of the counters (atomics; no message to the actor).
@@ -290,7 +299,7 @@ impl Supervisor {
         holder: Option<Box<ractor::ActorId>>,
     ) -> Result<Lease, AcquireError> {
         let waiter = self.next_waiter();
-        let (tx, rx) = oneshot::channel();
+        let (tx, mut rx) = oneshot::channel();
         let msg = SupMsg::Acquire {
             waiter,
             kind: WaiterKind::Lease {
@@ -307,7 +316,7 @@ impl Supervisor {
         let reply = await_reply(
             &self.inner.inbox,
             waiter,
-            rx,
+            &mut rx,
             None,
             self.inner.acquire_timeout,
         )
@@ -349,6 +358,32 @@ impl Supervisor {
         T: Send + 'static,
         E: Send + 'static,
     {
+        let mut job = match self.enqueue(job, body) {
+            Ok(job) => job,
+            Err(ended) => return Err(ended),
+        };
+        let mut guard = WaitGuard::new(&self.inner.inbox, job.waiter, Some(job.cancel.clone()));
+        let outcome = await_reply(
+            &self.inner.inbox,
+            job.waiter,
+            &mut job.answer,
+            Some(&job.cancel),
+            self.inner.acquire_timeout,
+        )
+        .await;
+        guard.disarm();
+        job.conclude(outcome.map_err(drop))
+    }
+
+    /// Puts a job in the supervisor's queue (one message; it is there when this returns), or
+    /// says why it ended at once (its token was already cancelled, the supervisor has stopped).
+    fn enqueue<F, Fut, T, E>(&self, job: JobSpec, body: F) -> Result<Submitted<T, E>, JobError<E>>
+    where
+        F: FnOnce(WorkerContext) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Send + 'static,
+        E: Send + 'static,
+    {
         let JobParts {
             id: job_id,
             cancel: caller_token,
@@ -361,7 +396,7 @@ impl Supervisor {
             return Err(JobError::Acquire(AcquireError::Cancelled));
         }
         let shared = Arc::new(JobShared::new(cancel.clone()));
-        let (body_tx, mut body_rx) = oneshot::channel::<Result<T, E>>();
+        let (body_tx, body_rx) = oneshot::channel::<Result<T, E>>();
         let boxed: BoxedBody = Box::new(move |ctx| {
             let fut = body(ctx);
             Box::pin(async move {
@@ -393,67 +428,24 @@ impl Supervisor {
                 now_only: false,
             },
         };
-        if self.inner.inbox.send(msg).is_err() {
+        if let Err(refused) = self.inner.inbox.send(msg) {
+            // The job's closure is the caller's: it goes back with the message, dropped here,
+            // on the caller's thread.
+            drop(refused);
             return Err(JobError::Acquire(AcquireError::Stopped));
         }
-        let mut guard = WaitGuard::new(&self.inner.inbox, waiter, Some(cancel.clone()));
-        let outcome = await_reply(
-            &self.inner.inbox,
+        Ok(Submitted {
+            sup: self.clone(),
             waiter,
-            rx,
-            Some(&cancel),
-            self.inner.acquire_timeout,
-        )
-        .await;
-        guard.disarm();
-        let cleanup = match outcome {
-            // A broker failure that raced the job's cancellation: the job was cancelled.
-            Ok(RunOutcome::NotGranted(err)) => {
-                return Err(JobError::Acquire(match *err {
-                    AcquireError::Failed(_) if cancel.is_cancelled() => AcquireError::Cancelled,
-                    other => other,
-                }));
-            }
-            // No body ran: the job could not be prepared, and its slots went back.
-            Ok(RunOutcome::Finished {
-                unprepared: Some(why),
-                cleanup,
-            }) => {
-                return Err(JobError::Unprepared {
-                    why: *why,
-                    cleanup: cleanup.err(),
-                });
-            }
-            Ok(RunOutcome::Finished {
-                unprepared: None,
-                cleanup,
-            }) => cleanup,
-            // The supervisor died (its runtime is gone): nothing more can be proven.
-            Err(_) if !shared.started() => return Err(JobError::Acquire(AcquireError::Stopped)),
-            Err(_) => Err(CleanupError::stopped(None)),
-        };
-        // Every writer of `shared` and `body_rx` has ended: the worker and its tracked tasks
-        // were joined before the supervisor answered (or the slot was quarantined, in which case
-        // late sibling reports are not waited for).
-        let (value, error) = match body_rx.try_recv() {
-            Ok(Ok(v)) => (Some(v), None),
-            Ok(Err(e)) => (None, Some(e)),
-            Err(_) => (None, None),
-        };
-        let failure = BodyError::decide(
-            value.is_some(),
-            error,
-            shared.take_panics(),
-            shared.take_delivery_unknown(),
-            shared.take_lease_lost(),
-            cancel.is_cancelled(),
-        );
-        match (failure, cleanup) {
-            (None, Ok(())) => Ok(value.expect("no failure means the body returned a value")),
-            (None, Err(cleanup)) => Err(JobError::Cleanup(cleanup)),
-            (Some(body), Ok(())) => Err(JobError::Body(body)),
-            (Some(body), Err(cleanup)) => Err(JobError::BodyAndCleanup { body, cleanup }),
-        }
+            answer: rx,
+            shared,
+            body: body_rx,
+            cancel,
+            deadline: self
+                .inner
+                .acquire_timeout
+                .map(|t| tokio::time::Instant::now() + t),
+        })
     }
 
     /// Hands the supervisor a replacement for the adopted GPU device `index` (see
@@ -694,6 +686,10 @@ impl Supervisor {
     /// the returned [`JobHandle`] is polled without blocking (`is_finished`, `try_take`) and can
     /// cancel the job. Callable from any thread, inside or outside a runtime.
     ///
+    /// The job is in the supervisor's queue when this returns (one message; no task is spawned
+    /// for it): jobs submitted one after another are served in that order within a priority
+    /// class, and a [`cancel`](Self::cancel) sent afterwards finds it.
+    ///
     /// # Examples
     ///
     /// ```
@@ -719,31 +715,17 @@ impl Supervisor {
         T: Send + 'static,
         E: Send + 'static,
     {
-        let cancel = job
-            .cancel_token()
-            .map_or_else(CancellationToken::new, CancellationToken::child_token);
         let job_id = job.id().to_owned();
-        let job = job.with_cancel(cancel.clone());
-        let (tx, rx) = oneshot::channel();
-        let sup = self.clone();
-        // If the runtime is gone the task is dropped unrun, the sender with it, and the handle
-        // answers SUPERVISOR_STOPPED.
-        let sink = self.inner.error_sink.clone();
-        crate::counters::task();
-        drop(self.inner.runtime.spawn(async move {
-            let job_id = job.id().to_owned();
-            if let Err(Err(err)) = tx.send(sup.run(job, body).await)
-                && let Some(cleanup) = err.cleanup_error()
-            {
-                // The handle was dropped or detached: nobody will read this result, and its
-                // cleanup failure must still reach someone (invariant 7).
-                crate::sink::report_orphaned(sink.as_ref(), Some(job_id), cleanup.clone());
-            }
-        }));
-        JobHandle::new(job_id, cancel, rx, self.inner.error_sink.clone())
+        let sink = self.inner.sink.clone();
+        match self.enqueue(job, body) {
+            Ok(job) => JobHandle::submitted(job_id, job.cancel.clone(), sink, job),
+            Err(ended) => JobHandle::ended(job_id, CancellationToken::new(), sink, Err(ended)),
+        }
     }
 
-    /// Spawns `actor` as a job: waits for a slot (FIFO in the one queue shared with `run`,
+    /// Spawns `actor` as a job. The job is queued when this returns, before its future is
+    /// first polled (as with [`submit`](Self::submit)); the future waits for a slot (FIFO in
+    /// the one queue shared with `run`,
     /// cancellable, with the job's priority and slot count), makes the job's temp dir (and
     /// checks out its GPU), calls `args` with the job's [`WorkerContext`] (slot, token, temp
     /// dir, tracked `spawn` / `spawn_blocking`, child processes, GPU) to build the actor's
@@ -826,35 +808,32 @@ impl Supervisor {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// # }).unwrap();
     /// ```
-    pub async fn spawn_job<A, F>(
+    pub fn spawn_job<A, F>(
         &self,
         job: JobSpec,
         actor: A,
         args: F,
-    ) -> Result<
-        (
-            ractor::ActorRef<A::Msg>,
-            JobHandle<ActorExit, ActorJobError>,
-        ),
-        JobError<ActorJobError>,
-    >
+    ) -> impl Future<Output = SpawnedJob<A>> + Send + use<A, F>
     where
         A: ractor::Actor,
         F: FnOnce(WorkerContext) -> A::Arguments + Send + 'static,
     {
         let (started_tx, started_rx) = oneshot::channel();
         let grace = self.inner.cancel_grace;
+        // Queued now, before the future is first polled: submission order is queue order.
         let handle = self.submit(job, move |ctx| {
             crate::actor_job::host(actor, args, started_tx, grace, ctx)
         });
-        match started_rx.await {
-            Ok(actor) => Ok((actor, handle)),
-            // The actor never started: the job's result says why, after its pipeline.
-            Err(_) => match handle.join().await {
-                Err(err) => Err(err),
-                // Unreachable: the body answers `Ok` only after it has sent the actor.
-                Ok(_) => Err(JobError::Acquire(AcquireError::Stopped)),
-            },
+        async move {
+            match started_rx.await {
+                Ok(actor) => Ok((actor, handle)),
+                // The actor never started: the job's result says why, after its pipeline.
+                Err(_) => match handle.join().await {
+                    Err(err) => Err(err),
+                    // Unreachable: the body answers `Ok` only after it has sent the actor.
+                    Ok(_) => Err(JobError::Acquire(AcquireError::Stopped)),
+                },
+            }
         }
     }
 
@@ -876,6 +855,7 @@ impl Supervisor {
     ///
     /// Dropping the future does not stop the shutdown, which continues on its own.
     pub async fn shutdown(&self) -> Result<ShutdownReport, ShutdownError> {
+        let started = tokio::time::Instant::now();
         let (tx, rx) = oneshot::channel();
         let sent = self
             .inner
@@ -883,14 +863,30 @@ impl Supervisor {
             .send(SupMsg::Shutdown { reply: Some(tx) })
             .is_ok();
         let report = if sent { rx.await.ok() } else { None };
-        // Wait for the actor's task itself, so that its state (and an owned work root) is gone
-        // when this returns.
+        // Wait for the actor's task itself, and for what it drops at its end (the broker, the
+        // closures of jobs that never ran, its own work root), so that they are gone when this
+        // returns: within the shutdown's bound, and no longer. What outlives it is named.
+        let deadline =
+            (started + self.inner.shutdown_timeout).max(tokio::time::Instant::now() + END_GRACE);
+        let mut outlived = Vec::new();
         let join = self.inner.join.lock().take();
-        if let Some(join) = join {
-            let _ = join.await;
+        if let Some(mut join) = join
+            && tokio::time::timeout_at(deadline, &mut join).await.is_err()
+        {
+            outlived.push("the supervisor's task".to_owned());
+            // Not waited for again: a later call answers at once.
+            drop(join);
+        }
+        outlived.extend(self.inner.last_report.drops.wait_until(deadline).await);
+        // Every failure nobody heard has reached the error sink, unless the sink is stuck.
+        if !self.inner.sink.drained_until(deadline).await {
+            outlived.push("the error sink".to_owned());
         }
         match report.or_else(|| self.inner.last_report.get()) {
-            Some(report) => Ok(report),
+            Some(mut report) => {
+                report.outlived = outlived;
+                Ok(report)
+            }
             None => Err(ShutdownError::new()),
         }
     }
@@ -904,6 +900,171 @@ impl fmt::Debug for Supervisor {
             .finish()
     }
 }
+
+/// What [`Supervisor::spawn_job`] answers: the job actor and the handle of its outcome, or why
+/// it never started.
+pub type SpawnedJob<A> = Result<
+    (
+        ractor::ActorRef<<A as ractor::Actor>::Msg>,
+        JobHandle<ActorExit, ActorJobError>,
+    ),
+    JobError<ActorJobError>,
+>;
+
+/// A job in the supervisor's queue (or running, or releasing), as its caller holds it: the
+/// answer's channel, the body's result, and what is needed to read them (`run` awaits it; a
+/// [`JobHandle`] polls it).
+pub(crate) struct Submitted<T, E> {
+    /// Keeps the supervisor up while the job's answer is awaited.
+    sup: Supervisor,
+    waiter: WaiterId,
+    answer: oneshot::Receiver<RunOutcome>,
+    shared: Arc<JobShared>,
+    body: oneshot::Receiver<Result<T, E>>,
+    cancel: CancellationToken,
+    /// When the job stops waiting for a slot (the acquire timeout).
+    deadline: Option<tokio::time::Instant>,
+}
+
+impl<T, E> Submitted<T, E> {
+    /// The answer, if it has come (`Some(Err(()))`: the supervisor is gone).
+    pub(crate) fn try_answer(&mut self) -> Option<Result<RunOutcome, ()>> {
+        match self.answer.try_recv() {
+            Ok(outcome) => Some(Ok(outcome)),
+            Err(oneshot::error::TryRecvError::Closed) => Some(Err(())),
+            Err(oneshot::error::TryRecvError::Empty) => None,
+        }
+    }
+
+    /// Why the job should leave the queue now, if it should: cancelled, or past its acquire
+    /// timeout.
+    pub(crate) fn leaving(&self) -> Option<Withdrawal> {
+        if self.cancel.is_cancelled() {
+            return Some(Withdrawal::Cancelled);
+        }
+        let deadline = self.deadline?;
+        (tokio::time::Instant::now() >= deadline)
+            .then(|| Withdrawal::TimedOut(self.sup.inner.acquire_timeout.unwrap_or_default()))
+    }
+
+    /// Asks the supervisor to take the job out of the queue (ignored once it was granted).
+    pub(crate) fn withdraw(&self, why: Withdrawal) {
+        let _ = self.sup.inner.inbox.send(SupMsg::Withdraw {
+            waiter: self.waiter,
+            why,
+        });
+    }
+
+    /// Waits for the answer: a cancellation or the acquire timeout withdraws the job, and the
+    /// wait goes on (a grant that won the race is never lost).
+    pub(crate) async fn wait(&mut self) -> Result<RunOutcome, ()> {
+        let timeout = self
+            .deadline
+            .map(|d| d.saturating_duration_since(tokio::time::Instant::now()));
+        let cancel = self.cancel.clone();
+        await_reply(
+            &self.sup.inner.inbox,
+            self.waiter,
+            &mut self.answer,
+            Some(&cancel),
+            timeout,
+        )
+        .await
+        .map_err(drop)
+    }
+
+    /// Lets the job run to its end with nobody holding it: a task (on the supervisor's
+    /// runtime) keeps the supervisor up until the answer comes, and reports a cleanup failure
+    /// in it.
+    pub(crate) fn detach(self, job_id: String)
+    where
+        T: Send + 'static,
+        E: Send + 'static,
+    {
+        let runtime = self.sup.inner.runtime.clone();
+        crate::counters::task();
+        drop(runtime.spawn(async move {
+            let Self { sup, answer, .. } = self;
+            if let Ok(RunOutcome::Finished {
+                cleanup: Err(err), ..
+            }) = answer.await
+            {
+                sup.inner.sink.report(Some(job_id), err);
+            }
+        }));
+    }
+
+    /// The job's handle is gone with the answer unread: a cleanup failure in an answer already
+    /// in is reported here (otherwise the supervisor reports it when its answer finds nobody).
+    pub(crate) fn orphan(mut self, job_id: &str) {
+        if let Ok(RunOutcome::Finished {
+            cleanup: Err(err), ..
+        }) = self.answer.try_recv()
+        {
+            self.sup.inner.sink.report(Some(job_id.to_owned()), err);
+        }
+    }
+
+    /// The job's result from the supervisor's answer (`Err(())`: the supervisor is gone), its
+    /// body's own result and what its context recorded.
+    pub(crate) fn conclude(&mut self, outcome: Result<RunOutcome, ()>) -> Result<T, JobError<E>> {
+        let cancelled = self.cancel.is_cancelled();
+        let cleanup = match outcome {
+            // A broker failure that raced the job's cancellation: the job was cancelled.
+            Ok(RunOutcome::NotGranted(err)) => {
+                return Err(JobError::Acquire(match *err {
+                    AcquireError::Failed(_) if cancelled => AcquireError::Cancelled,
+                    other => other,
+                }));
+            }
+            // No body ran: the job could not be prepared, and its slots went back.
+            Ok(RunOutcome::Finished {
+                unprepared: Some(why),
+                cleanup,
+            }) => {
+                return Err(JobError::Unprepared {
+                    why: *why,
+                    cleanup: cleanup.err(),
+                });
+            }
+            Ok(RunOutcome::Finished {
+                unprepared: None,
+                cleanup,
+            }) => cleanup,
+            // The supervisor died (its runtime is gone): nothing more can be proven.
+            Err(()) if !self.shared.started() => {
+                return Err(JobError::Acquire(AcquireError::Stopped));
+            }
+            Err(()) => Err(CleanupError::stopped(None)),
+        };
+        // Every writer of `shared` and `body` has ended: the worker and its tracked tasks were
+        // joined before the supervisor answered (or the slot was quarantined, in which case
+        // late sibling reports are not waited for).
+        let (value, error) = match self.body.try_recv() {
+            Ok(Ok(v)) => (Some(v), None),
+            Ok(Err(e)) => (None, Some(e)),
+            Err(_) => (None, None),
+        };
+        let failure = BodyError::decide(
+            value.is_some(),
+            error,
+            self.shared.take_panics(),
+            self.shared.take_delivery_unknown(),
+            self.shared.take_lease_lost(),
+            cancelled,
+        );
+        match (failure, cleanup) {
+            (None, Ok(())) => Ok(value.expect("no failure means the body returned a value")),
+            (None, Err(cleanup)) => Err(JobError::Cleanup(cleanup)),
+            (Some(body), Ok(())) => Err(JobError::Body(body)),
+            (Some(body), Err(cleanup)) => Err(JobError::BodyAndCleanup { body, cleanup }),
+        }
+    }
+}
+
+/// How long `shutdown` waits, at least, for the supervisor's task and its end's drops once the
+/// report is in (when the shutdown's own bound has already run out).
+const END_GRACE: Duration = Duration::from_millis(100);
 
 /// Withdraws a waiter (and cancels its job) when the waiting future is dropped.
 struct WaitGuard<'a> {
@@ -949,7 +1110,7 @@ impl Drop for WaitGuard<'_> {
 async fn await_reply<T>(
     inbox: &Inbox,
     waiter: WaiterId,
-    mut rx: oneshot::Receiver<T>,
+    rx: &mut oneshot::Receiver<T>,
     cancel: Option<&CancellationToken>,
     timeout: Option<Duration>,
 ) -> Result<T, oneshot::error::RecvError> {
@@ -964,7 +1125,7 @@ async fn await_reply<T>(
         // Biased: the reply first, then the cancellation, then the timer. A source that fired
         // is dropped and the wait goes on.
         let next = poll_fn(|cx| {
-            if let Poll::Ready(reply) = Pin::new(&mut rx).poll(cx) {
+            if let Poll::Ready(reply) = Pin::new(&mut *rx).poll(cx) {
                 return Poll::Ready(Err(reply));
             }
             if let Some(fut) = cancelled.as_mut().as_pin_mut()

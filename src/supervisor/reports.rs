@@ -34,20 +34,99 @@ pub struct ShutdownReport {
     pub broker_close_failed: Option<crate::broker::BrokerError>,
     /// The counters at the end.
     pub stats: Stats,
+    /// What the supervisor was still dropping when the shutdown's bound ran out, and was not
+    /// waited for: values leasehold did not write whose `Drop` had not returned (`"the
+    /// broker"`, `"the jobs still queued"`), the removal of its own work root, or its own task.
+    /// Empty when everything ended within the bound.
+    pub outlived: Vec<String>,
 }
 
-/// The report of the shutdown that stopped the supervisor, kept for a later `shutdown()` call:
-/// the actor writes it once, right before it stops.
+/// The report of the shutdown that stopped the supervisor, kept for a later `shutdown()` call
+/// (the actor writes it once, right before it stops), and what the supervisor drops at its
+/// end.
 #[derive(Debug, Default)]
-pub(crate) struct LastReport(parking_lot::Mutex<Option<ShutdownReport>>);
+pub(crate) struct LastReport {
+    report: parking_lot::Mutex<Option<ShutdownReport>>,
+    pub(crate) drops: Arc<EndDrops>,
+}
 
 impl LastReport {
     pub(crate) fn set(&self, report: ShutdownReport) {
-        *self.0.lock() = Some(report);
+        *self.report.lock() = Some(report);
     }
 
     pub(crate) fn get(&self) -> Option<ShutdownReport> {
-        self.0.lock().clone()
+        self.report.lock().clone()
+    }
+}
+
+/// What the supervisor still holds at its end that leasehold did not write (the broker, the
+/// closures of jobs that never ran) or that touches the file system (its own work root): each
+/// is dropped off the actor's task, on the blocking pool, under the panic catch, so that a
+/// `Drop` that blocks holds neither the actor nor `shutdown` past its bound. `shutdown` waits
+/// for them within its bound, and names in its report what is still being dropped.
+#[derive(Debug, Default)]
+pub(crate) struct EndDrops {
+    pending: parking_lot::Mutex<Vec<&'static str>>,
+    done: tokio::sync::Notify,
+}
+
+/// Values the supervisor drops at its end (each on its own: one whose drop panics must not
+/// unwind through the others), and what to call them if they outlive the bound.
+pub(crate) type EndDrop = (&'static str, Vec<Box<dyn std::any::Any + Send>>);
+
+impl EndDrops {
+    /// Drops each of `items` off this thread, each on its own (so that one that blocks holds
+    /// no other); inline when no runtime is left.
+    pub(crate) fn dispose(self: &Arc<Self>, items: Vec<EndDrop>) {
+        self.pending
+            .lock()
+            .extend(items.iter().map(|(name, _)| *name));
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        for (name, item) in items {
+            let this = Arc::clone(self);
+            let drop_one = move || {
+                for value in item {
+                    crate::outside::dispose(value);
+                }
+                let mut pending = this.pending.lock();
+                if let Some(at) = pending.iter().position(|p| *p == name) {
+                    pending.remove(at);
+                }
+                if pending.is_empty() {
+                    this.done.notify_waiters();
+                }
+            };
+            match &runtime {
+                Some(runtime) => {
+                    crate::counters::task();
+                    drop(runtime.spawn_blocking(drop_one));
+                }
+                None => drop_one(),
+            }
+        }
+    }
+
+    /// Waits until everything handed to [`dispose`](Self::dispose) is dropped, or `deadline`;
+    /// what is still being dropped then.
+    pub(crate) async fn wait_until(&self, deadline: tokio::time::Instant) -> Vec<String> {
+        loop {
+            let done = self.done.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            let pending = self.pending.lock().clone();
+            if pending.is_empty() {
+                return Vec::new();
+            }
+            if tokio::time::timeout_at(deadline, done).await.is_err() {
+                return self
+                    .pending
+                    .lock()
+                    .iter()
+                    .map(|p| (*p).to_owned())
+                    .collect();
+            }
+        }
     }
 }
 

@@ -217,8 +217,10 @@ impl SlotBroker for SimBroker {
                 }
                 return Err(BrokerError::delivery_unknown("sim: answer lost"));
             }
-            // Panics on its first poll (the supervisor's inline poll).
-            24..=25 => panic!("sim: acquire panics on its first poll"),
+            // Panics on its first poll (the supervisor's inline poll), now and then with a
+            // payload whose own drop panics.
+            24 => panic!("sim: acquire panics on its first poll"),
+            25 => std::panic::panic_any(SimBomb),
             // Panics after an await, in the task the supervisor finishes it in.
             26..=27 => {
                 tokio::time::sleep(delay).await;
@@ -293,9 +295,13 @@ impl SlotBroker for SimBroker {
             }
             // Panics on its first poll, or after an await: the guard's drop while unwinding
             // is the TTL that frees the slot.
-            22..=23 => {
+            22 => {
                 self.ledger.lock().failed_releases += 1;
                 panic!("sim: release panics on its first poll")
+            }
+            23 => {
+                self.ledger.lock().failed_releases += 1;
+                std::panic::panic_any(SimBomb)
             }
             24..=25 => {
                 self.ledger.lock().failed_releases += 1;
@@ -723,6 +729,8 @@ enum Body {
     Return(Duration),
     Fail(Duration),
     Panic(Duration),
+    /// Panics with a payload whose own drop panics.
+    PanicWithBomb(Duration),
     /// Never checks cancellation: dropped after the cancel grace.
     IgnoreCancel(Duration),
 }
@@ -747,16 +755,58 @@ struct JobScript {
     cancel_by_id: bool,
     priority: Priority,
     hold: Duration,
+    /// What the job's closure (or its actor's arguments closure) holds, dropped only if the
+    /// job never runs (refused, cancelled while queued, its caller gone at the hand-over).
+    closure_holds: DropFault,
+}
+
+/// A value the user wrote, and what its `Drop` does.
+#[derive(Debug, Clone, Copy)]
+enum DropFault {
+    Nothing,
+    Panics,
+    /// Blocks its thread this long (real time; the paused clock holds still meanwhile).
+    Blocks(u64),
+}
+
+/// Held by a job's closure: dropped unrun, it does what its fault says.
+struct HeldByClosure(DropFault);
+
+impl HeldByClosure {
+    /// The closure ran: its value is not dropped (the run's own drops are the body's).
+    fn ran(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for HeldByClosure {
+    fn drop(&mut self) {
+        match self.0 {
+            DropFault::Nothing => {}
+            DropFault::Panics => panic!("sim: a job's closure panicked while it was dropped"),
+            DropFault::Blocks(ms) => std::thread::sleep(Duration::from_millis(ms)),
+        }
+    }
+}
+
+/// A panic payload whose own drop panics.
+struct SimBomb;
+
+impl Drop for SimBomb {
+    fn drop(&mut self) {
+        panic!("sim: a panic's payload panicked while it was dropped");
+    }
 }
 
 fn script(rng: &mut Rng, n: usize) -> Vec<JobScript> {
     (0..n)
         .map(|i| {
             let d = rng.ms(400);
-            let body = match rng.below(10) {
-                0 => Body::Fail(d),
-                1 => Body::Panic(d),
-                2 => Body::IgnoreCancel(d),
+            let body = match rng.below(20) {
+                0 | 1 => Body::Fail(d),
+                2 => Body::Panic(d),
+                3 => Body::PanicWithBomb(d),
+                4 | 5 => Body::IgnoreCancel(d),
                 _ => Body::Return(d),
             };
             let process = rng.chance(25).then(|| match rng.below(4) {
@@ -782,6 +832,11 @@ fn script(rng: &mut Rng, n: usize) -> Vec<JobScript> {
                     _ => Priority::Normal,
                 },
                 hold: rng.ms(300),
+                closure_holds: match rng.below(10) {
+                    0 => DropFault::Panics,
+                    1 => DropFault::Blocks(1 + rng.below(20)),
+                    _ => DropFault::Nothing,
+                },
             }
         })
         .collect()
@@ -911,6 +966,10 @@ impl ractor::Actor for SimActor {
                 tokio::time::sleep(d).await;
                 panic!("sim: actor panicked")
             }
+            Body::PanicWithBomb(d) => {
+                tokio::time::sleep(d).await;
+                std::panic::panic_any(SimBomb)
+            }
             Body::IgnoreCancel(d) => {
                 // A stop cannot reach a handler that never returns: only the kill after the
                 // cancel grace ends it.
@@ -946,16 +1005,24 @@ async fn run_job(sup: Supervisor, s: JobScript, ledger: Shared, out: Arc<Mutex<O
             ledger: Arc::clone(&ledger),
             script: s.clone(),
         };
+        let held = HeldByClosure(s.closure_holds);
         Box::pin(async move {
-            match sup.spawn_job(job, actor, |ctx| ctx).await {
+            let args = move |ctx| {
+                held.ran();
+                ctx
+            };
+            match sup.spawn_job(job, actor, args).await {
                 Ok((_actor, outcome)) => heard(outcome.join().await),
                 Err(err) => heard::<(), _>(Err(err)),
             }
         })
     } else {
+        let held = HeldByClosure(s.closure_holds);
         Box::pin(async move {
             heard(
-                sup.run(job, move |ctx: WorkerContext| async move {
+                sup.run(job, move |ctx: WorkerContext| {
+                    held.ran();
+                    async move {
                     let _body = Alive::new(&l2, &s2.id, "body");
                     start_side_work(&ctx, &s2, &l2);
                     match s2.body {
@@ -971,12 +1038,16 @@ async fn run_job(sup: Supervisor, s: JobScript, ledger: Shared, out: Arc<Mutex<O
                             tokio::time::sleep(d).await;
                             panic!("sim: body panicked")
                         }
+                        Body::PanicWithBomb(d) => {
+                            tokio::time::sleep(d).await;
+                            std::panic::panic_any(SimBomb)
+                        }
                         Body::IgnoreCancel(d) => {
                             tokio::time::sleep(d * 10).await;
                             Ok(())
                         }
                     }
-                })
+                }})
                 .await,
             )
         })
@@ -1127,7 +1198,14 @@ fn simulate(seed: u64) -> Result<Vec<String>, (Vec<String>, Vec<String>)> {
                 fence_timeout: Duration::from_millis(300),
             })));
         }
-        let (sink_out, sink_ledger) = (Arc::clone(&out), Arc::clone(&ledger));
+        // The sink runs off the supervisor's turn, on the blocking pool: what it hears is
+        // kept beside the timeline, not in it (its order against the rest of an instant is the
+        // threads'), and checked at the end.
+        let sink_out = Arc::clone(&out);
+        // The sink may be slow (it blocks its thread a while: the supervisor must not wait
+        // for it), and may panic with a payload whose drop panics.
+        let sink_blocks = rng.chance(30).then(|| 1 + rng.below(30));
+        let sink_bombs = rng.chance(20);
         let mut builder = Supervisor::builder()
             .broker(broker)
             .cleanup_timeout(Duration::from_millis(500))
@@ -1138,7 +1216,12 @@ fn simulate(seed: u64) -> Result<Vec<String>, (Vec<String>, Vec<String>)> {
             .work_root(std::env::temp_dir())
             .error_sink(move |f| {
                 sink_out.lock().sunk.push(f.error.code().to_owned());
-                sink_ledger.lock().note(format!("sink heard {}", f.error.code()));
+                if let Some(ms) = sink_blocks {
+                    std::thread::sleep(Duration::from_millis(ms));
+                }
+                if sink_bombs {
+                    std::panic::panic_any(SimBomb);
+                }
             })
             .hosts(hosts);
         if rng.chance(50) {
@@ -1321,10 +1404,11 @@ fn quiet_scripted_panics() {
     ONCE.call_once(|| {
         let default = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            let scripted = info
-                .payload()
-                .downcast_ref::<&str>()
-                .is_some_and(|m| m.starts_with("sim:"));
+            let payload = info.payload();
+            let scripted = payload.is::<SimBomb>()
+                || payload
+                    .downcast_ref::<&str>()
+                    .is_some_and(|m| m.starts_with("sim:"));
             if !scripted {
                 default(info);
             }

@@ -30,6 +30,9 @@ pub mod metric_names {
     /// ([`SupervisorBuilder::held_warning`](crate::SupervisorBuilder::held_warning)), each
     /// counted once.
     pub const HELD_TOO_LONG_COUNT: &str = "render_slot.held_too_long.count";
+    /// Counter: failures with no caller left that the error sink's queue had no room for (the
+    /// sink fell behind, or blocks); each is still logged.
+    pub const SINK_DROPPED_COUNT: &str = "render_slot.sink.dropped.count";
 }
 
 /// A cheap snapshot of a supervisor's counters.

@@ -183,7 +183,7 @@ async fn run_body(body: BoxedBody, ctx: WorkerContext, shared: &JobShared, grace
     let fut = match call {
         Ok(fut) => fut,
         Err(payload) => {
-            shared.record_panic(&*payload);
+            shared.record_caught(payload);
             return;
         }
     };
@@ -200,7 +200,7 @@ async fn run_body(body: BoxedBody, ctx: WorkerContext, shared: &JobShared, grace
         biased;
         result = body => {
             if let Err(payload) = result {
-                shared.record_panic(&*payload);
+                shared.record_caught(payload);
             }
         }
         () = grace_over => {

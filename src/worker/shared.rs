@@ -82,8 +82,16 @@ impl JobShared {
             .unwrap_or_default()
     }
 
+    /// Records a panic the job's own code will still see (its payload is re-raised to it).
     pub(crate) fn record_panic(&self, payload: &(dyn Any + Send)) {
         let msg = crate::outside::panic_message(payload);
+        self.write(|r| r.panics.push(msg));
+    }
+
+    /// Records a panic nobody else will see, and disposes of its payload (whose drop may panic
+    /// too: see `outside::dispose`).
+    pub(crate) fn record_caught(&self, payload: Box<dyn Any + Send>) {
+        let msg = crate::outside::message_of(payload);
         self.write(|r| r.panics.push(msg));
     }
 

@@ -4,6 +4,7 @@
 use super::*;
 use crate::broker::BrokerError;
 use crate::outside;
+use crate::supervisor::reports::EndDrop;
 
 impl Shell {
     pub(super) fn arm_shutdown_timers(&mut self) {
@@ -104,6 +105,8 @@ impl Shell {
             unclosed_devices: mem::take(&mut self.end.unclosed),
             broker_close_failed: self.end.broker_close_failed.take(),
             stats: self.publisher.stats.snapshot(),
+            // Filled in by `shutdown`, which waits for the end's drops within its bound.
+            outlived: Vec::new(),
         };
         for reply in self.answers.shutdown_replies.drain(..) {
             let _ = reply.send(report.clone());
@@ -113,15 +116,31 @@ impl Shell {
         self.myself.stop(None);
     }
 
-    /// Drops everything the actor still holds: queued mail, waiters, renewals, broker acquires.
-    /// Idempotent.
+    /// Drops everything the actor still holds: queued mail, waiters, renewals, broker acquires,
+    /// the broker. Idempotent. What leasehold did not write (the broker, the closures of jobs
+    /// that never ran) and the work root's removal are dropped off the actor's task (see
+    /// `EndDrops`): the actor's end never waits for them.
     pub(super) fn stop_everything(&mut self) {
         // Answers of an unfinished turn still reach their callers.
         self.send_answers();
-        self.inbox.close();
+        let mut drops: Vec<EndDrop> = Vec::new();
+        let queued = self.inbox.close_taking();
+        if !queued.is_empty() {
+            drops.push(("the jobs still in the inbox", each(queued)));
+        }
         self.brokerage.abort_all();
-        // Waiters still queued hear SUPERVISOR_STOPPED when their reply senders drop.
-        self.kept.waiters.clear();
+        // Waiters still queued hear SUPERVISOR_STOPPED when their reply senders drop (with
+        // their jobs' closures, off this task).
+        if !self.kept.waiters.is_empty() {
+            let waiters = self.kept.waiters.drain().map(|(_, w)| w);
+            drops.push(("the jobs still queued", each(waiters)));
+        }
+        if let BrokerPort::Dyn(_) = &self.brokerage.port {
+            // The supervisor has stopped: the port is never called again.
+            let local = BrokerPort::Local(Arc::new(LocalBroker::new(0)));
+            let broker = mem::replace(&mut self.brokerage.port, local);
+            drops.push(("the broker", each([broker])));
+        }
         self.answers.controls.clear();
         // Nobody keeps the table up to date any more: what it still shows is what stays held,
         // the quarantined slots.
@@ -130,13 +149,26 @@ impl Shell {
             .end
             .keep_root
             .unwrap_or_else(|| self.core.abandon().keep_work_root);
-        if let Some(root) = self.end.owned_root.take()
-            && keep
-        {
-            // Quarantined temp dirs are evidence (and a dir a job still uses is not removed
-            // under it): keep them.
-            let kept = root.keep();
-            tracing::warn!(root = %kept.display(), "work root kept: it holds quarantined temp dirs");
+        if let Some(root) = self.end.owned_root.take() {
+            if keep {
+                // Quarantined temp dirs are evidence (and a dir a job still uses is not
+                // removed under it): keep them.
+                let kept = root.keep();
+                tracing::warn!(root = %kept.display(), "work root kept: it holds quarantined temp dirs");
+            } else {
+                drops.push(("the work root's removal", each([root])));
+            }
         }
+        self.end.last_report.drops.dispose(drops);
     }
+}
+
+/// Values to drop one by one at the end (see `EndDrops`).
+fn each<T: Send + 'static>(
+    values: impl IntoIterator<Item = T>,
+) -> Vec<Box<dyn std::any::Any + Send>> {
+    values
+        .into_iter()
+        .map(|v| Box::new(v) as Box<dyn std::any::Any + Send>)
+        .collect()
 }
