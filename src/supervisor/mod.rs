@@ -79,6 +79,124 @@ use crate::worker::{BoxedBody, JobShared, WorkerContext};
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// # }).unwrap();
 /// ```
+///
+/// # The release pipeline
+///
+/// Every lease held by a job goes through these steps, in this order, whatever ended the body:
+///
+/// ```text
+///  body ends (Ok, Err, panic, cancellation, or dropped after the cancel grace)
+///    │
+///    ▼
+///  worker physically done — in this order:
+///    • the worker actor's JoinHandle has resolved (its task and state are gone; the worker
+///      unlinks from the supervisor before it ends, so no supervision event carries anything);
+///      the supervisor polls the handle itself, woken when it resolves
+///    • the TaskTracker is empty (every ctx.spawn / ctx.spawn_blocking has returned, and
+///      every ctx.spawn_process keeper has ended: child reaped, process group proven empty);
+///      when tasks outlive the body, a task of the job's own waits for them under the drain
+///      timeout
+///    • with .gpu(..): the GPU fence — everything submitted on the lease's device queue up to
+///      this point has completed (a blocking poll on tokio's blocking pool); then the slot's
+///      scratch is cleared, so the next lease sees zeros
+///    │
+///    ▼
+///  temp dir removed, if the job made one (it is made on first use: ctx.temp_dir(),
+///  ctx.path(..), ctx.spawn_process(..)): on tokio's blocking pool, under cleanup_timeout,
+///  its answer polled by the supervisor itself
+///    │
+///    ▼
+///  broker release, bounded by cleanup_timeout (the supervisor's own timer;
+///  the caller's cancellation cannot shorten it)
+///    │
+///    ▼
+///  slot handed to the next live waiter (FIFO), or back to the free list
+///    │
+///    ▼
+///  caller, if still waiting, gets the body result together with any cleanup error
+/// ```
+///
+/// If the worker's end or the temp dir's removal cannot be proven (tracked tasks still running after
+/// `.drain_timeout(..)`, a temp dir that cannot be removed, child processes that cannot be proven
+/// gone, GPU work not completed within the fence timeout, a lost GPU device), the slot is
+/// **quarantined**: not reused, counted in `stats().quarantined`, listed by
+/// [`quarantined`](Self::quarantined), reported as `LEASE_CLEANUP_UNCONFIRMED`
+/// (`LEASE_GPU_DEVICE_LOST` for a lost device), and never declared clean. A slot quarantined by the
+/// drain timeout or the GPU fence timeout is released on its own once its tasks end (or its GPU work
+/// completes) and its temp dir is removed; one quarantined for a lost GPU device, once the device
+/// has been re-created or given up (see [GPU slots]). A slot quarantined for its processes or for
+/// its temp dir is released only through [`reclaim_quarantined`](Self::reclaim_quarantined), which
+/// checks again (see [child processes](crate::process)). An explicit [`Lease`] has no worker, no
+/// temp dir and no GPU: its release goes straight to the broker step.
+///
+/// [`stats`](Self::stats) shows the pipeline as it runs: `active` counts every lease held (running,
+/// draining, releasing, quarantined), `draining` the jobs whose body has ended while their physical
+/// end or temp dir removal is still being proven, `quarantined` the slots held in quarantine.
+///
+/// # Shutdown
+///
+/// [`shutdown`](Self::shutdown) ends everything the supervisor started, whatever phase it is in
+/// (invariant 8 of DESIGN.md), and never waits without bound:
+///
+/// 1. New work is refused and every waiter hears `SUPERVISOR_STOPPED`; broker acquires in flight
+///    are aborted (a token that still arrives is released at once).
+/// 2. Every job not yet released is cancelled, running or draining: its body sees
+///    `ctx.cancelled()`, its process groups get `SIGTERM` and `SIGKILL` after `process_grace`, and
+///    after the cancel grace its body future and the tasks it spawned through its context are
+///    dropped. Explicit leases still held are released on their holders' behalf (`lost()` resolves
+///    for them).
+/// 3. The release pipeline runs for each as usual, bounded by `.shutdown_timeout(..)` (default
+///    30 s). What is not proven done by then (a blocking closure still running, a process stuck in
+///    uninterruptible sleep, GPU work that never completes, a temp dir that cannot be removed) is
+///    quarantined, not waited for.
+/// 4. The GPU devices are closed, each on a thread of its own and for at most the cleanup timeout.
+///
+/// The [`ShutdownReport`] says what happened: `refused_waiters`, `cancelled_jobs`,
+/// `released_leases`, `quarantined` with the reason of each slot in `unproven`, the GPU devices that
+/// could not be proven idle in `unclosed_devices`, and the final `stats`. A second `shutdown()`
+/// returns the same kind of report; dropping the future does not stop the shutdown.
+///
+/// # What happens when
+///
+/// | event | the slot | the temp dir | what the caller gets |
+/// |---|---|---|---|
+/// | success | released after the pipeline above, then handed on | removed before the release | `Ok(T)` |
+/// | body returns `Err(E)` | same pipeline | removed | `LEASE_BODY_FAILED`; `body_error().error()` is your `E` |
+/// | body (or a tracked task) panics | same pipeline; the panic is caught in the worker | removed | `LEASE_BODY_PANICKED`; `body_error().panics()` has the messages |
+/// | cancellation (token, or dropped `run` future) while running | released only after the body and every tracked task have ended | removed after that | `LEASE_BODY_CANCELLED` (a body that still returns `Ok` after cancellation gives `Ok`) |
+/// | cancellation while waiting | nothing acquired; a grant in the same instant goes to the next waiter | none made | `LEASE_ACQUIRE_CANCELLED` |
+/// | acquire timeout (`.acquire_timeout(..)`) | nothing acquired | none made | `LEASE_ACQUIRE_TIMEOUT` |
+/// | the broker panics (in `acquire`, `release`, `keep_alive` or `close`, on any poll) | caught: an acquire fails and nothing is held; a release counts as failed; a renewal is a lost lease; the other slots keep serving | as for a failed release | `LEASE_ACQUIRE_FAILED` or `LEASE_CLEANUP_FAILED`, with `BrokerErrorKind::Panicked` (`BROKER_PANICKED`) |
+/// | cleanup timeout (broker release slower than `cleanup_timeout`) | the release future is dropped and the lease ends, counted in `release_failed_total`; whether the broker frees the slot is up to the broker | already removed | `LEASE_CLEANUP_TIMEOUT`, or `LEASE_BODY_AND_CLEANUP_FAILED` when the body failed too |
+/// | child processes when the job is cancelled (token, dropped `run` future, shutdown) | held until each group got `SIGTERM`, `SIGKILL` after `process_grace` if needed, its leader is reaped and the group proven empty | removed only after that | `LEASE_BODY_CANCELLED`, as for any cancellation |
+/// | a descendant escaped its process group | if recorded at the stop (its parent alive): signalled through a pidfd and proven gone before the release. If orphaned and still alive past the proof bound: quarantined until `reclaim_quarantined()` finds it gone | kept while quarantined | `LEASE_BODY_CANCELLED` (or the body's result) once proven gone; otherwise `LEASE_CLEANUP_UNCONFIRMED` |
+/// | a GPU job cancelled (or just returning) with GPU work in flight | held until the fence: everything submitted on its device's queue before the worker ended has completed (a blocking poll on the blocking pool, never in the supervisor's mailbox); only then is the sub-slot, with its scratch (cleared to zero), handed on. Past `fence_timeout`: quarantined at once, released when the work completes | removed after the fence | `LEASE_BODY_CANCELLED` (or the body's result) once the work has completed; past the fence timeout, at once: `LEASE_BODY_AND_CLEANUP_FAILED` (`LEASE_CLEANUP_UNCONFIRMED` if the body succeeded) |
+/// | the GPU backend panics in a call leasehold makes (fence, submission through `JobGpu`, scratch, drop of a device's last handles) | contained; counted as a loss of the device (next row) | as next row | as next row |
+/// | the GPU device is lost (driver reset, `device.destroy()`) | quarantined; the device is re-created in the background (one creator, retries under `recreate_policy`); released once it is replaced, or given up; waiters continue on the new device | kept until then | `LEASE_GPU_DEVICE_LOST` at once (`LEASE_BODY_AND_CLEANUP_FAILED` when the body failed too) |
+/// | physical end not provable (`drain_timeout`, GPU work past `fence_timeout`, temp dir removal failed, processes not proven gone within `process_proof_bound`) | quarantined, not reused; released on its own once its tasks end (drain timeout) or its GPU work completes (fence timeout), otherwise only through `reclaim_quarantined()` | kept while quarantined | `LEASE_CLEANUP_UNCONFIRMED` (or `LEASE_BODY_AND_CLEANUP_FAILED`) |
+/// | process kill, power loss, runtime crash | **out of scope**: no cleanup can run. The in-process pool dies with the process; for a distributed broker only its lease TTL recovers the slot (counted as orphan expiry) | left on disk | nothing |
+///
+/// The codes are listed in [`codes`](crate::error::codes).
+///
+/// A cleanup failure that has no caller left (a dropped [`Lease`], a dropped `run` future) goes to
+/// the error sink (`.error_sink(|f: &OrphanedFailure| ..)`), the `render_slot.release.failed.count`
+/// metric and a `tracing` error event. It is never swallowed. The sink is the user's code, so it
+/// never runs in the supervisor's turn: failures wait in a bounded queue (1024) drained on tokio's
+/// blocking pool, one call at a time. A sink that blocks or falls behind delays nobody; what does
+/// not fit in its queue is counted in `render_slot.sink.dropped.count` and logged. A sink that
+/// panics is caught and called again for the next failure. `shutdown()` answers once the sink has
+/// had every failure, or names it in `ShutdownReport::outlived` when it is still busy at the
+/// shutdown's bound.
+///
+/// Nothing else the user wrote runs, or is dropped, where it could stop or stall the supervisor: a
+/// panic's payload is dropped under the panic catch (one whose own drop panics is leaked, not
+/// dropped again), and a job's closure or actor that never ran (refused, cancelled while queued, its
+/// caller gone at the hand-over) is dropped on the blocking pool. At shutdown the broker, the
+/// closures of jobs still queued and the work root's removal are dropped off the supervisor's task,
+/// within the shutdown's bound; what is still being dropped then is named in
+/// `ShutdownReport::outlived`.
+///
+/// [GPU slots]: https://github.com/leasehold-rs/leasehold/blob/main/docs/gpu.md
 #[derive(Clone)]
 pub struct Supervisor {
     inner: Arc<Inner>,
@@ -511,6 +629,7 @@ impl Supervisor {
     /// [`gpu_device_generation`](Self::gpu_device_generation)); `None` for an index the
     /// supervisor does not have.
     #[cfg(all(feature = "gpu", feature = "fault-injection"))]
+    #[doc(hidden)]
     pub fn gpu_device(&self, index: usize) -> Option<wgpu::Device> {
         self.inner.gpu.as_ref()?.device(index)
     }
@@ -518,12 +637,14 @@ impl Supervisor {
     /// How many times the GPU device of that index has been created (feature `gpu`): 1 at
     /// start, one more per re-creation after a loss.
     #[cfg(all(feature = "gpu", feature = "fault-injection"))]
+    #[doc(hidden)]
     pub fn gpu_device_generation(&self, index: usize) -> Option<u64> {
         self.inner.gpu.as_ref()?.generation(index)
     }
 
     /// How many GPU devices the supervisor owns (features `gpu` and `fault-injection`).
     #[cfg(all(feature = "gpu", feature = "fault-injection"))]
+    #[doc(hidden)]
     pub fn gpu_device_count(&self) -> usize {
         self.inner.gpu.as_ref().map_or(0, |g| g.device_count())
     }
