@@ -1,7 +1,47 @@
 //! One error type per operation, each with a stable code.
 //!
-//! Display strings are lowercase without a full stop; a cause is shown through
-//! [`std::error::Error::source`], never repeated in `Display`.
+//! Every operation says what went wrong in a type of its own, and every error type answers `code()`
+//! with one of the stable strings of [`codes`]. A code names what happened; the type keeps every
+//! part of it, so that nothing is lost when two things fail at once:
+//!
+//! | type | returned by | codes |
+//! |---|---|---|
+//! | [`StartError`] | [`SupervisorBuilder::start`](crate::SupervisorBuilder::start) | `SUPERVISOR_START_FAILED` |
+//! | [`AcquireError`] | [`Supervisor::acquire`](crate::Supervisor::acquire), `acquire_many`, `try_acquire`; inside [`JobError::Acquire`] | the `LEASE_ACQUIRE_*` codes, `LEASE_SLOT_COUNT_INVALID`, `LEASE_NO_SLOT_FREE`, `LEASE_BROKER_UNSUPPORTED`, `SUPERVISOR_STOPPED` |
+//! | [`JobError<E>`](JobError) | [`Supervisor::run`](crate::Supervisor::run), [`JobHandle`](crate::JobHandle) (`submit`, `spawn_job`) | the code of the part that failed, or `LEASE_BODY_AND_CLEANUP_FAILED` |
+//! | [`PrepareError`] | inside [`JobError::Unprepared`]; [`WorkerContext::try_temp_dir`](crate::WorkerContext::try_temp_dir) | `LEASE_PREPARE_FAILED` |
+//! | [`BodyError<E>`](BodyError) | inside [`JobError::Body`] and [`JobError::BodyAndCleanup`] | `LEASE_BODY_FAILED`, `LEASE_BODY_PANICKED`, `LEASE_BODY_CANCELLED`, `LEASE_DELIVERY_UNKNOWN`, `LEASE_LOST` |
+//! | [`CleanupError`] | [`Lease::release`](crate::Lease::release); inside [`JobError::Cleanup`] and [`JobError::BodyAndCleanup`]; the error sink | the `LEASE_CLEANUP_*` codes, `LEASE_GPU_DEVICE_LOST`, `SUPERVISOR_STOPPED` |
+//! | [`ShutdownError`] | [`Supervisor::shutdown`](crate::Supervisor::shutdown) | `SUPERVISOR_STOPPED` |
+//! | [`ResizeError`] | [`Supervisor::resize`](crate::Supervisor::resize) | `LEASE_SLOT_COUNT_INVALID`, `LEASE_BROKER_UNSUPPORTED`, `SUPERVISOR_STOPPED` |
+//! | [`SupervisorStopped`] | the control calls: `cancel`, `quarantined`, `reclaim_quarantined`, `waiters`, `lease_desk` | `SUPERVISOR_STOPPED` |
+//! | [`LeaseReleased`] | a [`Lease`](crate::Lease)'s `slot_id`, `lease_id`, `token`, `tokens` | `LEASE_RELEASED` |
+//!
+//! Beside them, where their operation lives: [`InvalidJob`] (`JobSpec::new`),
+//! [`PathRefused`](crate::PathRefused) (`ctx.path(..)`),
+//! [`ProcessError`](crate::process::ProcessError) (child processes),
+//! [`ReleaseError`](crate::ReleaseError) (the lease desk), [`ActorJobError`](crate::ActorJobError)
+//! (a job actor's own failure, inside `JobError`), [`StaleToken`](crate::StaleToken) (fencing),
+//! [`BrokerError`] (what a broker answers) and `GpuError` (feature
+//! `gpu`).
+//!
+//! # Which failure wins
+//!
+//! A job's own failures are decided only after the body and every task it spawned through its
+//! context have ended, in this order: delivery-unknown > lease lost > cancellation > panic > an
+//! ordinary error. [`BodyError::kind`] says which won, and the others are kept beside it (the
+//! body's own error, every panic message). A cleanup failure never replaces the body's: when both
+//! fail, [`JobError::BodyAndCleanup`] holds both. A cleanup failure nobody is left to hear (a
+//! dropped [`Lease`](crate::Lease), a dropped `run` future) goes to the error sink, the
+//! `render_slot.release.failed.count` metric and a `tracing` error event (see
+//! [`Supervisor`](crate::Supervisor#what-happens-when)).
+//!
+//! # Shape
+//!
+//! Every error type implements `Debug`, `Display` and [`std::error::Error`] (`JobError<E>` and
+//! `BodyError<E>` when `E` does), and is `Send + Sync`, checked at compile time. Display strings
+//! are lowercase without a full stop; a cause is shown through [`std::error::Error::source`], never
+//! repeated in `Display`. The types that may grow are `#[non_exhaustive]`.
 
 use std::fmt;
 use std::io;
@@ -12,7 +52,72 @@ use std::time::Duration;
 use crate::broker::{BrokerError, SlotToken};
 use crate::job::InvalidJob;
 
-/// Stable error codes, as listed in the public contract.
+/// Stable error codes, as listed in the public contract: what `code()` returns on leasehold's
+/// error types.
+///
+/// A code never changes meaning; a new one may be added. Every constant in this module is listed in
+/// the first table; the error types that live elsewhere have codes of their own, in the second and
+/// third.
+///
+/// # The supervisor's codes
+///
+/// `err.code()` on a [`JobError`] returns one of these (so do the errors of the
+/// other operations, in the second column):
+///
+/// | code | error types | when |
+/// |---|---|---|
+/// | `JOB_INVALID` | `InvalidJob` (`JobSpec::new`), `JobError::Invalid` | the `JobSpec` was rejected at the boundary; nothing was acquired |
+/// | `LEASE_ACQUIRE_CANCELLED` | `AcquireError`, `JobError::Acquire` | the caller cancelled while waiting for a slot; nothing leaked |
+/// | `LEASE_ACQUIRE_TIMEOUT` | `AcquireError`, `JobError::Acquire` | no slot within the acquire timeout |
+/// | `LEASE_ACQUIRE_FAILED` | `AcquireError`, `JobError::Acquire` | the broker refused or failed, or returned a token the supervisor refuses; no release was invented |
+/// | `LEASE_PREPARE_FAILED` | `PrepareError`, `JobError::Unprepared` | a slot was granted, but the job could not be prepared to run (its GPU device could not be made usable, no GPU sub-slot was usable, its worker could not be spawned); no body ran and the slot went back through the pipeline (`cleanup_error()` keeps the release's own failure, if any). Also `ctx.try_temp_dir()`'s error (`PrepareError::TempDir`) when the temp dir, made on first use, could not be made (a work root that is not a directory, cannot be written, is full or busy): the body runs on, `ctx.temp_dir()` returns a path that does not exist, the run keeps its own result, and no slot is quarantined for the dir that never existed |
+/// | `LEASE_BODY_FAILED` | `BodyError`, `JobError::Body` | the body returned `Err(E)`; cleanup succeeded |
+/// | `LEASE_BODY_PANICKED` | `BodyError`, `JobError::Body` | the body, or a task it spawned through its context, panicked; cleanup succeeded |
+/// | `LEASE_BODY_CANCELLED` | `BodyError`, `JobError::Body` | the job was cancelled (wins over an ordinary error or a panic); cleanup succeeded |
+/// | `LEASE_DELIVERY_UNKNOWN` | `BodyError`, `JobError::Body` | the body called `ctx.mark_delivery_unknown(..)`: an external effect may or may not have happened (wins over everything) |
+/// | `LEASE_LOST` | `BodyError`, `JobError::Body` | the broker could not keep the lease alive (a distributed broker's TTL may lapse, or has): the job was cancelled at once; wins over everything but `LEASE_DELIVERY_UNKNOWN`, and over a value the body returned anyway (`body_error().lease_lost()` says why) |
+/// | `LEASE_CLEANUP_TIMEOUT` | `CleanupError`, `JobError::Cleanup` | the body succeeded; the release did not finish within the cleanup timeout |
+/// | `LEASE_CLEANUP_FAILED` | `CleanupError`, `JobError::Cleanup` | the body succeeded; the release failed |
+/// | `LEASE_CLEANUP_UNCONFIRMED` | `CleanupError`, `JobError::Cleanup` | physical completion could not be proven in its bound (GPU fence included); the slot is quarantined |
+/// | `LEASE_GPU_DEVICE_LOST` | `CleanupError` (kind `GpuDeviceLost`), `JobError::Cleanup`; `GpuError::DeviceLost` (third table) | the lease's GPU device was lost: `JobError::Cleanup`, or `cleanup_error()` under `LEASE_BODY_AND_CLEANUP_FAILED`; the slot is quarantined until the device is re-created |
+/// | `LEASE_BODY_AND_CLEANUP_FAILED` | `JobError::BodyAndCleanup` | both failed; `body_error()` and `cleanup_error()` both return `Some` |
+/// | `SUPERVISOR_STOPPED` | `AcquireError`, `CleanupError`, `ResizeError`, `ShutdownError`, `SupervisorStopped` | the supervisor has shut down (or its runtime is gone); nothing was acquired. The control calls (`cancel`, `quarantined`, `reclaim_quarantined`, `waiters`, `lease_desk`) answer it as `SupervisorStopped` |
+/// | `SUPERVISOR_START_FAILED` | `StartError` | `start()` refused the configuration (no slots, zero capacity, a zero duration, unusable work root, no runtime) or (`StartError::Gpu`) could not open the GPU devices |
+/// | `LEASE_SLOT_COUNT_INVALID` | `AcquireError`, `ResizeError` | a multi-slot request asked for 0 slots or for more than the capacity (also when a `resize` lowers the capacity below a request still waiting), or `resize(0)`; nothing was acquired |
+/// | `LEASE_NO_SLOT_FREE` | `AcquireError` | `try_acquire` found every slot held, or callers waiting ahead; nothing was acquired or queued |
+/// | `LEASE_BROKER_UNSUPPORTED` | `AcquireError`, `ResizeError` | a multi-slot lease, `try_acquire` or `resize` on a broker other than the supervisor's in-process pool (`EtcdBroker`, a custom broker); nothing was asked of the broker |
+/// | `LEASE_NOT_HELD` | `ReleaseError` (the lease desk's `LeaseMsg::Release`) | that actor holds no lease of that id through the desk (another actor's, never granted, or already released); nothing was released |
+/// | `LEASE_FENCED` | `StaleToken` (`FencingGuard::check`) | the token is older than one the guard already accepted: its lease was lost and the slot has a newer holder. Never a `JobError` code itself |
+///
+/// # Codes of the lease, the context and the broker
+///
+/// These error types keep their code next to them, not in this module:
+///
+/// | code | type | when |
+/// |---|---|---|
+/// | `LEASE_RELEASED` | `LeaseReleased` from `Lease::slot_id()`, `lease_id()`, `token()`, `tokens()` | the lease's release has begun (or it was lost): its token may already be someone else's |
+/// | `JOB_PATH_REFUSED` | `PathRefused` (`PathRefused::CODE`) from `ctx.path(..)`; `ProcessError::Path` from `ctx.spawn_process(..)` | the path is absolute, has a `..` component, is empty, goes through a symlink that leaves the temp dir or dangles, or cannot be inspected (`PathRefused::reason()`); nothing was read, written or run |
+/// | `PROCESS_SPAWN_FAILED` | `ProcessError::Spawn` from `ctx.spawn_process(..)` | the program could not be started (on Windows: never started, job processes need Unix process groups) |
+/// | `PROCESS_WAIT_FAILED` | `ProcessError::Wait` from `JobProcess::wait()` | the child's exit status could not be read |
+/// | `BROKER_PANICKED` | `BrokerError` (`BrokerError::PANICKED`, kind `Panicked`) | a broker call panicked; the supervisor caught it. It reaches the caller inside `LEASE_ACQUIRE_FAILED` or `LEASE_CLEANUP_FAILED` (`BrokerError::code()` is otherwise the broker's own code, if it gave one) |
+///
+/// A body that passes one of the context's errors on with `?` ends `LEASE_BODY_FAILED`, with it as
+/// `body_error().error()`.
+///
+/// # Codes of the GPU pool (feature `gpu`)
+///
+/// `GpuError` is never a `JobError` code itself; it travels inside another error, or answers
+/// `Supervisor::replace_device` itself:
+///
+/// | code | type | surfaced as |
+/// |---|---|---|
+/// | `GPU_UNAVAILABLE` | `GpuError::NoAdapter` (no acceptable adapter), `GpuError::CreateFailed` (a device could not be created or re-created) | `SUPERVISOR_START_FAILED` through `StartError::Gpu` from `start()`; `LEASE_PREPARE_FAILED` through `PrepareError::Gpu` from `run`; itself from `replace_device` when the new device refused the scratch buffers (nothing was installed) |
+/// | `LEASE_GPU_DEVICE_LOST` | `GpuError::DeviceLost` | `LEASE_PREPARE_FAILED` through `PrepareError::Gpu`, when a job's checkout finds the device gone |
+/// | `GPU_REPLACE_REFUSED` | `GpuError::ReplaceRefused` | itself, from `replace_device`: no GPU, no device of that index, a device leasehold opened itself (it re-creates those), or a supervisor that has shut down; nothing was installed |
+///
+/// `GPU_UNAVAILABLE` and `GPU_REPLACE_REFUSED` are not constants of this module; a lease whose
+/// device is lost while it holds it reports `LEASE_GPU_DEVICE_LOST` through its `CleanupError`,
+/// as in the first table.
 pub mod codes {
     /// The job spec was rejected at the boundary; nothing was acquired.
     pub const JOB_INVALID: &str = "JOB_INVALID";

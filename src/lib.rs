@@ -1,3 +1,36 @@
+// README.md is the crate's front page. Its links point to docs.rs and to the repository's files, so
+// that they work on GitHub. The definitions below come first, and the first definition of a link
+// wins: rustdoc takes these instead, intra-doc links that it checks, and absolute addresses for the
+// repository's files. A link added to README.md gets its line here.
+//! [`Supervisor`]: crate::Supervisor
+//! [`Supervisor::run`]: crate::Supervisor::run
+//! [`WorkerContext`]: crate::WorkerContext
+//! [`Lease`]: crate::Lease
+//! [`JobHandle`]: crate::JobHandle
+//! [`FencingGuard`]: crate::FencingGuard
+//! [`SlotBroker`]: crate::SlotBroker
+//! [`LocalBroker`]: crate::LocalBroker
+//! [`broker`]: crate::broker
+//! [`process`]: crate::process
+//! [`error`]: crate::error
+//! [`codes`]: crate::codes
+//! [quickstart]: crate::guide::quickstart
+//! [explicit_lease]: crate::guide::explicit_lease
+//! [frame_loop]: crate::guide::frame_loop
+//! [job_actors]: crate::guide::job_actors
+//! [pool_controls]: crate::guide::pool_controls
+//! [metrics]: crate::guide::metrics
+//! [console]: crate::guide::console
+//! [etcd]: crate::guide::etcd
+//! [troubleshooting]: crate::guide::troubleshooting
+//! [gpu]: https://github.com/leasehold-rs/leasehold/blob/main/docs/gpu.md
+//! [console-readme]: https://github.com/leasehold-rs/leasehold/blob/main/console/README.md
+//! [etcd-readme]: https://github.com/leasehold-rs/leasehold/blob/main/etcd/README.md
+//! [architecture]: https://github.com/leasehold-rs/leasehold/blob/main/ARCHITECTURE.md
+//! [design]: https://github.com/leasehold-rs/leasehold/blob/main/DESIGN.md
+//! [changelog]: https://github.com/leasehold-rs/leasehold/blob/main/CHANGELOG.md
+//! [benchmarks]: https://github.com/leasehold-rs/leasehold/blob/main/BENCHMARKS.md
+//!
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(
@@ -9,23 +42,24 @@
 #![deny(unused_must_use)]
 
 mod actor_job;
-mod broker;
+pub mod broker;
 #[cfg(feature = "conformance")]
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
 mod counters;
 mod desk;
-mod error;
+pub mod error;
 mod fencing;
 #[cfg(feature = "gpu")]
 mod gpu;
+pub mod guide;
 mod hosts;
 mod job;
 mod job_handle;
 mod lease;
 mod outside;
 mod paths;
-mod process;
+pub mod process;
 mod sink;
 mod supervisor;
 mod worker;
@@ -38,7 +72,7 @@ pub use broker::{
 /// Unstable test support (feature `fault-injection`): counts of messages, doorbells and tasks
 /// for leasehold's own benches. Not covered by semantic versioning.
 #[cfg(feature = "fault-injection")]
-#[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+#[doc(hidden)]
 pub use counters::Counts;
 pub use desk::{ActorLease, LeaseMsg, ReleaseError};
 pub use error::{
@@ -47,6 +81,7 @@ pub use error::{
 };
 pub use fencing::{FencingGuard, StaleToken};
 #[cfg(all(feature = "gpu", feature = "fault-injection"))]
+#[doc(hidden)]
 pub use gpu::BackendCall;
 #[cfg(feature = "gpu")]
 pub use gpu::{FencePolicy, GpuError, GpuOptions, JobGpu, ScratchPolicy, SlotScratch};

@@ -1,8 +1,198 @@
-//! Where slot tokens come from: the [`SlotBroker`] trait and its in-process implementation.
+//! Where slot tokens come from: the [`SlotBroker`] contract, its in-process implementation
+//! [`LocalBroker`], and how to write and check a broker of your own.
 //!
-//! The supervisor calls a broker; a broker knows nothing about workers. The supervisor never
-//! awaits a broker inside its mailbox: a broker future that does not finish on its first poll
-//! is moved to a task of its own and its result comes back as a message.
+//! # The embedded default and distributed slots
+//!
+//! `.slots(n)` (or `.gpu(..)` alone) uses the in-process [`LocalBroker`]: slots live in this
+//! process, lease ids increase strictly (fencing tokens), and nothing outside the process is
+//! involved — no service to run, nothing to configure. Its limit is the process: if the process is
+//! killed, its slots die with it, which is fine because no one else shared them.
+//!
+//! When several processes or hosts must share one pool (a licence pool, a render farm), the slots
+//! must come from a distributed engine instead: any [`SlotBroker`] can be passed with `.broker(b)`,
+//! and the supervisor then runs the same pipeline against it, with request ids for retrying an
+//! ambiguous acquire and the lease id as a fencing token. leasehold ships one, on etcd: the crate
+//! [`leasehold-etcd`](https://docs.rs/leasehold-etcd) (in this repository's `etcd/`) holds
+//! `EtcdBroker`, built on the contract below and nothing else, and passing the same conformance
+//! suite; [the etcd guide](crate::guide::etcd) says what it offers and how to run it.
+//!
+//! # Custom brokers
+//!
+//! `.slots(n)` uses the in-process [`LocalBroker`]. Any [`SlotBroker`] can replace it with
+//! `.broker(b)`; the broker then decides capacity. The supervisor calls a broker; a broker knows
+//! nothing about workers. Both methods may be written as `async fn`. The supervisor polls a broker
+//! future once inline and, if it is not ready, moves it to a task of its own: a broker that awaits
+//! the network never holds up the supervisor's mailbox (it must not block the thread inside a
+//! poll, though).
+//!
+//! A broker is code leasehold did not write, so every call into it is caught and bounded. A panic
+//! in any call, at any await point (or while its future is dropped), is caught and becomes a
+//! [`BrokerError`] of kind [`Panicked`](BrokerErrorKind::Panicked) (code `BROKER_PANICKED`): an
+//! acquire that panics fails (`LEASE_ACQUIRE_FAILED`), a release that panics counts as failed
+//! (`LEASE_CLEANUP_FAILED`, once: the token is never released twice), and a renewal that panics is
+//! a lost lease. A release or a close that hangs is dropped at the cleanup timeout. A close that
+//! fails, hangs or panics lets `shutdown()` return, and
+//! [`ShutdownReport::broker_close_failed`](crate::ShutdownReport::broker_close_failed) says why. In
+//! every case the other slots keep serving.
+//!
+//! A broker whose leases lapse unless renewed (a TTL) says so with `renews() -> true` and
+//! implements `keep_alive(token)`: a future the supervisor polls while the lease is held, which
+//! resolves only when the lease is lost or may lapse; the supervisor then cancels the job and
+//! reports `LEASE_LOST`. `attach(events)` hands the broker a [`BrokerEvents`] to report orphaned
+//! leases it saw expire. All three have defaults (no renewal, nothing reported), so a broker that
+//! needs none of this implements only `acquire` and `release`. A broker shared by several
+//! supervisors (pass `Arc<B>`) keys idempotency on `(request.origin(), request.request_id())`.
+//!
+//! ```rust
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! use std::collections::HashMap;
+//! use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+//! use std::sync::{Arc, Mutex};
+//!
+//! use leasehold::{AcquireRequest, BrokerError, JobSpec, SlotBroker, SlotToken, Supervisor};
+//!
+//! /// Slots from a free list; lease ids increase strictly, so they can serve as fencing tokens.
+//! /// Each held slot knows its lease: a token that is not (or no longer) the holder's is refused.
+//! struct ToyBroker {
+//!     slots: Mutex<(Vec<u32>, HashMap<u32, u64>)>,
+//!     next_lease: AtomicU64,
+//!     refuse_releases: Arc<AtomicBool>,
+//! }
+//!
+//! impl SlotBroker for ToyBroker {
+//!     async fn acquire(&self, _request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+//!         let (free, held) = &mut *self.slots.lock().unwrap();
+//!         let slot = free.pop().ok_or_else(|| BrokerError::unavailable("no free slot"))?;
+//!         let lease = self.next_lease.fetch_add(1, Ordering::Relaxed);
+//!         held.insert(slot, lease);
+//!         Ok(SlotToken::new(slot, lease))
+//!     }
+//!
+//!     async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
+//!         if self.refuse_releases.load(Ordering::Relaxed) {
+//!             return Err(BrokerError::new("coordinator refused the release"));
+//!         }
+//!         let (free, held) = &mut *self.slots.lock().unwrap();
+//!         if held.get(&token.slot_id()) != Some(&token.lease_id()) {
+//!             return Err(BrokerError::invalid_response(format!("{token} is not held")));
+//!         }
+//!         held.remove(&token.slot_id());
+//!         free.push(token.slot_id());
+//!         Ok(())
+//!     }
+//!
+//!     fn capacity(&self) -> Option<u32> {
+//!         Some(2) // optional; with a known capacity the supervisor never asks for more at once
+//!     }
+//! }
+//!
+//! let refuse = Arc::new(AtomicBool::new(false));
+//! let broker = ToyBroker {
+//!     slots: Mutex::new((vec![1, 0], HashMap::new())),
+//!     next_lease: AtomicU64::new(1),
+//!     refuse_releases: Arc::clone(&refuse),
+//! };
+//! let sup = Supervisor::builder().broker(broker).start().await?;
+//!
+//! let slot = sup
+//!     .run(JobSpec::new("render-0001")?, |ctx| async move { Ok::<_, std::io::Error>(ctx.slot_id()) })
+//!     .await?;
+//! assert_eq!(slot, 0);
+//!
+//! // When both the body and the release fail, neither error is lost.
+//! refuse.store(true, Ordering::Relaxed);
+//! let err = sup
+//!     .run(JobSpec::new("render-0002")?, |_ctx| async {
+//!         Err::<(), _>(std::io::Error::other("render failed"))
+//!     })
+//!     .await
+//!     .unwrap_err();
+//! assert_eq!(err.code(), "LEASE_BODY_AND_CLEANUP_FAILED");
+//! assert_eq!(err.body_error().unwrap().error().unwrap().to_string(), "render failed");
+//! assert_eq!(err.cleanup_error().unwrap().code(), "LEASE_CLEANUP_FAILED");
+//!
+//! let report = sup.shutdown().await?;
+//! assert_eq!(report.stats.release_failed_total, 1);
+//! # // The example broker keeps the contract: the conformance suite passes it.
+//! # leasehold::conformance::Conformance::new(|| async {
+//! #     ToyBroker {
+//! #         slots: Mutex::new((vec![1, 0], HashMap::new())),
+//! #         next_lease: AtomicU64::new(1),
+//! #         refuse_releases: Arc::new(AtomicBool::new(false)),
+//! #     }
+//! # })
+//! # .run()
+//! # .await
+//! # .assert_passed();
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! ```
+//!
+//! ## Checking a broker: the conformance suite
+//!
+//! With the `conformance` feature, `leasehold::conformance` checks that your broker keeps each
+//! promise of the `SlotBroker` contract (listed in [the trait's docs](SlotBroker)), one check per
+//! promise: capacity (with acquires beyond it in flight at once, from several supervisors and
+//! directly), no double grant, fencing (a slot's lease id increases from one holder to the next),
+//! release, FIFO (for a broker that makes acquires wait), cancel safety (acquires dropped at each
+//! await point, while they wait, and as a slot is handed to them), bad tokens (foreign, released
+//! twice, stale after a new holder), close (a second close answers `Ok` at once), lost leases (for
+//! a broker that renews, given a way to make it lose one) and supervised (jobs through two
+//! supervisors sharing the broker all end). It drives a fresh broker from your async factory for
+//! each part, both directly and through real supervisors, and watches every call. A check that does
+//! not apply is reported as skipped, with the reason. Its own tests hold a gallery of brokers that
+//! each break one promise, and each fails exactly that check; the etcd broker and the in-process
+//! one pass it in CI.
+//!
+//! ```rust
+//! # tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(async {
+//! use std::sync::atomic::{AtomicU64, Ordering};
+//! use std::sync::Mutex;
+//!
+//! use leasehold::conformance::Conformance;
+//! use leasehold::{AcquireRequest, BrokerError, SlotBroker, SlotToken};
+//!
+//! /// Two slots; each slot knows the lease that holds it, so a token that is not (or no longer)
+//! /// the holder's is refused.
+//! struct TwoSlots {
+//!     holders: Mutex<[Option<u64>; 2]>,
+//!     next_lease: AtomicU64,
+//! }
+//!
+//! impl SlotBroker for TwoSlots {
+//!     async fn acquire(&self, _request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+//!         let mut holders = self.holders.lock().unwrap();
+//!         let slot = holders.iter().position(Option::is_none);
+//!         let slot = slot.ok_or_else(|| BrokerError::unavailable("no free slot"))?;
+//!         let lease = self.next_lease.fetch_add(1, Ordering::Relaxed);
+//!         holders[slot] = Some(lease);
+//!         Ok(SlotToken::new(slot as u32, lease))
+//!     }
+//!
+//!     async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
+//!         let mut holders = self.holders.lock().unwrap();
+//!         match holders.get_mut(token.slot_id() as usize) {
+//!             Some(holder) if *holder == Some(token.lease_id()) => {
+//!                 *holder = None;
+//!                 Ok(())
+//!             }
+//!             _ => Err(BrokerError::invalid_response(format!("{token} is not held"))),
+//!         }
+//!     }
+//!
+//!     fn capacity(&self) -> Option<u32> {
+//!         Some(2)
+//!     }
+//! }
+//!
+//! let report = Conformance::new(|| async {
+//!     TwoSlots { holders: Mutex::new([None, None]), next_lease: AtomicU64::new(1) }
+//! })
+//! .run()
+//! .await;
+//! report.assert_passed(); // prints the skipped checks: `lost leases` (it renews nothing)
+//! # });
+//! ```
 
 mod erased;
 mod local;

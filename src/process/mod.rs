@@ -1,17 +1,145 @@
-//! Child processes of jobs: each starts as the leader of its own process group, is owned by a
-//! tracked keeper task, and counts as ended only when it has been reaped and its group is
-//! proven empty (`kill(-pgid, 0)` answers "no such process"), descendants that left the group
-//! included.
+//! Child processes of jobs: started as the leader of a process group of their own, stopped, reaped
+//! and proven gone before the job's slot moves on.
 //!
-//! On cancellation (or shutdown) the group, and every descendant that left it while its parent
-//! was alive, gets `SIGTERM`, then `SIGKILL` after the process grace. When absence cannot be
-//! proven within the proof bound, the job's slot is quarantined, never declared clean.
+//! [`ctx.spawn_process(spec)`](crate::WorkerContext::spawn_process) starts a [`ProcessSpec`] as
+//! part of the job and returns a [`JobProcess`]. A child process belongs to
+//! the worker's physical lifetime exactly like a tracked task: the temp dir is removed and the slot
+//! moves only after the child has been reaped and its whole process group proven empty. This needs
+//! Unix process groups: on Windows the crate builds and runs jobs, but `spawn_process` refuses with
+//! `PROCESS_SPAWN_FAILED` (an `io::ErrorKind::Unsupported` source), since the end of a child's
+//! descendants could not be proven there. `cargo run --example process_jobs` shows process groups
+//! stopped, reaped and proven empty.
 //!
-//! On Linux the supervisor's process becomes a child subreaper when a job first spawns a
-//! process (unless `SupervisorBuilder::child_subreaper(false)`), so that descendants orphaned by
-//! their parent are reparented to it and can be reaped and seen. Out of reach even then: a
-//! descendant that escaped before the subreaper was set, or whose escape is hidden inside
-//! another PID namespace.
+//! ```rust
+//! # #[cfg(target_os = "linux")]
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! use std::io;
+//! use std::time::Duration;
+//!
+//! use leasehold::{JobSpec, PathRefusedReason, ProcessSpec, Supervisor};
+//!
+//! let sup = Supervisor::builder()
+//!     .slots(1)
+//!     .process_grace(Duration::from_secs(2))        // SIGTERM, then SIGKILL 2 s later (default 5 s)
+//!     .process_proof_bound(Duration::from_secs(1))  // to prove a stopped group empty (default 2 s)
+//!     .start()
+//!     .await?;
+//!
+//! let (text, dir) = sup
+//!     .run(JobSpec::new("encode-0001")?, |ctx| async move {
+//!         // Runs in the job's temp dir, as the leader of a process group of its own.
+//!         let spec = ProcessSpec::new("sh").arg("-c").arg("echo hi > out.txt");
+//!         let mut child = ctx.spawn_process(spec).map_err(io::Error::other)?;
+//!         let status = child.wait().await.map_err(io::Error::other)?; // the leader's exit status
+//!         assert!(status.success());
+//!
+//!         // Paths a job hands over are confined to its temp dir.
+//!         let refused = ctx.path("../x").unwrap_err();
+//!         assert_eq!(refused.code(), "JOB_PATH_REFUSED");
+//!         assert_eq!(refused.reason(), PathRefusedReason::ParentComponent);
+//!         // So are a process's inputs, outputs and working directory; a refused one never runs.
+//!         let escape = ProcessSpec::new("cat").input("/etc/passwd");
+//!         assert_eq!(ctx.spawn_process(escape).unwrap_err().code(), "JOB_PATH_REFUSED");
+//!
+//!         let text = std::fs::read_to_string(ctx.path("out.txt").map_err(io::Error::other)?)?;
+//!         Ok::<_, io::Error>((text, ctx.temp_dir().to_path_buf()))
+//!     })
+//!     .await?;
+//! assert_eq!(text, "hi\n");
+//! assert!(!dir.exists()); // removed only once the group was proven empty
+//!
+//! // Nothing was quarantined, so a reclaim finds nothing to do.
+//! assert!(sup.quarantined().await?.is_empty());
+//! let report = sup.reclaim_quarantined().await?;
+//! assert!(report.reclaimed.is_empty() && report.still_quarantined.is_empty());
+//!
+//! sup.shutdown().await?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! ```
+//!
+//! # Process groups
+//!
+//! Each child is started as the leader of a new process group (its pgid is its pid,
+//! `JobProcess::pid`), in the job's temp dir unless `.current_dir(..)` names a directory inside it.
+//! `.input(..)`, `.output(..)` and `.current_dir(..)` take paths relative to the temp dir; they are
+//! checked like `ctx.path(..)` and passed on as absolute paths (standard input defaults to null,
+//! standard output and error are inherited). A tracked *keeper* task owns the child, not the
+//! `JobProcess` handle: dropping the handle neither kills the child nor lets the slot go. A body
+//! that returns without waiting for its child is answered only once the child and every member of
+//! its group have ended on their own (`.drain_timeout(..)`, if set, quarantines the slot meanwhile,
+//! and releases it when they end). `wait()` gives the leader's exit status; members it left behind
+//! are still the job's.
+//!
+//! # Stopping
+//!
+//! When the job is cancelled (its token, a dropped `run` future, `shutdown`) or the body calls
+//! `JobProcess::kill()`, the whole group and every recorded escaped descendant (below) get
+//! `SIGTERM`; whatever is left after `.process_grace(..)` (default 5 s) gets `SIGKILL`. The process
+//! grace runs alongside the body's cancel grace: dropping an unresponsive body does not stop the
+//! keeper. A group already proven empty (its leader exited and every member ended on its own) is
+//! never signalled again, even if the job is cancelled afterwards: the kernel may have reused its
+//! id.
+//!
+//! # The proof
+//!
+//! A child counts as gone only when its leader has been reaped (by tokio), members reparented to
+//! this process have been reaped, `kill(-pgid, 0)` answers `ESRCH` (the group is empty), every
+//! recorded escaped descendant is gone (checked by pid *and* start time) and no orphaned descendant
+//! is alive. Only then does the keeper end, so only then are the temp dir removed and the slot
+//! moved. The proof is bounded by `.process_proof_bound(..)` (default 2 s), counted from the moment
+//! the leader is reaped after a stop (after `SIGKILL`, when it came to that) or, left alone, from
+//! the moment the group has ended on its own; past it, the slot is quarantined (a process stuck in
+//! uninterruptible sleep survives `SIGKILL`, an orphan may simply keep running).
+//!
+//! # Escaped descendants (Linux)
+//!
+//! A descendant can leave the group (`setsid`, `setpgid`), where `kill(-pgid, ..)` no longer
+//! reaches it. When the group is stopped, the keeper reads `/proc` and records every descendant
+//! outside the group, with its start time, while its parent is still alive to link it to the job.
+//! Escapees get the same `SIGTERM` and `SIGKILL`, sent through a pidfd opened after checking the
+//! start time (a pid the kernel has reused for another process is never signalled), and must be
+//! gone before the slot moves.
+//!
+//! An escapee whose parent exits is orphaned, and `/proc` no longer links it to the job. Hence the
+//! **child subreaper** (`PR_SET_CHILD_SUBREAPER`), on by default: when a job first spawns a
+//! process, this process asks the kernel to reparent its orphaned descendants to it. The proof then
+//! looks for live children of this process in a process group of their own — neither this process's
+//! group, a running job's group, nor a recorded escapee — and does not declare a job clean while
+//! one lives. Zombies among them are skipped, never reaped by this check: one may be a child the
+//! application started itself and will wait for. The setting is process-wide: it cannot be undone
+//! and holds for every supervisor in the process. So is what the check sees: while such an orphan
+//! is attributed to no job, every job whose proof runs in that time waits for it, not only the one
+//! it came from; the first one whose proof bound passes with the orphan still alive records it as
+//! an escapee of its own and is quarantined, and later proofs no longer count it. A reclaim then
+//! checks it by pid and start time like any escapee (and reaps it once it has ended). A child that
+//! the application itself started in a process group of its own is taken for such an orphan too.
+//!
+//! `.child_subreaper(false)` stops this supervisor from setting it (it does not unset it if another
+//! supervisor in the process already did) and from running the orphan check. Orphaned descendants
+//! then go to init (or to the nearest other subreaper), so they are neither reaped nor seen here: a
+//! job whose escaped descendant was orphaned is released while that descendant may still run. Still
+//! covered with it off: the group itself (`kill(-pgid, 0)` does not depend on who the parent is)
+//! and escapees whose parent is alive when the group is stopped. Out of reach with it on:
+//! descendants that escaped and were orphaned before the subreaper was set, and escapes hidden
+//! inside another PID namespace (orphans there go to that namespace's init). Out of reach with it
+//! off, in addition: any descendant orphaned while it is off. Outside Linux there is no `/proc`:
+//! only the group itself is proven empty.
+//!
+//! # Quarantine
+//!
+//! If absence cannot be proven within the bound, the keeper hands what it knows (group id, recorded
+//! escapees, reason) to the job; the slot is quarantined and the caller gets
+//! `LEASE_CLEANUP_UNCONFIRMED` (or `LEASE_BODY_AND_CLEANUP_FAILED` when the body failed too) as
+//! soon as that is known. The temp dir is kept, since processes may still use it. Nothing re-checks
+//! on its own: [`sup.quarantined()`](crate::Supervisor::quarantined) lists the quarantined slots
+//! ([`QuarantinedSlot`](crate::QuarantinedSlot): token, job id, reason), and
+//! [`sup.reclaim_quarantined()`](crate::Supervisor::reclaim_quarantined) checks each one again —
+//! groups empty now, escapees and orphans gone now, temp dirs that can be removed now — and sends
+//! those proven clean on through temp dir removal and broker release to the next waiter
+//! (`ReclaimReport`: `reclaimed`, `still_quarantined`). `shutdown` reports quarantined slots
+//! (`ShutdownReport::quarantined`) and does not wait for them; after it, reclaiming answers
+//! `SUPERVISOR_STOPPED`.
 
 // Without Unix process groups no job process is started (see `OsProcesses`): the rest of this
 // module then has nothing to run.
