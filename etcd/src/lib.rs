@@ -179,6 +179,8 @@ struct Inner {
     heads: Mutex<Vec<layout::Waiter>>,
     /// A read of `heads` is on its way.
     refreshing: AtomicBool,
+    /// Woken when a background read of `heads` (or any `spawn_alone` work) ends.
+    refreshed: tokio::sync::Notify,
     /// Free slots are being granted (see `fill_free_slots`).
     filling: AtomicBool,
     /// Test support: acquires wait before setting up their marker's watch while `true`.
@@ -342,6 +344,7 @@ impl EtcdBroker {
             hint: AtomicU32::new((owner % u64::from(config.capacity)) as u32),
             heads: Mutex::new(Vec::new()),
             refreshing: AtomicBool::new(false),
+            refreshed: tokio::sync::Notify::new(),
             filling: AtomicBool::new(false),
             frees: tokio::sync::watch::Sender::new(0),
             slots_ctl: Mutex::new(slots::SlotsCtl::default()),

@@ -27,7 +27,10 @@
 //! grants: the list each grant to this broker names, the forgetting of every waiter older than
 //! one of its own that was granted (they were served first) or than the one its release handed
 //! to, and a read of the oldest waiters (serializable, on one member, off the release's path)
-//! when a grant leaves fewer than a chain's worth known.
+//! when a grant leaves fewer than a chain's worth known. A release that knows of no waiter at
+//! all while that read is on its way waits for it (bounded): with holds shorter than a round
+//! trip it would otherwise find someone waiting only by a read of its own, and hand off in a
+//! second transaction.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -166,6 +169,14 @@ impl Inner {
                 break;
             }
             heads.retain(|w| w.rk != entry.rk);
+            if heads.is_empty() && attempt == 0 && self.await_refresh(deadline).await {
+                // A grant left this broker no waiter to chain over, and its read of who waits
+                // was on its way: waited for, it saves the read and second transaction of a
+                // release that finds someone waiting after all (a hold shorter than a round
+                // trip ends before that read is back).
+                heads = self.heads.lock().clone();
+                heads.retain(|w| w.rk != entry.rk);
+            }
             let chain: Vec<Waiter> = heads[..heads.len().min(CHAIN_MAX)].to_vec();
             if chain.is_empty() {
                 // Nobody known to wait (an idle pool): the release of old, one comparison and
@@ -251,6 +262,20 @@ impl Inner {
         Err(Fail::Ambiguous(
             "the queue kept changing under the release".into(),
         ))
+    }
+
+    /// Waits (until `deadline`, at most twice the call timeout) for the background read of
+    /// the oldest waiters, if one is on its way; whether one was.
+    async fn await_refresh(&self, deadline: Instant) -> bool {
+        let read = self.refreshed.notified();
+        tokio::pin!(read);
+        read.as_mut().enable();
+        if !self.refreshing.load(Ordering::Acquire) {
+            return false;
+        }
+        let bound = deadline.min(Instant::now() + self.rpc_timeout * 2);
+        let _ = tokio::time::timeout_at(bound, read).await;
+        true
     }
 
     /// The release's transaction when no waiter is known: if the slot still carries the token
@@ -430,6 +455,7 @@ impl Inner {
         rt.spawn(async move {
             work.await;
             busy(&me).store(false, Ordering::Release);
+            me.refreshed.notify_waiters();
         });
     }
 
