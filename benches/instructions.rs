@@ -11,8 +11,10 @@
 //!
 //! Shapes: `lease` (one caller on a worker thread of a 2-worker runtime, acquire + release of an
 //! explicit lease on 8 slots, as `benches/lease.rs`), `contention` (64 tasks on 8 slots, each
-//! acquire, yield, release, as `benches/contention.rs`; the count is the total leases). The first
-//! 100 round trips warm up in both runs, so they cancel out. Under plain `cargo bench` (or
+//! acquire, yield, release, as `benches/contention.rs`; the count is the total leases), `run`,
+//! `submit` and `spawn_job` (one no-op job at a time, as `benches/run.rs`: `run`, `submit` and
+//! its handle joined, `spawn_job` of an actor that stops in `post_start`). The first 100 round
+//! trips warm up in both runs, so they cancel out. Under plain `cargo bench` (or
 //! `-- --test`) it runs each shape briefly and prints what it did.
 
 mod floor;
@@ -58,7 +60,20 @@ fn run(shape: &str, n: u64) {
                     contention(&sup, 100).await;
                     contention(&sup, n).await;
                 }
-                other => panic!("unknown shape {other:?} (lease, contention)"),
+                "run" | "submit" | "spawn_job" => {
+                    for n in [100, n] {
+                        for _ in 0..n {
+                            match shape.as_str() {
+                                "run" => floor::noop_run(&sup).await,
+                                "submit" => floor::noop_submit(&sup).await,
+                                _ => floor::noop_spawn_job(&sup).await,
+                            }
+                        }
+                    }
+                }
+                other => {
+                    panic!("unknown shape {other:?} (lease, contention, run, submit, spawn_job)")
+                }
             }
             sup.shutdown().await.expect("shutdown");
         })
@@ -73,7 +88,7 @@ fn main() {
         [shape, n] if !shape.starts_with('-') => run(shape, n.parse().expect("a count")),
         // `cargo bench` / `cargo bench -- --test`: a brief run of each shape.
         _ => {
-            for shape in ["lease", "contention"] {
+            for shape in ["lease", "contention", "run", "submit", "spawn_job"] {
                 run(shape, 256);
                 println!(
                     "instructions: {shape} ran 256 round trips (count them under callgrind: see BENCHMARKS.md)"

@@ -9,8 +9,10 @@
 //! - `leasehold_run_file` / `hand_written_ractor_file` (≤ 1.5×): a body that writes one file in
 //!   its temp dir, against the same with a temp dir made, the file written by the actor's body,
 //!   the dir removed;
-//! - `leasehold_spawn_job` (≤ 1.2× `leasehold_run`): `spawn_job` of an actor that stops in
+//! - `leasehold_spawn_job` (≤ 1.5× `leasehold_run`): `spawn_job` of an actor that stops in
 //!   `post_start`, its outcome joined, against `run` and against an actor spawned and joined;
+//! - `leasehold_submit` (≤ 1.0× `leasehold_run`): the same no-op job through `submit`, its
+//!   handle joined (the job is queued by `submit` itself: no task of its own);
 //! - `hand_written_task` (context): a permit, a temp dir, the body as a tokio task, joined.
 //!
 //! criterion ids are `job_lifecycle/<function>/<shape>`. The last "benchmark", `summary`, prints
@@ -46,6 +48,7 @@ const RACTOR_NOOP: &str = "hand_written_ractor_noop";
 const RACTOR_FILE: &str = "hand_written_ractor_file";
 const TASK: &str = "hand_written_task";
 const ACTOR_JOB: &str = "leasehold_spawn_job";
+const SUBMIT: &str = "leasehold_submit";
 
 /// Targets: wall time (the no-op row also has one in instructions, judged in the callgrind
 /// table).
@@ -53,6 +56,7 @@ const NOOP_TARGET: f64 = 2.5;
 const NOOP_INSTRUCTIONS_TARGET: f64 = 2.0;
 const FILE_TARGET: f64 = 1.5;
 const ACTOR_JOB_TARGET: f64 = 1.5;
+const SUBMIT_TARGET: f64 = 1.0;
 
 /// Jobs per shape for the counts printed by `summary`.
 const COUNTED_JOBS: u64 = 2_000;
@@ -72,6 +76,7 @@ impl Jobs {
             LEASEHOLD => floor::noop_run(&self.sup).await,
             LEASEHOLD_FILE => floor::file_run(&self.sup).await,
             ACTOR_JOB => floor::noop_spawn_job(&self.sup).await,
+            SUBMIT => floor::noop_submit(&self.sup).await,
             RACTOR_NOOP => floor::hand_written_ractor_noop(&self.sem).await,
             RACTOR_FILE => floor::hand_written_ractor_file(&self.sem, &self.root).await,
             TASK => floor::hand_written_task_job(&self.sem, &self.root).await,
@@ -151,6 +156,7 @@ fn job_lifecycle(c: &mut Criterion) {
         (LEASEHOLD, NOOP),
         (LEASEHOLD_FILE, FILE),
         (ACTOR_JOB, NOOP),
+        (SUBMIT, NOOP),
         (RACTOR_NOOP, NOOP),
         (RACTOR_FILE, FILE),
         (TASK, NOOP),
@@ -215,6 +221,13 @@ fn summary(_c: &mut Criterion) {
         Some(ACTOR_JOB_TARGET),
     );
     ratio_row(
+        "**`submit` (its handle joined) / `run` no-op**",
+        &key(GROUP, SUBMIT, NOOP),
+        &key(GROUP, LEASEHOLD, NOOP),
+        1,
+        Some(SUBMIT_TARGET),
+    );
+    ratio_row(
         "`spawn_job` / an actor spawned and joined by hand (permit + actor)",
         &key(GROUP, ACTOR_JOB, NOOP),
         &key(GROUP, RACTOR_NOOP, NOOP),
@@ -247,6 +260,7 @@ fn summary(_c: &mut Criterion) {
             "`spawn_job`, an actor that stops in `post_start`",
             ACTOR_JOB,
         ),
+        ("`submit`, no-op body, its handle joined", SUBMIT),
     ] {
         let c = counts_per_job(s, shape, n);
         let per = |x: u64| x as f64 / n as f64;
@@ -366,6 +380,7 @@ fn counted_externally() {
             "`spawn_job`, an actor that stops in `post_start`",
             ACTOR_JOB,
         ),
+        ("`submit`, no-op body, its handle joined", SUBMIT),
     ] {
         let instructions = per_job(shape, &instructions);
         match shape {

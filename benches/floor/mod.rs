@@ -403,6 +403,16 @@ impl Actor for NoopActor {
 }
 
 /// One `Supervisor::spawn_job` of a [`NoopActor`], its outcome joined.
+/// A no-op job through `submit`, its handle joined.
+pub async fn noop_submit(sup: &Supervisor) {
+    sup.submit(JobSpec::new("s").expect("valid id"), |_ctx| async {
+        Ok::<_, io::Error>(())
+    })
+    .join()
+    .await
+    .expect("no-op job succeeds");
+}
+
 pub async fn noop_spawn_job(sup: &Supervisor) {
     let job = JobSpec::new("a").expect("valid id");
     let (_actor, outcome) = sup
