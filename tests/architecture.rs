@@ -116,3 +116,43 @@ fn the_core_is_pure() {
         found.join("\n")
     );
 }
+
+/// The `codes` module's docs promise a table row for every one of its constants, and every code
+/// a row names is either one of them or one the docs say is not.
+#[test]
+fn every_stable_code_has_its_row_in_the_codes_table() {
+    let source =
+        fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/error.rs")).unwrap();
+    let (docs, module) = source
+        .split_once("pub mod codes {")
+        .expect("src/error.rs holds `pub mod codes`");
+    let module = module.split("\n}").next().unwrap();
+    let constants: Vec<&str> = module
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("pub const "))
+        .map(|l| l.split('"').nth(1).expect("a string constant"))
+        .collect();
+    assert!(constants.len() >= 20, "{constants:?}");
+    // The doc block right above the module: its table rows start with a code.
+    let doc_block: Vec<&str> = docs
+        .lines()
+        .rev()
+        .take_while(|l| l.trim_start().starts_with("///") || l.trim().is_empty())
+        .collect();
+    let rows: Vec<&str> = doc_block
+        .iter()
+        .filter_map(|l| l.trim_start().strip_prefix("/// | `"))
+        .filter_map(|l| l.split('`').next())
+        .collect();
+    for code in &constants {
+        assert!(rows.contains(code), "{code} has no row in the codes table");
+    }
+    let outside: Vec<&&str> = rows.iter().filter(|r| !constants.contains(r)).collect();
+    let prose = doc_block.join("\n");
+    for code in outside {
+        assert!(
+            prose.contains(&format!("`{code}`")) && prose.contains("not constants of this module"),
+            "{code} has a row but is no constant of `codes`, and the docs do not say so"
+        );
+    }
+}
