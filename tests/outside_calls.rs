@@ -766,3 +766,88 @@ async fn shutdown_answers_within_its_bound_when_the_brokers_drop_blocks_and_name
     assert_eq!(report.outlived, ["the broker"]);
     gate.open();
 }
+
+// ---------------------------------------------------------------------------------------------
+// What a broker is told
+// ---------------------------------------------------------------------------------------------
+
+/// The in-process pool, recording each request and the origin of the events it was handed.
+struct Recording {
+    local: LocalBroker,
+    requests: Mutex<Vec<AcquireRequest>>,
+    attached: Mutex<Vec<u64>>,
+}
+
+impl SlotBroker for Recording {
+    async fn acquire(&self, request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+        self.requests.lock().push(request.clone());
+        self.local.acquire(request).await
+    }
+
+    async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
+        self.local.release(token).await
+    }
+
+    fn attach(&self, events: leasehold::BrokerEvents) {
+        self.attached.lock().push(events.origin());
+    }
+}
+
+#[tokio::test]
+async fn a_broker_is_told_the_head_jobs_id_and_its_supervisors_origin_the_same_as_its_events() {
+    let broker = Arc::new(Recording {
+        local: LocalBroker::new(2),
+        requests: Mutex::new(Vec::new()),
+        attached: Mutex::new(Vec::new()),
+    });
+    let sups = [
+        Supervisor::builder()
+            .broker(Arc::clone(&broker))
+            .start()
+            .await
+            .unwrap(),
+        Supervisor::builder()
+            .broker(Arc::clone(&broker))
+            .start()
+            .await
+            .unwrap(),
+    ];
+    let attached = broker.attached.lock().clone();
+    assert_eq!(attached.len(), 2, "each supervisor attaches once");
+    assert_ne!(
+        attached[0], attached[1],
+        "each supervisor has an origin of its own"
+    );
+    assert!(
+        attached.iter().all(|o| *o != 0),
+        "an origin is never 0: {attached:?}"
+    );
+    for (i, sup) in sups.iter().enumerate() {
+        let id = format!("render-{i}");
+        let ran = sup
+            .run(JobSpec::new(id.clone()).unwrap(), |_ctx| async {
+                Ok::<_, Infallible>(())
+            })
+            .await;
+        ran.unwrap();
+        let request = broker.requests.lock().last().cloned().unwrap();
+        assert_eq!(request.job_id(), Some(id.as_str()));
+        assert_eq!(request.origin(), attached[i]);
+    }
+    // An explicit lease names no job.
+    let lease = sups[0].acquire().await.unwrap();
+    assert_eq!(broker.requests.lock().last().unwrap().job_id(), None);
+    drop(lease);
+    // Request ids are unique per supervisor.
+    let ids: Vec<(u64, u64)> = broker
+        .requests
+        .lock()
+        .iter()
+        .map(|r| (r.origin(), r.request_id()))
+        .collect();
+    let unique: std::collections::HashSet<_> = ids.iter().collect();
+    assert_eq!(unique.len(), ids.len(), "{ids:?}");
+    for sup in sups {
+        sup.shutdown().await.unwrap();
+    }
+}

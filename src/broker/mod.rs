@@ -633,3 +633,175 @@ impl fmt::Display for BrokerError {
 }
 
 impl std::error::Error for BrokerError {}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::task::{Context, Poll, Waker};
+
+    use super::*;
+
+    /// A broker that says something of its own for every call the trait has.
+    #[derive(Default)]
+    struct Talkative {
+        attached: AtomicU64,
+    }
+
+    impl SlotBroker for Talkative {
+        async fn acquire(&self, request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+            Ok(SlotToken::new(7, request.request_id()))
+        }
+
+        async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
+            Err(BrokerError::new(format!("kept {token}")))
+        }
+
+        fn capacity(&self) -> Option<u32> {
+            Some(5)
+        }
+
+        fn renews(&self) -> bool {
+            true
+        }
+
+        async fn keep_alive(&self, token: SlotToken) -> BrokerError {
+            BrokerError::unavailable(format!("{token} lost"))
+        }
+
+        fn attach(&self, events: BrokerEvents) {
+            self.attached.store(events.origin(), Ordering::Relaxed);
+        }
+
+        async fn close(&self) -> Result<(), BrokerError> {
+            Err(BrokerError::timeout("close"))
+        }
+    }
+
+    /// A broker that keeps every default.
+    struct Plain;
+
+    impl SlotBroker for Plain {
+        async fn acquire(&self, _request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+            Ok(SlotToken::new(0, 1))
+        }
+
+        async fn release(&self, _token: SlotToken) -> Result<(), BrokerError> {
+            Ok(())
+        }
+    }
+
+    fn now<F: Future>(fut: F) -> Poll<F::Output> {
+        std::pin::pin!(fut).poll(&mut Context::from_waker(Waker::noop()))
+    }
+
+    #[test]
+    fn an_arc_of_a_broker_forwards_every_call_of_the_trait() {
+        let broker = Arc::new(Talkative::default());
+        let request = AcquireRequest::new(42, Some("job"));
+        assert_eq!(
+            now(broker.acquire(request)),
+            Poll::Ready(Ok(SlotToken::new(7, 42)))
+        );
+        let token = SlotToken::new(1, 2);
+        assert_eq!(
+            now(broker.release(token)),
+            Poll::Ready(Err(BrokerError::new("kept slot 1 lease 2")))
+        );
+        assert_eq!(SlotBroker::capacity(&broker), Some(5));
+        assert!(SlotBroker::renews(&broker));
+        assert_eq!(
+            now(SlotBroker::keep_alive(&broker, token)),
+            Poll::Ready(BrokerError::unavailable("slot 1 lease 2 lost"))
+        );
+        SlotBroker::attach(&broker, BrokerEvents::new(|_| {}).with_origin(9));
+        assert_eq!(broker.attached.load(Ordering::Relaxed), 9);
+        assert_eq!(
+            now(SlotBroker::close(&broker)),
+            Poll::Ready(Err(BrokerError::timeout("close")))
+        );
+    }
+
+    #[test]
+    fn a_broker_that_keeps_the_defaults_renews_nothing_reports_no_capacity_and_closes_at_once() {
+        let broker = Plain;
+        assert_eq!(SlotBroker::capacity(&broker), None);
+        assert!(!SlotBroker::renews(&broker));
+        assert!(now(broker.keep_alive(SlotToken::new(0, 1))).is_pending());
+        assert_eq!(now(broker.close()), Poll::Ready(Ok(())));
+        let seen = Arc::new(AtomicU64::new(0));
+        let events = BrokerEvents::new({
+            let seen = Arc::clone(&seen);
+            move |BrokerEvent::OrphanExpired { lease_id }| {
+                seen.store(lease_id, Ordering::Relaxed);
+            }
+        });
+        // The default attach keeps nothing: the broker reports nothing of its own.
+        SlotBroker::attach(&broker, events.clone());
+        events.orphan_expired(11);
+        assert_eq!(seen.load(Ordering::Relaxed), 11);
+    }
+
+    #[test]
+    fn a_token_and_a_request_say_what_they_carry() {
+        let token = SlotToken::new(3, 8);
+        assert_eq!((token.slot_id(), token.lease_id()), (3, 8));
+        assert_eq!(token.to_string(), "slot 3 lease 8");
+        let request = AcquireRequest::new(5, Some("render-1")).with_origin(77);
+        assert_eq!(request.request_id(), 5);
+        assert_eq!(request.job_id(), Some("render-1"));
+        assert_eq!(request.origin(), 77);
+        let shared = AcquireRequest::for_job(6, Some(Arc::from("render-2")));
+        assert_eq!(
+            (shared.request_id(), shared.job_id()),
+            (6, Some("render-2"))
+        );
+        assert_eq!(shared.origin(), 0);
+        assert_eq!(AcquireRequest::new(1, None).job_id(), None);
+    }
+
+    #[test]
+    fn every_broker_error_says_its_kind_code_and_message() {
+        let cases = [
+            (
+                BrokerError::new("m"),
+                BrokerErrorKind::Other,
+                "broker error: m",
+            ),
+            (
+                BrokerError::timeout("m"),
+                BrokerErrorKind::Timeout,
+                "broker timed out: m",
+            ),
+            (
+                BrokerError::unavailable("m"),
+                BrokerErrorKind::Unavailable,
+                "broker unavailable: m",
+            ),
+            (
+                BrokerError::delivery_unknown("m"),
+                BrokerErrorKind::DeliveryUnknown,
+                "broker delivery unknown: m",
+            ),
+            (
+                BrokerError::invalid_response("m"),
+                BrokerErrorKind::InvalidResponse,
+                "invalid broker response: m",
+            ),
+            (
+                BrokerError::panicked("m"),
+                BrokerErrorKind::Panicked,
+                "broker panicked: BROKER_PANICKED: m",
+            ),
+        ];
+        for (error, kind, shown) in cases {
+            assert_eq!(error.kind(), kind);
+            assert_eq!(error.message(), "m");
+            assert_eq!(error.to_string(), shown);
+        }
+        assert_eq!(BrokerError::panicked("m").code(), Some("BROKER_PANICKED"));
+        let coded = BrokerError::new("m").with_code("ETCD_FOREIGN_KEY");
+        assert_eq!(coded.code(), Some("ETCD_FOREIGN_KEY"));
+        assert_eq!(coded.to_string(), "broker error: ETCD_FOREIGN_KEY: m");
+        assert_eq!(BrokerError::new("m").code(), None);
+    }
+}
