@@ -55,7 +55,6 @@ mod gpu;
 pub mod guide;
 mod hosts;
 mod job;
-mod job_handle;
 mod lease;
 mod outside;
 mod paths;
@@ -86,13 +85,12 @@ pub use gpu::BackendCall;
 #[cfg(feature = "gpu")]
 pub use gpu::{FencePolicy, GpuError, GpuOptions, JobGpu, ScratchPolicy, SlotScratch};
 pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN, PRIORITY_AGING_GRANTS, Priority};
-pub use job_handle::JobHandle;
 pub use lease::Lease;
 pub use paths::{PathRefused, PathRefusedReason};
 pub use process::{JobProcess, ProcessError, ProcessSpec};
 pub use sink::OrphanedFailure;
 pub use supervisor::{
-    GpuDeviceInfo, LeaseInfo, LeaseKind, LeasePhase, QuarantinedSlot, ReclaimReport,
+    GpuDeviceInfo, JobHandle, LeaseInfo, LeaseKind, LeasePhase, QuarantinedSlot, ReclaimReport,
     ShutdownReport, SpawnedJob, Stats, Supervisor, SupervisorBuilder, UnclosedDevice, WaiterInfo,
     WaitingFor, metric_names,
 };

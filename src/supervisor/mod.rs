@@ -7,6 +7,7 @@ pub(crate) mod core;
 #[cfg(test)]
 mod fs_tests;
 pub(crate) mod inbox;
+mod job_handle;
 #[cfg(test)]
 mod link_tests;
 pub(crate) mod messages;
@@ -33,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Span;
 
 pub use builder::SupervisorBuilder;
+pub use job_handle::JobHandle;
 
 use reports::LastReport;
 pub use reports::{
@@ -52,7 +54,6 @@ use crate::error::{
     AcquireError, BodyError, CleanupError, JobError, ResizeError, ShutdownError, SupervisorStopped,
 };
 use crate::job::{JobParts, JobSpec};
-use crate::job_handle::JobHandle;
 use crate::lease::Lease;
 use crate::worker::{BoxedBody, JobShared, WorkerContext};
 

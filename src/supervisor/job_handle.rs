@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 
+use super::Submitted;
+use super::core::Withdrawal;
 use crate::error::{AcquireError, JobError};
 use crate::sink::Sink;
-use crate::supervisor::Submitted;
-use crate::supervisor::core::Withdrawal;
 
 /// A job submitted with [`Supervisor::submit`](crate::Supervisor::submit). Poll it without
 /// blocking; cancel it; or drop it, which cancels the job (as dropping a `run` future does).
