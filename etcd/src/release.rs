@@ -43,7 +43,7 @@ use tokio::time::{Instant, sleep};
 use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{MarkerState, Waiter, oldest_waiters, raws};
-use super::session::{Claim, Held, Settling};
+use super::session::{Claim, Held, Settling, SettlingRequest};
 use super::txn::{gets, txn_shape};
 use leasehold::{BrokerError, SlotToken};
 
@@ -652,33 +652,4 @@ pub(super) fn merge(heads: &mut Vec<Waiter>, more: &[Waiter]) {
     heads.sort_by_key(|w| (w.create_rev, w.qk));
     heads.dedup_by_key(|w| (w.create_rev, w.qk));
     heads.truncate(HEADS_MAX);
-}
-
-/// Marks request `rk` as having a release settling while it lives (see
-/// [`Inner::settles`]).
-pub(super) struct SettlingRequest {
-    inner: Arc<Inner>,
-    rk: u64,
-}
-
-impl SettlingRequest {
-    pub(super) fn new(inner: &Arc<Inner>, rk: u64) -> Self {
-        *inner.settling_requests.lock().entry(rk).or_default() += 1;
-        Self {
-            inner: Arc::clone(inner),
-            rk,
-        }
-    }
-}
-
-impl Drop for SettlingRequest {
-    fn drop(&mut self) {
-        let mut requests = self.inner.settling_requests.lock();
-        if let Some(n) = requests.get_mut(&self.rk) {
-            *n -= 1;
-            if *n == 0 {
-                requests.remove(&self.rk);
-            }
-        }
-    }
 }

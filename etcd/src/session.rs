@@ -335,7 +335,7 @@ impl Inner {
                 _ => return,
             }
         };
-        let _request = super::release::SettlingRequest::new(self, entry.rk);
+        let _request = SettlingRequest::new(self, entry.rk);
         let _settling = Settling::new(self);
         self.releases
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
@@ -524,5 +524,34 @@ impl Settling {
 impl Drop for Settling {
     fn drop(&mut self) {
         self.0.settling.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Marks request `rk` as having a release settling while it lives (see
+/// [`Inner::settles`]).
+pub(super) struct SettlingRequest {
+    inner: Arc<Inner>,
+    rk: u64,
+}
+
+impl SettlingRequest {
+    pub(super) fn new(inner: &Arc<Inner>, rk: u64) -> Self {
+        *inner.settling_requests.lock().entry(rk).or_default() += 1;
+        Self {
+            inner: Arc::clone(inner),
+            rk,
+        }
+    }
+}
+
+impl Drop for SettlingRequest {
+    fn drop(&mut self) {
+        let mut requests = self.inner.settling_requests.lock();
+        if let Some(n) = requests.get_mut(&self.rk) {
+            *n -= 1;
+            if *n == 0 {
+                requests.remove(&self.rk);
+            }
+        }
     }
 }
