@@ -47,7 +47,6 @@ pub mod broker;
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
 mod counters;
-mod desk;
 pub mod error;
 mod fencing;
 #[cfg(feature = "gpu")]
@@ -73,7 +72,6 @@ pub use broker::{
 #[cfg(feature = "fault-injection")]
 #[doc(hidden)]
 pub use counters::Counts;
-pub use desk::{ActorLease, LeaseMsg, ReleaseError};
 pub use error::{
     AcquireError, BodyError, BodyErrorKind, CleanupError, CleanupErrorKind, JobError,
     LeaseReleased, PrepareError, ResizeError, ShutdownError, StartError, SupervisorStopped, codes,
@@ -90,9 +88,9 @@ pub use paths::{PathRefused, PathRefusedReason};
 pub use process::{JobProcess, ProcessError, ProcessSpec};
 pub use sink::OrphanedFailure;
 pub use supervisor::{
-    GpuDeviceInfo, JobHandle, LeaseInfo, LeaseKind, LeasePhase, QuarantinedSlot, ReclaimReport,
-    ShutdownReport, SpawnedJob, Stats, Supervisor, SupervisorBuilder, UnclosedDevice, WaiterInfo,
-    WaitingFor, metric_names,
+    ActorLease, GpuDeviceInfo, JobHandle, LeaseInfo, LeaseKind, LeaseMsg, LeasePhase,
+    QuarantinedSlot, ReclaimReport, ReleaseError, ShutdownReport, SpawnedJob, Stats, Supervisor,
+    SupervisorBuilder, UnclosedDevice, WaiterInfo, WaitingFor, metric_names,
 };
 /// Re-exported (feature `gpu`) so that jobs use exactly the wgpu the supervisor was built with.
 #[cfg(feature = "gpu")]

@@ -4,6 +4,7 @@
 mod actor;
 mod builder;
 pub(crate) mod core;
+mod desk;
 #[cfg(test)]
 mod fs_tests;
 pub(crate) mod inbox;
@@ -34,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Span;
 
 pub use builder::SupervisorBuilder;
+pub use desk::{ActorLease, LeaseMsg, ReleaseError};
 pub use job_handle::JobHandle;
 
 use reports::LastReport;

@@ -16,11 +16,11 @@ use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPo
 use rustc_hash::FxHashMap;
 use tokio::sync::oneshot;
 
+use super::Supervisor;
+use super::core::{Ask, Want};
 use crate::broker::SlotToken;
 use crate::error::{AcquireError, CleanupError, SupervisorStopped, codes};
 use crate::lease::LeaseCell;
-use crate::supervisor::Supervisor;
-use crate::supervisor::core::{Ask, Want};
 
 /// What the lease desk understands. Shaped for ractor's `call!`:
 ///
