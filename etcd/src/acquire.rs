@@ -19,8 +19,8 @@ use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
 use parking_lot::Mutex;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 
+use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
-use super::inner::Inner;
 use super::layout::{Confirmed, MarkerState, Raw, place_key, request_key};
 use super::queue::{Look, Ticket};
 use super::session::{Claim, Held, Session};

@@ -36,8 +36,8 @@ use futures_util::future::join_all;
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep};
 
+use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
-use super::inner::Inner;
 use super::layout::{Confirmed, Layout, Marker, MarkerState, Raw, Waiter, oldest_waiters, raws};
 use super::release::{CHAIN_MAX, merge};
 use super::session::Session;

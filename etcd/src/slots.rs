@@ -14,7 +14,7 @@ use etcd_client::{Event, EventType, WatchFilterType, WatchOptions};
 use tokio::time::sleep;
 use tokio_util::sync::CancellationToken;
 
-use super::inner::Inner;
+use super::Inner;
 use super::watches;
 
 /// How long the slot watch is kept without users.
