@@ -55,6 +55,7 @@ pub mod guide;
 mod hosts;
 mod job;
 mod lease;
+pub mod metric_names;
 mod outside;
 mod paths;
 pub mod process;
@@ -90,7 +91,7 @@ pub use sink::OrphanedFailure;
 pub use supervisor::{
     ActorLease, GpuDeviceInfo, JobHandle, LeaseInfo, LeaseKind, LeaseMsg, LeasePhase,
     QuarantinedSlot, ReclaimReport, ReleaseError, ShutdownReport, SpawnedJob, Stats, Supervisor,
-    SupervisorBuilder, UnclosedDevice, WaiterInfo, WaitingFor, metric_names,
+    SupervisorBuilder, UnclosedDevice, WaiterInfo, WaitingFor,
 };
 /// Re-exported (feature `gpu`) so that jobs use exactly the wgpu the supervisor was built with.
 #[cfg(feature = "gpu")]

@@ -42,7 +42,7 @@ use reports::LastReport;
 pub use reports::{
     GpuDeviceInfo, QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo,
 };
-pub use stats::{Stats, metric_names};
+pub use stats::Stats;
 pub use table::{LeaseInfo, LeaseKind, LeasePhase, WaitingFor};
 
 use self::core::{Ask, WaiterId, Want, Withdrawal};
