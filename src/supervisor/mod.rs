@@ -594,9 +594,9 @@ impl Supervisor {
         index: usize,
         device: wgpu::Device,
         queue: wgpu::Queue,
-    ) -> Result<(), crate::GpuError> {
+    ) -> Result<(), crate::gpu::GpuError> {
         let pool = self.inner.gpu.as_ref().ok_or_else(|| {
-            crate::GpuError::ReplaceRefused("the supervisor has no gpu devices".into())
+            crate::gpu::GpuError::ReplaceRefused("the supervisor has no gpu devices".into())
         })?;
         pool.replace(index, device, queue)?;
         // The replacement reached the supervisor's inbox (first in, first out) inside
