@@ -739,6 +739,11 @@ mod tests {
         SlotBroker::attach(&broker, events.clone());
         events.orphan_expired(11);
         assert_eq!(seen.load(Ordering::Relaxed), 11);
+        // Shared through an `Arc`, it says the same.
+        let shared = Arc::new(Plain);
+        assert_eq!(SlotBroker::capacity(&shared), None);
+        assert!(!SlotBroker::renews(&shared));
+        assert_eq!(now(SlotBroker::close(&shared)), Poll::Ready(Ok(())));
     }
 
     #[test]
