@@ -138,6 +138,11 @@ mod gpu {
         fn on_replaced(&self, hook: Box<dyn Fn(usize, u64) + Send + Sync>);
         /// The device's generation now (1 at start, one more per re-creation).
         fn generation(&self, device: usize) -> u64;
+        /// Whether the engine handed the device over (`GpuOptions::adopt`): leasehold never
+        /// re-creates it, only the engine's replacement brings it back after a loss.
+        fn adopted(&self, _device: usize) -> bool {
+            false
+        }
         /// Waits at most `bound` for the devices' remaining work and destroys them, off the
         /// caller's thread; resolves with the devices it could not prove idle (index, why).
         fn close(&self, bound: Duration) -> BoxFuture<'static, Vec<(usize, String)>>;
@@ -221,6 +226,10 @@ mod gpu {
 
         fn generation(&self, device: usize) -> u64 {
             self.0.generation(device).unwrap_or(0)
+        }
+
+        fn adopted(&self, device: usize) -> bool {
+            self.0.adopted(device)
         }
 
         fn close(&self, bound: Duration) -> BoxFuture<'static, Vec<(usize, String)>> {

@@ -716,3 +716,41 @@ async fn a_replacement_callback_that_panics_leaves_the_slot_quarantined_and_repl
     assert_eq!(fill_job(&sup, "after").await.unwrap(), [1, 3, 5, 7]);
     sup.shutdown().await.unwrap();
 }
+
+/// No replacement will come from leasehold for an adopted device: `shutdown` does not wait for
+/// a slot quarantined on a lost one (the shutdown bound here is an hour), and reports it as
+/// quarantined. While quarantined, the slot counts in `quarantined`, not in `active`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_does_not_wait_for_a_slot_quarantined_on_a_lost_adopted_device() {
+    let Some((d0, q0, i0)) = engine_device().await else {
+        return;
+    };
+    let opts = GpuOptions::new().adopt(d0.clone(), q0, i0);
+    let builder = Supervisor::builder().shutdown_timeout(std::time::Duration::from_secs(3600));
+    let Some(sup) = start(builder, opts).await else {
+        return;
+    };
+    let (running_rx, lost_tx, victim) = hold(&sup, "victim");
+    running_rx.await.unwrap();
+    d0.destroy();
+    let _ = d0.poll(wgpu::PollType::Poll);
+    lost_tx.send(()).unwrap();
+    assert_eq!(
+        victim.await.unwrap().unwrap_err().code(),
+        "LEASE_GPU_DEVICE_LOST"
+    );
+    let stats = sup.stats();
+    assert_eq!((stats.quarantined, stats.active), (1, 0), "{stats:?}");
+    let started = std::time::Instant::now();
+    let report = tokio::time::timeout(std::time::Duration::from_secs(120), sup.shutdown())
+        .await
+        .expect("shutdown waited for a slot on a lost adopted device")
+        .unwrap();
+    eprintln!("shutdown took {:?}", started.elapsed());
+    assert_eq!(report.quarantined, 1, "{report:?}");
+    assert!(
+        report.unproven[0].reason.contains("lost"),
+        "{:?}",
+        report.unproven
+    );
+}

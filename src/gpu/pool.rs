@@ -570,6 +570,12 @@ impl GpuPool {
     pub(crate) fn generation(&self, index: usize) -> Option<u64> {
         Some(self.devices.get(index)?.state.lock().generation)
     }
+
+    /// Whether device `index` is the engine's ([`GpuOptions::adopt`]): only the engine can
+    /// replace it when it is lost.
+    pub(crate) fn adopted(&self, index: usize) -> bool {
+        self.devices.get(index).is_some_and(|d| d.adopted)
+    }
 }
 
 impl Drop for GpuPool {

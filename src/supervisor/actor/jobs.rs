@@ -529,11 +529,22 @@ impl Driver {
                     reason,
                 } => {
                     self.reporter.proven_so_far(&mut proofs);
-                    self.reporter.input(Input::DeviceLost {
-                        key,
-                        device,
-                        generation,
-                        reason,
+                    // Which input says who brings the device back: leasehold re-creates its
+                    // own devices, only the engine replaces one it handed over.
+                    self.reporter.input(if gpu.adopted(device) {
+                        Input::EngineDeviceLost {
+                            key,
+                            device,
+                            generation,
+                            reason,
+                        }
+                    } else {
+                        Input::DeviceLost {
+                            key,
+                            device,
+                            generation,
+                            reason,
+                        }
                     });
                 }
             }

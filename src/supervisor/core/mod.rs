@@ -241,7 +241,13 @@ impl Core {
                 device,
                 generation,
                 reason,
-            } => self.device_lost(key, device, generation, reason),
+            } => self.device_lost(key, device, generation, reason, record::Replacer::Leasehold),
+            Input::EngineDeviceLost {
+                key,
+                device,
+                generation,
+                reason,
+            } => self.device_lost(key, device, generation, reason, record::Replacer::Engine),
             Input::DeviceReplaced { device, generation } => {
                 self.device_replaced(device, generation)
             }

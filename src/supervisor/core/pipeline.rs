@@ -6,7 +6,9 @@ use std::io;
 
 use super::Core;
 use super::protocol::{Answer, ControlId, DirEnd, Effect, LeaseKey, ProcessKey, Reply, WaiterId};
-use super::record::{Caller, Holder, Proof, Proofs, Reason, Release, Removal, Renewal, Stop, Why};
+use super::record::{
+    Caller, Holder, Proof, Proofs, Reason, Release, Removal, Renewal, Replacer, Stop, Why,
+};
 use crate::error::{AcquireError, CleanupError, PrepareError};
 
 /// Where `advance` moves a lease.
@@ -205,11 +207,16 @@ impl Core {
         device: usize,
         generation: u64,
         reason: String,
+        replacer: Replacer,
     ) {
         self.missing(
             key,
             Proof::GpuFence,
-            Why::Lost { device, generation },
+            Why::Lost {
+                device,
+                generation,
+                replacer,
+            },
             format!("gpu device {device} lost: {reason}"),
             None,
         );
@@ -220,7 +227,7 @@ impl Core {
     pub(super) fn device_replaced(&mut self, device: usize, now: u64) {
         let keys = self.book.keys_where(|r| {
             r.reasons.iter().any(|x| {
-                matches!(x.why, Why::Lost { device: d, generation } if d == device && generation <= now)
+                matches!(x.why, Why::Lost { device: d, generation, .. } if d == device && generation <= now)
             })
         });
         for key in keys {

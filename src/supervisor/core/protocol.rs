@@ -183,6 +183,17 @@ pub(crate) enum Input {
         generation: u64,
         reason: String,
     },
+    /// The lease's GPU device was lost (seen by its fence) on that generation of the device,
+    /// and it is one the engine handed over: leasehold never re-creates it, so only the
+    /// engine's replacement ([`Input::DeviceReplaced`]) proves the work gone, and a shutdown
+    /// does not wait for that.
+    #[cfg_attr(not(any(feature = "gpu", test)), allow(dead_code))]
+    EngineDeviceLost {
+        key: LeaseKey,
+        device: usize,
+        generation: u64,
+        reason: String,
+    },
     /// A lost device was replaced (or given up for good); `generation` is the device's now.
     /// Work on every earlier generation is gone.
     #[cfg_attr(not(any(feature = "gpu", test)), allow(dead_code))]

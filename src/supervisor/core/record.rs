@@ -193,7 +193,22 @@ pub(crate) enum Why {
     Unproven,
     /// The lease's GPU device was lost (on that generation of the device): its work died with
     /// it, proven once the device is replaced (or given up).
-    Lost { device: usize, generation: u64 },
+    Lost {
+        device: usize,
+        generation: u64,
+        replacer: Replacer,
+    },
+}
+
+/// Who brings a lost GPU device back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Replacer {
+    /// leasehold re-creates it (a device it opened itself): the new device, or its giving up,
+    /// comes on its own.
+    Leasehold,
+    /// Only the engine can hand a replacement over (a device it adopted): nothing comes on
+    /// its own, so a shutdown does not wait for it.
+    Engine,
 }
 
 /// Why a lease is quarantined: one missing proof.
@@ -398,8 +413,9 @@ impl LeaseRecord {
     /// Whether a shutdown still waits for this lease: its release is in flight (bounded by the
     /// cleanup timeout), or it owes a proof that will come on its own — its body, tasks and
     /// process groups until they are proven or given up (whatever its quarantine reasons),
-    /// GPU work, a temp dir removal under way. What only a re-check could prove is not waited
-    /// for, nor anything late once the shutdown deadline has passed.
+    /// GPU work, a device leasehold re-creates, a temp dir removal under way. What only a
+    /// re-check or the engine's replacement of its device could prove is not waited for, nor
+    /// anything late once the shutdown deadline has passed.
     pub(crate) fn holds_shutdown(&self, deadline_passed: bool) -> bool {
         if self.is_releasing() {
             return true;
@@ -411,8 +427,20 @@ impl LeaseRecord {
                 .find(|r| r.proof == proof)
                 .map(|r| &r.why)
             {
-                Some(Why::Unproven) => false,
-                Some(Why::Late | Why::Lost { .. }) => !deadline_passed,
+                Some(
+                    Why::Unproven
+                    | Why::Lost {
+                        replacer: Replacer::Engine,
+                        ..
+                    },
+                ) => false,
+                Some(
+                    Why::Late
+                    | Why::Lost {
+                        replacer: Replacer::Leasehold,
+                        ..
+                    },
+                ) => !deadline_passed,
                 // Not removable yet: behind a proof that is unproven (or it would be running).
                 None if proof == Proof::TempDir => {
                     matches!(self.removal, Removal::Running | Removal::Driver)
@@ -512,5 +540,38 @@ mod tests {
         });
         assert!(lease.holds_shutdown(false));
         assert!(!lease.holds_shutdown(true));
+    }
+
+    #[test]
+    fn a_shutdown_waits_for_a_device_leasehold_re_creates_but_not_for_the_engines() {
+        let lost_on = |replacer| {
+            let mut lease = LeaseRecord::new(
+                SlotToken::new(0, 1),
+                Box::default(),
+                Holder::Job,
+                Priority::Normal,
+            );
+            lease.owed.clear(Proofs::JOINED.with(Proofs::TASKS));
+            lease.owed.add(Proof::GpuFence);
+            lease.reasons.push(Reason {
+                proof: Proof::GpuFence,
+                why: Why::Lost {
+                    device: 0,
+                    generation: 1,
+                    replacer,
+                },
+                detail: "gpu device 0 lost".into(),
+            });
+            assert!(lease.is_quarantined());
+            lease
+        };
+        // leasehold's own device comes back (or is given up) on its own: waited for until the
+        // deadline.
+        let own = lost_on(Replacer::Leasehold);
+        assert!(own.holds_shutdown(false));
+        assert!(!own.holds_shutdown(true));
+        // Only the engine can replace an adopted device: not waited for at all.
+        let adopted = lost_on(Replacer::Engine);
+        assert!(!adopted.holds_shutdown(false));
     }
 }

@@ -201,3 +201,107 @@ impl Core {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::protocol::{Ask, DirEnd, Effect, Input, LeaseKey, Want};
+    use super::super::record::Proofs;
+    use super::*;
+    use crate::broker::SlotToken;
+
+    fn effects(core: &mut Core) -> Vec<Effect> {
+        core.settle();
+        std::iter::from_fn(|| core.pop_effect()).collect()
+    }
+
+    /// A job on GPU device 0 whose body and tasks have ended and whose fence found the device
+    /// lost (`lost` is the fence's input), on a core that owns GPU devices.
+    fn lost_job(lost: impl FnOnce(LeaseKey) -> Input) -> (Core, LeaseKey) {
+        let mut core = Core::new(Some(1), false, true);
+        core.apply(Input::Enqueue {
+            waiter: 1,
+            ask: Ask::one(Want::Job),
+        });
+        let request = match effects(&mut core).as_slice() {
+            [Effect::Acquire { request, .. }] => *request,
+            other => panic!("expected one acquire, got {other:?}"),
+        };
+        core.apply(Input::Acquired {
+            request,
+            result: Ok(SlotToken::new(0, 1)),
+        });
+        let key = match effects(&mut core).as_slice() {
+            [Effect::Deliver { key, .. }] => *key,
+            other => panic!("expected a delivery, got {other:?}"),
+        };
+        core.apply(Input::Started {
+            key,
+            device: Some(0),
+        });
+        core.apply(Input::Proven {
+            key,
+            proofs: Proofs::JOINED.with(Proofs::TASKS),
+        });
+        core.apply(lost(key));
+        core.apply(Input::Ended {
+            key,
+            proofs: Proofs::default(),
+            dir: DirEnd::NeverMade,
+        });
+        effects(&mut core);
+        assert_eq!(core.quarantined(), 1);
+        (core, key)
+    }
+
+    /// Runs a shutdown as the shell would, answering every re-check and close at once and
+    /// never reaching the deadline: the quarantine of the `Stopped` effect, if it stopped.
+    fn shut_down(core: &mut Core) -> Option<usize> {
+        core.apply(Input::Shutdown);
+        for _ in 0..8 {
+            for effect in effects(core) {
+                match effect {
+                    Effect::Recheck {
+                        leases, purpose, ..
+                    } => core.apply(Input::Rechecked {
+                        results: Box::default(),
+                        leases,
+                        purpose,
+                    }),
+                    Effect::CloseGpu => core.apply(Input::GpuClosed),
+                    Effect::CloseBroker => core.apply(Input::BrokerClosed),
+                    Effect::Stopped { quarantine, .. } => return Some(quarantine.len()),
+                    _ => {}
+                }
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn a_shutdown_reports_a_lease_lost_on_the_engines_device_without_waiting_for_a_replacement() {
+        let (mut core, _) = lost_job(|key| Input::EngineDeviceLost {
+            key,
+            device: 0,
+            generation: 1,
+            reason: "destroyed".into(),
+        });
+        assert_eq!(
+            shut_down(&mut core),
+            Some(1),
+            "stopped at once, the slot reported quarantined"
+        );
+    }
+
+    #[test]
+    fn a_shutdown_waits_until_its_deadline_for_a_device_leasehold_re_creates() {
+        let (mut core, _) = lost_job(|key| Input::DeviceLost {
+            key,
+            device: 0,
+            generation: 1,
+            reason: "destroyed".into(),
+        });
+        assert_eq!(shut_down(&mut core), None, "the re-creation is waited for");
+        core.apply(Input::ShutdownDeadline);
+        assert_eq!(shut_down(&mut core), Some(1));
+    }
+}
