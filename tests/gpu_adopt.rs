@@ -15,9 +15,9 @@ mod gpu_support;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use common::TestBroker;
+use common::{EventLog, TestBroker};
 use gpu_support::{dispatch, engine_device, pattern, read_back, start};
-use leasehold::{GpuOptions, JobSpec, ScratchPolicy, Supervisor, wgpu};
+use leasehold::{BackendCall, GpuOptions, JobSpec, ScratchPolicy, Supervisor, wgpu};
 use tokio::sync::oneshot;
 
 /// One `fill` dispatch through the lease, and the first 4 words read back: `[1, 3, 5, 7]`.
@@ -29,17 +29,18 @@ fn fill_and_read(gpu: &leasehold::JobGpu) -> Vec<u32> {
 /// A held job's task: its `run` result.
 type Held = tokio::task::JoinHandle<Result<(), leasehold::JobError<std::io::Error>>>;
 
-/// Starts job `id` on `sup`, which reports its device index and then holds its slot until
-/// `release` is sent (or dropped).
+/// Starts job `id` on `sup`, which submits GPU work through its lease (a loss of its device
+/// is then the lease's: a lease with no GPU work is not failed by one), reports its device
+/// index and then holds its slot until `release` is sent (or dropped).
 fn hold(sup: &Supervisor, id: &str) -> (oneshot::Receiver<usize>, oneshot::Sender<()>, Held) {
     let (running_tx, running_rx) = oneshot::channel();
     let (release_tx, release_rx) = oneshot::channel::<()>();
     let (sup, id) = (sup.clone(), id.to_owned());
     let job = tokio::spawn(async move {
         sup.run(JobSpec::new(id).unwrap(), move |ctx| async move {
-            running_tx
-                .send(ctx.gpu().expect("a gpu slot").device_index())
-                .unwrap();
+            let gpu = ctx.gpu().expect("a gpu slot");
+            gpu.submit([dispatch(gpu, "fill", 1)]);
+            running_tx.send(gpu.device_index()).unwrap();
             let _ = release_rx.await;
             Ok::<_, std::io::Error>(())
         })
@@ -714,6 +715,275 @@ async fn a_replacement_callback_that_panics_leaves_the_slot_quarantined_and_repl
     sup.replace_device(0, d1, q1).await.unwrap();
     assert_eq!(sup.stats().quarantined, 0);
     assert_eq!(fill_job(&sup, "after").await.unwrap(), [1, 3, 5, 7]);
+    sup.shutdown().await.unwrap();
+}
+
+/// A job that submits `groups` workgroups of `long` through its lease, records when the GPU
+/// says that work is done, tells the test, and returns once `go` is sent.
+fn long_job_until(
+    sup: &Supervisor,
+    id: &str,
+    groups: u32,
+    done: Arc<AtomicBool>,
+) -> (oneshot::Receiver<()>, oneshot::Sender<()>, Held) {
+    let (submitted_tx, submitted_rx) = oneshot::channel();
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let (sup, id) = (sup.clone(), id.to_owned());
+    let job = tokio::spawn(async move {
+        sup.run(JobSpec::new(id).unwrap(), move |ctx| async move {
+            let gpu = ctx.gpu().expect("a gpu slot").clone();
+            gpu.submit([dispatch(&gpu, "long", groups)]);
+            gpu.queue()
+                .on_submitted_work_done(move || done.store(true, Ordering::SeqCst));
+            submitted_tx.send(()).unwrap();
+            let _ = go_rx.await;
+            Ok::<_, std::io::Error>(())
+        })
+        .await
+    });
+    (submitted_rx, go_tx, job)
+}
+
+/// The engine replaces a device that works (`replace_device` of a live device): the lease
+/// running on the old device keeps its handles, its release waits for its work there (the
+/// GPU's own completion signal has fired when `run` answers), and it ends well; new leases go
+/// to the new device, and the old one is still the engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replacing_a_device_that_is_not_lost_lets_the_lease_on_it_finish_there() {
+    let Some((sup, d0, q0)) = adopted(1).await else {
+        return;
+    };
+    let work_done = Arc::new(AtomicBool::new(false));
+    let (submitted, go, job) =
+        long_job_until(&sup, "on-the-old-device", 1024, Arc::clone(&work_done));
+    submitted.await.unwrap();
+    // A replacement told apart from the old device by its limits.
+    let limits = wgpu::Limits {
+        max_bind_groups: 3,
+        ..Default::default()
+    };
+    let backends =
+        wgpu::Backends::from_env().unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::GL);
+    let Some((d1, q1, _)) = gpu_support::engine_device_with(backends, limits).await else {
+        return;
+    };
+    sup.replace_device(0, d1.clone(), q1).await.unwrap();
+    go.send(()).unwrap();
+    job.await
+        .unwrap()
+        .expect("the lease on the replaced (working) device ends well");
+    assert!(
+        work_done.load(Ordering::SeqCst),
+        "run answered before the lease's work on the old device had completed"
+    );
+    let devices = sup.gpu_devices();
+    assert_eq!(devices[0].generation, 2, "{devices:?}");
+    assert!(devices[0].lost.is_none(), "{devices:?}");
+    let on_new = sup
+        .run(
+            JobSpec::new("on-the-new-device").unwrap(),
+            move |ctx| async move {
+                let gpu = ctx.gpu().expect("a gpu slot").clone();
+                let on_new = gpu.device().limits().max_bind_groups == 3;
+                let words = ctx
+                    .spawn_blocking(move || fill_and_read(&gpu))
+                    .await
+                    .unwrap();
+                Ok::<_, std::io::Error>((on_new, words))
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(on_new, (true, vec![1, 3, 5, 7]));
+    let report = sup.shutdown().await.unwrap();
+    assert_eq!(report.quarantined, 0);
+    // The old device was neither destroyed nor drained by leasehold: the engine still uses it.
+    assert_eq!(engine_fill(&d0, &q0), [1, 3, 5, 7]);
+}
+
+/// `replace_device` refuses a device that cannot hold the slots' scratch (its limits are too
+/// small); that refused device leaves no trace: when the engine later destroys it, the device
+/// installed since is not marked lost, and leases keep running on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_replacement_leaves_no_trace_on_the_device_it_refused() {
+    let Some((sup, _d0, _q0)) = adopted(1).await else {
+        return;
+    };
+    let backends =
+        wgpu::Backends::from_env().unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::GL);
+    let small = wgpu::Limits {
+        max_buffer_size: 1024,
+        ..Default::default()
+    };
+    let Some((refused, refused_queue, _)) = gpu_support::engine_device_with(backends, small).await
+    else {
+        return;
+    };
+    let err = sup
+        .replace_device(0, refused.clone(), refused_queue.clone())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "GPU_UNAVAILABLE", "{err}");
+    assert_eq!(sup.gpu_devices()[0].generation, 1, "nothing was installed");
+    let Some((good, good_queue, _)) = engine_device().await else {
+        return;
+    };
+    sup.replace_device(0, good, good_queue).await.unwrap();
+    // The engine is done with the device it could not hand over.
+    refused.destroy();
+    let _ = refused.poll(wgpu::PollType::Poll);
+    let devices = sup.gpu_devices();
+    assert!(
+        devices[0].lost.is_none(),
+        "destroying the refused device marked the installed one lost: {devices:?}"
+    );
+    assert_eq!(fill_job(&sup, "after").await.unwrap(), [1, 3, 5, 7]);
+    let report = sup.shutdown().await.unwrap();
+    assert_eq!(report.quarantined, 0);
+}
+
+/// A replacement from another adapter (here: another backend, Vulkan for GL or GL for Vulkan)
+/// is reported as what it is: jobs see its adapter info, and so does `gpu_devices()`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replacement_from_another_backend_reports_its_own_adapter() {
+    let Some((sup, d0, _q0)) = adopted(1).await else {
+        return;
+    };
+    let first = d0.adapter_info().backend;
+    let other = if first == wgpu::Backend::Gl {
+        wgpu::Backends::VULKAN
+    } else {
+        wgpu::Backends::GL
+    };
+    let Some((d1, q1, i1)) = gpu_support::engine_device_with(other, wgpu::Limits::default()).await
+    else {
+        return;
+    };
+    assert_ne!(i1.backend, first);
+    sup.replace_device(0, d1, q1).await.unwrap();
+    let (seen, words) = sup
+        .run(JobSpec::new("where").unwrap(), |ctx| async move {
+            let gpu = ctx.gpu().expect("a gpu slot").clone();
+            let seen = gpu.adapter_info().clone();
+            let words = ctx
+                .spawn_blocking(move || fill_and_read(&gpu))
+                .await
+                .unwrap();
+            Ok::<_, std::io::Error>((seen, words))
+        })
+        .await
+        .unwrap();
+    assert_eq!(words, [1, 3, 5, 7]);
+    assert_eq!(seen.backend, i1.backend, "the job's adapter info: {seen:?}");
+    assert_eq!(seen.name, i1.name);
+    let devices = sup.gpu_devices();
+    assert_eq!(
+        devices[0].backend,
+        format!("{:?}", i1.backend),
+        "{devices:?}"
+    );
+    assert_eq!(devices[0].adapter, i1.name, "{devices:?}");
+    sup.shutdown().await.unwrap();
+}
+
+/// With `FencePolicy::Recorded`, a lease that used its scratch waits for its own submissions
+/// only. Its release submits nothing on the shared queue (the scratch was cleared when the job
+/// took it, ordered before the job's own work) and waits for the job's last submission: seen
+/// through the backend hook, on every backend. Where the backend runs submissions
+/// asynchronously (Vulkan), the engine's frame, submitted after the job's work, is still
+/// running when `run` answers (its completion callback has not fired, after a poll). On GL,
+/// wgpu runs a submission inside `queue.submit`, under the device's submission lock: the
+/// engine's frame has completed before its submit returns, so only the first half can be seen
+/// there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recorded_fence_waits_for_the_jobs_own_work_and_not_the_engines_later_frame() {
+    let Some((device, queue, info)) = engine_device().await else {
+        return;
+    };
+    let log = EventLog::default();
+    let calls = log.clone();
+    let opts = GpuOptions::new()
+        .adopt(device.clone(), queue.clone(), info)
+        .fence_policy(leasehold::FencePolicy::Recorded)
+        .backend_hook(move |call, _device, _sub| {
+            if matches!(
+                call,
+                BackendCall::ZeroScratch | BackendCall::FenceSubmit | BackendCall::FenceWait
+            ) {
+                calls.push(format!("{call:?}"));
+            }
+        });
+    let Some(sup) = start(Supervisor::builder(), opts).await else {
+        return;
+    };
+    let own_done = Arc::new(AtomicBool::new(false));
+    let frame_done = Arc::new(AtomicBool::new(false));
+    let (submitted_tx, submitted_rx) = std::sync::mpsc::channel::<()>();
+    let (frame_tx, frame_rx) = oneshot::channel::<bool>();
+    // The engine's thread: once the job has submitted, one long frame on the shared queue.
+    let engine = {
+        let (device, queue, frame_done) = (device.clone(), queue.clone(), Arc::clone(&frame_done));
+        std::thread::spawn(move || {
+            let buffer = device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("engine"),
+                size: 4 * (4096 * 64 + 1),
+                usage: wgpu::BufferUsages::STORAGE,
+                mapped_at_creation: false,
+            });
+            let frame = engine_pass(&device, &buffer, "long", 4096);
+            submitted_rx.recv().unwrap();
+            queue.submit([frame]);
+            let done = Arc::clone(&frame_done);
+            queue.on_submitted_work_done(move || done.store(true, Ordering::SeqCst));
+            let _ = device.poll(wgpu::PollType::Poll);
+            // Still running after its submission returned: the backend runs work
+            // asynchronously.
+            let asynchronous = !frame_done.load(Ordering::SeqCst);
+            frame_tx.send(asynchronous).unwrap();
+        })
+    };
+    let (own, job_log) = (Arc::clone(&own_done), log.clone());
+    let asynchronous = sup
+        .run(
+            JobSpec::new("own-work-only").unwrap(),
+            move |ctx| async move {
+                let gpu = ctx.gpu().expect("a gpu slot").clone();
+                gpu.submit([dispatch(&gpu, "fill", 1)]);
+                gpu.queue()
+                    .on_submitted_work_done(move || own.store(true, Ordering::SeqCst));
+                submitted_tx.send(()).unwrap();
+                let asynchronous = frame_rx.await.unwrap();
+                job_log.push("job-end");
+                Ok::<_, std::io::Error>(asynchronous)
+            },
+        )
+        .await
+        .unwrap();
+    let _ = device.poll(wgpu::PollType::Poll);
+    let frame_done_at_answer = frame_done.load(Ordering::SeqCst);
+    engine.join().unwrap();
+    let events = log.events();
+    let release: Vec<&String> = events[log.position("job-end") + 1..].iter().collect();
+    assert_eq!(
+        release,
+        ["FenceWait"],
+        "the release waits for the job's own work and submits nothing: {events:?}"
+    );
+    assert!(
+        own_done.load(Ordering::SeqCst),
+        "run answered before the job's own work completed"
+    );
+    if asynchronous {
+        assert!(
+            !frame_done_at_answer,
+            "run answered only after the engine's later frame had completed"
+        );
+    } else {
+        eprintln!(
+            "the backend ran the engine's frame inside its submission: its order against the \
+             release cannot be seen here"
+        );
+    }
     sup.shutdown().await.unwrap();
 }
 

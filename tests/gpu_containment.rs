@@ -180,7 +180,10 @@ async fn a_device_whose_re_creation_keeps_panicking_is_given_up() {
     let victim = {
         let sup = sup.clone();
         tokio::spawn(async move {
-            sup.run(JobSpec::new("victim").unwrap(), move |_ctx| async move {
+            sup.run(JobSpec::new("victim").unwrap(), move |ctx| async move {
+                // GPU work of its own: the device's loss is the lease's.
+                let gpu = ctx.gpu().unwrap();
+                gpu.submit([dispatch(gpu, "fill", 1)]);
                 running_tx.send(()).unwrap();
                 lost_rx.await.unwrap();
                 Ok::<_, std::io::Error>(())
@@ -189,7 +192,9 @@ async fn a_device_whose_re_creation_keeps_panicking_is_given_up() {
         })
     };
     running_rx.await.unwrap();
-    sup.gpu_device(0).unwrap().destroy();
+    let device = sup.gpu_device(0).unwrap();
+    device.destroy();
+    let _ = device.poll(leasehold::wgpu::PollType::Poll);
     lost_tx.send(()).unwrap();
     assert_eq!(
         victim.await.unwrap().unwrap_err().code(),

@@ -22,11 +22,12 @@ pub enum BackendCall {
     Submit,
     /// The fence's non-blocking poll.
     FencePoll,
-    /// The fence's own empty submission (when no scratch clear stands for it).
+    /// The fence's own empty submission (`FencePolicy::Queue`, for a lease that took its
+    /// queue).
     FenceSubmit,
     /// The fence's blocking wait.
     FenceWait,
-    /// Zeroing a sub-slot's scratch: a clear of both buffers, submitted.
+    /// Zeroing a sub-slot's scratch when a lease takes it: a clear of both buffers, submitted.
     ZeroScratch,
     /// Dropping wgpu handles that may be the last ones of a device generation.
     Drop,

@@ -1,5 +1,5 @@
-//! One device of the pool: its current generation (device, queue, per sub-slot scratch), its
-//! loss state, and everything that creates, zeroes or lets go of its wgpu objects.
+//! One device of the pool: its current generation (device, queue, per sub-slot scratch), each
+//! generation's own loss, and everything that creates, zeroes or lets go of its wgpu objects.
 
 use std::fmt;
 use std::sync::{Arc, Weak};
@@ -11,8 +11,51 @@ use super::contain::{BackendCall, Guard};
 use super::error::GpuError;
 use super::handles::{JobHandles, SlotScratch};
 
+/// One installed device of a pool's device index: its number (1 for the first, one more per
+/// re-creation or replacement), the adapter it runs on, and its own loss. A lease keeps the
+/// generation it checked out: replacing the device does not make the old one lost (its leases
+/// are fenced on it until they end), and a loss marks only the generation it happened to.
+pub(super) struct Generation {
+    pub(super) number: u64,
+    /// The device's own adapter (`wgpu::Device::adapter_info`): a replacement from another
+    /// adapter or backend is reported as what it is.
+    pub(super) info: wgpu::AdapterInfo,
+    /// Why it is lost (its device-lost callback, or a backend panic in a call on it).
+    lost: Mutex<Option<String>>,
+}
+
+impl Generation {
+    fn new(number: u64, info: wgpu::AdapterInfo) -> Self {
+        Self {
+            number,
+            info,
+            lost: Mutex::new(None),
+        }
+    }
+
+    /// Why this generation can no longer be used, if it cannot.
+    pub(super) fn loss(&self) -> Option<String> {
+        self.lost.lock().clone()
+    }
+
+    pub(super) fn is_lost(&self) -> bool {
+        self.lost.lock().is_some()
+    }
+}
+
+impl fmt::Debug for Generation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Generation")
+            .field("number", &self.number)
+            .field("backend", &self.info.backend)
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
 /// What the pool holds of a device's current generation.
 pub(super) struct Current {
+    pub(super) generation: Arc<Generation>,
     pub(super) device: wgpu::Device,
     pub(super) queue: wgpu::Queue,
     /// One per sub-slot, created with the generation (a new device comes with new, zeroed
@@ -24,16 +67,23 @@ pub(super) struct Current {
 pub(super) struct DevState {
     /// `None` before the first install and after `close`.
     pub(super) current: Option<Current>,
-    /// 1 at start, one more per re-creation.
-    pub(super) generation: u64,
-    /// Why the current generation is lost (the device-lost callback, or a backend panic).
-    pub(super) lost: Option<String>,
+    /// The number of the latest generation installed (0 before the first).
+    pub(super) installed: u64,
     /// No more re-creation attempts will be made.
     pub(super) dead: bool,
 }
 
+impl DevState {
+    /// The current generation, if it is installed and not lost.
+    pub(super) fn usable(&self) -> Option<&Current> {
+        self.current.as_ref().filter(|c| !c.generation.is_lost())
+    }
+}
+
 pub(crate) struct GpuDevice {
     pub(super) index: usize,
+    /// The adapter of its first generation: leasehold re-creates the devices it opened itself
+    /// on that adapter. What a generation runs on is its own [`Generation::info`].
     pub(super) info: wgpu::AdapterInfo,
     /// The engine created it ([`GpuOptions::adopt`](super::GpuOptions::adopt)): never
     /// re-created, destroyed or waited on at close; a loss waits for the engine's replacement.
@@ -86,8 +136,7 @@ impl GpuDevice {
             replacing: Mutex::new(()),
             state: Mutex::new(DevState {
                 current: None,
-                generation: 0,
-                lost: None,
+                installed: 0,
                 dead: false,
             }),
             create_lock: tokio::sync::Mutex::new(()),
@@ -97,29 +146,26 @@ impl GpuDevice {
         }
     }
 
-    /// Usable: installed, not closed, not lost.
+    /// Usable: installed, not closed, its current generation not lost.
     pub(super) fn usable(&self) -> bool {
-        let s = self.state.lock();
-        s.current.is_some() && s.lost.is_none()
+        self.state.lock().usable().is_some()
     }
 
-    /// Why `generation` can no longer be used, if it cannot: it was lost, or replaced.
-    pub(super) fn loss_of(&self, generation: u64) -> Option<String> {
+    /// The current generation, lost or not (`None` before the first install and after close).
+    pub(super) fn current_generation(&self) -> Option<Arc<Generation>> {
         let s = self.state.lock();
-        if s.generation != generation {
-            Some(s.lost.clone().unwrap_or_else(|| "replaced".into()))
-        } else {
-            s.lost.clone()
-        }
+        s.current.as_ref().map(|c| Arc::clone(&c.generation))
     }
 
-    /// Marks `generation` lost (if it is still the current one and not lost already): fences
-    /// on it fail with `LEASE_GPU_DEVICE_LOST` and the next checkout re-creates the device.
-    pub(super) fn mark_lost(&self, generation: u64, reason: String) {
-        let mut s = self.state.lock();
-        if s.generation == generation && s.lost.is_none() {
-            tracing::error!(index = self.index, generation, %reason, "gpu device lost");
-            s.lost = Some(reason);
+    /// Marks `generation` lost (if it is not lost already): fences on it fail with
+    /// `LEASE_GPU_DEVICE_LOST`, and if it is the current one, the next checkout re-creates the
+    /// device (or, for an adopted one, waits for the engine's replacement). No other
+    /// generation is touched.
+    pub(super) fn mark_lost(&self, generation: &Generation, reason: String) {
+        let mut lost = generation.lost.lock();
+        if lost.is_none() {
+            tracing::error!(index = self.index, generation = generation.number, %reason, "gpu device lost");
+            *lost = Some(reason);
         }
     }
 
@@ -127,7 +173,7 @@ impl GpuDevice {
     pub(super) async fn open_on(
         self: &Arc<Self>,
         adapter: &wgpu::Adapter,
-    ) -> Result<u64, GpuError> {
+    ) -> Result<Arc<Generation>, GpuError> {
         let request = async {
             let desc = wgpu::DeviceDescriptor {
                 label: Some("leasehold"),
@@ -145,76 +191,100 @@ impl GpuDevice {
         self.install(device, queue)
     }
 
-    /// Makes `device` and `queue` the current generation, with its loss callback and new
-    /// scratch, and wakes the checkouts waiting for it. Every backend call is guarded: a panic
-    /// is an error here, the old generation is left as it was. One installer at a time (`open`,
-    /// the holder of `create_lock`, or a replacement the engine hands over under it).
+    /// Makes `device` and `queue` the current generation, with new scratch and its own loss
+    /// callback, and wakes the checkouts waiting for it. Every backend call is guarded: a panic
+    /// is an error here. A device refused here (its scratch could not be made) is left as it
+    /// came: no loss callback of leasehold's is set on it, and the current generation is
+    /// untouched. One installer at a time (`open`, the holder of `create_lock`, or a
+    /// replacement the engine hands over under `replacing`).
     pub(super) fn install(
         self: &Arc<Self>,
         device: wgpu::Device,
         queue: wgpu::Queue,
-    ) -> Result<u64, GpuError> {
-        let next = self.state.lock().generation + 1;
+    ) -> Result<Arc<Generation>, GpuError> {
+        let number = self.state.lock().installed + 1;
         let made = self
             .guard
             .run(BackendCall::CreateScratch, self.index, None, || {
-                let weak = Arc::downgrade(self);
-                device.set_device_lost_callback(move |reason, message| {
-                    if let Some(dev) = weak.upgrade() {
-                        dev.mark_lost(next, format!("{reason:?}: {message}"));
-                    }
-                });
+                let info = device.adapter_info();
                 (0..self.slots)
                     .map(|sub| make_scratch(&device, self.scratch_size, self.index, sub))
                     .collect::<Result<Vec<_>, _>>()
+                    .map(|scratch| (info, scratch))
             });
-        let scratch = match made {
-            Ok(Ok(scratch)) => scratch,
+        let (info, scratch) = match made {
+            Ok(Ok(made)) => made,
             Ok(Err(e)) | Err(e) => {
-                Doomed::new((device, queue), self, next).drop_off_thread();
+                // Dropped guarded; a panic there marks a generation nobody installed.
+                let orphan = Arc::new(Generation::new(number, self.info.clone()));
+                Doomed::new((device, queue), self, &orphan).drop_off_thread();
                 return Err(GpuError::CreateFailed(e));
             }
         };
+        let generation = Arc::new(Generation::new(number, info));
+        // Only now, once the device is accepted: the callback marks this generation alone, so
+        // a device that is replaced later (or lost later) never marks its successor.
+        let weak = Arc::downgrade(self);
+        let marked = Arc::clone(&generation);
+        let set = self
+            .guard
+            .run(BackendCall::CreateScratch, self.index, None, || {
+                device.set_device_lost_callback(move |reason, message| {
+                    let reason = format!("{reason:?}: {message}");
+                    match weak.upgrade() {
+                        Some(dev) => dev.mark_lost(&marked, reason),
+                        None => *marked.lost.lock() = Some(reason),
+                    }
+                });
+            });
+        if let Err(e) = set {
+            Doomed::new((device, queue, scratch), self, &generation).drop_off_thread();
+            return Err(GpuError::CreateFailed(e));
+        }
         let old = {
             let mut s = self.state.lock();
-            s.generation = next;
-            s.lost = None;
+            s.installed = number;
             s.current.replace(Current {
+                generation: Arc::clone(&generation),
                 device,
                 queue,
                 scratch,
             })
         };
         if let Some(old) = old {
-            Doomed::new(old, self, next - 1).drop_off_thread();
+            let was = Arc::clone(&old.generation);
+            Doomed::new(old, self, &was).drop_off_thread();
         }
         self.installed.notify_waiters();
-        Ok(next)
+        Ok(generation)
     }
 
-    /// Lets go of a job's handles. While they belong to the current generation, the pool holds
-    /// the same device and scratch, so dropping them only lowers reference counts: that
-    /// happens here, guarded, under the state lock (no one can take the pool's handles
-    /// meanwhile). Otherwise they may be the last handles of an old generation: off the thread.
+    /// Lets go of a job's handles (and the scratch it took, if the take gave it new buffers).
+    /// While they belong to the current generation, the pool holds the same device and
+    /// scratch, so dropping them only lowers reference counts: that happens here, guarded,
+    /// under the state lock (no one can take the pool's handles meanwhile). Otherwise they may
+    /// be the last handles of an old generation: off the thread.
     pub(super) fn release_job_handles(
         self: &Arc<Self>,
-        generation: u64,
+        generation: &Arc<Generation>,
         sub: usize,
         handles: JobHandles,
+        taken: Option<SlotScratch>,
     ) {
         let state = self.state.lock();
-        let held = state.generation == generation
-            && state.current.as_ref().is_some_and(|c| {
-                c.device == handles.device
-                    && c.scratch
-                        .get(sub)
-                        .is_some_and(|s| s.same_buffers(&handles.scratch))
-            });
+        let held = state.current.as_ref().is_some_and(|c| {
+            Arc::ptr_eq(&c.generation, generation)
+                && c.device == handles.device
+                && c.scratch.get(sub).is_some_and(|s| {
+                    s.same_buffers(&handles.scratch)
+                        && taken.as_ref().is_none_or(|t| s.same_buffers(t))
+                })
+        });
         if held {
             let dropped = self
                 .guard
                 .run(BackendCall::Drop, self.index, Some(sub), move || {
-                    drop(handles)
+                    drop((handles, taken))
                 });
             drop(state);
             if let Err(message) = dropped {
@@ -222,14 +292,15 @@ impl GpuDevice {
             }
         } else {
             drop(state);
-            Doomed::new(handles, self, generation).drop_off_thread();
+            Doomed::new((handles, taken), self, generation).drop_off_thread();
         }
     }
 
-    /// Clears both scratch buffers of a sub-slot and submits the clear. A mapping the job left
-    /// on the readback buffer (done or still pending) makes wgpu refuse the submission; it is
-    /// ended then, and the clear tried once more (unmapping first every time would cost every
-    /// lease a validation error, since a buffer that is not mapped cannot be unmapped).
+    /// Clears both scratch buffers of a sub-slot and submits the clear (when a lease takes its
+    /// scratch, before any work of its own). A mapping the previous lease left on the readback
+    /// buffer (done or still pending) makes wgpu refuse the submission; it is ended then, and
+    /// the clear tried once more (unmapping first every time would cost every take a
+    /// validation error, since a buffer that is not mapped cannot be unmapped).
     pub(super) fn zero_scratch(
         &self,
         sub: usize,
@@ -262,17 +333,18 @@ impl GpuDevice {
             })
     }
 
-    /// Gives a sub-slot of `generation` new scratch buffers (wgpu zero-initialises new
-    /// buffers): for a scratch wgpu refused to clear. If that fails too, the generation is
-    /// marked lost rather than hand the old contents to the next lease.
-    pub(super) fn replace_scratch(self: &Arc<Self>, generation: u64, sub: usize, why: &str) {
-        let device = {
-            let s = self.state.lock();
-            match &s.current {
-                Some(c) if s.generation == generation => c.device.clone(),
-                _ => return,
-            }
-        };
+    /// New scratch buffers for sub-slot `sub` of `generation` (wgpu zero-initialises new
+    /// buffers), made on `device` (the generation's): for a scratch wgpu refused to clear (a
+    /// lease destroyed it). They replace the sub-slot's scratch while `generation` is the
+    /// current one. If they cannot be made either, the generation is marked lost rather than
+    /// hand the old contents on.
+    pub(super) fn replace_scratch(
+        self: &Arc<Self>,
+        generation: &Arc<Generation>,
+        sub: usize,
+        device: &wgpu::Device,
+        why: &str,
+    ) -> Result<SlotScratch, String> {
         tracing::warn!(
             index = self.index,
             sub,
@@ -282,30 +354,33 @@ impl GpuDevice {
         let made = self
             .guard
             .run(BackendCall::CreateScratch, self.index, Some(sub), || {
-                make_scratch(&device, self.scratch_size, self.index, sub)
+                make_scratch(device, self.scratch_size, self.index, sub)
             });
         match made {
             Ok(Ok(fresh)) => {
                 let old = {
                     let mut s = self.state.lock();
-                    let same = s.generation == generation;
                     match &mut s.current {
-                        Some(c) if same => Some(std::mem::replace(&mut c.scratch[sub], fresh)),
+                        Some(c) if Arc::ptr_eq(&c.generation, generation) => c
+                            .scratch
+                            .get_mut(sub)
+                            .map(|slot| std::mem::replace(slot, fresh.clone())),
                         _ => None,
                     }
                 };
                 if let Some(old) = old {
                     Doomed::new(old, self, generation).drop_off_thread();
                 }
+                Ok(fresh)
             }
-            Ok(Err(e)) | Err(e) => self.mark_lost(
-                generation,
-                format!(
+            Ok(Err(e)) | Err(e) => {
+                let reason = format!(
                     "scratch of sub-slot {sub} could neither be zeroed ({why}) nor replaced ({e})"
-                ),
-            ),
+                );
+                self.mark_lost(generation, reason.clone());
+                Err(reason)
+            }
         }
-        Doomed::new(device, self, generation).drop_off_thread();
     }
 }
 
@@ -358,19 +433,19 @@ fn make_scratch(
 }
 
 /// wgpu handles on their way out. Dropping a `Doomed` drops them inside the guard; a panic is
-/// reported as a loss of the generation they belong to (nothing, if it has been replaced).
+/// reported as a loss of the generation they belong to (nothing else).
 pub(super) struct Doomed<T> {
     value: Option<T>,
     owner: Weak<GpuDevice>,
-    generation: u64,
+    generation: Arc<Generation>,
 }
 
 impl<T> Doomed<T> {
-    pub(super) fn new(value: T, owner: &Arc<GpuDevice>, generation: u64) -> Self {
+    pub(super) fn new(value: T, owner: &Arc<GpuDevice>, generation: &Arc<Generation>) -> Self {
         Self {
             value: Some(value),
             owner: Arc::downgrade(owner),
-            generation,
+            generation: Arc::clone(generation),
         }
     }
 
@@ -403,10 +478,11 @@ impl<T> Drop for Doomed<T> {
         let owner = self.owner.upgrade();
         let guard = owner.as_ref().map(|o| o.guard.clone()).unwrap_or_default();
         let index = owner.as_ref().map_or(0, |o| o.index);
-        if let Err(message) = guard.run(BackendCall::Drop, index, None, move || drop(value))
-            && let Some(owner) = owner
-        {
-            owner.mark_lost(self.generation, message);
+        if let Err(message) = guard.run(BackendCall::Drop, index, None, move || drop(value)) {
+            match owner {
+                Some(owner) => owner.mark_lost(&self.generation, message),
+                None => *self.generation.lost.lock() = Some(message),
+            }
         }
     }
 }

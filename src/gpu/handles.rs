@@ -3,9 +3,9 @@
 //! both depend on this file and not on each other.
 
 /// One slot's scratch: a storage buffer the job may use for anything, and a mappable readback
-/// buffer of the same size. The next lease of the same sub-slot gets them only after this
-/// lease's GPU work has completed, and (by default, [`ScratchPolicy::Zeroed`](crate::ScratchPolicy))
-/// cleared to zero.
+/// buffer of the same size. The same buffers serve the sub-slot's leases one after another; by
+/// default ([`ScratchPolicy::Zeroed`](crate::ScratchPolicy)) both are cleared to zero when a
+/// lease takes them, by a clear queued after everything earlier leases submitted.
 #[derive(Debug, Clone)]
 pub struct SlotScratch {
     /// `STORAGE | COPY_SRC | COPY_DST`.

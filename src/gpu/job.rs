@@ -1,12 +1,12 @@
 //! What a job borrows: `JobGpu` (its lease's device, queue and scratch).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
 use super::contain::BackendCall;
-use super::device::GpuDevice;
+use super::device::{Generation, GpuDevice, Zeroing};
 use super::error::GpuError;
 use super::handles::{JobHandles, SlotScratch};
 
@@ -25,12 +25,20 @@ pub(super) struct JobGpuInner {
     /// Always `Some` until `drop` takes it.
     handles: Option<JobHandles>,
     pub(super) sub: usize,
-    pub(super) generation: u64,
+    /// The generation of the device the lease checked out: its fence waits there, and only
+    /// its own loss fails the lease.
+    pub(super) generation: Arc<Generation>,
+    /// Clear the scratch when the job takes it ([`ScratchPolicy::Zeroed`](super::ScratchPolicy)).
+    zero: bool,
+    /// The scratch the job took (`JobGpu::scratch`), once it has: cleared first, or new
+    /// buffers when the old ones could not be cleared; `Err` when neither could be done.
+    taken: OnceLock<Result<SlotScratch, GpuError>>,
+    /// Whether the job took the queue (`JobGpu::queue`): only then can it have submitted on it
+    /// directly. Read by the fence after the worker and its tasks have ended (joining them
+    /// orders every store before the load: `Relaxed`).
+    queue_taken: AtomicBool,
     /// A count the job reads back; it publishes nothing else (`Relaxed`).
     submissions: AtomicU64,
-    /// Whether the job asked for its scratch (`JobGpu::scratch`): a lease that never did cannot
-    /// have written it, and its release skips the clear.
-    scratch_used: AtomicBool,
     /// The latest submission made through the context.
     pub(super) last: Mutex<Option<wgpu::SubmissionIndex>>,
     pub(super) owner: Arc<GpuDevice>,
@@ -41,7 +49,7 @@ impl std::fmt::Debug for JobGpuInner {
         f.debug_struct("JobGpu")
             .field("device", &self.owner)
             .field("sub", &self.sub)
-            .field("generation", &self.generation)
+            .field("generation", &self.generation.number)
             .field("submissions", &self.submissions.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
@@ -51,15 +59,18 @@ impl JobGpuInner {
     pub(super) fn new(
         owner: Arc<GpuDevice>,
         sub: usize,
-        generation: u64,
+        generation: Arc<Generation>,
         handles: JobHandles,
+        zero: bool,
     ) -> Self {
         Self {
             handles: Some(handles),
             sub,
             generation,
+            zero,
+            taken: OnceLock::new(),
+            queue_taken: AtomicBool::new(false),
             submissions: AtomicU64::new(0),
-            scratch_used: AtomicBool::new(false),
             last: Mutex::new(None),
             owner,
         }
@@ -75,18 +86,39 @@ impl JobGpuInner {
         self.owner.index
     }
 
-    /// Read by the fence, after the worker and its tasks have ended: joining them orders every
-    /// `scratch()` call before this load, so `Relaxed` is enough.
-    pub(super) fn scratch_used(&self) -> bool {
-        self.scratch_used.load(Ordering::Relaxed)
+    /// Whether the job took the queue (see `queue_taken`).
+    pub(super) fn queue_taken(&self) -> bool {
+        self.queue_taken.load(Ordering::Relaxed)
+    }
+
+    /// The job's first take of its scratch: cleared on the queue before anything the job
+    /// submits after it, or replaced by new buffers if wgpu refuses the clear. A backend panic
+    /// is a loss of the lease's device generation.
+    fn take_scratch(&self) -> Result<SlotScratch, GpuError> {
+        let h = self.handles();
+        if !self.zero {
+            return Ok(h.scratch.clone());
+        }
+        let owner = &self.owner;
+        match owner.zero_scratch(self.sub, &h.device, &h.queue, &h.scratch) {
+            Ok(Zeroing::Submitted) => Ok(h.scratch.clone()),
+            Ok(Zeroing::Refused(why)) => owner
+                .replace_scratch(&self.generation, self.sub, &h.device, &why)
+                .map_err(GpuError::DeviceLost),
+            Err(message) => {
+                owner.mark_lost(&self.generation, message.clone());
+                Err(GpuError::DeviceLost(message))
+            }
+        }
     }
 }
 
 impl Drop for JobGpuInner {
     fn drop(&mut self) {
         if let Some(handles) = self.handles.take() {
+            let taken = self.taken.take().and_then(Result::ok);
             self.owner
-                .release_job_handles(self.generation, self.sub, handles);
+                .release_job_handles(&self.generation, self.sub, handles, taken);
         }
     }
 }
@@ -97,15 +129,18 @@ impl JobGpu {
         &self.inner.handles().device
     }
 
-    /// The device's queue. Work submitted on it directly is covered too: the release waits for
-    /// everything submitted on this queue before the worker ended.
+    /// The device's queue. Work submitted on it directly is covered too: with
+    /// [`FencePolicy::Queue`](crate::FencePolicy) (the default), the release of a lease that
+    /// took its queue waits for everything submitted on it before the worker ended.
     pub fn queue(&self) -> &wgpu::Queue {
+        self.inner.queue_taken.store(true, Ordering::Relaxed);
         &self.inner.handles().queue
     }
 
-    /// Which adapter the device runs on (its `backend` says Vulkan, GL, Metal or DX12).
+    /// Which adapter the device runs on (its `backend` says Vulkan, GL, Metal or DX12): the
+    /// device's own, also after the engine replaced a device with one from another adapter.
     pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
-        &self.inner.owner.info
+        &self.inner.generation.info
     }
 
     /// Which of the supervisor's devices.
@@ -114,11 +149,41 @@ impl JobGpu {
     }
 
     /// This slot's scratch buffers. With [`ScratchPolicy::Zeroed`](crate::ScratchPolicy) (the
-    /// default), a lease that calls this has both buffers cleared after its fence; one that
-    /// never does, has nothing of its own in them.
+    /// default), the first call clears both buffers: a clear submitted on the device's queue,
+    /// so it runs before anything the job submits after it, after anything an earlier lease
+    /// left on the queue, and without the release waiting for it. A lease that never calls
+    /// this costs no clear.
+    ///
+    /// The first call submits on the queue, as [`submit`](Self::submit) does: on GL it waits
+    /// for the device's context, which another thread's blocking poll may hold.
+    ///
+    /// # Panics
+    ///
+    /// If the GPU backend panicked in the clear, or the scratch could neither be cleared nor
+    /// replaced by new buffers: the device is marked lost first (the lease then ends with
+    /// `LEASE_GPU_DEVICE_LOST`), and the panic continues into the job (it is never handed
+    /// scratch that may hold another lease's data). [`try_scratch`](Self::try_scratch) returns
+    /// it as an error instead.
     pub fn scratch(&self) -> &SlotScratch {
-        self.inner.scratch_used.store(true, Ordering::Relaxed);
-        &self.inner.handles().scratch
+        match self.try_scratch() {
+            Ok(scratch) => scratch,
+            Err(err) => panic!("{err}"),
+        }
+    }
+
+    /// [`scratch`](Self::scratch), with a failure returned as [`GpuError::DeviceLost`] (the
+    /// device is marked lost, as with any loss). Every call after the first answers the same.
+    ///
+    /// # Errors
+    ///
+    /// [`GpuError::DeviceLost`] when the backend panicked in the clear, or the scratch could
+    /// neither be cleared nor replaced.
+    pub fn try_scratch(&self) -> Result<&SlotScratch, GpuError> {
+        self.inner
+            .taken
+            .get_or_init(|| self.inner.take_scratch())
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// Submits command buffers on the device's queue and records the submission for the
@@ -163,7 +228,7 @@ impl JobGpu {
                 Ok(index)
             }
             Err(message) => {
-                inner.owner.mark_lost(inner.generation, message.clone());
+                inner.owner.mark_lost(&inner.generation, message.clone());
                 Err(GpuError::DeviceLost(message))
             }
         }
@@ -174,8 +239,9 @@ impl JobGpu {
         self.inner.submissions.load(Ordering::Relaxed)
     }
 
-    /// Which creation of the device this is (1 at start, one more per re-creation).
+    /// Which creation of the device this is (1 at start, one more per re-creation or
+    /// replacement).
     pub(crate) fn generation(&self) -> u64 {
-        self.inner.generation
+        self.inner.generation.number
     }
 }

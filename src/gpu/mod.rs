@@ -2,15 +2,17 @@
 //!
 //! The pool creates every device once, at start, or adopts the devices the engine created
 //! ([`GpuOptions::adopt`]: never re-created, destroyed or drained by leasehold; a lost one waits
-//! for the engine's replacement). A GPU slot is a *sub-slot* of one device:
-//! `slots_per_device` per device, each with scratch buffers of its own that are handed to the
-//! next lease only after the previous lease's GPU work has completed, and (by default) cleared
-//! to zero. The supervisor places a new lease on the least-loaded device (bookkeeping only, in
+//! for the engine's replacement). Each installed device is a *generation* of its index, with
+//! its own adapter info and its own loss: a lease keeps the generation it checked out, is
+//! fenced on it, and fails only if that generation is lost. A GPU slot is a *sub-slot* of one
+//! device: `slots_per_device` per device, each with scratch buffers of its own that are (by
+//! default) cleared to zero when a lease takes them, by a clear queued before the lease's own
+//! work. The supervisor places a new lease on the least-loaded device (bookkeeping only, in
 //! its mailbox); the worker checks the device out before the body runs (re-creating a lost
 //! device on the way, one creator at a time, with backoff); after the worker has physically
-//! ended, the release waits for every submission made on the device's queue before that point
-//! and zeroes the scratch (blocking polls on the blocking pool, never in the supervisor's
-//! mailbox).
+//! ended, the release waits for the lease's GPU work per the fence policy (a blocking poll on
+//! the blocking pool, never in the supervisor's mailbox), and not at all for a lease that has
+//! none.
 //!
 //! Containment: every wgpu call here that can panic (polls and waits, submissions, device and
 //! buffer creation, clears, drops of handles that may be a device's last) runs inside a guard
@@ -20,8 +22,9 @@
 //! - `error.rs`: [`GpuError`];
 //! - `handles.rs`: [`SlotScratch`] and the handles a job holds (plain data);
 //! - `job.rs`: [`JobGpu`], what a job borrows;
-//! - `device.rs`: one device, its generations, scratch creation and zeroing, loss marking, and
-//!   `Doomed` (handles dropped inside the guard, a panic marking their generation lost);
+//! - `device.rs`: one device, its generations (each with its adapter info and its own loss),
+//!   scratch creation and zeroing, and `Doomed` (handles dropped inside the guard, a panic
+//!   marking their generation lost);
 //! - `pool.rs`: `GpuPool` (placement, checkout, re-creation, fence, close);
 //! - `contain.rs`: the panic guard and the fault-injection hook.
 

@@ -40,13 +40,19 @@ pub struct GpuOptions {
     pub(super) backend_hook: Option<BackendHook>,
 }
 
-/// What a lease's release waits for on the GPU.
+/// What a lease's release waits for on the GPU. Under either policy, a lease with no GPU work
+/// (nothing submitted through [`JobGpu::submit`](crate::JobGpu::submit), and with `Queue` its
+/// queue never taken) releases without a call into the GPU backend: no poll, no submission, no
+/// wait. A loss of its device already known fails a lease all the same.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum FencePolicy {
-    /// Everything submitted on the device's queue before the fence (default): covers work a
-    /// job submitted directly on the queue, at the price of also waiting for other slots' work
-    /// queued before it when a device has several slots.
+    /// A lease that took its queue ([`JobGpu::queue`](crate::JobGpu::queue)) is waited for up
+    /// to everything submitted on the device's queue before its fence (default): that covers
+    /// work it submitted directly on the queue and writes it left pending, at the price of also
+    /// waiting for other slots' (and, on an adopted device, the engine's) work queued before
+    /// it. A lease that never took its queue is waited for up to its last submission through
+    /// [`JobGpu::submit`](crate::JobGpu::submit), and what the queue runs before it.
     #[default]
     Queue,
     /// Only the submissions made through [`JobGpu::submit`](crate::JobGpu::submit): for jobs
@@ -59,12 +65,17 @@ pub enum FencePolicy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum ScratchPolicy {
-    /// Both scratch buffers are cleared to zero after the lease's fence, before the sub-slot
-    /// can serve another lease (default): no lease ever reads what the previous holder left.
+    /// Both scratch buffers are cleared to zero when a lease takes them
+    /// ([`JobGpu::scratch`](crate::JobGpu::scratch)), by a clear submitted on the device's
+    /// queue: after everything earlier leases submitted, before anything the lease submits
+    /// after the take (default). No lease ever reads what an earlier holder left, whether its
+    /// writes had completed, were still running, or left the readback buffer mapped. A lease
+    /// that never takes its scratch costs no clear, and no lease's release waits for one.
     #[default]
     Zeroed,
-    /// The scratch is handed on as the previous lease left it. Only for jobs that overwrite
-    /// every byte of scratch they read; saves one clear of both buffers per lease.
+    /// The scratch is handed on as the previous lease left it (a mapping it left on the
+    /// readback buffer included). Only for jobs that overwrite every byte of scratch they read;
+    /// saves the clear of both buffers when a lease takes them.
     Reused,
 }
 
@@ -150,17 +161,26 @@ impl GpuOptions {
     /// What leasehold owns and what the engine keeps:
     /// - leasehold never re-creates, destroys or polls to completion a device it adopted: at
     ///   `shutdown()` it drops its clones and the engine keeps rendering with the device;
-    /// - the queue is shared: the engine's own submissions are never counted against a lease,
-    ///   but with [`FencePolicy::Queue`] (the default) a lease's fence also waits for engine
-    ///   work queued before it (bounded by [`fence_timeout`](Self::fence_timeout));
-    ///   [`FencePolicy::Recorded`] waits only for what jobs submitted through
-    ///   [`JobGpu::submit`](crate::JobGpu::submit);
-    /// - leasehold sets the device's lost callback (wgpu keeps one per device): the engine hears
-    ///   of a loss through [`replacement_for_lost`](Self::replacement_for_lost). When an adopted
-    ///   device is lost its leases end `LEASE_GPU_DEVICE_LOST` and their slots stay quarantined
-    ///   until the engine hands a replacement over, through that callback or
-    ///   [`Supervisor::replace_device`](crate::Supervisor::replace_device); other devices keep
-    ///   serving meanwhile.
+    /// - the queue is shared: the engine's own submissions are never counted against a lease.
+    ///   With [`FencePolicy::Queue`] (the default) the fence of a lease that took its queue
+    ///   also waits for engine work queued before it (bounded by
+    ///   [`fence_timeout`](Self::fence_timeout)); [`FencePolicy::Recorded`] waits only for what
+    ///   the job submitted through [`JobGpu::submit`](crate::JobGpu::submit), and neither
+    ///   submits anything at the release (a lease's scratch is cleared when it takes it);
+    /// - what jobs and [`Supervisor::gpu_devices`](crate::Supervisor::gpu_devices) report as
+    ///   the adapter is the device's own (`wgpu::Device::adapter_info`), also after a
+    ///   replacement from another adapter or backend; `info` is only logged;
+    /// - leasehold sets the device's lost callback (wgpu keeps one per device), on a device it
+    ///   accepts only (one [`Supervisor::replace_device`](crate::Supervisor::replace_device)
+    ///   refuses is left as it came): the engine hears of a loss through
+    ///   [`replacement_for_lost`](Self::replacement_for_lost). When an adopted device is lost,
+    ///   the leases with GPU work on it end `LEASE_GPU_DEVICE_LOST` and their slots stay
+    ///   quarantined until the engine hands a replacement over, through that callback or
+    ///   `replace_device`; other devices keep serving meanwhile, and `shutdown()` does not wait
+    ///   for the replacement: it reports those slots quarantined;
+    /// - a replacement of a device that is not lost is allowed: leases already on the old
+    ///   device keep its handles, are fenced on it, and end as usual (only a loss of that
+    ///   device fails them).
     pub fn adopt(
         mut self,
         device: wgpu::Device,

@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 
 use super::Unclosed;
 use super::contain::{BackendCall, Guard};
-use super::device::{Current, Doomed, GpuDevice, Zeroing};
+use super::device::{Current, Doomed, Generation, GpuDevice};
 use super::error::GpuError;
 use super::handles::JobHandles;
 use super::job::{JobGpu, JobGpuInner};
@@ -197,16 +197,14 @@ impl GpuPool {
         let (handles, generation) = {
             let s = dev.state.lock();
             let current = s
-                .current
-                .as_ref()
-                .filter(|_| s.lost.is_none())
+                .usable()
                 .ok_or_else(|| GpuError::DeviceLost("device gone".into()))?;
             let handles = JobHandles {
                 device: current.device.clone(),
                 queue: current.queue.clone(),
                 scratch: current.scratch[placement.sub].clone(),
             };
-            (handles, s.generation)
+            (handles, Arc::clone(&current.generation))
         };
         Ok(JobGpu {
             inner: Arc::new(JobGpuInner::new(
@@ -214,6 +212,7 @@ impl GpuPool {
                 placement.sub,
                 generation,
                 handles,
+                self.opts.scratch_policy == ScratchPolicy::Zeroed,
             )),
         })
     }
@@ -251,7 +250,7 @@ impl GpuPool {
                     tracing::info!(
                         index = dev.index,
                         attempt,
-                        generation,
+                        generation = generation.number,
                         "lost gpu device re-created"
                     );
                     if let Some(hook) = self.replaced.get() {
@@ -324,13 +323,15 @@ impl GpuPool {
         };
         tracing::info!(
             index,
-            generation,
+            generation = generation.number,
+            adapter = %generation.info.name,
+            backend = ?generation.info.backend,
             "adopted gpu device replaced by the engine"
         );
         if let Some(hook) = self.replaced.get() {
             hook(index);
         }
-        Ok(generation)
+        Ok(generation.number)
     }
 
     /// A fresh device on the same adapter, from a fresh wgpu instance.
@@ -342,7 +343,7 @@ impl GpuPool {
     /// uses it, and wgpu-hal panics on the `EGL_BAD_ACCESS` that follows (the family of
     /// gfx-rs/wgpu#5349). An instance per generation gives each its own context; Vulkan, Metal
     /// and DX12 do not mind either way.
-    async fn recreate(&self, dev: &Arc<GpuDevice>) -> Result<u64, GpuError> {
+    async fn recreate(&self, dev: &Arc<GpuDevice>) -> Result<Arc<Generation>, GpuError> {
         let adapter = enumerate(&self.guard, dev.info.backend.into(), dev.index)
             .await?
             .into_iter()
@@ -370,10 +371,8 @@ impl GpuPool {
                 return;
             };
             let reason = pool.devices[device]
-                .state
-                .lock()
-                .lost
-                .clone()
+                .current_generation()
+                .and_then(|g| g.loss())
                 .unwrap_or_default();
             // The engine's code: on a blocking thread, its panic caught.
             crate::counters::task();
@@ -403,29 +402,31 @@ impl GpuPool {
         });
     }
 
-    /// Waits, off the caller's thread, for the lease's GPU work (per the fence policy), and
-    /// zeroes its scratch (per the scratch policy) so that the next lease of the sub-slot cannot
-    /// read it. A backend panic in any of it is a loss of the device.
+    /// Waits, off the caller's thread, for the lease's GPU work (per the fence policy). A loss
+    /// of the lease's device generation already known fails it at once. A lease with no GPU
+    /// work to wait for (nothing submitted through its context, and under
+    /// [`FencePolicy::Queue`] not even its queue taken) is released at once, without a call
+    /// into the GPU backend: it neither polls for a loss nor waits. A backend panic in the wait
+    /// is a loss of the device.
     pub(crate) async fn fence(&self, gpu: &JobGpu) -> Result<(), FenceFailure> {
         let inner = Arc::clone(&gpu.inner);
         let lost = |inner: &JobGpuInner| {
-            inner
-                .owner
-                .loss_of(inner.generation)
-                .map(|reason| FenceFailure::Lost {
-                    device: inner.device_index(),
-                    reason,
-                })
+            inner.generation.loss().map(|reason| FenceFailure::Lost {
+                device: inner.device_index(),
+                reason,
+            })
         };
         if let Some(l) = lost(&inner) {
             return Err(l);
         }
-        let (fence, scratch) = (self.opts.fence_policy, self.opts.scratch_policy);
+        let Some(wait) = FenceWait::of(&inner, self.opts.fence_policy) else {
+            return Ok(());
+        };
         crate::counters::task();
         let mut wait = tokio::task::spawn_blocking(move || {
-            let result = fence_blocking(&inner, fence, scratch);
+            let result = fence_blocking(&inner, wait);
             if let Err(reason) = &result {
-                inner.owner.mark_lost(inner.generation, reason.clone());
+                inner.owner.mark_lost(&inner.generation, reason.clone());
             }
             (result, inner)
         });
@@ -463,28 +464,23 @@ impl GpuPool {
         let mut unclosed = Vec::new();
         let mut pending = Vec::new();
         for dev in &self.devices {
-            let (current, generation) = {
-                let mut s = dev.state.lock();
-                (s.current.take(), s.generation)
-            };
-            let Some(current) = current else {
+            let Some(current) = dev.state.lock().current.take() else {
                 continue;
             };
+            let generation = Arc::clone(&current.generation);
             if dev.adopted {
                 // The engine's device: leasehold lets go of its clones (every lease on it has
                 // been fenced by now) and neither waits for the engine's work nor destroys it.
-                Doomed::new(current, dev, generation).drop_off_thread();
+                Doomed::new(current, dev, &generation).drop_off_thread();
                 continue;
             }
             // Whatever happens to the thread, the handles are dropped guarded.
-            let doomed = Doomed::new(current, dev, generation);
+            let doomed = Doomed::new(current, dev, &generation);
             let (dev2, tx) = (Arc::clone(dev), tx.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("leasehold-gpu-close-{}", dev.index))
                 .spawn(move || {
-                    let result = doomed
-                        .get()
-                        .map_or(Ok(()), |c| drain_and_destroy(&dev2, generation, c));
+                    let result = doomed.get().map_or(Ok(()), |c| drain_and_destroy(&dev2, c));
                     drop(doomed);
                     let _ = tx.send((dev2.index, result));
                 });
@@ -537,7 +533,8 @@ impl GpuPool {
         self.devices.len()
     }
 
-    /// Every device as the pool knows it now (`Supervisor::gpu_devices`).
+    /// Every device as the pool knows it now (`Supervisor::gpu_devices`): what its current
+    /// generation runs on, and that generation's loss.
     pub(crate) fn describe(&self) -> Vec<crate::GpuDeviceInfo> {
         let busy = self.busy.lock().clone();
         self.devices
@@ -545,15 +542,17 @@ impl GpuPool {
             .zip(busy)
             .map(|(dev, subs)| {
                 let state = dev.state.lock();
+                let current = state.current.as_ref().map(|c| &c.generation);
+                let info = current.map_or(&dev.info, |g| &g.info);
                 crate::GpuDeviceInfo {
                     index: dev.index,
-                    adapter: dev.info.name.clone(),
-                    backend: format!("{:?}", dev.info.backend),
+                    adapter: info.name.clone(),
+                    backend: format!("{:?}", info.backend),
                     adopted: dev.adopted,
                     sub_slots: subs.len() as u32,
                     in_use: subs.iter().filter(|b| **b).count() as u32,
-                    generation: state.generation,
-                    lost: state.lost.clone(),
+                    generation: state.installed,
+                    lost: current.and_then(|g| g.loss()),
                     given_up: state.dead,
                 }
             })
@@ -562,13 +561,13 @@ impl GpuPool {
 
     /// Whether a lost device has been dealt with: usable again, or given up for good.
     pub(crate) fn settled(&self, index: usize) -> bool {
-        let dev = &self.devices[index];
-        dev.usable() || dev.state.lock().dead
+        let s = self.devices[index].state.lock();
+        s.usable().is_some() || s.dead
     }
 
-    /// How many times the device has been created (1 at start, +1 per re-creation).
+    /// How many times the device has been created or replaced (1 at start).
     pub(crate) fn generation(&self, index: usize) -> Option<u64> {
-        Some(self.devices.get(index)?.state.lock().generation)
+        Some(self.devices.get(index)?.state.lock().installed)
     }
 
     /// Whether device `index` is the engine's ([`GpuOptions::adopt`]): only the engine can
@@ -583,26 +582,44 @@ impl Drop for GpuPool {
     /// devices guarded and off the dropping thread, like everything else here.
     fn drop(&mut self) {
         for dev in &self.devices {
-            let (current, generation) = {
-                let mut s = dev.state.lock();
-                (s.current.take(), s.generation)
-            };
+            let current = dev.state.lock().current.take();
             if let Some(current) = current {
-                Doomed::new(current, dev, generation).drop_off_thread();
+                let generation = Arc::clone(&current.generation);
+                Doomed::new(current, dev, &generation).drop_off_thread();
             }
         }
     }
 }
 
+/// What a lease's fence waits for.
+#[derive(Clone)]
+enum FenceWait {
+    /// Everything submitted on the queue so far: an empty submission, then a wait for it. The
+    /// submission is ordered after everything submitted on this queue before it, through the
+    /// context or not, and flushes pending `write_buffer`s.
+    Queue,
+    /// The lease's last submission through its context (and, the queue being in order,
+    /// everything submitted before it).
+    Recorded(wgpu::SubmissionIndex),
+}
+
+impl FenceWait {
+    /// `None`: the lease has no GPU work to wait for. Read after the worker and every task it
+    /// spawned have ended (their joins order the job's calls before these reads).
+    fn of(inner: &JobGpuInner, policy: FencePolicy) -> Option<Self> {
+        if policy == FencePolicy::Queue && inner.queue_taken() {
+            // It may have submitted on the queue directly, or left writes pending.
+            return Some(Self::Queue);
+        }
+        inner.last.lock().clone().map(Self::Recorded)
+    }
+}
+
 /// The fence's blocking part, on the blocking pool. `Err` means the device is lost (or its
 /// backend panicked); the caller marks it so.
-fn fence_blocking(
-    inner: &JobGpuInner,
-    fence: FencePolicy,
-    scratch: ScratchPolicy,
-) -> Result<(), String> {
+fn fence_blocking(inner: &JobGpuInner, wait: FenceWait) -> Result<(), String> {
     let dev = &inner.owner;
-    let (index, sub, generation) = (dev.index, inner.sub, inner.generation);
+    let (index, sub) = (dev.index, inner.sub);
     let h = inner.handles();
     let guard = &dev.guard;
     // A non-blocking poll first: it runs the device's maintenance, which is where a loss (a
@@ -611,52 +628,34 @@ fn fence_blocking(
     let _ = guard.run(BackendCall::FencePoll, index, Some(sub), || {
         h.device.poll(wgpu::PollType::Poll)
     })?;
-    if let Some(reason) = dev.loss_of(generation) {
+    if let Some(reason) = inner.generation.loss() {
         return Err(reason);
     }
-    let wait_for = match fence {
-        // An empty submission is ordered after everything submitted on this queue before it,
-        // through the context or not, and flushes pending `write_buffer`s.
-        FencePolicy::Queue => {
-            Some(guard.run(BackendCall::FenceSubmit, index, Some(sub), || {
-                h.queue.submit(std::iter::empty())
-            })?)
-        }
-        FencePolicy::Recorded => inner.last.lock().clone(),
+    let wait_for = match wait {
+        FenceWait::Queue => guard.run(BackendCall::FenceSubmit, index, Some(sub), || {
+            h.queue.submit(std::iter::empty())
+        })?,
+        FenceWait::Recorded(i) => i,
     };
-    if let Some(i) = wait_for {
-        // No timeout here: wgpu-core 30.0.2 can panic in a timed wait that runs out while
-        // other threads submit (gfx-rs/wgpu#9958). The bound is the caller's tokio timer.
-        guard
-            .run(BackendCall::FenceWait, index, Some(sub), || {
-                h.device.poll(wgpu::PollType::Wait {
-                    submission_index: Some(i),
-                    timeout: None,
-                })
-            })?
-            .map_err(|e| e.to_string())?;
-    }
-    // After the lease's work, and not waited for: the next lease's work on this sub-slot is
-    // queued after the clear, so it runs on zeroed scratch all the same (a mapping waits for
-    // the clear too), while the release need not wait for the memset itself, nor (with
-    // `FencePolicy::Recorded`) for other slots' work queued before it. A replaced device comes
-    // with new scratch, which wgpu zero-initialises; a lease that never asked for its scratch
-    // left nothing in it.
-    if scratch == ScratchPolicy::Zeroed
-        && inner.scratch_used()
-        && let Zeroing::Refused(why) = dev.zero_scratch(sub, &h.device, &h.queue, &h.scratch)?
-    {
-        dev.replace_scratch(generation, sub, &why);
-    }
+    // No timeout here: wgpu-core 30.0.2 can panic in a timed wait that runs out while other
+    // threads submit (gfx-rs/wgpu#9958). The bound is the caller's tokio timer.
+    guard
+        .run(BackendCall::FenceWait, index, Some(sub), || {
+            h.device.poll(wgpu::PollType::Wait {
+                submission_index: Some(wait_for),
+                timeout: None,
+            })
+        })?
+        .map_err(|e| e.to_string())?;
     Ok(())
 }
 
 /// At close: waits for the device's remaining work (unless it is lost), then destroys it.
-fn drain_and_destroy(dev: &GpuDevice, generation: u64, current: &Current) -> Result<(), String> {
+fn drain_and_destroy(dev: &GpuDevice, current: &Current) -> Result<(), String> {
     dev.guard.run(BackendCall::Close, dev.index, None, || {
         // Notice a loss first: a blocking wait on a lost device may never return.
         let _ = current.device.poll(wgpu::PollType::Poll);
-        if dev.loss_of(generation).is_none() {
+        if !current.generation.is_lost() {
             let _ = current.device.poll(wgpu::PollType::wait_indefinitely());
         }
         current.device.destroy();

@@ -150,6 +150,14 @@ pub fn bytes(words: &[u32]) -> Vec<u8> {
 pub async fn engine_device() -> Option<(wgpu::Device, wgpu::Queue, wgpu::AdapterInfo)> {
     let backends =
         wgpu::Backends::from_env().unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::GL);
+    engine_device_with(backends, wgpu::Limits::default()).await
+}
+
+/// [`engine_device`] on `backends`, with `limits` (at most the adapter's).
+pub async fn engine_device_with(
+    backends: wgpu::Backends,
+    limits: wgpu::Limits,
+) -> Option<(wgpu::Device, wgpu::Queue, wgpu::AdapterInfo)> {
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
     desc.backends = backends;
     let instance = wgpu::Instance::new(desc);
@@ -173,6 +181,7 @@ pub async fn engine_device() -> Option<(wgpu::Device, wgpu::Queue, wgpu::Adapter
     let (device, queue) = adapter
         .request_device(&wgpu::DeviceDescriptor {
             label: Some("engine"),
+            required_limits: limits,
             ..Default::default()
         })
         .await
