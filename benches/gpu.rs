@@ -1,31 +1,43 @@
 //! GPU benchmarks: slot-gated GPU jobs next to a fair floor measured in the same run, so that
 //! the report is a ratio (see `BENCHMARKS.md`, "GPU slots").
 //!
-//! One batch is `JOBS` jobs, each a compute dispatch over a scratch buffer that is *fenced*:
+//! One batch is `JOBS` jobs, each a compute dispatch over a 1 MiB buffer that is *fenced*:
 //! waited for before the job counts as done and its buffer may serve the next job. The batch runs
 //! at a concurrency of `SLOTS`:
 //!
 //! - `direct_fenced` (the floor): the jobs submitted straight on the supervisor's own device and
-//!   queue, by `SLOTS` streams (tokio tasks, each with a scratch buffer of its own) that run their
-//!   share of the batch one job after another. Per job, on tokio's blocking pool: a bind group,
-//!   one dispatch, a submission, and a blocking wait for that submission — the job's fence.
-//! - `leasehold_run`: `JOBS` `Supervisor::run` calls spawned at once on a supervisor with one
-//!   device and `SLOTS` sub-slots (`slots_per_device(SLOTS)`), defaults otherwise. The body makes
-//!   the same bind group and dispatch on its slot's scratch and submits it through the context
-//!   (`gpu.submit`); its fence is leasehold's release fence (with `FencePolicy::Queue` and the
-//!   default `ScratchPolicy::Zeroed`, the clear of the slot's scratch is the fence's submission,
-//!   and one blocking wait covers the dispatch and the clear). The job counts as done when `run`
-//!   returns, after the whole release pipeline.
-//! - `leasehold_run_scratch_reused`: the same with `ScratchPolicy::Reused`; its difference to
-//!   `leasehold_run` is what zeroing the scratch costs.
-//! - `leasehold_run_recorded_fence`: the same with `FencePolicy::Recorded` (context).
+//!   queue, by `SLOTS` streams (tokio tasks, each with a buffer of its own) that run their share
+//!   of the batch one job after another. Per job, on tokio's blocking pool: a bind group, one
+//!   dispatch, a submission, and a blocking wait for that submission — the job's fence.
+//! - `leasehold_run`: the floor's job under a GPU slot. `JOBS` `Supervisor::run` calls spawned at
+//!   once on a supervisor with one device and `SLOTS` sub-slots (`slots_per_device(SLOTS)`),
+//!   defaults otherwise (`FencePolicy::Queue`, `ScratchPolicy::Zeroed`). The body makes the same
+//!   bind group and dispatch on the floor's buffer of its slot (`ctx.slot_id()`: no two jobs
+//!   that run at once share one) and submits it through its context (`gpu.submit`); its fence
+//!   is leasehold's release fence. The job counts as done when `run` returns, after the whole
+//!   release pipeline. This is the target's row: what a GPU slot costs a job that does what
+//!   the floor does.
+//! - `leasehold_run_scratch`: the same on the same supervisor, on the slot's scratch buffer
+//!   (`gpu.scratch().storage`), which leasehold clears when the job takes it (2 × 1 MiB): its
+//!   difference to `leasehold_run` is what isolation between leases costs a job that uses its
+//!   scratch.
+//! - `leasehold_run_scratch_reused`: the scratch job with `ScratchPolicy::Reused` (taken, never
+//!   cleared): its difference to `leasehold_run_scratch` is the clear itself.
+//! - `leasehold_run_recorded_fence`: `leasehold_run` with `FencePolicy::Recorded` (context).
 //! - `leasehold_run_without_gpu_slot`: a supervisor without `.gpu(..)` (`.slots(SLOTS)`) whose
-//!   jobs do exactly the floor's job (on the floor's device, queue and buffer of their slot, the
-//!   wait in `ctx.spawn_blocking`): what leasehold's job lifecycle costs without its GPU slot, so
-//!   that the table can tell the lifecycle's share from the GPU slot's.
+//!   jobs do exactly the floor's job, its blocking wait included (on the floor's device, queue
+//!   and buffer of their slot, the wait in `ctx.spawn_blocking`): what leasehold's job
+//!   lifecycle costs without its GPU slot. `leasehold_run` − this row is the GPU slot's own
+//!   share (the checkout, and the release fence instead of the job's own wait).
 //! - `direct_polled`: the floor with a busy-polling fence (non-blocking polls until the queue's
 //!   work-done callback fires) instead of the blocking wait (context: on a hardware GPU a
 //!   blocking wait issued while the work still runs pays the driver's wake-up latency).
+//!
+//! Next to the ratios, what noise does not move: per job, the calls into the GPU backend each
+//! side made (submissions: the job's, scratch clears, the fence's own; blocking waits; polls),
+//! counted by a backend hook on leasehold's side and by construction on the floor's, and the
+//! process's CPU time per job (all threads, the adapter's included: on a software adapter the
+//! GPU work is CPU work), both over the paired rounds.
 //!
 //! Two work sizes: `fill` (next to no GPU work) and `spin` (about 3 ms per job on lavapipe with
 //! 2 cores; `LEASEHOLD_BENCH_SPIN_STEPS=N` sets its LCG steps per invocation, and
@@ -57,6 +69,7 @@ use tokio::runtime::Runtime;
 const GROUP: &str = "gpu";
 const FLOOR: &str = "direct_fenced";
 const LEASEHOLD: &str = "leasehold_run";
+const LEASEHOLD_SCRATCH: &str = "leasehold_run_scratch";
 const LEASEHOLD_REUSED: &str = "leasehold_run_scratch_reused";
 const LEASEHOLD_RECORDED: &str = "leasehold_run_recorded_fence";
 const LEASEHOLD_NO_GPU: &str = "leasehold_run_without_gpu_slot";
@@ -70,7 +83,8 @@ const JOBS: usize = 32;
 const SAMPLES: usize = 20;
 /// The GPU work of one job: `(entry point, workgroups)`.
 const WORK: [(&str, u32); 2] = [("fill", 4), ("spin", 64)];
-/// Bytes of each floor stream's scratch buffer (leasehold's default scratch size).
+/// Bytes of each floor stream's buffer (leasehold's default scratch size, of each of a slot's
+/// two scratch buffers).
 const SCRATCH: u64 = 1 << 20;
 /// LCG steps per invocation of `spin` (default 2000: about 3 ms per job on lavapipe with 2
 /// cores). A hardware GPU needs far more for ~3 ms jobs (the table prints the per-job time).
@@ -147,10 +161,56 @@ static SAMPLES_NS: Mutex<BTreeMap<String, Vec<f64>>> = Mutex::new(BTreeMap::new(
 static PAIRED_NS: Mutex<BTreeMap<String, Vec<f64>>> = Mutex::new(BTreeMap::new());
 
 /// Rounds of the paired measurement (one in test mode).
-const PAIRED_ROUNDS: usize = 15;
+const PAIRED_ROUNDS: usize = 31;
 
 /// The adapter the figures were taken on, for the table's heading.
 static ADAPTER: Mutex<Option<String>> = Mutex::new(None);
+
+/// The calls into the GPU backend a side makes, counted per kind: a job's submission through its
+/// context, a scratch clear (a submission), the fence's own empty submission, the fence's
+/// blocking wait, the fence's non-blocking poll.
+const CALL_KINDS: [&str; 5] = ["job submit", "clear", "fence submit", "wait", "poll"];
+
+/// What the paired rounds counted, per benchmark key, summed over the rounds: jobs, backend
+/// calls per kind (`None`: not counted by a hook; the floors', known by construction), and the
+/// process's CPU time.
+#[derive(Debug, Clone, Default)]
+struct Counted {
+    jobs: u64,
+    calls: Option<[u64; CALL_KINDS.len()]>,
+    cpu: Duration,
+}
+
+static COUNTED: Mutex<BTreeMap<String, Counted>> = Mutex::new(BTreeMap::new());
+
+/// The CPU time of the whole process so far: every thread, the software adapter's too, those
+/// that have ended included (`CLOCK_PROCESS_CPUTIME_ID`); `None` off 64-bit Linux.
+#[cfg(all(target_os = "linux", target_pointer_width = "64"))]
+fn cpu_time() -> Option<Duration> {
+    /// `struct timespec` on 64-bit Linux.
+    #[repr(C)]
+    struct Timespec {
+        tv_sec: i64,
+        tv_nsec: i64,
+    }
+    unsafe extern "C" {
+        fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
+    }
+    const CLOCK_PROCESS_CPUTIME_ID: i32 = 2;
+    let mut t = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid, writable `struct timespec` for the call's whole duration, and
+    // the clock id is one Linux defines.
+    let rc = unsafe { clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+    (rc == 0).then(|| Duration::new(t.tv_sec as u64, t.tv_nsec as u32))
+}
+
+#[cfg(not(all(target_os = "linux", target_pointer_width = "64")))]
+fn cpu_time() -> Option<Duration> {
+    None
+}
 
 fn record(key: &str, iters: u64, elapsed: Duration) {
     let mut samples = SAMPLES_NS.lock().expect("samples lock");
@@ -245,8 +305,10 @@ fn scratch_dir() -> tempfile::TempDir {
 mod jobs {
     use super::*;
     use leasehold::{
-        FencePolicy, GpuError, GpuOptions, JobSpec, ScratchPolicy, StartError, Supervisor, wgpu,
+        BackendCall, FencePolicy, GpuError, GpuOptions, JobSpec, ScratchPolicy, StartError,
+        Supervisor, wgpu,
     };
+    use std::sync::atomic::AtomicU64;
 
     /// A compute pipeline built once per device, before any timing, and used by every job on it.
     pub(crate) struct Kernel {
@@ -328,25 +390,46 @@ mod jobs {
         }
     }
 
-    /// A supervisor on the first adapter, `SLOTS` sub-slots, or a loud skip (a panic when CI
-    /// requires a GPU).
+    /// The calls into the GPU backend a supervisor made, per kind of [`CALL_KINDS`] (its
+    /// backend hook counts them).
+    pub(crate) type Calls = Arc<[AtomicU64; CALL_KINDS.len()]>;
+
+    fn snapshot(calls: &Calls) -> [u64; CALL_KINDS.len()] {
+        std::array::from_fn(|i| calls[i].load(Relaxed))
+    }
+
+    /// A supervisor on the first adapter, `SLOTS` sub-slots, counting its backend calls, or a
+    /// loud skip (a panic when CI requires a GPU).
     pub(crate) async fn start(
         work_root: &Path,
         fence: FencePolicy,
         scratch: ScratchPolicy,
-    ) -> Option<Supervisor> {
+    ) -> Option<(Supervisor, Calls)> {
+        let calls: Calls = Arc::new(std::array::from_fn(|_| AtomicU64::new(0)));
+        let counts = Arc::clone(&calls);
         let started = Supervisor::builder()
             .work_root(work_root)
             .gpu(
                 GpuOptions::new()
                     .slots_per_device(SLOTS)
                     .fence_policy(fence)
-                    .scratch_policy(scratch),
+                    .scratch_policy(scratch)
+                    .backend_hook(move |call, _device, _sub| {
+                        let kind = match call {
+                            BackendCall::Submit => 0,
+                            BackendCall::ZeroScratch => 1,
+                            BackendCall::FenceSubmit => 2,
+                            BackendCall::FenceWait => 3,
+                            BackendCall::FencePoll => 4,
+                            _ => return,
+                        };
+                        counts[kind].fetch_add(1, Relaxed);
+                    }),
             )
             .start()
             .await;
         match started {
-            Ok(sup) => Some(sup),
+            Ok(sup) => Some((sup, calls)),
             Err(StartError::Gpu(GpuError::NoAdapter)) => {
                 assert_ne!(
                     std::env::var(REQUIRE_GPU_ENV).as_deref(),
@@ -363,19 +446,27 @@ mod jobs {
         }
     }
 
-    /// The floor's resources: the supervisor's device and queue, one scratch buffer per stream
-    /// (or slot).
+    /// The floor's resources: a supervisor's device and queue, one buffer per stream (or slot).
     #[derive(Clone)]
     pub(crate) struct Direct {
         queue: wgpu::Queue,
         buffers: Arc<Vec<wgpu::Buffer>>,
     }
 
+    /// What a leasehold job does with its slot.
+    #[derive(Clone)]
+    pub(crate) enum Job {
+        /// The floor's job on the buffer of its slot (`ctx.slot_id()`), on the slot's device.
+        OwnBuffer(Direct),
+        /// The same dispatch on the slot's scratch storage buffer.
+        Scratch,
+    }
+
     /// One side of the comparison, ready to run batches.
     #[derive(Clone)]
     pub(crate) enum Side {
         /// A supervisor with GPU slots; the body submits through its context, leasehold fences.
-        Leasehold(Supervisor),
+        Leasehold(Supervisor, Job, Calls),
         /// A supervisor without GPU slots; the body does the floor's job on its slot's buffer.
         WithoutGpuSlot(Supervisor, Direct),
         /// The floor.
@@ -403,7 +494,7 @@ mod jobs {
             let buffers = (0..SLOTS)
                 .map(|_| {
                     device.create_buffer(&wgpu::BufferDescriptor {
-                        label: Some("floor scratch"),
+                        label: Some("floor buffer"),
                         size: SCRATCH,
                         usage: wgpu::BufferUsages::STORAGE
                             | wgpu::BufferUsages::COPY_SRC
@@ -456,9 +547,12 @@ mod jobs {
         pub(crate) async fn batch(&self, kernel: &Arc<Kernel>) -> Duration {
             let start = Instant::now();
             match self {
-                Self::Leasehold(sup) => {
+                Self::Leasehold(sup, job, _) => {
                     let jobs: Vec<_> = (0..JOBS)
-                        .map(|_| tokio::spawn(leasehold_job(sup.clone(), Arc::clone(kernel))))
+                        .map(|_| {
+                            let (sup, job, kernel) = (sup.clone(), job.clone(), Arc::clone(kernel));
+                            tokio::spawn(leasehold_job(sup, job, kernel))
+                        })
                         .collect();
                     for job in jobs {
                         job.await.expect("GPU job task");
@@ -504,18 +598,33 @@ mod jobs {
             }
             start.elapsed()
         }
+
+        /// The side's backend calls so far (`None`: a floor, whose calls are known by
+        /// construction).
+        fn calls(&self) -> Option<[u64; CALL_KINDS.len()]> {
+            match self {
+                Self::Leasehold(_, _, calls) => Some(snapshot(calls)),
+                _ => None,
+            }
+        }
     }
 
-    /// One job through leasehold: a slot, its temp dir and worker, the dispatch on the slot's
-    /// scratch submitted through the context, then the release fence (which is this job's
-    /// fence) and the teardown.
-    async fn leasehold_job(sup: Supervisor, kernel: Arc<Kernel>) {
+    /// One job through leasehold: a slot, its worker, the dispatch (on the slot's buffer of the
+    /// floor's kind, or on its scratch) submitted through the context, then the release fence
+    /// (which is this job's fence) and the teardown.
+    async fn leasehold_job(sup: Supervisor, job: Job, kernel: Arc<Kernel>) {
         sup.run(
             JobSpec::new("g").expect("valid id"),
             move |ctx| async move {
                 let gpu = ctx.gpu().expect("a GPU slot");
                 assert!(gpu.device() == &kernel.device, "the job's device changed");
-                gpu.submit([kernel.encode(&gpu.scratch().storage)]);
+                let commands = match &job {
+                    Job::OwnBuffer(direct) => {
+                        kernel.encode(&direct.buffers[ctx.slot_id() as usize])
+                    }
+                    Job::Scratch => kernel.encode(&gpu.scratch().storage),
+                };
+                gpu.submit([commands]);
                 Ok::<_, io::Error>(())
             },
         )
@@ -554,10 +663,10 @@ mod jobs {
                 ScratchPolicy::Zeroed,
             ),
         ] {
-            let Some(sup) = rt.block_on(start(&root.path().join(name), fence, scratch)) else {
+            let Some(started) = rt.block_on(start(&root.path().join(name), fence, scratch)) else {
                 return;
             };
-            sups.push((name, sup));
+            sups.push(started);
         }
         let plain = rt
             .block_on(
@@ -567,7 +676,10 @@ mod jobs {
                     .start(),
             )
             .expect("a supervisor without GPU slots");
-        let (direct, direct_device, info) = rt.block_on(Direct::on(&sups[0].1));
+        // The floor's buffers live on the main supervisor's device; the `Recorded` side's jobs
+        // get buffers of their own kind on theirs.
+        let (direct, direct_device, info) = rt.block_on(Direct::on(&sups[0].0));
+        let (recorded_direct, _, _) = rt.block_on(Direct::on(&sups[2].0));
         let adapter = format!(
             "{:?} ({:?}, {:?}, driver {:?} {:?})",
             info.name, info.device_type, info.backend, info.driver, info.driver_info
@@ -578,7 +690,13 @@ mod jobs {
             println!("spin: {steps} steps per invocation, for about {target:?} per job");
         }
         *ADAPTER.lock().expect("adapter lock") = Some(adapter);
-        let mut sides: Vec<(&str, Side, wgpu::Device)> = vec![
+        let device_of = |sup: &Supervisor| sup.gpu_device(0).expect("device 0 is usable");
+        let [
+            (main, main_calls),
+            (reused, reused_calls),
+            (recorded, recorded_calls),
+        ] = <[_; 3]>::try_from(sups).unwrap_or_else(|_| unreachable!("three supervisors"));
+        let sides: Vec<(&str, Side, wgpu::Device)> = vec![
             (FLOOR, Side::Direct(direct.clone()), direct_device.clone()),
             (
                 FLOOR_POLLED,
@@ -587,14 +705,38 @@ mod jobs {
             ),
             (
                 LEASEHOLD_NO_GPU,
-                Side::WithoutGpuSlot(plain.clone(), direct),
+                Side::WithoutGpuSlot(plain.clone(), direct.clone()),
                 direct_device,
             ),
+            (
+                LEASEHOLD,
+                Side::Leasehold(
+                    main.clone(),
+                    Job::OwnBuffer(direct),
+                    Arc::clone(&main_calls),
+                ),
+                device_of(&main),
+            ),
+            (
+                LEASEHOLD_SCRATCH,
+                Side::Leasehold(main.clone(), Job::Scratch, main_calls),
+                device_of(&main),
+            ),
+            (
+                LEASEHOLD_REUSED,
+                Side::Leasehold(reused.clone(), Job::Scratch, reused_calls),
+                device_of(&reused),
+            ),
+            (
+                LEASEHOLD_RECORDED,
+                Side::Leasehold(
+                    recorded.clone(),
+                    Job::OwnBuffer(recorded_direct),
+                    recorded_calls,
+                ),
+                device_of(&recorded),
+            ),
         ];
-        for (name, sup) in &sups {
-            let device = sup.gpu_device(0).expect("device 0 is usable");
-            sides.push((*name, Side::Leasehold(sup.clone()), device));
-        }
 
         let mut group = c.benchmark_group(GROUP);
         group
@@ -626,7 +768,8 @@ mod jobs {
         // Paired rounds, outside criterion's timing: each round runs one batch of every side,
         // in an order that rotates from round to round, so that the load of a shared machine
         // drifts alike for all of them; the summary takes each round's ratio to the floor and
-        // prints their median next to the ratio of criterion's medians.
+        // prints their median next to the ratio of criterion's medians. Each batch's backend
+        // calls and CPU time are counted too.
         let rounds = if test_mode() { 1 } else { PAIRED_ROUNDS };
         for (entry, groups) in WORK {
             let kernels: Vec<Arc<Kernel>> = sides
@@ -637,22 +780,40 @@ mod jobs {
                 for i in 0..sides.len() {
                     let j = (i + round) % sides.len();
                     let (side, kernel) = (sides[j].1.clone(), Arc::clone(&kernels[j]));
+                    let (calls, cpu) = (side.calls(), cpu_time());
                     let took = rt
                         .block_on(rt.spawn(async move { side.batch(&kernel).await }))
                         .expect("paired batch");
+                    let k = key(sides[j].0, entry);
                     PAIRED_NS
                         .lock()
                         .expect("paired lock")
-                        .entry(key(sides[j].0, entry))
+                        .entry(k.clone())
                         .or_default()
                         .push(took.as_nanos() as f64);
+                    let mut counted = COUNTED.lock().expect("counted lock");
+                    let c = counted.entry(k).or_default();
+                    c.jobs += JOBS as u64;
+                    if let (Some(before), Some(after)) = (calls, sides[j].1.calls()) {
+                        let sum = c.calls.get_or_insert([0; CALL_KINDS.len()]);
+                        for (s, (b, a)) in sum.iter_mut().zip(before.iter().zip(after)) {
+                            *s += a - b;
+                        }
+                    }
+                    if let (Some(before), Some(after)) = (cpu, cpu_time()) {
+                        c.cpu += after.saturating_sub(before);
+                    }
                 }
             }
         }
         // The floor's handles go before the devices do.
         drop(sides);
         rt.block_on(plain.shutdown()).expect("shutdown");
-        for (name, sup) in sups {
+        for (name, sup) in [
+            (LEASEHOLD, main),
+            (LEASEHOLD_REUSED, reused),
+            (LEASEHOLD_RECORDED, recorded),
+        ] {
             let report = rt.block_on(sup.shutdown()).expect("shutdown");
             assert_eq!(report.quarantined, 0, "{name}: a GPU slot was quarantined");
         }
@@ -747,7 +908,14 @@ fn summary(_c: &mut Criterion) {
             continue;
         };
         for (name, what) in [
-            (LEASEHOLD_REUSED, "`ScratchPolicy::Reused` (no zeroing)"),
+            (
+                LEASEHOLD_SCRATCH,
+                "the job on its slot's scratch, cleared when taken",
+            ),
+            (
+                LEASEHOLD_REUSED,
+                "the same, `ScratchPolicy::Reused` (taken, not cleared)",
+            ),
             (LEASEHOLD_RECORDED, "`FencePolicy::Recorded`"),
             (
                 LEASEHOLD_NO_GPU,
@@ -759,7 +927,7 @@ fn summary(_c: &mut Criterion) {
             ),
         ] {
             if let Some(t) = median(&key(name, entry)) {
-                let per_job = (lh - t) / JOBS as f64;
+                let per_job = (t - lh) / JOBS as f64;
                 println!(
                     "| {entry} | {what} | {} | {}{} | {:.3}× | {:.3}× |",
                     fmt_ns(t),
@@ -773,11 +941,113 @@ fn summary(_c: &mut Criterion) {
     }
     println!();
     println!(
-        "Zeroing the scratch (2 × {} KiB per lease) costs `leasehold_run` − `{LEASEHOLD_REUSED}` \
-         per job (the \"per job\" column of the first context row: positive = zeroing costs that).",
-        SCRATCH / 1024
+        "Where a job's time goes: medians over the paired rounds of (one side − the other) per job."
     );
     println!();
+    println!("| work | share | per job |");
+    println!("|---|---|---|");
+    for (entry, _) in WORK {
+        for (what, side, other) in [
+            (
+                "zeroing the scratch when a job takes it (2 × 1 MiB): `leasehold_run_scratch` − `leasehold_run_scratch_reused`",
+                LEASEHOLD_SCRATCH,
+                LEASEHOLD_REUSED,
+            ),
+            (
+                "the slot's scratch, cleared, instead of a buffer of the job's own: `leasehold_run_scratch` − `leasehold_run`",
+                LEASEHOLD_SCRATCH,
+                LEASEHOLD,
+            ),
+            (
+                "the GPU slot (checkout, release fence) instead of the job's own wait: `leasehold_run` − `leasehold_run_without_gpu_slot`",
+                LEASEHOLD,
+                LEASEHOLD_NO_GPU,
+            ),
+            (
+                "the job lifecycle without a GPU slot: `leasehold_run_without_gpu_slot` − `direct_fenced`",
+                LEASEHOLD_NO_GPU,
+                FLOOR,
+            ),
+        ] {
+            if let Some(ns) = paired_difference(side, other, entry) {
+                println!(
+                    "| {entry} | {what} | {}{} |",
+                    if ns >= 0.0 { "+" } else { "−" },
+                    fmt_ns(ns.abs())
+                );
+            }
+        }
+    }
+    println!();
+    println!(
+        "What noise does not move, per job over the paired rounds: calls into the GPU backend \
+         (leasehold's counted by a backend hook; the floors' by construction) and the process's \
+         CPU time (every thread, the software adapter's included)."
+    );
+    println!();
+    println!(
+        "| work | side | submissions: job + clear + fence | blocking waits | non-blocking polls | CPU per job |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let counted = COUNTED.lock().expect("counted lock").clone();
+    for (entry, _) in WORK {
+        for side in [
+            FLOOR,
+            FLOOR_POLLED,
+            LEASEHOLD_NO_GPU,
+            LEASEHOLD,
+            LEASEHOLD_SCRATCH,
+            LEASEHOLD_REUSED,
+            LEASEHOLD_RECORDED,
+        ] {
+            let Some(c) = counted.get(&key(side, entry)) else {
+                continue;
+            };
+            let jobs = c.jobs.max(1) as f64;
+            let (submissions, waits, polls) = match c.calls {
+                Some(calls) => {
+                    let per = |i: usize| calls[i] as f64 / jobs;
+                    (
+                        format!(
+                            "{:.2} ({:.2} + {:.2} + {:.2})",
+                            per(0) + per(1) + per(2),
+                            per(0),
+                            per(1),
+                            per(2)
+                        ),
+                        format!("{:.2}", per(3)),
+                        format!("{:.2}", per(4)),
+                    )
+                }
+                // By construction: one submission each, and the blocking wait (the busy-polling
+                // floor polls until done instead).
+                None if side == FLOOR_POLLED => {
+                    ("1 (1 + 0 + 0)".into(), "0".into(), "until done".into())
+                }
+                None => ("1 (1 + 0 + 0)".into(), "1".into(), "0".into()),
+            };
+            println!(
+                "| {entry} | {side} | {submissions} | {waits} | {polls} | {} |",
+                fmt_ns(c.cpu.as_nanos() as f64 / jobs)
+            );
+        }
+    }
+    println!();
+}
+
+/// The median over the paired rounds of `(side − other) / JOBS`, in ns per job.
+fn paired_difference(side: &str, other: &str, work: &str) -> Option<f64> {
+    let paired = PAIRED_NS.lock().expect("paired lock");
+    let (side, other) = (
+        paired.get(&key(side, work))?,
+        paired.get(&key(other, work))?,
+    );
+    median_of(
+        side.iter()
+            .zip(other)
+            .map(|(s, o)| (s - o) / JOBS as f64)
+            .collect(),
+    )
 }
 
 criterion_group! {
