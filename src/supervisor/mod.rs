@@ -132,9 +132,10 @@ use crate::worker::{BoxedBody, JobShared, WorkerContext};
 /// checks again (see [child processes](crate::process)). An explicit [`Lease`] has no worker, no
 /// temp dir and no GPU: its release goes straight to the broker step.
 ///
-/// [`stats`](Self::stats) shows the pipeline as it runs: `active` counts every lease held (running,
-/// draining, releasing, quarantined), `draining` the jobs whose body has ended while their physical
-/// end or temp dir removal is still being proven, `quarantined` the slots held in quarantine.
+/// [`stats`](Self::stats) shows the pipeline as it runs: `active` counts the slots held and not
+/// quarantined (running, draining, releasing), `draining` the jobs whose body has ended while their
+/// physical end or temp dir removal is still being proven, `quarantined` the slots held in
+/// quarantine.
 ///
 /// # Shutdown
 ///
