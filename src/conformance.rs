@@ -235,14 +235,18 @@ where
             let mut flight: FuturesUnordered<_> =
                 (0..2 * n + 1).map(|_| direct.acquire()).collect();
             loop {
-                let next = tokio::time::timeout(self.settle.max(SETTLE_FLOOR), flight.next()).await;
+                let next = tokio::select! {
+                    biased;
+                    next = flight.next() => Ok(next),
+                    () = direct.all_waiting() => Err(()),
+                };
                 match next {
                     Ok(Some(Ok(token))) => held.push(token),
                     Ok(Some(Err(_))) => {}
                     Ok(None) => break,
-                    // Nothing answered within the window: the rest wait. Give a slot back.
-                    Err(_) if held.is_empty() => break,
-                    Err(_) => {
+                    // The rest wait at the broker. Give a slot back.
+                    Err(()) if held.is_empty() => break,
+                    Err(()) => {
                         let token = held.remove(0);
                         let _ = self.bounded("a release", direct.release(token)).await?;
                     }
@@ -1054,6 +1058,24 @@ impl<B: SlotBroker> Direct<B> {
             },
         };
         Ok(answer)
+    }
+
+    /// Resolves once every acquire in flight at the broker waits there: by the probe when
+    /// there is one (and something is in flight), else after the settle window.
+    async fn all_waiting(&self) {
+        match &self.waiting {
+            Some(probe) => {
+                let broker = &self.broker.0.broker;
+                loop {
+                    let in_flight = self.broker.requests_in_flight();
+                    if !in_flight.is_empty() && in_flight.iter().all(|r| probe(broker, r)) {
+                        return;
+                    }
+                    tokio::task::yield_now().await;
+                }
+            }
+            None => tokio::time::sleep(self.settle.max(SETTLE_FLOOR)).await,
+        }
     }
 
     /// Waits until the broker has queued an acquire it is running for a supervisor.

@@ -76,11 +76,19 @@ struct State {
     waiters: VecDeque<u64>,
     granted: HashMap<u64, SlotToken>,
     wakers: HashMap<u64, Waker>,
+    /// The request (origin, id) of each waiter, for the suite's `waiting_with` probe.
+    requests: HashMap<u64, (u64, u64)>,
     next_waiter: u64,
     closes: u32,
 }
 
 impl Pool {
+    /// Whether the acquire made with `request` waits in the queue (the suite's probe).
+    fn is_waiting(&self, request: &AcquireRequest) -> bool {
+        let key = (request.origin(), request.request_id());
+        self.state.lock().requests.values().any(|r| *r == key)
+    }
+
     fn new(fault: Fault, queues: bool) -> Self {
         Self {
             fault,
@@ -139,6 +147,7 @@ impl Pool {
         match next {
             Some(waiter) => {
                 let token = self.mint(state, slot);
+                state.requests.remove(&waiter);
                 state.granted.insert(waiter, token);
                 if let Some(waker) = state.wakers.remove(&waiter) {
                     waker.wake();
@@ -164,6 +173,7 @@ impl Pool {
 /// A waiting acquire.
 struct Acquire<'a> {
     pool: &'a Pool,
+    request: (u64, u64),
     waiter: Option<u64>,
     done: bool,
 }
@@ -187,6 +197,8 @@ impl Future for Acquire<'_> {
             state.next_waiter += 1;
             state.waiters.push_back(waiter);
             state.wakers.insert(waiter, cx.waker().clone());
+            let request = self.request;
+            state.requests.insert(waiter, request);
             drop(state);
             self.waiter = Some(waiter);
             return Poll::Pending;
@@ -215,6 +227,7 @@ impl Drop for Acquire<'_> {
         let mut state = pool.state.lock();
         state.waiters.retain(|w| *w != waiter);
         state.wakers.remove(&waiter);
+        state.requests.remove(&waiter);
         if let Some(token) = state.granted.remove(&waiter) {
             pool.give_back(&mut state, token);
         }
@@ -222,7 +235,7 @@ impl Drop for Acquire<'_> {
 }
 
 impl SlotBroker for Pool {
-    async fn acquire(&self, _request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+    async fn acquire(&self, request: AcquireRequest) -> Result<SlotToken, BrokerError> {
         match self.fault {
             Fault::RacyCapacity => {
                 let room = self.state.lock().held.len() < SLOTS as usize;
@@ -249,6 +262,7 @@ impl SlotBroker for Pool {
             _ => {
                 Acquire {
                     pool: self,
+                    request: (request.origin(), request.request_id()),
                     waiter: None,
                     done: false,
                 }
@@ -438,4 +452,78 @@ async fn a_broker_whose_renewal_never_reports_a_loss_fails_the_lost_leases_check
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_that_keeps_the_waker_of_the_first_poll_fails_the_supervised_check() {
     fails_only(Fault::KeepsFirstWaker, true, "supervised").await;
+}
+
+/// With a probe for "this acquire waits in the queue", the suite needs no settle window (an
+/// hour here: a wait on it would fail the run on its step bound).
+async fn suite_with_probe(fault: Fault) -> Report {
+    let report = Conformance::new(move || async move { Pool::new(fault, true) })
+        .settle(Duration::from_secs(3600))
+        .step(Duration::from_secs(2))
+        .waiting_with(|pool: &Pool, request| pool.is_waiting(request))
+        .lose_with(|pool: &Pool, token| pool.lose(token), |pool| pool.restore())
+        .run()
+        .await;
+    println!("{fault:?} (probed):\n{report}");
+    report
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_queue_probe_a_correct_waiting_broker_passes_and_a_lifo_one_fails_fifo() {
+    let report = suite_with_probe(Fault::None).await;
+    report.assert_passed();
+    assert_eq!(skipped(&report), Vec::<&str>::new(), "{report}");
+    let report = suite_with_probe(Fault::Lifo).await;
+    assert_eq!(report.failed(), ["fifo"], "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_says_each_checks_outcome_and_assert_passed_panics_on_a_failure() {
+    let report = suite(Fault::CloseFails, false).await;
+    let text = report.to_string();
+    assert!(text.contains("capacity: passed\n"), "{text}");
+    assert!(
+        text.contains("fifo: skipped: the broker does not queue"),
+        "{text}"
+    );
+    assert!(
+        text.contains("close: FAILED: the broker's close failed: "),
+        "{text}"
+    );
+    assert_eq!(text.lines().count(), report.checks().len());
+    let close = report
+        .checks()
+        .iter()
+        .find(|c| c.name() == "close")
+        .unwrap();
+    assert!(!close.passed() && close.failure().is_some() && close.skipped().is_none());
+    let fifo = report.checks().iter().find(|c| c.name() == "fifo").unwrap();
+    assert!(!fifo.passed() && fifo.failure().is_none() && fifo.skipped().is_some());
+    let capacity = report
+        .checks()
+        .iter()
+        .find(|c| c.name() == "capacity")
+        .unwrap();
+    assert!(capacity.passed() && capacity.failure().is_none() && capacity.skipped().is_none());
+    assert!(!report.passed());
+    let asserted = std::panic::catch_unwind(|| report.assert_passed());
+    let message = *asserted.unwrap_err().downcast::<String>().unwrap();
+    assert!(message.contains("close: FAILED"), "{message}");
+    // The checks come in the order of the module's table.
+    let names: Vec<&str> = report.checks().iter().map(|c| c.name()).collect();
+    assert_eq!(
+        names,
+        [
+            "capacity",
+            "no double grant",
+            "fencing",
+            "release",
+            "fifo",
+            "cancel safety",
+            "bad tokens",
+            "close",
+            "lost leases",
+            "supervised"
+        ]
+    );
 }
