@@ -622,19 +622,27 @@ fn fence_blocking(inner: &JobGpuInner, wait: FenceWait) -> Result<(), String> {
     let (index, sub) = (dev.index, inner.sub);
     let h = inner.handles();
     let guard = &dev.guard;
-    // A non-blocking poll first: it runs the device's maintenance, which is where a loss (a
-    // driver reset, `destroy()`) is noticed and the loss callback fires. A blocking wait on a
-    // device already lost may never return.
-    let _ = guard.run(BackendCall::FencePoll, index, Some(sub), || {
-        h.device.poll(wgpu::PollType::Poll)
-    })?;
-    if let Some(reason) = inner.generation.loss() {
-        return Err(reason);
-    }
     let wait_for = match wait {
-        FenceWait::Queue => guard.run(BackendCall::FenceSubmit, index, Some(sub), || {
-            h.queue.submit(std::iter::empty())
-        })?,
+        FenceWait::Queue => {
+            // A non-blocking poll first: it runs the device's maintenance, which is where a
+            // loss (a driver reset, `destroy()`) is noticed and the loss callback fires, so that
+            // the fence's own submission is never made on a device that is gone.
+            let _ = guard.run(BackendCall::FencePoll, index, Some(sub), || {
+                h.device.poll(wgpu::PollType::Poll)
+            })?;
+            if let Some(reason) = inner.generation.loss() {
+                return Err(reason);
+            }
+            guard.run(BackendCall::FenceSubmit, index, Some(sub), || {
+                h.queue.submit(std::iter::empty())
+            })?
+        }
+        // No poll first: the wait runs the same maintenance (a loss it notices fires the loss
+        // callback before it returns, and the caller checks the generation after it; a loss
+        // known before is checked before the wait), and a device the driver has lost ends the
+        // wait with an error (Vulkan's wait must return `VK_ERROR_DEVICE_LOST` in finite
+        // time); one `destroy()`ed runs its submitted work to completion. One call into the
+        // backend less per lease (on GL, one lock of the device's context less).
         FenceWait::Recorded(i) => i,
     };
     // No timeout here: wgpu-core 30.0.2 can panic in a timed wait that runs out while other
