@@ -91,7 +91,11 @@ enum Op {
 enum FenceEnd {
     Done,
     Late,
+    /// The device is lost; leasehold re-creates it.
     Lost,
+    /// The device is lost, and it is the engine's: only the engine's replacement brings it
+    /// back, and a shutdown does not wait for that.
+    EngineLost,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -158,6 +162,8 @@ struct World {
     resized: bool,
     generation: u64,
     recreating: bool,
+    /// A lease was lost on the engine's device: the engine may hand a replacement.
+    engine_lost: bool,
     next_waiter: WaiterId,
     next_control: ControlId,
     stopping: bool,
@@ -215,6 +221,7 @@ impl World {
             resized: false,
             generation: 1,
             recreating: false,
+            engine_lost: false,
             next_waiter: 1,
             next_control: 1,
             stopping: false,
@@ -243,6 +250,7 @@ impl World {
             self.resized,
             self.generation,
             self.recreating,
+            self.engine_lost,
             self.stopping,
         )
             .hash(&mut h);
@@ -306,12 +314,18 @@ impl World {
                 } else {
                     match h.fence {
                         None => ops.extend(
-                            [FenceEnd::Done, FenceEnd::Late, FenceEnd::Lost]
+                            [
+                                FenceEnd::Done,
+                                FenceEnd::Late,
+                                FenceEnd::Lost,
+                                FenceEnd::EngineLost,
+                            ]
+                            .map(|f| Op::Fence(j, f)),
+                        ),
+                        Some(FenceEnd::Late) => ops.extend(
+                            [FenceEnd::Done, FenceEnd::Lost, FenceEnd::EngineLost]
                                 .map(|f| Op::Fence(j, f)),
                         ),
-                        Some(FenceEnd::Late) => {
-                            ops.extend([FenceEnd::Done, FenceEnd::Lost].map(|f| Op::Fence(j, f)))
-                        }
                         Some(_) => {}
                     }
                 }
@@ -326,7 +340,7 @@ impl World {
                 }
             }
         }
-        if self.recreating {
+        if self.recreating || self.engine_lost {
             ops.push(Op::Replaced);
         }
         if !self.resized && !self.stopping {
@@ -446,6 +460,16 @@ impl World {
                             reason: "lost".into(),
                         }
                     }
+                    FenceEnd::EngineLost => {
+                        h.lost_on = Some(generation);
+                        self.engine_lost = true;
+                        Input::EngineDeviceLost {
+                            key,
+                            device: 0,
+                            generation,
+                            reason: "destroyed by the engine".into(),
+                        }
+                    }
                 };
                 self.input(input, &mut turn)?;
             }
@@ -503,6 +527,7 @@ impl World {
             }
             Op::Replaced => {
                 self.recreating = false;
+                self.engine_lost = false;
                 self.generation += 1;
                 let generation = self.generation;
                 self.input(

@@ -27,7 +27,7 @@ enum Op {
     /// unproven or the GPU lost), 4 process start, 5 process end ok, 6 process unproven,
     /// 7 tasks late, 8 gpu done, 9 gpu late, 10 gpu lost, 11 the driver's end with its temp
     /// dir removal failed, 12 the driver's temp dir removal late, 13 the driver's end of a job
-    /// that never made a temp dir.
+    /// that never made a temp dir, 14 gpu lost on the engine's own device.
     Worker(usize, u8),
     /// Complete a temp dir removal the core asked for: 0 ok, 1 fail, 2 late (still running).
     TempDir(usize, u8),
@@ -49,7 +49,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => prop_oneof![Just(Want::Lease), Just(Want::Job)].prop_map(Op::Enqueue),
         1 => any::<usize>().prop_map(Op::Withdraw),
         3 => (any::<usize>(), prop_oneof![8 => Just(0u8), 1 => Just(1), 1 => Just(2), 1 => Just(3)]).prop_map(|(i, k)| Op::Acquire(i, k)),
-        6 => (any::<usize>(), 0u8..14).prop_map(|(i, k)| Op::Worker(i, k)),
+        6 => (any::<usize>(), 0u8..15).prop_map(|(i, k)| Op::Worker(i, k)),
         2 => (any::<usize>(), prop_oneof![6 => Just(0u8), 1 => Just(1), 1 => Just(2)]).prop_map(|(i, k)| Op::TempDir(i, k)),
         3 => (any::<usize>(), prop_oneof![6 => Just(0u8), 1 => Just(1), 1 => Just(2), 1 => Just(3)]).prop_map(|(i, k)| Op::Release(i, k)),
         2 => any::<usize>().prop_map(Op::ReleaseExplicit),
@@ -636,6 +636,18 @@ impl World {
                             device,
                             generation,
                             reason: "lost".into(),
+                        }
+                    }
+                    // The engine's own device is lost (only its replacement brings it back).
+                    14 if k.tasks && k.device.is_some() && !k.gpu_done && k.gpu_lost.is_none() => {
+                        let device = k.device.unwrap();
+                        let generation = self.generation[device];
+                        self.known.get_mut(&key).unwrap().gpu_lost = Some(generation);
+                        Input::EngineDeviceLost {
+                            key,
+                            device,
+                            generation,
+                            reason: "destroyed by the engine".into(),
                         }
                     }
                     _ => return,
