@@ -23,6 +23,7 @@
 //! [console]: crate::guide::console
 //! [etcd]: crate::guide::etcd
 //! [troubleshooting]: crate::guide::troubleshooting
+#![cfg_attr(feature = "gpu", doc = "[gpu]: crate::gpu")]
 //! [gpu]: https://github.com/leasehold-rs/leasehold/blob/main/docs/gpu.md
 //! [console-readme]: https://github.com/leasehold-rs/leasehold/blob/main/console/README.md
 //! [etcd-readme]: https://github.com/leasehold-rs/leasehold/blob/main/etcd/README.md
@@ -50,7 +51,8 @@ mod counters;
 pub mod error;
 mod fencing;
 #[cfg(feature = "gpu")]
-mod gpu;
+#[cfg_attr(docsrs, doc(cfg(feature = "gpu")))]
+pub mod gpu;
 pub mod guide;
 mod hosts;
 mod job;

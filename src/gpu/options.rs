@@ -124,7 +124,7 @@ impl GpuOptions {
     }
 
     /// Which wgpu backends to look at (overrides `WGPU_BACKEND`). A backend this build does
-    /// not include (see README, "Backends") finds no adapter.
+    /// not include (see [Backends](crate::gpu#backends)) finds no adapter.
     pub fn backends(mut self, backends: wgpu::Backends) -> Self {
         self.backends = backends;
         self
@@ -260,6 +260,7 @@ impl GpuOptions {
     /// inside the guard of every backend call the pool makes, just before the call; a hook that
     /// panics stands for a backend that panics there.
     #[cfg(feature = "fault-injection")]
+    #[doc(hidden)]
     pub fn backend_hook(
         mut self,
         hook: impl Fn(super::BackendCall, usize, Option<usize>) + Send + Sync + 'static,

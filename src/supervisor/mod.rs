@@ -99,9 +99,10 @@ use crate::worker::{BoxedBody, JobShared, WorkerContext};
 ///      every ctx.spawn_process keeper has ended: child reaped, process group proven empty);
 ///      when tasks outlive the body, a task of the job's own waits for them under the drain
 ///      timeout
-///    • with .gpu(..): the GPU fence — everything submitted on the lease's device queue up to
-///      this point has completed (a blocking poll on tokio's blocking pool); then the slot's
-///      scratch is cleared, so the next lease sees zeros
+///    • with .gpu(..): the GPU fence — the lease's GPU work has completed (its last
+///      gpu.submit(..), or with FencePolicy::Queue and the queue taken, everything on the
+///      queue up to this point; a blocking poll on tokio's blocking pool); nothing for a
+///      lease with no GPU work. The slot's scratch is cleared when the next lease takes it
 ///    │
 ///    ▼
 ///  temp dir removed, if the job made one (it is made on first use: ctx.temp_dir(),
@@ -174,9 +175,9 @@ use crate::worker::{BoxedBody, JobShared, WorkerContext};
 /// | cleanup timeout (broker release slower than `cleanup_timeout`) | the release future is dropped and the lease ends, counted in `release_failed_total`; whether the broker frees the slot is up to the broker | already removed | `LEASE_CLEANUP_TIMEOUT`, or `LEASE_BODY_AND_CLEANUP_FAILED` when the body failed too |
 /// | child processes when the job is cancelled (token, dropped `run` future, shutdown) | held until each group got `SIGTERM`, `SIGKILL` after `process_grace` if needed, its leader is reaped and the group proven empty | removed only after that | `LEASE_BODY_CANCELLED`, as for any cancellation |
 /// | a descendant escaped its process group | if recorded at the stop (its parent alive): signalled through a pidfd and proven gone before the release. If orphaned and still alive past the proof bound: quarantined until `reclaim_quarantined()` finds it gone | kept while quarantined | `LEASE_BODY_CANCELLED` (or the body's result) once proven gone; otherwise `LEASE_CLEANUP_UNCONFIRMED` |
-/// | a GPU job cancelled (or just returning) with GPU work in flight | held until the fence: everything submitted on its device's queue before the worker ended has completed (a blocking poll on the blocking pool, never in the supervisor's mailbox); only then is the sub-slot, with its scratch (cleared to zero), handed on. Past `fence_timeout`: quarantined at once, released when the work completes | removed after the fence | `LEASE_BODY_CANCELLED` (or the body's result) once the work has completed; past the fence timeout, at once: `LEASE_BODY_AND_CLEANUP_FAILED` (`LEASE_CLEANUP_UNCONFIRMED` if the body succeeded) |
+/// | a GPU job cancelled (or just returning) with GPU work in flight | held until the fence: its last `gpu.submit(..)` (with `FencePolicy::Queue` and the queue taken, everything on the queue before the worker ended) has completed (a blocking poll on the blocking pool, never in the supervisor's mailbox; no fence for a lease with no GPU work); only then is the sub-slot handed on (its scratch is cleared when the next lease takes it). Past `fence_timeout`: quarantined at once, released when the work completes | removed after the fence | `LEASE_BODY_CANCELLED` (or the body's result) once the work has completed; past the fence timeout, at once: `LEASE_BODY_AND_CLEANUP_FAILED` (`LEASE_CLEANUP_UNCONFIRMED` if the body succeeded) |
 /// | the GPU backend panics in a call leasehold makes (fence, submission through `JobGpu`, scratch, drop of a device's last handles) | contained; counted as a loss of the device (next row) | as next row | as next row |
-/// | the GPU device is lost (driver reset, `device.destroy()`) | quarantined; the device is re-created in the background (one creator, retries under `recreate_policy`); released once it is replaced, or given up; waiters continue on the new device | kept until then | `LEASE_GPU_DEVICE_LOST` at once (`LEASE_BODY_AND_CLEANUP_FAILED` when the body failed too) |
+/// | the GPU device is lost (driver reset, `device.destroy()`) | quarantined; the device is re-created in the background (one creator, retries under `recreate_policy`); released once it is replaced, or given up; waiters continue on the new device. An adopted device waits for the engine's replacement; shutdown does not wait for it | kept until then | `LEASE_GPU_DEVICE_LOST` at once (`LEASE_BODY_AND_CLEANUP_FAILED` when the body failed too) |
 /// | physical end not provable (`drain_timeout`, GPU work past `fence_timeout`, temp dir removal failed, processes not proven gone within `process_proof_bound`) | quarantined, not reused; released on its own once its tasks end (drain timeout) or its GPU work completes (fence timeout), otherwise only through `reclaim_quarantined()` | kept while quarantined | `LEASE_CLEANUP_UNCONFIRMED` (or `LEASE_BODY_AND_CLEANUP_FAILED`) |
 /// | process kill, power loss, runtime crash | **out of scope**: no cleanup can run. The in-process pool dies with the process; for a distributed broker only its lease TTL recovers the slot (counted as orphan expiry) | left on disk | nothing |
 ///
@@ -574,8 +575,9 @@ impl Supervisor {
     /// [`GpuOptions::adopt`](crate::GpuOptions::adopt)), typically after it was lost: the new
     /// device and queue become its next generation (new scratch, zeroed), its slots quarantined
     /// with `LEASE_GPU_DEVICE_LOST` come back, and jobs are placed on it again. A replacement
-    /// of a device that was not lost is allowed too: leases already on it keep the old handles
-    /// until they end. When the call answers, the supervisor has taken the replacement in:
+    /// of a device that was not lost is allowed too: leases already on it keep the old handles,
+    /// are fenced there and end as usual. The new device's adapter is its own. A refused device
+    /// is left as it came. When the call answers, the supervisor has taken the replacement in:
     /// [`stats`](Self::stats) and [`leases`](Self::leases) show the slots back.
     ///
     /// # Errors
