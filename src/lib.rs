@@ -53,6 +53,7 @@ mod fencing;
 #[cfg(feature = "gpu")]
 #[cfg_attr(docsrs, doc(cfg(feature = "gpu")))]
 pub mod gpu;
+mod gpu_info;
 pub mod guide;
 mod hosts;
 mod job;
@@ -85,15 +86,16 @@ pub use fencing::{FencingGuard, StaleToken};
 pub use gpu::BackendCall;
 #[cfg(feature = "gpu")]
 pub use gpu::{FencePolicy, GpuError, GpuOptions, JobGpu, ScratchPolicy, SlotScratch};
+pub use gpu_info::GpuDeviceInfo;
 pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN, PRIORITY_AGING_GRANTS, Priority};
 pub use lease::Lease;
 pub use paths::{PathRefused, PathRefusedReason};
 pub use process::{JobProcess, ProcessError, ProcessSpec};
 pub use sink::OrphanedFailure;
 pub use supervisor::{
-    ActorLease, GpuDeviceInfo, JobHandle, LeaseInfo, LeaseKind, LeaseMsg, LeasePhase,
-    QuarantinedSlot, ReclaimReport, ReleaseError, ShutdownReport, SpawnedJob, Stats, Supervisor,
-    SupervisorBuilder, UnclosedDevice, WaiterInfo, WaitingFor,
+    ActorLease, JobHandle, LeaseInfo, LeaseKind, LeaseMsg, LeasePhase, QuarantinedSlot,
+    ReclaimReport, ReleaseError, ShutdownReport, SpawnedJob, Stats, Supervisor, SupervisorBuilder,
+    UnclosedDevice, WaiterInfo, WaitingFor,
 };
 /// Re-exported (feature `gpu`) so that jobs use exactly the wgpu the supervisor was built with.
 #[cfg(feature = "gpu")]

@@ -535,7 +535,7 @@ impl GpuPool {
 
     /// Every device as the pool knows it now (`Supervisor::gpu_devices`): what its current
     /// generation runs on, and that generation's loss.
-    pub(crate) fn describe(&self) -> Vec<crate::GpuDeviceInfo> {
+    pub(crate) fn describe(&self) -> Vec<crate::gpu_info::GpuDeviceInfo> {
         let busy = self.busy.lock().clone();
         self.devices
             .iter()
@@ -544,7 +544,7 @@ impl GpuPool {
                 let state = dev.state.lock();
                 let current = state.current.as_ref().map(|c| &c.generation);
                 let info = current.map_or(&dev.info, |g| &g.info);
-                crate::GpuDeviceInfo {
+                crate::gpu_info::GpuDeviceInfo {
                     index: dev.index,
                     adapter: info.name.clone(),
                     backend: format!("{:?}", info.backend),

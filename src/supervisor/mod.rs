@@ -39,9 +39,7 @@ pub use desk::{ActorLease, LeaseMsg, ReleaseError};
 pub use job_handle::JobHandle;
 
 use reports::LastReport;
-pub use reports::{
-    GpuDeviceInfo, QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo,
-};
+pub use reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo};
 pub use stats::Stats;
 pub use table::{LeaseInfo, LeaseKind, LeasePhase, WaitingFor};
 
@@ -621,7 +619,7 @@ impl Supervisor {
     /// per device its adapter, whether the engine handed it over, its sub-slots in use, how
     /// often it has been created, and its loss. A synchronous snapshot of the pool's own
     /// bookkeeping: no message to the actor, cheap enough for every frame of a UI.
-    pub fn gpu_devices(&self) -> Vec<GpuDeviceInfo> {
+    pub fn gpu_devices(&self) -> Vec<crate::gpu_info::GpuDeviceInfo> {
         #[cfg(feature = "gpu")]
         if let Some(pool) = &self.inner.gpu {
             return pool.describe();
