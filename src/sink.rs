@@ -127,9 +127,12 @@ impl Sink {
             !std::mem::replace(&mut state.draining, true)
         };
         if start {
-            let queue = Arc::clone(queue);
+            let drainer = Drainer {
+                queue: Arc::clone(queue),
+                ran: false,
+            };
             crate::counters::task();
-            drop(queue.runtime.clone().spawn_blocking(move || queue.drain()));
+            drop(queue.runtime.spawn_blocking(move || drainer.run()));
         }
     }
 }
@@ -174,6 +177,42 @@ impl Queue {
             if let Err(panic) = crate::outside::call(|| (self.user)(&next)) {
                 tracing::error!(%panic, failure = %next, "the error sink panicked");
             }
+        }
+    }
+}
+
+/// One drain on the blocking pool. A runtime that is shutting down drops it without running
+/// it: what it was to hand over is then counted as dropped, and the queue is idle again (so
+/// that `shutdown` does not wait for a drain that will never run).
+struct Drainer {
+    queue: Arc<Queue>,
+    ran: bool,
+}
+
+impl Drainer {
+    fn run(mut self) {
+        self.queue.drain();
+        self.ran = true;
+    }
+}
+
+impl Drop for Drainer {
+    fn drop(&mut self) {
+        if self.ran {
+            return;
+        }
+        let lost = {
+            let mut state = self.queue.state.lock();
+            state.draining = false;
+            std::mem::take(&mut state.failures)
+        };
+        self.queue.idle.notify_waiters();
+        if !lost.is_empty() {
+            metrics::counter!(crate::metric_names::SINK_DROPPED_COUNT).increment(lost.len() as u64);
+            tracing::warn!(
+                lost = lost.len(),
+                "the runtime ended before the error sink was called: these failures were not handed to it"
+            );
         }
     }
 }
@@ -247,6 +286,46 @@ mod tests {
         // In the order they were reported: the first, then the two the queue held.
         let heard: Vec<u32> = entered.try_iter().collect();
         assert_eq!(heard, [1, 2]);
+    }
+
+    #[test]
+    fn a_failure_reported_after_the_runtime_is_gone_is_counted_dropped_and_never_waited_for() {
+        let gone = tokio::runtime::Runtime::new().unwrap();
+        let called = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = Arc::clone(&called);
+        let user: ErrorSink = Arc::new(move |_: &OrphanedFailure| {
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+        let sink = Sink::new(Some(user), gone.handle().clone());
+        drop(gone);
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        // The blocking pool is gone: tokio drops the drain without running it.
+        metrics::with_local_recorder(&recorder, || sink.report(None, failure(3)));
+        let dropped: u64 = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(key, ..)| key.key().name() == crate::metric_names::SINK_DROPPED_COUNT)
+            .map(|(.., value)| match value {
+                DebugValue::Counter(n) => n,
+                _ => 0,
+            })
+            .sum();
+        assert_eq!(dropped, 1);
+        // Idle at once, not at the deadline: the paused clock would otherwise jump to it.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let start = tokio::time::Instant::now();
+            let deadline = start + std::time::Duration::from_secs(30);
+            assert!(sink.drained_until(deadline).await);
+            assert_eq!(tokio::time::Instant::now(), start);
+        });
+        assert!(!called.load(std::sync::atomic::Ordering::SeqCst));
     }
 
     #[test]

@@ -75,6 +75,30 @@ pub(crate) struct EndDrops {
 /// unwind through the others), and what to call them if they outlive the bound.
 pub(crate) type EndDrop = (&'static str, Vec<Box<dyn std::any::Any + Send>>);
 
+/// One item of [`EndDrops::dispose`]: dropping it drops its values (each under the panic
+/// catch) and then marks it done, wherever that happens (on the blocking pool, or wherever a
+/// runtime shutting down drops the closure that was to run it).
+struct Disposal {
+    name: &'static str,
+    values: Vec<Box<dyn std::any::Any + Send>>,
+    owner: Arc<EndDrops>,
+}
+
+impl Drop for Disposal {
+    fn drop(&mut self) {
+        for value in std::mem::take(&mut self.values) {
+            crate::outside::dispose(value);
+        }
+        let mut pending = self.owner.pending.lock();
+        if let Some(at) = pending.iter().position(|p| *p == self.name) {
+            pending.remove(at);
+        }
+        if pending.is_empty() {
+            self.owner.done.notify_waiters();
+        }
+    }
+}
+
 impl EndDrops {
     /// Drops each of `items` off this thread, each on its own (so that one that blocks holds
     /// no other); inline when no runtime is left.
@@ -83,26 +107,20 @@ impl EndDrops {
             .lock()
             .extend(items.iter().map(|(name, _)| *name));
         let runtime = tokio::runtime::Handle::try_current().ok();
-        for (name, item) in items {
-            let this = Arc::clone(self);
-            let drop_one = move || {
-                for value in item {
-                    crate::outside::dispose(value);
-                }
-                let mut pending = this.pending.lock();
-                if let Some(at) = pending.iter().position(|p| *p == name) {
-                    pending.remove(at);
-                }
-                if pending.is_empty() {
-                    this.done.notify_waiters();
-                }
+        for (name, values) in items {
+            let one = Disposal {
+                name,
+                values,
+                owner: Arc::clone(self),
             };
             match &runtime {
                 Some(runtime) => {
                     crate::counters::task();
-                    drop(runtime.spawn_blocking(drop_one));
+                    // A runtime that is shutting down drops the closure without running it:
+                    // `Disposal`'s own `Drop` then does the same work where it is dropped.
+                    drop(runtime.spawn_blocking(move || drop(one)));
                 }
-                None => drop_one(),
+                None => drop(one),
             }
         }
     }
