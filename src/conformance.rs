@@ -24,7 +24,7 @@
 //! | `no double grant` | "A broker never grants a slot that is still held, and never hands out a lease id that a live token carries." |
 //! | `fencing` | "Each grant of a slot carries a lease id greater than every lease id that slot was granted under before." |
 //! | `release` | "A release of a token the broker granted answers `Ok`, and the slot can be granted again." |
-//! | `fifo` | "A broker that makes acquires wait while every slot is held serves them in the order they arrived." (skipped for a broker that refuses when every slot is held) |
+//! | `fifo` | "A broker that makes acquires wait while every slot is held serves them in the order they arrived." Three wait, one after another; a newcomer asks as the first slot comes back, and must not overtake them. (Skipped for a broker that refuses when every slot is held.) |
 //! | `cancel safety` | "An acquire dropped at any await point — before it answers, while it waits, or as a slot is being handed to it — takes nothing: a slot it had taken goes back, or to the next waiter." |
 //! | `bad tokens` | "A release of a token the broker did not grant, of one already released, or of a stale one (its slot now has a newer holder) is refused with an error, and takes nothing from the current holder." |
 //! | `close` | "Closing again answers `Ok` at once." Also the supervisor's side: its shutdown closes the broker once, after its last release. |
@@ -375,14 +375,20 @@ where
                     Some(Err(_)) => break,
                 }
             }
+            let queued = waiters.len();
             let mut order = Vec::new();
             let mut failure = None;
-            while order.len() < waiters.len() {
+            while order.len() < queued {
                 let Some(token) = (!give_back.is_empty()).then(|| give_back.remove(0)) else {
                     failure = Some(format!("no slot left to give back after {order:?}"));
                     break;
                 };
                 let _ = self.bounded("a release", direct.release(token)).await?;
+                if order.is_empty() {
+                    // A newcomer asks right as the first slot comes back, before any waiter
+                    // runs again: it must not overtake them.
+                    waiters.push(direct.waiter_now().numbered(queued));
+                }
                 let served = Direct::<B>::next_answer(&mut waiters, self.step).await;
                 match served {
                     Some((i, Ok(token))) => {
@@ -410,10 +416,10 @@ where
             if let Some(failure) = failure {
                 return Err(failure);
             }
-            let expected: Vec<usize> = (0..order.len()).collect();
+            let expected: Vec<usize> = (0..queued).collect();
             if order != expected {
                 return Err(format!(
-                    "served in the order {order:?}, queued as {expected:?}"
+                    "served in the order {order:?}, queued as {expected:?} (then a newcomer, {queued})"
                 ));
             }
             Ok(None)
@@ -1014,6 +1020,38 @@ impl<B: SlotBroker> Direct<B> {
         let task = tokio::spawn(async move {
             let _ = tx.send(fut.await);
         });
+        Waiter {
+            index: 0,
+            request,
+            polled,
+            answer,
+            task,
+        }
+    }
+
+    /// Starts an acquire and polls it once here, at once, before anything else runs; then
+    /// hands it to a task of its own.
+    fn waiter_now(&self) -> Waiter {
+        let request = self.request();
+        let polled = Arc::new(AtomicBool::new(true));
+        let (tx, answer) = oneshot::channel();
+        let mut fut: Pin<Box<dyn Future<Output = _> + Send>> = Box::pin({
+            let (broker, request) = (self.broker.clone(), request.clone());
+            async move { broker.acquire(request).await }
+        });
+        let first = fut
+            .as_mut()
+            .poll(&mut Context::from_waker(std::task::Waker::noop()));
+        let task = match first {
+            Poll::Ready(result) => {
+                let _ = tx.send(result);
+                tokio::spawn(async {})
+            }
+            // The task's first poll gives it the waker it needs.
+            Poll::Pending => tokio::spawn(async move {
+                let _ = tx.send(fut.await);
+            }),
+        };
         Waiter {
             index: 0,
             request,

@@ -34,12 +34,20 @@ enum Fault {
     ReleaseAnswersErr,
     /// FIFO: the newest waiter is served first.
     Lifo,
+    /// FIFO: a release frees the slot and wakes the oldest waiter, which takes it when it runs
+    /// again; an acquire that comes in between takes it first. Breaks only when a newcomer
+    /// asks as a slot comes back.
+    Barging,
     /// Cancel safety: an acquire that leaves while it waits stays in the queue, and a slot
     /// handed to it is lost. Breaks only when an acquire is dropped while it waits.
     LeaverStaysQueued,
     /// Cancel safety: takes the slot, then yields before it answers. Breaks only when the
     /// acquire is dropped at that await point.
     TakesThenYields,
+    /// Cancel safety: an acquire that leaves while it waits leaves the queue, but a slot
+    /// already handed to it (not yet collected by its poll) is lost. Breaks only when the
+    /// acquire is dropped as a slot is being handed to it.
+    LeaksGrantInFlight,
     /// Bad tokens: accepts a release of any token.
     AcceptsAnyRelease,
     /// Bad tokens: checks a release by its slot only, so a stale token frees the slot's new
@@ -140,6 +148,11 @@ impl Pool {
         if slot >= SLOTS || self.fault == Fault::SlotByCount {
             return;
         }
+        if self.fault == Fault::Barging {
+            state.free.push_back(slot);
+            Self::wake_head(state);
+            return;
+        }
         let next = match self.fault {
             Fault::Lifo => state.waiters.pop_back(),
             _ => state.waiters.pop_front(),
@@ -154,6 +167,15 @@ impl Pool {
                 }
             }
             None => state.free.push_back(slot),
+        }
+    }
+
+    /// Wakes the oldest waiter, to take a free slot when it runs again (`Barging`).
+    fn wake_head(state: &mut State) {
+        if let Some(head) = state.waiters.front()
+            && let Some(waker) = state.wakers.get(head)
+        {
+            waker.wake_by_ref();
         }
     }
 
@@ -208,6 +230,17 @@ impl Future for Acquire<'_> {
             self.done = true;
             return Poll::Ready(Ok(token));
         }
+        if pool.fault == Fault::Barging
+            && state.waiters.front() == Some(&waiter)
+            && let Some(token) = pool.take_now(&mut state)
+        {
+            state.waiters.pop_front();
+            state.wakers.remove(&waiter);
+            state.requests.remove(&waiter);
+            drop(state);
+            self.done = true;
+            return Poll::Ready(Ok(token));
+        }
         if pool.fault != Fault::KeepsFirstWaker {
             state.wakers.insert(waiter, cx.waker().clone());
         }
@@ -228,8 +261,14 @@ impl Drop for Acquire<'_> {
         state.waiters.retain(|w| *w != waiter);
         state.wakers.remove(&waiter);
         state.requests.remove(&waiter);
-        if let Some(token) = state.granted.remove(&waiter) {
+        if let Some(token) = state.granted.remove(&waiter)
+            && pool.fault != Fault::LeaksGrantInFlight
+        {
             pool.give_back(&mut state, token);
+        }
+        // A leaver that was woken for a free slot passes the wake on (`Barging`).
+        if pool.fault == Fault::Barging && !state.free.is_empty() {
+            Pool::wake_head(&mut state);
         }
     }
 }
@@ -383,75 +422,175 @@ async fn a_correct_refusing_broker_passes_every_check_but_fifo() {
     assert_eq!(skipped(&report), ["fifo"], "{report}");
 }
 
-/// Each broken broker fails exactly the check of the promise it breaks.
-async fn fails_only(fault: Fault, queues: bool, check: &str) {
+/// Each broken broker fails exactly the check of the promise it breaks, for the reason it
+/// breaks it (`says` is part of the failure's text).
+async fn fails_only(fault: Fault, queues: bool, check: &str, says: &str) {
     let report = suite(fault, queues).await;
     assert_eq!(report.failed(), [check], "{fault:?}:\n{report}");
+    let failure = report
+        .checks()
+        .iter()
+        .find(|c| c.name() == check)
+        .and_then(|c| c.failure())
+        .unwrap_or_default();
+    assert!(
+        failure.contains(says),
+        "{fault:?}: {failure:?} does not say {says:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_that_over_grants_when_acquires_race_fails_the_capacity_check() {
-    fails_only(Fault::RacyCapacity, false, "capacity").await;
+    fails_only(
+        Fault::RacyCapacity,
+        false,
+        "capacity",
+        "7 tokens granted and not yet released at once, capacity 3",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_that_grants_a_held_slot_fails_the_no_double_grant_check() {
-    fails_only(Fault::SlotByCount, false, "no double grant").await;
+    fails_only(
+        Fault::SlotByCount,
+        false,
+        "no double grant",
+        "was granted while slot 2 lease 3 was still held",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_whose_lease_ids_go_down_fails_the_fencing_check() {
-    fails_only(Fault::LeaseIdsGoDown, true, "fencing").await;
+    fails_only(
+        Fault::LeaseIdsGoDown,
+        true,
+        "fencing",
+        "granted under lease id 999996 after lease id 999999",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_whose_releases_answer_an_error_fails_the_release_check() {
-    fails_only(Fault::ReleaseAnswersErr, true, "release").await;
+    fails_only(
+        Fault::ReleaseAnswersErr,
+        true,
+        "release",
+        "the release of slot 0 lease 1, which it granted, failed",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_that_serves_the_newest_waiter_first_fails_the_fifo_check() {
-    fails_only(Fault::Lifo, true, "fifo").await;
+    fails_only(
+        Fault::Lifo,
+        true,
+        "fifo",
+        "served in the order [2, 3, 1], queued as [0, 1, 2] (then a newcomer, 3)",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_lets_a_newcomer_take_a_slot_freed_for_a_waiter_fails_the_fifo_check() {
+    fails_only(
+        Fault::Barging,
+        true,
+        "fifo",
+        "served in the order [3, 0, 1], queued as [0, 1, 2] (then a newcomer, 3)",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_loses_a_slot_handed_to_a_waiter_as_it_leaves_fails_the_cancel_safety_check()
+{
+    fails_only(Fault::LeaksGrantInFlight, true, "cancel safety", "after 6 waiting acquires were dropped, some as a slot came back to them: only 0 of 3 slots could be taken").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_that_hands_a_slot_to_a_waiter_that_left_fails_the_cancel_safety_check() {
-    fails_only(Fault::LeaverStaysQueued, true, "cancel safety").await;
+    fails_only(Fault::LeaverStaysQueued, true, "cancel safety", "after 6 waiting acquires were dropped, some as a slot came back to them: only 0 of 3 slots could be taken").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_whose_acquire_takes_a_slot_before_an_await_fails_the_cancel_safety_check() {
-    fails_only(Fault::TakesThenYields, false, "cancel safety").await;
+    fails_only(
+        Fault::TakesThenYields,
+        false,
+        "cancel safety",
+        "after 2 acquires were dropped before they answered: only 2 of 3 slots could be taken",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_that_accepts_a_release_of_a_token_it_never_granted_fails_the_bad_tokens_check() {
-    fails_only(Fault::AcceptsAnyRelease, true, "bad tokens").await;
+    fails_only(
+        Fault::AcceptsAnyRelease,
+        true,
+        "bad tokens",
+        "(never granted) was accepted",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_that_takes_a_stale_token_from_the_slots_new_holder_fails_the_bad_tokens_check() {
-    fails_only(Fault::ReleasesBySlot, true, "bad tokens").await;
+    fails_only(
+        Fault::ReleasesBySlot,
+        true,
+        "bad tokens",
+        "(stale: its slot is held again as slot 0 lease 4) was accepted",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_whose_close_fails_fails_the_close_check() {
-    fails_only(Fault::CloseFails, true, "close").await;
+    fails_only(
+        Fault::CloseFails,
+        true,
+        "close",
+        "the broker's close failed",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_whose_second_close_fails_fails_the_close_check() {
-    fails_only(Fault::SecondCloseFails, true, "close").await;
+    fails_only(
+        Fault::SecondCloseFails,
+        true,
+        "close",
+        "a second close failed",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_whose_renewal_never_reports_a_loss_fails_the_lost_leases_check() {
-    fails_only(Fault::NeverReportsLoss, true, "lost leases").await;
+    fails_only(
+        Fault::NeverReportsLoss,
+        true,
+        "lost leases",
+        "the lease to end under its holder did not end within 2s",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_that_keeps_the_waker_of_the_first_poll_fails_the_supervised_check() {
-    fails_only(Fault::KeepsFirstWaker, true, "supervised").await;
+    fails_only(
+        Fault::KeepsFirstWaker,
+        true,
+        "supervised",
+        "a job did not end within 2s",
+    )
+    .await;
 }
 
 /// With a probe for "this acquire waits in the queue", the suite needs no settle window (an
