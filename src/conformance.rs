@@ -24,7 +24,7 @@
 //! | `no double grant` | "A broker never grants a slot that is still held, and never hands out a lease id that a live token carries." |
 //! | `fencing` | "Each grant of a slot carries a lease id greater than every lease id that slot was granted under before." |
 //! | `release` | "A release of a token the broker granted answers `Ok`, and the slot can be granted again." |
-//! | `fifo` | "A broker that makes acquires wait while every slot is held serves them in the order they arrived." Three wait, one after another; a newcomer asks as the first slot comes back, and must not overtake them. (Skipped for a broker that refuses when every slot is held.) |
+//! | `fifo` | "A broker that makes acquires wait while every slot is held serves them in the order they arrived." Three wait, one after another; a newcomer asks as the first slot comes back, and must not overtake them (a broker whose queue is full may refuse it). A broker that lets a newcomer take a slot freed for a waiter is caught when the newcomer's first poll comes before the woken waiter runs: always on a current-thread runtime. (Skipped for a broker that refuses when every slot is held.) |
 //! | `cancel safety` | "An acquire dropped at any await point — before it answers, while it waits, or as a slot is being handed to it — takes nothing: a slot it had taken goes back, or to the next waiter." |
 //! | `bad tokens` | "A release of a token the broker did not grant, of one already released, or of a stale one (its slot now has a newer holder) is refused with an error, and takes nothing from the current holder." |
 //! | `close` | "Closing again answers `Ok` at once." Also the supervisor's side: its shutdown closes the broker once, after its last release. |
@@ -389,7 +389,14 @@ where
                     // runs again: it must not overtake them.
                     waiters.push(direct.waiter_now().numbered(queued));
                 }
-                let served = Direct::<B>::next_answer(&mut waiters, self.step).await;
+                let served = loop {
+                    match Direct::<B>::next_answer(&mut waiters, self.step).await {
+                        // A broker whose queue is full may refuse the newcomer: a refusal
+                        // overtakes nobody.
+                        Some((i, Err(_))) if i == queued => continue,
+                        served => break served,
+                    }
+                };
                 match served {
                     Some((i, Ok(token))) => {
                         order.push(i);
@@ -1039,16 +1046,19 @@ impl<B: SlotBroker> Direct<B> {
             let (broker, request) = (self.broker.clone(), request.clone());
             async move { broker.acquire(request).await }
         });
-        let first = fut
-            .as_mut()
-            .poll(&mut Context::from_waker(std::task::Waker::noop()));
+        let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            fut.as_mut()
+                .poll(&mut Context::from_waker(std::task::Waker::noop()))
+        }));
         let task = match first {
-            Poll::Ready(result) => {
+            Ok(Poll::Ready(result)) => {
                 let _ = tx.send(result);
                 tokio::spawn(async {})
             }
+            // Told as a task's panic is: the acquire never answers.
+            Err(_) => tokio::spawn(async {}),
             // The task's first poll gives it the waker it needs.
-            Poll::Pending => tokio::spawn(async move {
+            Ok(Poll::Pending) => tokio::spawn(async move {
                 let _ = tx.send(fut.await);
             }),
         };

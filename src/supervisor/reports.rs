@@ -209,3 +209,50 @@ pub struct WaiterInfo {
     /// How long it has waited (zero for one that joined in the supervisor's current turn).
     pub waited: Duration,
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    /// Set when dropped.
+    struct Flag(Arc<AtomicBool>);
+
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn what_a_runtime_that_is_gone_never_runs_is_dropped_and_done_at_once() {
+        let gone = tokio::runtime::Runtime::new().unwrap();
+        let handle = gone.handle().clone();
+        drop(gone);
+        let drops = Arc::new(EndDrops::default());
+        let dropped = Arc::new(AtomicBool::new(false));
+        {
+            // The handle is still current (as in a task the ending runtime drops), but its
+            // blocking pool is gone: tokio drops the closure without running it.
+            let _current = handle.enter();
+            drops.dispose(vec![(
+                "the broker",
+                vec![Box::new(Flag(Arc::clone(&dropped))) as Box<dyn std::any::Any + Send>],
+            )]);
+        }
+        assert!(dropped.load(Ordering::SeqCst));
+        // Done at once, not at the deadline: the paused clock would otherwise jump to it.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let start = tokio::time::Instant::now();
+            let outlived = drops.wait_until(start + Duration::from_secs(30)).await;
+            assert!(outlived.is_empty(), "{outlived:?}");
+            assert_eq!(tokio::time::Instant::now(), start);
+        });
+    }
+}
