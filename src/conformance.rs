@@ -592,12 +592,15 @@ where
                 tokio::spawn(async move { sup.acquire().await.map(drop).map_err(|e| e.code()) })
             };
             // Until each caller waits with the other supervisor's acquires in flight at the
-            // broker (and queued there), or has been refused (a broker that does not queue).
+            // broker (and queued there), or has been refused (a broker that does not queue, or
+            // whose queue is full, refuses what does not fit).
             let wanted = 3.min(n as usize);
+            let refused_before = broker.refused();
             self.until("the callers to wait with acquires in flight", || {
                 let done = calls.iter().filter(|c| c.is_finished()).count()
                     + usize::from(leaver.is_finished());
-                done == 3 || (other.stats().waiting + done == 3 && broker.in_flight() >= wanted)
+                let placed = broker.in_flight() + (broker.refused() - refused_before);
+                done == 3 || (other.stats().waiting + done == 3 && placed >= wanted)
             })
             .await?;
             let direct = self.direct(&broker);
@@ -1415,6 +1418,8 @@ struct Log {
     strangers: Vec<SlotToken>,
     /// Acquires started and not yet answered (or dropped), by request.
     in_flight: Vec<AcquireRequest>,
+    /// Acquires the broker answered with an error (a full queue, every slot held).
+    refused: usize,
     closes: u32,
     outstanding_at_close: Option<usize>,
 }
@@ -1495,6 +1500,10 @@ impl<B> Observed<B> {
         self.0.log.lock().in_flight.len()
     }
 
+    fn refused(&self) -> usize {
+        self.0.log.lock().refused
+    }
+
     fn requests_in_flight(&self) -> Vec<AcquireRequest> {
         self.0.log.lock().in_flight.clone()
     }
@@ -1533,7 +1542,13 @@ impl<B: SlotBroker> SlotBroker for Observed<B> {
             log: &self.0.log,
             request: request.clone(),
         };
-        let token = self.0.broker.acquire(request).await?;
+        let token = match self.0.broker.acquire(request).await {
+            Ok(token) => token,
+            Err(e) => {
+                self.0.log.lock().refused += 1;
+                return Err(e);
+            }
+        };
         self.0.log.lock().granted(token);
         Ok(token)
     }

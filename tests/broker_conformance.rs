@@ -9,6 +9,8 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -41,6 +43,9 @@ enum Fault {
     /// Cancel safety: an acquire that leaves while it waits stays in the queue, and a slot
     /// handed to it is lost. Breaks only when an acquire is dropped while it waits.
     LeaverStaysQueued,
+    /// Cancel safety: an acquire that leaves from the middle of the queue stays in it (one at
+    /// either end leaves), and a slot handed to it is lost.
+    MiddleLeaverStays,
     /// Cancel safety: takes the slot, then yields before it answers. Breaks only when the
     /// acquire is dropped at that await point.
     TakesThenYields,
@@ -62,6 +67,12 @@ enum Fault {
     /// Ordinary futures: a waiting acquire keeps the waker of its first poll, which the
     /// supervisor makes with a no-op waker. Breaks only under a supervisor.
     KeepsFirstWaker,
+    /// FIFO: a slot that comes back fails the oldest waiter (its acquire answers an error) and
+    /// goes to the next one.
+    FailsTheHead,
+    /// Not one promise: no acquire is ever granted (each waits for ever). The suite must
+    /// report it, not panic.
+    NeverGrants,
 }
 
 /// An in-process broker that makes acquires wait (or refuses when every slot is held), renews
@@ -72,6 +83,8 @@ struct Pool {
     /// At most this many acquires wait (those handed a slot they have not collected yet
     /// included); more are refused.
     queue_bound: Option<usize>,
+    /// Counts the tokens this broker granted and took back, when a test reads them.
+    counts: Option<Arc<Counts>>,
     state: Mutex<State>,
     lost: tokio::sync::watch::Sender<HashSet<SlotToken>>,
 }
@@ -86,6 +99,8 @@ struct State {
     extra_slots: u32,
     waiters: VecDeque<u64>,
     granted: HashMap<u64, SlotToken>,
+    /// Waiters to answer with an error (`FailsTheHead`).
+    failed: HashSet<u64>,
     wakers: HashMap<u64, Waker>,
     /// The request (origin, id) of each waiter, for the suite's `waiting_with` probe.
     requests: HashMap<u64, (u64, u64)>,
@@ -105,6 +120,7 @@ impl Pool {
             fault,
             queues,
             queue_bound: None,
+            counts: None,
             state: Mutex::new(State {
                 free: (0..SLOTS).collect(),
                 next_lease: 1,
@@ -112,6 +128,11 @@ impl Pool {
             }),
             lost: tokio::sync::watch::Sender::new(HashSet::new()),
         }
+    }
+
+    fn counting(mut self, counts: Arc<Counts>) -> Self {
+        self.counts = Some(counts);
+        self
     }
 
     fn with_queue_bound(mut self, bound: usize) -> Self {
@@ -137,6 +158,9 @@ impl Pool {
             _ => lease,
         };
         let token = SlotToken::new(slot, lease);
+        if let Some(counts) = &self.counts {
+            counts.grants.fetch_add(1, Ordering::SeqCst);
+        }
         state.held.insert(token);
         state.holder.insert(slot, lease);
         token
@@ -161,6 +185,15 @@ impl Pool {
             state.free.push_back(slot);
             Self::wake_head(state);
             return;
+        }
+        if self.fault == Fault::FailsTheHead
+            && let Some(head) = state.waiters.pop_front()
+        {
+            state.requests.remove(&head);
+            state.failed.insert(head);
+            if let Some(waker) = state.wakers.remove(&head) {
+                waker.wake();
+            }
         }
         let next = match self.fault {
             Fault::Lifo => state.waiters.pop_back(),
@@ -189,6 +222,11 @@ impl Pool {
     }
 
     fn give_back(&self, state: &mut State, token: SlotToken) {
+        if let Some(counts) = &self.counts
+            && state.held.contains(&token)
+        {
+            counts.taken_back.fetch_add(1, Ordering::SeqCst);
+        }
         state.held.remove(&token);
         if state.holder.get(&token.slot_id()) == Some(&token.lease_id()) {
             state.holder.remove(&token.slot_id());
@@ -199,6 +237,13 @@ impl Pool {
     fn unavailable() -> BrokerError {
         BrokerError::unavailable(format!("all {SLOTS} slots are held"))
     }
+}
+
+/// What a broker granted and took back.
+#[derive(Default)]
+struct Counts {
+    grants: AtomicU64,
+    taken_back: AtomicU64,
 }
 
 /// A waiting acquire.
@@ -242,6 +287,11 @@ impl Future for Acquire<'_> {
             self.done = true;
             return Poll::Ready(Ok(token));
         }
+        if state.failed.remove(&waiter) {
+            drop(state);
+            self.done = true;
+            return Poll::Ready(Err(BrokerError::new("the slot went to another waiter")));
+        }
         if pool.fault == Fault::Barging
             && state.waiters.front() == Some(&waiter)
             && let Some(token) = pool.take_now(&mut state)
@@ -274,6 +324,13 @@ impl Drop for Acquire<'_> {
         }
         let pool = self.pool;
         let mut state = pool.state.lock();
+        if pool.fault == Fault::MiddleLeaverStays
+            && state.waiters.front() != Some(&waiter)
+            && state.waiters.back() != Some(&waiter)
+            && state.waiters.contains(&waiter)
+        {
+            return;
+        }
         state.waiters.retain(|w| *w != waiter);
         state.wakers.remove(&waiter);
         state.requests.remove(&waiter);
@@ -308,6 +365,7 @@ impl SlotBroker for Pool {
                 };
                 Ok(self.mint(&mut state, slot))
             }
+            Fault::NeverGrants => std::future::pending().await,
             Fault::TakesThenYields => {
                 let token = self.take_now(&mut self.state.lock());
                 let token = token.ok_or_else(Pool::unavailable)?;
@@ -447,6 +505,82 @@ async fn a_correct_broker_whose_full_queue_refuses_passes_every_check() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_correct_broker_whose_queue_holds_one_passes_every_check_and_none_is_skipped() {
+    // The second acquire with every slot held is refused: the first still waits, and is
+    // served in order.
+    let report = Conformance::new(|| async { Pool::new(Fault::None, true).with_queue_bound(1) })
+        .settle(Duration::ZERO)
+        .step(Duration::from_secs(2))
+        .lose_with(|pool: &Pool, token| pool.lose(token), |pool| pool.restore())
+        .run()
+        .await;
+    println!("{report}");
+    report.assert_passed();
+    assert_eq!(skipped(&report), Vec::<&str>::new(), "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_suite_grants_as_many_leases_as_its_docs_say_and_gives_back_all_it_took() {
+    let counters: Arc<parking_lot::Mutex<Vec<Arc<Counts>>>> = Arc::default();
+    let made = Arc::clone(&counters);
+    let report = Conformance::new(move || {
+        let counts = Arc::new(Counts::default());
+        made.lock().push(Arc::clone(&counts));
+        async move { Pool::new(Fault::None, true).counting(counts) }
+    })
+    .settle(Duration::ZERO)
+    .step(Duration::from_secs(2))
+    .run()
+    .await;
+    report.assert_passed();
+    // The second broker the suite makes is the churn's: its 3 slots taken, each of the
+    // 2 × 3 rounds takes one again, then 4 × 3 jobs through a supervisor.
+    let counters = counters.lock();
+    // (A waiting broker: the fifo check leaves its newcomer waiting when it is done, which
+    // the suite must drop, not leave to take a slot it never gives back.)
+    let churn = counters[1].grants.load(Ordering::SeqCst);
+    assert_eq!(churn, 3 + 2 * 3 + 4 * 3);
+    // The last is the supervised check's: two supervisors, each with twice as many jobs as
+    // there are slots.
+    let supervised = counters.last().unwrap().grants.load(Ordering::SeqCst);
+    assert_eq!(supervised, 2 * 2 * 3);
+    // Every broker it made has every slot back when the suite is done with it.
+    for (i, counts) in counters.iter().enumerate() {
+        let grants = counts.grants.load(Ordering::SeqCst);
+        let back = counts.taken_back.load(Ordering::SeqCst);
+        assert_eq!(
+            back, grants,
+            "broker {i} took back {back} of {grants} grants"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_fails_its_oldest_waiter_when_a_slot_comes_back_fails_the_fifo_check() {
+    fails_only(
+        Fault::FailsTheHead,
+        true,
+        "fifo",
+        "waiting acquire 0 failed when a slot came back",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_never_grants_is_reported_not_panicked_on() {
+    let report = suite(Fault::NeverGrants, true).await;
+    assert!(!report.passed(), "{report}");
+    // Nothing was granted, so nothing was over-granted: the crowd passes.
+    let capacity = report
+        .checks()
+        .iter()
+        .find(|c| c.name() == "capacity")
+        .unwrap();
+    assert!(capacity.passed(), "{report}");
+    assert!(report.failed().contains(&"release"), "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_correct_refusing_broker_passes_every_check_but_fifo() {
     let report = suite(Fault::None, false).await;
     report.assert_passed();
@@ -553,12 +687,23 @@ async fn a_broker_that_hands_a_slot_to_a_waiter_that_left_fails_the_cancel_safet
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_keeps_a_leaver_from_the_middle_of_its_queue_fails_the_cancel_safety_check() {
+    fails_only(
+        Fault::MiddleLeaverStays,
+        true,
+        "cancel safety",
+        "some as a slot came back to them: only 2 of 3 slots could be taken",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_whose_acquire_takes_a_slot_before_an_await_fails_the_cancel_safety_check() {
     fails_only(
         Fault::TakesThenYields,
         false,
         "cancel safety",
-        "after 2 acquires were dropped before they answered: only 2 of 3 slots could be taken",
+        "after 2 acquires were dropped before they answered: only 2 of 3 slots could be taken: broker unavailable: all 3 slots are held",
     )
     .await;
 }
