@@ -603,11 +603,6 @@ impl Core {
                 .admission
                 .capacity
                 .is_some_and(|cap| self.committed() + 1 > cap);
-            #[cfg(test)]
-            let over = over && !Self::mutated(tried);
-            #[cfg(test)]
-            let retired = self.admission.retired(token) && !Self::mutated(tried);
-            #[cfg(not(test))]
             let retired = self.admission.retired(token);
             if !serving || over || retired {
                 if let Some(waiter) = tried {
@@ -682,16 +677,6 @@ impl Core {
                 self.admission.acquiring.remove(&request);
                 self.fx.push(Effect::AbortAcquire { request });
             }
-        }
-    }
-
-    /// Whether a mutant skips the checks for this token (tests only).
-    #[cfg(test)]
-    fn mutated(tried: Option<WaiterId>) -> bool {
-        match mutants::active() {
-            mutants::HAND_ON_UNCHECKED => tried.is_none(),
-            mutants::TRY_UNCHECKED => tried.is_some(),
-            _ => false,
         }
     }
 
@@ -783,30 +768,5 @@ impl Core {
         self.admission
             .spare
             .extend(record.tokens().map(|t| (t, None)));
-    }
-}
-
-/// Faults that can be put back into [`Core::admit`] on one thread, to show that the model tests
-/// catch them (see `tests/pool_model.rs`).
-#[cfg(test)]
-pub(crate) mod mutants {
-    use std::cell::Cell;
-
-    pub(crate) const NONE: u8 = 0;
-    /// Tokens in hand go to the gathering head or the queue without the capacity check.
-    pub(crate) const HAND_ON_UNCHECKED: u8 = 1;
-    /// A `try_acquire` caller's tokens are given to it without the capacity check.
-    pub(crate) const TRY_UNCHECKED: u8 = 2;
-
-    thread_local! {
-        static ACTIVE: Cell<u8> = const { Cell::new(NONE) };
-    }
-
-    pub(crate) fn set(mutant: u8) {
-        ACTIVE.set(mutant);
-    }
-
-    pub(super) fn active() -> u8 {
-        ACTIVE.get()
     }
 }

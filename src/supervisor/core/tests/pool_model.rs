@@ -12,13 +12,14 @@
 //! A batch performs its effects either after each input (as the shell does) or only at its end
 //! (harsher: every effect of the batch meets every input of it). Fixed seeds run every time,
 //! then a fresh window of seeds (printed); `LEASEHOLD_POOL_SEED=s` replays one seed with its
-//! trace. A mutation test shows the model catches the two gaps the admission rewrite closed.
+//! trace. That the model catches a gap in `Core::admit` (a token handed on past the capacity in
+//! force, or a retired one) is shown by cargo-mutants (`.cargo/mutants-core.toml`), which puts
+//! such gaps back one at a time; CONTRIBUTING.md says how.
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
 
 use super::prelude::*;
-use crate::supervisor::core::admission::mutants;
 use crate::supervisor::sim_tests::Rng;
 
 /// One waiter, as the world knows it.
@@ -416,22 +417,4 @@ fn the_pool_keeps_its_promises_when_controls_share_batches_with_releases_and_wit
         }
     }
     assert!(failed.is_empty(), "failing seeds: {failed:?}");
-}
-
-/// The model is only as good as the faults it catches: with each old gap put back into
-/// `Core::admit` (gathered slots handed on without the capacity check; a `try_acquire` served
-/// from a grant that a resize in the same batch made too many), the same fixed seeds fail.
-#[test]
-fn the_pool_model_catches_the_gaps_the_admission_rewrite_closed() {
-    for (mutant, what) in [
-        (mutants::HAND_ON_UNCHECKED, "slots handed on unchecked"),
-        (mutants::TRY_UNCHECKED, "a try served past a resize"),
-    ] {
-        mutants::set(mutant);
-        let caught = (1..=2000).filter(|seed| world(*seed).is_err()).count();
-        mutants::set(mutants::NONE);
-        assert!(caught > 0, "the model missed the mutant: {what}");
-        eprintln!("mutant {what:?}: caught by {caught} of 2000 seeds");
-    }
-    assert!(world(1).is_ok());
 }
