@@ -1,7 +1,8 @@
 //! What the supervisor's pipeline acts on outside itself: temp dirs, child processes, GPU
-//! devices. Each is a small trait with one real implementation; the simulation test swaps in
-//! scripted fakes (a file system that fails or hangs, processes that ignore `SIGTERM` or
-//! escape their group, GPU work that is slow or lost) and drives the real supervisor with them.
+//! devices, a worker's spawn. Each is a small trait with one real implementation; the
+//! simulation test swaps in scripted fakes (a file system that fails or hangs, processes that
+//! ignore `SIGTERM` or escape their group, GPU work that is slow or lost, a spawn that fails or
+//! takes more than one poll) and drives the real supervisor with them.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -66,11 +67,22 @@ impl TempDirHost for FsTempDirs {
     }
 }
 
+/// Where a worker's spawn can be scripted. The real spawn only moves the job's arguments into
+/// the worker and has nothing to ask ([`Hosts::spawns`] is `None`); a fake makes it fail, or
+/// take more than the supervisor's one poll.
+pub(crate) trait SpawnHost: Send + Sync + 'static {
+    /// Awaited in the worker's `pre_start`, before the job's arguments are taken: an error
+    /// refuses the spawn.
+    fn starting(&self, job_id: &str) -> BoxFuture<'static, Result<(), String>>;
+}
+
 /// The hosts of one supervisor.
 #[derive(Clone)]
 pub(crate) struct Hosts {
     pub(crate) temp_dirs: Arc<dyn TempDirHost>,
     pub(crate) processes: Arc<dyn ProcessHost>,
+    /// `None`: the real spawn, with nothing to ask.
+    pub(crate) spawns: Option<Arc<dyn SpawnHost>>,
     #[cfg(feature = "gpu")]
     pub(crate) gpu: Option<Arc<dyn GpuHost>>,
 }
@@ -81,6 +93,7 @@ impl Hosts {
         Self {
             temp_dirs: Arc::new(FsTempDirs),
             processes: Arc::new(OsProcesses),
+            spawns: None,
             #[cfg(feature = "gpu")]
             gpu: None,
         }

@@ -4,10 +4,47 @@
 //! report too: the job never started. A spawn that does not end on the supervisor's one poll
 //! is finished by a task of its own, and the job runs as any other.
 
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
 use tokio::sync::oneshot;
 
 use super::Supervisor;
+use crate::hosts::{Hosts, SpawnHost};
 use crate::job::JobSpec;
+
+/// A worker's spawn as a test scripts it.
+enum Spawn {
+    /// Every spawn fails.
+    Refused,
+    /// Every spawn yields once in `pre_start`, so it does not end on the supervisor's one poll.
+    Yields,
+}
+
+impl SpawnHost for Spawn {
+    fn starting(&self, _job_id: &str) -> BoxFuture<'static, Result<(), String>> {
+        match self {
+            Spawn::Refused => Box::pin(async { Err("this worker's spawn is refused".into()) }),
+            Spawn::Yields => Box::pin(async {
+                tokio::task::yield_now().await;
+                Ok(())
+            }),
+        }
+    }
+}
+
+async fn supervisor_whose_spawns(spawn: Spawn, slots: u32) -> Supervisor {
+    let hosts = Hosts {
+        spawns: Some(Arc::new(spawn)),
+        ..Hosts::os()
+    };
+    Supervisor::builder()
+        .slots(slots)
+        .hosts(hosts)
+        .start()
+        .await
+        .unwrap()
+}
 
 fn children(sup: &Supervisor) -> Vec<ractor::ActorCell> {
     sup.inner()
@@ -74,14 +111,11 @@ async fn a_worker_is_linked_while_its_body_runs_and_unlinked_once_it_has_ended()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_cannot_be_spawned_gives_its_slots_back_and_its_caller_hears_why() {
-    use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    let sup = Supervisor::builder().slots(3).start().await.unwrap();
+    let sup = supervisor_whose_spawns(Spawn::Refused, 3).await;
     let ran = Arc::new(AtomicBool::new(false));
-    let job = JobSpec::new(crate::worker::SPAWN_REFUSED_FOR_TEST)
-        .unwrap()
-        .with_slots(2);
+    let job = JobSpec::new("refused").unwrap().with_slots(2);
     let run = sup.run(job, {
         let ran = Arc::clone(&ran);
         move |_ctx| async move {
@@ -120,13 +154,13 @@ async fn a_worker_that_cannot_be_spawned_gives_its_slots_back_and_its_caller_hea
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_spawn_that_does_not_end_at_once_is_finished_off_the_mailbox_and_the_job_runs() {
-    let sup = Supervisor::builder().slots(2).start().await.unwrap();
+    let sup = supervisor_whose_spawns(Spawn::Yields, 2).await;
     // Several at once, some sharing a batch: each spawn yields in `pre_start`.
     let jobs: Vec<_> = (0..6)
         .map(|i| {
             let sup = sup.clone();
             tokio::spawn(async move {
-                let id = format!("{}-{i}", crate::worker::SPAWN_YIELDS_FOR_TEST);
+                let id = format!("yields-{i}");
                 sup.run(JobSpec::new(id).unwrap(), move |ctx| async move {
                     let dir = ctx.temp_dir().to_path_buf();
                     std::fs::write(dir.join("f"), b"x")?;

@@ -1180,6 +1180,7 @@ fn simulate(seed: u64) -> Result<Vec<String>, (Vec<String>, Vec<String>)> {
             processes: Arc::new(SimProcesses {
                 ledger: Arc::clone(&ledger),
             }),
+            spawns: None,
             #[cfg(feature = "gpu")]
             gpu: None,
         };

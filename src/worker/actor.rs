@@ -23,15 +23,6 @@ pub(crate) type BoxedBody = Box<dyn FnOnce(WorkerContext) -> BoxFuture<'static, 
 
 pub(crate) struct WorkerActor;
 
-/// A job of this id gets a worker whose spawn fails (tests only).
-#[cfg(test)]
-pub(crate) const SPAWN_REFUSED_FOR_TEST: &str = "worker-spawn-refused-under-test";
-
-/// A job of this id (or with it as a prefix) gets a worker whose `pre_start` yields once, so
-/// that its spawn does not end on the supervisor's one poll (tests only).
-#[cfg(test)]
-pub(crate) const SPAWN_YIELDS_FOR_TEST: &str = "worker-spawn-yields-under-test";
-
 /// Everything a worker needs; moved into its task and dropped there, before it stops, so
 /// nothing of the job travels inside its supervision event.
 pub(crate) struct WorkerArgs {
@@ -70,15 +61,9 @@ impl Actor for WorkerActor {
         _myself: ActorRef<()>,
         args: Box<WorkerArgs>,
     ) -> Result<WorkerState, ActorProcessingErr> {
-        // The one way to make a worker's spawn fail (its pre_start only moves its arguments):
-        // for the test of the driver's `NotStarted` report.
-        #[cfg(test)]
-        if &*args.job_id == SPAWN_REFUSED_FOR_TEST {
-            return Err("this worker's spawn is refused under test".into());
-        }
-        #[cfg(test)]
-        if args.job_id.starts_with(SPAWN_YIELDS_FOR_TEST) {
-            tokio::task::yield_now().await;
+        // The real spawn only moves the arguments; a scripted one may fail or take longer.
+        if let Some(spawns) = &args.hosts.spawns {
+            spawns.starting(&args.job_id).await?;
         }
         Ok(WorkerState { args: Some(args) })
     }

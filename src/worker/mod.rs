@@ -12,8 +12,6 @@ mod shared;
 
 pub(crate) use crate::paths::confine;
 pub(crate) use actor::{BoxedBody, WorkerActor, WorkerArgs};
-#[cfg(test)]
-pub(crate) use actor::{SPAWN_REFUSED_FOR_TEST, SPAWN_YIELDS_FOR_TEST};
 pub use context::WorkerContext;
 
 pub(crate) use shared::JobShared;
