@@ -156,3 +156,72 @@ fn every_stable_code_has_its_row_in_the_codes_table() {
         );
     }
 }
+
+/// Each room of the supervisor's shell says what it depends on: no glob import of the shell's
+/// own scope (ARCHITECTURE.md: rooms that own their state, with explicit imports).
+#[test]
+fn every_room_of_the_shell_names_what_it_imports() {
+    let mut files = Vec::new();
+    rust_files(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("src/supervisor/actor"),
+        &mut files,
+    );
+    assert!(files.len() >= 4, "{files:?}");
+    let found: Vec<String> = files
+        .iter()
+        .flat_map(|file| {
+            code_lines(file)
+                .into_iter()
+                .filter(|(_, code)| code.trim().starts_with("use super::*"))
+                .map(move |(n, code)| format!("{}:{n}: {}", file.display(), code.trim()))
+        })
+        .collect();
+    assert!(
+        found.is_empty(),
+        "a room imports its parent's whole scope (name what it uses):\n{}",
+        found.join("\n")
+    );
+}
+
+/// The body of the first `fn name(` in a file, braces matched (comments dropped).
+fn body_of(file: &str, name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+    let code: Vec<String> = code_lines(&path).into_iter().map(|(_, c)| c).collect();
+    let code = code.join("\n");
+    let start = code
+        .find(&format!("fn {name}("))
+        .unwrap_or_else(|| panic!("no fn {name} in {file}"));
+    let open = start + code[start..].find('{').expect("a body");
+    let mut depth = 0;
+    for (i, c) in code[open..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return code[open..=open + i].to_owned();
+                }
+            }
+            _ => {}
+        }
+    }
+    panic!("fn {name} in {file} does not close");
+}
+
+/// The one function that grants and the worker's start carry no test switch: faults are put in
+/// by a host (the spawn) or by cargo-mutants (the admission checks), never by a `cfg(test)`
+/// branch in the path every lease takes.
+#[test]
+fn the_grant_and_the_workers_start_have_no_test_switch() {
+    for (file, name) in [
+        ("src/supervisor/core/admission.rs", "admit"),
+        ("src/worker/actor.rs", "pre_start"),
+    ] {
+        let body = body_of(file, name);
+        assert!(body.len() > 100, "{file}: {name} is not where it was");
+        assert!(
+            !body.contains("cfg(test)") && !body.contains("FOR_TEST"),
+            "{file}: {name} has a test switch:\n{body}"
+        );
+    }
+}

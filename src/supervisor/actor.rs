@@ -25,33 +25,26 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use rustc_hash::FxHashMap;
-use tokio::sync::oneshot;
-use tokio::task::AbortHandle;
-use tokio_util::task::TaskTracker;
 use tracing::Span;
 
 use super::core::{
-    Answer, ControlId, Core, CoreConfig, DirEnd, Effect, Holder, Input, LeaseKey, Proof, Proofs,
-    QuarantineEntry, RecheckFor, Rechecked, Reply, RequestId, WaiterId, Want,
+    Answer, ControlId, Core, CoreConfig, Effect, Holder, Input, LeaseKey, Proof, QuarantineEntry,
+    RecheckFor, Rechecked, Reply, WaiterId, Want,
 };
 use super::inbox::{Inbox, Ring};
 use super::messages::{Control, PendingJob, RunOutcome, SupMsg, WaiterKind};
-use super::reporter::Reporter;
-use super::reports::{
-    LastReport, QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo,
-};
-use super::stats::{Metrics, Published, SharedStats};
-use super::table::{Extra, LeaseTable};
-use crate::broker::{AcquireRequest, BrokerEvent, DynBroker, LocalBroker, SlotToken};
-use crate::error::{AcquireError, CleanupError, PrepareError};
+use super::reports::{LastReport, QuarantinedSlot, ReclaimReport, UnclosedDevice, WaiterInfo};
+use super::stats::SharedStats;
+use super::table::LeaseTable;
+use crate::broker::{BrokerEvent, SlotToken};
+use crate::error::{AcquireError, CleanupError};
 use crate::hosts::Hosts;
 use crate::lease::{Lease, LeaseCell, ReleaseReply};
 use crate::outside;
-use crate::process::{Evidence, ProcessPolicy};
+use crate::process::ProcessPolicy;
 use crate::sink::Sink;
-use crate::worker::{JobShared, WorkerActor, WorkerArgs};
 
 mod brokerage;
 mod ending;
@@ -60,7 +53,7 @@ mod rooms;
 
 pub(crate) use brokerage::BrokerPort;
 use brokerage::Brokerage;
-use jobs::{JobRt, JobStart};
+use jobs::JobStart;
 use rooms::{
     Answers, BatchClock, ControlReply, EndState, Explicit, Grant, Kept, Outgoing, Publisher, Since,
     Waiter,

@@ -4,9 +4,18 @@
 //! own that reports back through the inbox (never awaited in the mailbox). Its answers, a panic
 //! included, are inputs to the core, which decides what follows.
 
-use super::*;
-use crate::broker::BrokerError;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustc_hash::FxHashMap;
+use tokio::task::AbortHandle;
+
+use super::{Shell, shrink};
+use crate::broker::{AcquireRequest, BrokerError, DynBroker, LocalBroker, SlotToken};
+use crate::error::CleanupError;
 use crate::outside::{self, First, Outcome};
+use crate::supervisor::core::{Input, LeaseKey, RequestId, WaiterId};
+use crate::supervisor::messages::{SupMsg, WaiterKind};
 
 /// Where tokens come from. The in-process broker is called directly (no boxed future, no
 /// poll); any other broker through its object-safe face.

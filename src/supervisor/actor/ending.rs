@@ -1,10 +1,16 @@
 //! The end of a supervisor: shutdown's timers, the GPU pool's bounded close, the report and
 //! what is dropped when the actor stops; and how a quarantined slot is described.
 
-use super::*;
-use crate::broker::BrokerError;
+use std::mem;
+use std::sync::Arc;
+
+use super::Shell;
+use super::brokerage::BrokerPort;
+use crate::broker::{BrokerError, LocalBroker};
 use crate::outside;
-use crate::supervisor::reports::EndDrop;
+use crate::supervisor::core::{Input, QuarantineEntry};
+use crate::supervisor::messages::SupMsg;
+use crate::supervisor::reports::{EndDrop, ShutdownReport};
 
 impl Shell {
     pub(super) fn arm_shutdown_timers(&mut self) {

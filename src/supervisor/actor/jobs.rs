@@ -5,12 +5,25 @@
 //! report (a placement refused, a spawn failed, a proof) is an input to the core.
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
+use std::time::Duration;
 
 use futures_util::FutureExt;
+use ractor::Actor;
+use tokio::sync::oneshot;
+use tokio_util::task::TaskTracker;
 
-use super::*;
+use super::Shell;
+use crate::broker::SlotToken;
+use crate::error::PrepareError;
+use crate::supervisor::core::{DirEnd, Input, LeaseKey, Proof, Proofs};
+use crate::supervisor::inbox::Inbox;
+use crate::supervisor::messages::{PendingJob, RunOutcome, SupMsg};
+use crate::supervisor::reporter::Reporter;
+use crate::worker::{JobShared, WorkerActor, WorkerArgs};
 
 /// A job granted a slot, to start (its driver task spawns the worker).
 pub(super) struct JobStart {

@@ -1,7 +1,26 @@
 //! The shell's rooms: each holds a few fields and does one job. The handlers in `actor.rs`
 //! move between them; none of them decides anything (the core does).
 
-use super::*;
+use std::mem;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ractor::ActorId;
+use rustc_hash::FxHashMap;
+use tokio::sync::oneshot;
+
+use super::jobs::JobRt;
+use super::{BATCH_KEEP, shrink};
+use crate::error::{AcquireError, CleanupError};
+use crate::lease::{Lease, LeaseCell, ReleaseReply};
+use crate::process::Evidence;
+use crate::supervisor::core::{ControlId, Core, LeaseKey, WaiterId};
+use crate::supervisor::messages::{RunOutcome, WaiterKind};
+use crate::supervisor::reports::{
+    LastReport, QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo,
+};
+use crate::supervisor::stats::{Metrics, Published, SharedStats};
+use crate::supervisor::table::{Extra, LeaseTable};
 
 /// What the shell keeps that the core cannot hold: the callers' reply channels and spans, the
 /// jobs' shared state, the explicit leases' cells, the process evidence to re-check and the
