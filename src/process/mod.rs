@@ -492,6 +492,7 @@ impl ProcessHost for OsProcesses {
 pub(crate) trait Evidence: Send + fmt::Debug + 'static {
     /// Why it is not proven gone.
     fn reason(&self) -> &str;
-    /// Checks again; `None` once everything is proven gone (what it held is then forgotten).
-    fn recheck(&mut self) -> Option<String>;
+    /// Checks again: `Ok` once everything is proven gone (what it held is then forgotten), else
+    /// what still stands in the way.
+    fn recheck(&mut self) -> Result<(), String>;
 }

@@ -83,28 +83,28 @@ impl Evidence for Unproven {
         &self.reason
     }
 
-    fn recheck(&mut self) -> Option<String> {
+    fn recheck(&mut self) -> Result<(), String> {
         if let Some(leader) = &mut self.leader {
             match leader.try_wait() {
                 Ok(Some(_)) => self.leader = None,
                 Ok(None) => {
-                    return Some(format!(
+                    return Err(format!(
                         "the leader of process group {} has not exited after SIGKILL",
                         self.pgid
                     ));
                 }
-                Err(e) => return Some(format!("could not wait for process {}: {e}", self.pgid)),
+                Err(e) => return Err(format!("could not wait for process {}: {e}", self.pgid)),
             }
         }
         match unproven_part(self.pgid, &self.escapees, self.subreaper) {
             Some((reason, orphan)) => {
                 // An orphan seen now is attributed to this job: re-checked (and reaped) with it.
                 self.escapees.extend(orphan);
-                Some(reason)
+                Err(reason)
             }
             None => {
                 self.forget();
-                None
+                Ok(())
             }
         }
     }

@@ -148,7 +148,7 @@ impl Actor for SupervisorActor {
             spawn_held_ticker(Arc::clone(&args.inbox), threshold);
         }
         Ok(Shell {
-            core: Core::with(args.core),
+            core: Core::new(args.core),
             inbox: args.inbox,
             myself,
             config: args.config,
@@ -328,7 +328,7 @@ impl Shell {
                 return;
             }
             SupMsg::Joined { key } => return self.worker_joined(key),
-            SupMsg::Swept { key } => return self.poll_removal(key),
+            SupMsg::RemovalRang { key } => return self.poll_removal(key),
             SupMsg::WorkerSpawned { key, result } => return self.worker_spawned(key, result),
             SupMsg::Withdraw { waiter, why } => Input::Withdraw { waiter, why },
             SupMsg::Release { key, reply } => {
@@ -838,19 +838,31 @@ impl Shell {
         let results = checks
             .into_iter()
             .map(|(key, proof)| {
-                let process = match proof {
-                    Proof::Process(p) => p,
-                    _ => u64::MAX,
+                // Only process groups keep evidence; the core refuses a re-check of anything else.
+                let evidence = match proof {
+                    Proof::Process(process) => self
+                        .kept
+                        .evidence
+                        .get_mut(&(key, process))
+                        .map(|evidence| (process, evidence)),
+                    _ => None,
                 };
-                let still = match self.kept.evidence.get_mut(&(key, process)) {
-                    Some(evidence) => evidence.recheck(),
-                    None => Some(format!("no evidence kept for {}", proof.describe())),
+                let outcome = match evidence {
+                    Some((process, evidence)) => {
+                        let outcome = evidence.recheck();
+                        if outcome.is_ok() {
+                            self.kept.evidence.remove(&(key, process));
+                            self.kept.pids.remove(&process);
+                        }
+                        outcome
+                    }
+                    None => Err(format!("no evidence kept for {}", proof.describe())),
                 };
-                if still.is_none() {
-                    self.kept.evidence.remove(&(key, process));
-                    self.kept.pids.remove(&process);
+                Rechecked {
+                    key,
+                    proof,
+                    outcome,
                 }
-                Rechecked { key, proof, still }
             })
             .collect();
         self.core.apply(Input::Rechecked {

@@ -73,7 +73,7 @@ pub(crate) enum SupMsg {
     /// `actor::jobs`). The supervisor polls the handle itself to know.
     Joined { key: LeaseKey },
     /// A job's temp dir removal may have an answer: its waker rang (see `actor::jobs`).
-    Swept { key: LeaseKey },
+    RemovalRang { key: LeaseKey },
     /// A worker whose spawn could not finish within the supervisor's turn was spawned (or
     /// failed to be) in a task of its own.
     WorkerSpawned {

@@ -461,7 +461,7 @@ impl Evidence for SimEvidence {
         &self.reason
     }
 
-    fn recheck(&mut self) -> Option<String> {
+    fn recheck(&mut self) -> Result<(), String> {
         match self.gone_at {
             Some(t) if Instant::now() >= t => {
                 if !std::mem::replace(&mut self.counted_dead, true) {
@@ -469,9 +469,9 @@ impl Evidence for SimEvidence {
                     l.job(&self.job).processes -= 1;
                     l.note(format!("{}: escaped descendant found dead", self.job));
                 }
-                None
+                Ok(())
             }
-            _ => Some(self.reason.clone()),
+            _ => Err(self.reason.clone()),
         }
     }
 }

@@ -44,7 +44,7 @@ pub(super) struct JobRt {
     /// The worker's task, until its end has been seen (see [`WorkerEnd`]).
     pub(super) end: Option<WorkerEnd>,
     /// The temp dir's removal, while it runs.
-    pub(super) sweeping: Option<Sweeping>,
+    pub(super) removal: Option<Removal>,
 }
 
 /// A running worker's end, as the supervisor awaits it without a task of its own: the worker's
@@ -68,11 +68,20 @@ enum Join {
 }
 
 /// A temp dir's removal in flight, polled in the supervisor's turn with a waker that posts
-/// [`SupMsg::Swept`] (the removal itself runs off every runtime thread; see
+/// [`SupMsg::RemovalRang`] (the removal itself runs off every runtime thread; see
 /// `hosts::FsTempDirs`): its answer is taken in the turn that sees it, with no task between.
-pub(super) struct Sweeping {
+pub(super) struct Removal {
     removal: Pin<Box<dyn Future<Output = Input> + Send>>,
     waker: Waker,
+}
+
+/// What a [`Bell`] rings for: the message it posts.
+#[derive(Clone, Copy)]
+enum Rings {
+    /// The worker's join handle: [`SupMsg::Joined`].
+    Join,
+    /// The temp dir's removal: [`SupMsg::RemovalRang`].
+    Removal,
 }
 
 /// The waker of something a job's end waits for, polled by the supervisor: it posts a message
@@ -80,16 +89,15 @@ pub(super) struct Sweeping {
 struct Bell {
     inbox: Arc<Inbox>,
     key: LeaseKey,
-    /// The worker's join handle (`Joined`), or the temp dir's removal (`Swept`).
-    removal: bool,
+    rings: Rings,
 }
 
 impl Bell {
-    fn waker(inbox: &Arc<Inbox>, key: LeaseKey, removal: bool) -> Waker {
+    fn waker(inbox: &Arc<Inbox>, key: LeaseKey, rings: Rings) -> Waker {
         Waker::from(Arc::new(Self {
             inbox: Arc::clone(inbox),
             key,
-            removal,
+            rings,
         }))
     }
 }
@@ -102,10 +110,9 @@ impl Wake for Bell {
     fn wake_by_ref(self: &Arc<Self>) {
         let key = self.key;
         // A supervisor that is gone no longer waits for it.
-        let _ = self.inbox.send(if self.removal {
-            SupMsg::Swept { key }
-        } else {
-            SupMsg::Joined { key }
+        let _ = self.inbox.send(match self.rings {
+            Rings::Join => SupMsg::Joined { key },
+            Rings::Removal => SupMsg::RemovalRang { key },
         });
     }
 }
@@ -160,7 +167,7 @@ impl Shell {
             #[cfg(feature = "gpu")]
             gpu: placement,
         });
-        let waker = Bell::waker(&self.inbox, key, false);
+        let waker = Bell::waker(&self.inbox, key, Rings::Join);
         self.kept.jobs.insert(
             key,
             JobRt {
@@ -174,7 +181,7 @@ impl Shell {
                     waker,
                     tracker,
                 }),
-                sweeping: None,
+                removal: None,
             },
         );
         // The worker's spawn runs its `pre_start`, which only moves its arguments: it ends on
@@ -311,7 +318,7 @@ impl Shell {
                 #[cfg(feature = "gpu")]
                 placement: None,
                 end: None,
-                sweeping: None,
+                removal: None,
             },
         );
         self.core.apply(Input::NotStarted { key, why });
@@ -345,7 +352,7 @@ impl Shell {
         };
         // Started exactly when the core says. The host's removal runs off every runtime
         // thread; what the turn polls is only its answer and the bound's timer.
-        job.sweeping = Some(Sweeping {
+        job.removal = Some(Removal {
             removal: Box::pin(remove_temp_dir(
                 Arc::clone(&self.config.hosts.temp_dirs),
                 path,
@@ -356,7 +363,7 @@ impl Shell {
                     key,
                 },
             )),
-            waker: Bell::waker(&self.inbox, key, true),
+            waker: Bell::waker(&self.inbox, key, Rings::Removal),
         });
         self.poll_removal(key);
     }
@@ -367,13 +374,13 @@ impl Shell {
         let Some(job) = self.kept.jobs.get_mut(&key) else {
             return;
         };
-        let Some(sweeping) = job.sweeping.as_mut() else {
+        let Some(removal) = job.removal.as_mut() else {
             return;
         };
-        let mut cx = Context::from_waker(&sweeping.waker);
-        let removal = tokio::task::unconstrained(sweeping.removal.as_mut());
-        if let Poll::Ready(input) = std::pin::pin!(removal).poll(&mut cx) {
-            job.sweeping = None;
+        let mut cx = Context::from_waker(&removal.waker);
+        let fut = tokio::task::unconstrained(removal.removal.as_mut());
+        if let Poll::Ready(input) = std::pin::pin!(fut).poll(&mut cx) {
+            job.removal = None;
             self.core.apply(input);
         }
     }

@@ -138,7 +138,8 @@ pub(crate) struct Core {
 }
 
 impl Core {
-    pub(crate) fn with(config: CoreConfig) -> Self {
+    /// A core as a supervisor starts it.
+    pub(crate) fn new(config: CoreConfig) -> Self {
         Self {
             renews: config.renews,
             admission: Admission::new(
@@ -157,8 +158,8 @@ impl Core {
 
     /// A core on a broker other than the supervisor's pool (tests).
     #[cfg(test)]
-    pub(crate) fn new(capacity: Option<u32>, renews: bool, gpu: bool) -> Self {
-        Self::with(CoreConfig {
+    pub(crate) fn on_broker(capacity: Option<u32>, renews: bool, gpu: bool) -> Self {
+        Self::new(CoreConfig {
             broker_capacity: capacity,
             pool: None,
             gpu_slots: gpu.then_some(u32::MAX),
@@ -169,7 +170,7 @@ impl Core {
     /// A core on the supervisor's own pool of `slots` (tests).
     #[cfg(test)]
     pub(crate) fn pool(slots: u32) -> Self {
-        Self::with(CoreConfig {
+        Self::new(CoreConfig {
             broker_capacity: Some(slots),
             pool: Some(slots),
             gpu_slots: None,

@@ -80,8 +80,8 @@ pub(crate) enum RecheckFor {
 pub(crate) struct Rechecked {
     pub(crate) key: LeaseKey,
     pub(crate) proof: Proof,
-    /// `None`: proven now; else what still stands in the way.
-    pub(crate) still: Option<String>,
+    /// `Ok`: proven now; else what still stands in the way.
+    pub(crate) outcome: Result<(), String>,
 }
 
 /// Whether a job asked for a temp dir, as its driver reports once the job is closed (nothing

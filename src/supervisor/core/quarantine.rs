@@ -73,7 +73,12 @@ impl Core {
                 .illegal(format_args!("re-checks that were not asked for"));
         };
         self.rechecks = left;
-        for Rechecked { key, proof, still } in results {
+        for Rechecked {
+            key,
+            proof,
+            outcome,
+        } in results
+        {
             let Proof::Process(process) = proof else {
                 self.fx
                     .illegal(format_args!("re-check of {proof:?} for lease {key}"));
@@ -87,9 +92,9 @@ impl Core {
                 // Proven meanwhile, or released: nothing to learn.
                 continue;
             }
-            match still {
-                None => self.proven(key, Proofs::default(), Some(process)),
-                Some(detail) => self.missing(key, proof, Why::Unproven, detail, None),
+            match outcome {
+                Ok(()) => self.proven(key, Proofs::default(), Some(process)),
+                Err(detail) => self.missing(key, proof, Why::Unproven, detail, None),
             }
         }
         for key in &leases {

@@ -217,7 +217,7 @@ mod tests {
     /// A job on GPU device 0 whose body and tasks have ended and whose fence found the device
     /// lost (`lost` is the fence's input), on a core that owns GPU devices.
     fn lost_job(lost: impl FnOnce(LeaseKey) -> Input) -> (Core, LeaseKey) {
-        let mut core = Core::new(Some(1), false, true);
+        let mut core = Core::on_broker(Some(1), false, true);
         core.apply(Input::Enqueue {
             waiter: 1,
             ask: Ask::one(Want::Job),

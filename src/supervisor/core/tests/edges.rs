@@ -89,7 +89,11 @@ fn answer_rechecks(
                     .map(|(key, proof)| Rechecked {
                         key,
                         proof,
-                        still: (!proven(key, proof)).then(|| "still there".to_owned()),
+                        outcome: if proven(key, proof) {
+                            Ok(())
+                        } else {
+                            Err("still there".to_owned())
+                        },
                     })
                     .collect();
                 core.apply(Input::Rechecked {
@@ -114,7 +118,7 @@ fn releases(effects: &[Effect]) -> usize {
 
 #[test]
 fn a_job_is_released_only_after_every_proof_and_its_temp_dir() {
-    let mut core = Core::new(Some(1), false, false);
+    let mut core = Core::on_broker(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::Proven {
         key,
@@ -143,7 +147,7 @@ fn a_job_is_released_only_after_every_proof_and_its_temp_dir() {
 
 #[test]
 fn a_job_without_a_temp_dir_ends_in_one_report_when_nothing_is_late() {
-    let mut core = Core::new(Some(1), false, false);
+    let mut core = Core::on_broker(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::Ended {
         key,
@@ -163,7 +167,7 @@ fn a_job_without_a_temp_dir_ends_in_one_report_when_nothing_is_late() {
 #[test]
 fn the_core_never_removes_a_temp_dir_before_the_workers_physical_end() {
     // A process group still owed: the dir stays, whatever the driver's end says.
-    let mut core = Core::new(Some(1), false, false);
+    let mut core = Core::on_broker(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::ProcessStarted { key, process: 7 });
     core.apply(Input::Ended {
@@ -177,7 +181,7 @@ fn the_core_never_removes_a_temp_dir_before_the_workers_physical_end() {
 
 #[test]
 fn a_temp_dir_removal_that_fails_quarantines_the_slot_and_a_reclaim_retries_it() {
-    let mut core = Core::new(Some(1), false, false);
+    let mut core = Core::on_broker(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::Ended {
         key,
@@ -213,7 +217,7 @@ fn a_temp_dir_removal_that_fails_quarantines_the_slot_and_a_reclaim_retries_it()
 
 #[test]
 fn a_process_group_started_by_the_job_holds_the_temp_dir_until_it_is_proven_empty() {
-    let mut core = Core::new(Some(1), false, false);
+    let mut core = Core::on_broker(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::ProcessStarted { key, process: 7 });
     // The group is not proven yet: the core keeps the dir.
@@ -236,7 +240,7 @@ fn a_process_group_started_by_the_job_holds_the_temp_dir_until_it_is_proven_empt
 #[test]
 fn a_gpu_loss_and_an_unproven_process_group_on_one_lease_both_hold_it() {
     // Both must be proven: the replaced device says nothing about the process group.
-    let mut core = Core::new(Some(1), false, true);
+    let mut core = Core::on_broker(Some(1), false, true);
     let key = started_job(&mut core, token(0, 1), Some(0));
     core.apply(Input::ProcessStarted { key, process: 3 });
     core.apply(Input::Unproven {
@@ -311,7 +315,7 @@ fn a_gpu_loss_and_an_unproven_process_group_on_one_lease_both_hold_it() {
 
 #[test]
 fn a_loss_seen_on_an_older_generation_than_the_replacement_is_proven_by_it_but_not_a_newer_one() {
-    let mut core = Core::new(Some(2), false, true);
+    let mut core = Core::on_broker(Some(2), false, true);
     let key = started_job(&mut core, token(0, 1), Some(0));
     core.apply(Input::Proven {
         key,
@@ -350,7 +354,7 @@ fn a_loss_seen_on_an_older_generation_than_the_replacement_is_proven_by_it_but_n
 
 #[test]
 fn two_reclaims_back_to_back_start_one_temp_dir_removal_and_apply_no_illegal_edge() {
-    let mut core = Core::new(Some(1), false, false);
+    let mut core = Core::on_broker(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::Ended {
         key,
@@ -385,7 +389,7 @@ fn two_reclaims_back_to_back_start_one_temp_dir_removal_and_apply_no_illegal_edg
 
 #[test]
 fn an_input_that_does_not_fit_changes_nothing_and_is_reported() {
-    let mut core = Core::new(Some(1), false, false);
+    let mut core = Core::on_broker(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
     let before = (core.active(), core.quarantined(), core.counters());
     for input in [
@@ -420,7 +424,7 @@ fn an_input_that_does_not_fit_changes_nothing_and_is_reported() {
 #[test]
 fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadline_finds_unproven()
 {
-    let mut core = Core::new(Some(3), false, false);
+    let mut core = Core::on_broker(Some(3), false, false);
     // A running job, a draining one (tasks still running), a quarantined one (late tasks).
     let mut keys = Vec::new();
     for i in 0..3u32 {
@@ -502,7 +506,7 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
 
 #[test]
 fn an_explicit_lease_held_at_shutdown_is_revoked_then_released_once() {
-    let mut core = Core::new(Some(1), false, false);
+    let mut core = Core::on_broker(Some(1), false, false);
     core.apply(Input::Enqueue {
         waiter: 1,
         ask: Ask::one(Want::Lease),
@@ -555,7 +559,7 @@ fn an_explicit_lease_held_at_shutdown_is_revoked_then_released_once() {
 
 #[test]
 fn a_token_for_a_slot_held_by_a_live_lease_is_refused_and_not_released() {
-    let mut core = Core::new(None, false, false);
+    let mut core = Core::on_broker(None, false, false);
     let _key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::Enqueue {
         waiter: 2,
@@ -811,7 +815,7 @@ fn try_is_served_only_when_a_slot_is_free_and_nobody_waits_ahead() {
     pool.run(&mut core);
     assert_eq!(pool.refused, [(3, "LEASE_NO_SLOT_FREE")]);
     // A broker that is not the pool refuses it outright.
-    let mut remote = Core::new(Some(2), false, false);
+    let mut remote = Core::on_broker(Some(2), false, false);
     remote.apply(now(4));
     assert!(matches!(
         drain(&mut remote).as_slice(),
@@ -881,7 +885,7 @@ fn zero_slots_more_than_the_capacity_and_multi_slot_on_a_remote_broker_are_refus
         })
         .collect();
     assert_eq!(codes, ["LEASE_SLOT_COUNT_INVALID"; 2]);
-    let mut remote = Core::new(None, false, false);
+    let mut remote = Core::on_broker(None, false, false);
     remote.apply(Input::Enqueue {
         waiter: 3,
         ask: ask(2, Priority::Normal),
@@ -897,7 +901,7 @@ fn zero_slots_more_than_the_capacity_and_multi_slot_on_a_remote_broker_are_refus
 
 #[test]
 fn cancelling_a_job_by_key_cancels_it_once_and_only_before_its_release() {
-    let mut core = Core::new(Some(1), false, false);
+    let mut core = Core::on_broker(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
     for control in 1..=2 {
         core.apply(Input::CancelById {

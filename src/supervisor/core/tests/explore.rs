@@ -209,7 +209,7 @@ impl World {
             pool.give(first).expect("held");
         }
         Self {
-            core: Core::with(CoreConfig {
+            core: Core::new(CoreConfig {
                 broker_capacity: Some(SLOTS),
                 pool: Some(SLOTS),
                 gpu_slots: Some(GPU_SUB_SLOTS),

@@ -124,7 +124,7 @@ struct World {
 impl World {
     fn new(capacity: u32, gpu: bool, seed: u64) -> Self {
         Self {
-            core: Core::new(Some(capacity), false, gpu),
+            core: Core::on_broker(Some(capacity), false, gpu),
             capacity,
             gpu,
             next_control: 1,
@@ -356,7 +356,11 @@ impl World {
                         results.push(Rechecked {
                             key,
                             proof,
-                            still: (!gone).then(|| format!("group {p} still has members")),
+                            outcome: if gone {
+                                Ok(())
+                            } else {
+                                Err(format!("group {p} still has members"))
+                            },
                         });
                     }
                     self.input(Input::Rechecked {
@@ -918,7 +922,7 @@ impl World {
         }
         // Invariant 8: a shutdown whose deadline passed has stopped.
         if self.stopping && self.timers_armed {
-            let mut world = std::mem::replace(&mut self.core, Core::new(None, false, false));
+            let mut world = std::mem::replace(&mut self.core, Core::on_broker(None, false, false));
             world.apply(Input::ShutdownDeadline);
             self.core = world;
             self.effects();
