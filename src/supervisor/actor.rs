@@ -3,13 +3,13 @@
 //! It turns each message into an [`Input`], applies it, and performs the [`Effect`]s the core
 //! returns, in order. It keeps only what the core cannot hold (reply channels, bodies, task
 //! handles, the process evidence to re-check, job ids) and decides nothing: it never reads the
-//! core's state to choose what to do (`tests/architecture.rs` checks that no file of the shell
-//! does). Its turn awaits nothing: every call into code leasehold did not write goes through
-//! `crate::outside` (a broker future gets one inline poll under `catch_unwind`, the in-process
-//! broker is called directly, and otherwise it runs in a caught, bounded task that reports
-//! back by message); temp dirs are made by the worker and removed by a task of their own when
-//! the core asks; GPU fences run in the driver and the devices are closed on a thread of their
-//! own; a job's driver task spawns its worker.
+//! core's state to choose what to do (`tests/behaviour/architecture.rs` checks that no file of
+//! the shell does). Its turn awaits nothing: every call into code leasehold did not write goes
+//! through `crate::outside` (a broker future gets one inline poll under `catch_unwind`, the
+//! in-process broker is called directly, and otherwise it runs in a caught, bounded task that
+//! reports back by message); temp dirs are made by the worker and removed by a task of their own
+//! when the core asks; GPU fences run in the driver and the devices are closed on a thread of
+//! their own; a job's driver task spawns its worker.
 //!
 //! This file is the shell itself: the actor's handlers, each message turned into an input, and
 //! the dispatch of each effect. Its state lives in rooms ([`rooms`]), and the effects that reach

@@ -14,7 +14,7 @@
 //! every answer and sink call — and checks DESIGN.md's invariants 1 and 3–9 against it at every
 //! broker call and at the end. (Invariant 2, no double grant of a slot, cannot fail against the
 //! fake broker, which hands out each slot once by construction; `core_tests` and
-//! `tests/lifecycle.rs` check the supervisor's refusal of a duplicate token.)
+//! `tests/behaviour/lifecycle.rs` check the supervisor's refusal of a duplicate token.)
 //!
 //! `LEASEHOLD_SIM_SEEDS=n` runs seeds 1..=n (default 1000) and a fresh window of n/2 seeds
 //! (printed); `LEASEHOLD_SIM_SEED=s` runs seed s alone and prints its trace.

@@ -1,7 +1,7 @@
 //! A slot goes back only after the worker that used it has physically finished: its task,
 //! every task and blocking closure it spawned through its context, and its temp dir.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! Non-blocking submission for frame loops: a job handle polled without blocking, cancelled or
 //! dropped from a thread that never awaits.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

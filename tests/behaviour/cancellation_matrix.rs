@@ -3,7 +3,7 @@
 //! token and by dropping the `run` future. After each case, every invariant of DESIGN.md
 //! section 3 is checked against the broker's own record.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

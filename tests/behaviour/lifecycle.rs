@@ -2,7 +2,7 @@
 //! last handle, a runtime that is gone, acquire timeouts and cancellation, FIFO order, broker
 //! validation, the error sink and the cleanup timeout.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -6,7 +6,7 @@
 //! on a current-thread runtime on that thread (the supervisor's and workers' tasks included), so
 //! tests in this file cannot see each other's metrics or spans.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

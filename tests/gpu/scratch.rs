@@ -2,11 +2,10 @@
 //! zeroed when a lease takes them (`JobGpu::scratch`), by a clear submitted on the queue before
 //! anything the lease submits after it, unless the caller opts out with
 //! `ScratchPolicy::Reused`. A lease that never takes its scratch costs no clear. Runs on any
-//! backend (see `tests/gpu.rs`).
-#![cfg(feature = "gpu")]
+//! backend (see `tests/gpu/devices.rs`).
 
-mod common;
-mod gpu_support;
+use crate::common;
+use crate::gpu_support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

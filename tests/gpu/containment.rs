@@ -3,11 +3,10 @@
 //! answered `LEASE_GPU_DEVICE_LOST`, the device is re-created (or given up), and the slots serve
 //! again. The panics are injected through `GpuOptions::backend_hook` (hidden, for these tests),
 //! which runs inside the same guard as the backend call it stands for. Runs on any backend (see
-//! `tests/gpu.rs`).
-#![cfg(feature = "gpu")]
+//! `tests/gpu/devices.rs`).
 
-mod common;
-mod gpu_support;
+use crate::common;
+use crate::gpu_support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

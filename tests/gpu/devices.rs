@@ -6,10 +6,9 @@
 //!
 //! Without any adapter these tests skip and say so, unless `LEASEHOLD_REQUIRE_GPU=1`, which
 //! makes a missing adapter a failure (CI sets it).
-#![cfg(feature = "gpu")]
 
-mod common;
-mod gpu_support;
+use crate::common;
+use crate::gpu_support;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,6 +1,6 @@
 //! The six behaviours the seed documents test, against the real supervisor.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

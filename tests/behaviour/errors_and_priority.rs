@@ -2,7 +2,7 @@
 //! errors kept when body and cleanup fail, `Display` and `source` conventions, and the `Send` /
 //! `Sync` guarantees.
 
-mod common;
+use crate::common;
 
 use std::error::Error as StdError;
 use std::future::Future;

@@ -3,7 +3,7 @@
 //! only once their effect shows. Each test is named as the behaviour it shows, through the
 //! public API only.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::convert::Infallible;

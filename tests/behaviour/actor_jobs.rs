@@ -5,7 +5,7 @@
 //! gate is closed (a slot not handed on while a state is still being dropped), it waits for it
 //! under a bound: a correct supervisor passes however slow the machine, and a wrong one fails.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -7,10 +7,8 @@
 //! `WGPU_BACKEND=gl` (llvmpipe through EGL). Every ordering is read from the GPU's own
 //! completion signals (`on_submitted_work_done`), never from timing.
 
-#![cfg(feature = "gpu")]
-
-mod common;
-mod gpu_support;
+use crate::common;
+use crate::gpu_support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
