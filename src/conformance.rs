@@ -572,6 +572,8 @@ where
             for _ in 0..n {
                 held.push(self.answered("an acquire", holder.acquire()).await?);
             }
+            // Read before the callers start: a refusal can come as soon as they do.
+            let refused_before = broker.refused();
             let cancels: Vec<CancellationToken> =
                 (0..2).map(|_| CancellationToken::new()).collect();
             let mut calls = Vec::new();
@@ -595,14 +597,19 @@ where
             // broker (and queued there), or has been refused (a broker that does not queue, or
             // whose queue is full, refuses what does not fit).
             let wanted = 3.min(n as usize);
-            let refused_before = broker.refused();
+            let mut last = String::new();
             self.until("the callers to wait with acquires in flight", || {
                 let done = calls.iter().filter(|c| c.is_finished()).count()
                     + usize::from(leaver.is_finished());
-                let placed = broker.in_flight() + (broker.refused() - refused_before);
-                done == 3 || (other.stats().waiting + done == 3 && placed >= wanted)
+                let (in_flight, refused) = (broker.in_flight(), broker.refused() - refused_before);
+                let waiting = other.stats().waiting;
+                last = format!(
+                    "{done} ended, {waiting} waiting, {in_flight} acquires in flight, {refused} refused"
+                );
+                done == 3 || (waiting + done == 3 && in_flight + refused >= wanted)
             })
-            .await?;
+            .await
+            .map_err(|e| format!("{e} ({last})"))?;
             let direct = self.direct(&broker);
             for request in broker.requests_in_flight() {
                 direct.queued(&request).await?;
