@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
 
+use crate::paths::TempDir;
 use crate::process::{OsProcesses, ProcessHost};
 
 /// Where a supervisor's jobs get their temp dirs.
@@ -19,11 +20,11 @@ pub(crate) trait TempDirHost: Send + Sync + 'static {
     fn create(&self, root: &Path, job_id: &str) -> io::Result<PathBuf>;
 
     /// Removes the directory and everything in it; a directory already gone is removed.
-    /// Never blocks the caller's thread. With `made` false the directory was never made (the
-    /// job's `try_temp_dir` failed): whatever the body may have put at the path is removed,
-    /// and a path that cannot hold anything (its parent is not a directory, or cannot be
-    /// searched) is not an error: nothing was there.
-    fn remove(&self, path: PathBuf, made: bool) -> BoxFuture<'static, io::Result<()>>;
+    /// Never blocks the caller's thread. A dir that was never made (the job's `try_temp_dir`
+    /// failed): whatever the body may have put at the path is removed, and a path that cannot
+    /// hold anything (its parent is not a directory, or cannot be searched) is not an error:
+    /// nothing was there.
+    fn remove(&self, dir: TempDir) -> BoxFuture<'static, io::Result<()>>;
 }
 
 /// Temp dirs on the real file system.
@@ -42,7 +43,8 @@ impl TempDirHost for FsTempDirs {
         Ok(dir.keep())
     }
 
-    fn remove(&self, path: PathBuf, made: bool) -> BoxFuture<'static, io::Result<()>> {
+    fn remove(&self, dir: TempDir) -> BoxFuture<'static, io::Result<()>> {
+        let TempDir { path, made } = dir;
         // On the blocking pool: a file system that hangs holds one of its threads, never the
         // supervisor (nor, on a current-thread runtime, everything else).
         crate::counters::task();

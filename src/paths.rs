@@ -1,11 +1,23 @@
-//! Confinement of job-supplied relative paths to the job's temp dir.
+//! A job's temp dir, and the confinement of job-supplied relative paths to it.
 //!
 //! A job names files by paths relative to its temp dir; [`confine`] turns such a path into one
 //! under the temp dir, or refuses it with a [`PathRefused`] (stable code `JOB_PATH_REFUSED`).
+//! [`TempDir`] is the dir itself, as it travels from the job that asked for it to its removal.
 
 use std::fmt;
 use std::io;
 use std::path::{Component, Path, PathBuf};
+
+/// A job's temp dir, once the job asked for one: one value from the worker that made it (or
+/// failed to) through the job's end report and the core's record to the removal.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct TempDir {
+    /// The path handed out to the job.
+    pub(crate) path: Box<Path>,
+    /// Whether it was made. False: making it failed, and the path handed out instead names
+    /// nothing unless the body put something there.
+    pub(crate) made: bool,
+}
 
 /// A job-supplied path refused because it could leave (or could not be proven to stay inside)
 /// the job's temp dir. Nothing was read or written through it. Stable code: `JOB_PATH_REFUSED`.

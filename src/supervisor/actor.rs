@@ -490,7 +490,7 @@ impl Shell {
                     }
                 }
             }
-            Effect::RemoveTempDir { key } => self.remove_temp_dir(key),
+            Effect::RemoveTempDir { key, dir } => self.remove_temp_dir(key, dir),
             Effect::Release { key, token } => self.broker_release(key, token),
             Effect::Answer { key, answer } => self.answer(key, answer),
             Effect::Sink { key, error } => {

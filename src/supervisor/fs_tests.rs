@@ -18,6 +18,7 @@ use super::table::{LeaseInfo, LeasePhase, WaitingFor};
 use crate::error::JobError;
 use crate::hosts::{Hosts, TempDirHost};
 use crate::job::JobSpec;
+use crate::paths::TempDir;
 
 /// The errnos a file system answers a job's temp dir with: a root that is not a directory, that
 /// cannot be written, that is full, or busy.
@@ -64,8 +65,8 @@ impl TempDirHost for ScriptedDirs {
         }
     }
 
-    fn remove(&self, path: PathBuf, made: bool) -> BoxFuture<'static, io::Result<()>> {
-        self.removals.lock().push((path, made));
+    fn remove(&self, dir: TempDir) -> BoxFuture<'static, io::Result<()>> {
+        self.removals.lock().push((dir.path.into(), dir.made));
         let answer = self.remove.lock().clone();
         Box::pin(async move {
             match answer {

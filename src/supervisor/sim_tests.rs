@@ -34,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 use crate::broker::{AcquireRequest, BrokerError, SlotBroker, SlotToken};
 use crate::hosts::{Hosts, TempDirHost};
 use crate::job::{JobSpec, Priority};
+use crate::paths::TempDir;
 use crate::process::{
     Evidence, JobProcess, Keeper, ProcessError, ProcessHost, ProcessPolicy, ProcessSpec,
 };
@@ -401,7 +402,8 @@ impl TempDirHost for SimTempDirs {
         Ok(root.join(job_id))
     }
 
-    fn remove(&self, path: PathBuf, _made: bool) -> BoxFuture<'static, io::Result<()>> {
+    fn remove(&self, dir: TempDir) -> BoxFuture<'static, io::Result<()>> {
+        let path = dir.path;
         let (plan, delay) = {
             let mut rng = self.rng.lock();
             (rng.below(100), rng.ms(900))

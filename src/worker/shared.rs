@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::PrepareError;
 use crate::hosts::TempDirHost;
+use crate::paths::TempDir;
 
 /// Per-job record written by the worker and its tracked tasks, read by `run` only after the
 /// whole release pipeline has finished (so after every writer has ended).
@@ -46,14 +47,10 @@ struct Records {
     /// The body applies the cancel-then-grace rule itself (a job actor's host, which stops
     /// then kills the actor): the worker must not drop it after the grace.
     stops_itself: bool,
-    /// The job's temp dir, once the job asked for one: the path handed out (made, or the one
-    /// handed out when making failed). Kept here, allocated with the records on first use, so
-    /// that a job waiting for its slot pays nothing for it. None is made once the job is
-    /// `CLOSED`.
-    temp_dir: Option<Box<Path>>,
-    /// Whether `temp_dir` was made (false: making it failed, and the path handed out instead
-    /// names nothing unless the body put something there).
-    temp_dir_made: bool,
+    /// The job's temp dir, once the job asked for one (made, or the path handed out when making
+    /// failed). Kept here, allocated with the records on first use, so that a job waiting for
+    /// its slot pays nothing for it. None is made once the job is `CLOSED`.
+    temp_dir: Option<TempDir>,
     /// The job's GPU, once checked out (read by the driver for the release fence).
     #[cfg(feature = "gpu")]
     gpu: Option<crate::gpu::JobGpu>,
@@ -141,8 +138,8 @@ impl JobShared {
             root.join(format!("{job_id}.unmade-{n}"))
         };
         if self.is_closed() {
-            let made = records.as_deref().and_then(|r| r.temp_dir.as_deref());
-            let path = made.map_or_else(unmade, Path::to_path_buf);
+            let asked = records.as_deref().and_then(|r| r.temp_dir.as_ref());
+            let path = asked.map_or_else(unmade, |dir| dir.path.to_path_buf());
             let err = io::Error::other("the job's lease has ended: no temp dir is made for it");
             return Err((path, PrepareError::TempDir(Arc::new(err))));
         }
@@ -151,22 +148,20 @@ impl JobShared {
             Err(err) => (unmade(), Some(PrepareError::TempDir(Arc::new(err)))),
         };
         let records = records.get_or_insert_with(Box::default);
-        records.temp_dir = Some(path.clone().into_boxed_path());
-        records.temp_dir_made = result.is_none();
+        records.temp_dir = Some(TempDir {
+            path: path.clone().into_boxed_path(),
+            made: result.is_none(),
+        });
         match result {
             None => Ok(path),
             Some(err) => Err((path, err)),
         }
     }
 
-    /// The job's temp dir, if it asked for one, and whether it was made (what its driver
-    /// removes once the job is closed: nothing more is made after that).
-    pub(crate) fn temp_dir(&self) -> Option<(PathBuf, bool)> {
-        self.read(|r| {
-            r.temp_dir
-                .as_deref()
-                .map(|path| (path.to_path_buf(), r.temp_dir_made))
-        })
+    /// The job's temp dir, if it asked for one (what its driver reports once the job is
+    /// closed: nothing more is made after that).
+    pub(crate) fn temp_dir(&self) -> Option<TempDir> {
+        self.read(|r| r.temp_dir.clone())
     }
 
     /// Records a tracked task, to abort at shutdown. Handles of finished tasks are dropped now

@@ -5,7 +5,6 @@
 //! report (a placement refused, a spawn failed, a proof) is an input to the core.
 
 use std::future::Future;
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
@@ -19,7 +18,8 @@ use tokio_util::task::TaskTracker;
 use super::Shell;
 use crate::broker::SlotToken;
 use crate::error::PrepareError;
-use crate::supervisor::core::{DirEnd, Input, LeaseKey, Proof, Proofs};
+use crate::paths::TempDir;
+use crate::supervisor::core::{Input, LeaseKey, Proof, Proofs};
 use crate::supervisor::inbox::Inbox;
 use crate::supervisor::messages::{PendingJob, RunOutcome, SupMsg};
 use crate::supervisor::reporter::Reporter;
@@ -273,15 +273,10 @@ impl Shell {
         let gpu: Option<()> = None;
         if tracker.is_empty() && gpu.is_none() {
             job.shared.close();
-            let dir = match job.shared.temp_dir() {
-                // The job never asked for one: nothing to remove.
-                None => DirEnd::NeverMade,
-                Some(_) => DirEnd::Asked,
-            };
             return self.core.apply(Input::Ended {
                 key,
                 proofs: Proofs::JOINED.with(Proofs::TASKS),
-                dir,
+                dir: job.shared.temp_dir(),
             });
         }
         let driver = Driver {
@@ -339,24 +334,16 @@ impl Shell {
         }
     }
 
-    pub(super) fn remove_temp_dir(&mut self, key: LeaseKey) {
+    pub(super) fn remove_temp_dir(&mut self, key: LeaseKey, dir: TempDir) {
         let Some(job) = self.kept.jobs.get_mut(&key) else {
             return;
-        };
-        let Some((path, made)) = job.shared.temp_dir() else {
-            // The worker made no temp dir (it could not): nothing to remove.
-            return self.core.apply(Input::ProvenOne {
-                key,
-                proof: Proof::TempDir,
-            });
         };
         // Started exactly when the core says. The host's removal runs off every runtime
         // thread; what the turn polls is only its answer and the bound's timer.
         job.removal = Some(Removal {
             removal: Box::pin(remove_temp_dir(
                 Arc::clone(&self.config.hosts.temp_dirs),
-                path,
-                made,
+                dir,
                 self.config.cleanup_timeout,
                 Reporter {
                     inbox: Arc::clone(&self.inbox),
@@ -390,13 +377,12 @@ impl Shell {
 /// slot is quarantined (a `Late` through the inbox) until the removal ends.
 async fn remove_temp_dir(
     host: Arc<dyn crate::hosts::TempDirHost>,
-    path: PathBuf,
-    made: bool,
+    dir: TempDir,
     bound: Duration,
     reporter: Reporter,
 ) -> Input {
     let key = reporter.key;
-    let removed = removed_within(&*host, &path, made, bound, |detail| {
+    let removed = removed_within(&*host, dir, bound, |detail| {
         reporter.input(Input::Late {
             key,
             proof: Proof::TempDir,
@@ -418,14 +404,14 @@ async fn remove_temp_dir(
 /// of the host's among them) is logged, and returned with the detail the slot's reason gives.
 async fn removed_within(
     host: &dyn crate::hosts::TempDirHost,
-    path: &std::path::Path,
-    made: bool,
+    dir: TempDir,
     bound: Duration,
     late: impl FnOnce(String),
 ) -> Result<(), (String, std::io::Error)> {
     use crate::outside;
     // Built and awaited with its panic caught: a panic is a removal that failed.
-    let result = match outside::call(|| host.remove(path.to_path_buf(), made)) {
+    let path = dir.path.clone();
+    let result = match outside::call(|| host.remove(dir)) {
         Ok(removal) => {
             let mut removal = std::pin::pin!(outside::caught(removal));
             match tokio::time::timeout(bound, &mut removal).await {
@@ -572,11 +558,7 @@ impl Driver {
         // The job is closed (above): nothing more is made after this read. Whether and when
         // the dir is removed is the core's decision (once the worker's physical end is
         // proven: a process group unproven or GPU work lost holds it back).
-        let dir = match self.shared.temp_dir() {
-            // The job never asked for one: nothing to remove, no blocking-pool hop.
-            None => DirEnd::NeverMade,
-            Some(_) => DirEnd::Asked,
-        };
+        let dir = self.shared.temp_dir();
         self.reporter.input(Input::Ended { key, proofs, dir });
     }
 }

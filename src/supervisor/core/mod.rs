@@ -47,8 +47,8 @@ use std::collections::VecDeque;
 use std::fmt;
 
 pub(crate) use self::protocol::{
-    Answer, Ask, ControlId, DirEnd, Effect, Input, LeaseKey, QuarantineEntry, RecheckFor,
-    Rechecked, Reply, RequestId, StopTally, WaiterId, Want, Withdrawal,
+    Answer, Ask, ControlId, Effect, Input, LeaseKey, QuarantineEntry, RecheckFor, Rechecked, Reply,
+    RequestId, StopTally, WaiterId, Want, Withdrawal,
 };
 pub(crate) use self::record::{Holder, LeaseRecord, Phase, Proof, Proofs};
 

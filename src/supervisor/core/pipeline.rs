@@ -5,16 +5,19 @@
 use std::io;
 
 use super::Core;
-use super::protocol::{Answer, ControlId, DirEnd, Effect, LeaseKey, ProcessKey, Reply, WaiterId};
+use super::protocol::{Answer, ControlId, Effect, LeaseKey, ProcessKey, Reply, WaiterId};
 use super::record::{
     Caller, Holder, Proof, Proofs, Reason, Release, Removal, Renewal, Replacer, Stop, Why,
 };
 use crate::error::{AcquireError, CleanupError, PrepareError};
+use crate::paths::TempDir;
 
 /// Where `advance` moves a lease.
 enum Step {
     Stay,
-    RemoveTempDir,
+    RemoveTempDir(TempDir),
+    /// A temp dir removal is owed, but no dir was ever named (an illegal state).
+    NoDir,
     Release,
 }
 
@@ -107,10 +110,10 @@ impl Core {
         self.advance(key);
     }
 
-    /// A job's driver ended: its last proofs, and whether the job asked for a temp dir. The
-    /// dir is removed (`advance`) once the worker's physical end is proven: here, or when the
-    /// last unproven proof arrives.
-    pub(super) fn ended(&mut self, key: LeaseKey, proofs: Proofs, dir: DirEnd) {
+    /// A job's driver ended: its last proofs, and the temp dir the job asked for. The dir is
+    /// removed (`advance`) once the worker's physical end is proven: here, or when the last
+    /// unproven proof arrives.
+    pub(super) fn ended(&mut self, key: LeaseKey, proofs: Proofs, dir: Option<TempDir>) {
         let fits = self.book.get(key).is_some_and(|r| {
             r.holder == Holder::Job && r.removal == Removal::Driver && r.owed.owes_all(proofs)
         });
@@ -122,9 +125,11 @@ impl Core {
         self.book.edit(key, |r| {
             r.owed.clear(proofs);
             r.removal = Removal::NotStarted;
-            if dir == DirEnd::NeverMade {
+            if dir.is_none() {
+                // Never asked for: nothing is owed for it.
                 r.owed.clear(Proofs::of(Proof::TempDir));
             }
+            r.dir = dir;
             r.drop_answered_reasons();
         });
         if proofs.contains(Proof::WorkerJoined) {
@@ -294,8 +299,15 @@ impl Core {
                 && r.owed.owes(Proof::TempDir)
                 && r.removal == Removal::NotStarted
             {
-                r.removal = Removal::Running;
-                Step::RemoveTempDir
+                match r.dir.clone() {
+                    Some(dir) => {
+                        r.removal = Removal::Running;
+                        Step::RemoveTempDir(dir)
+                    }
+                    // Only a job's end report names the dir, and it clears the proof when
+                    // there is none.
+                    None => Step::NoDir,
+                }
             } else if r.owed.is_empty() && r.holder == Holder::Job {
                 Step::Release
             } else {
@@ -303,7 +315,10 @@ impl Core {
             }
         });
         match step {
-            Some(Step::RemoveTempDir) => self.fx.push(Effect::RemoveTempDir { key }),
+            Some(Step::RemoveTempDir(dir)) => self.fx.push(Effect::RemoveTempDir { key, dir }),
+            Some(Step::NoDir) => self.fx.illegal(format_args!(
+                "lease {key} owes a temp dir removal, but no end report named its dir"
+            )),
             Some(Step::Release) => self.start_release(key),
             Some(Step::Stay) | None => {}
         }

@@ -7,6 +7,7 @@ use super::record::{Holder, Proof, Proofs};
 use crate::broker::{BrokerError, SlotToken};
 use crate::error::{AcquireError, CleanupError, PrepareError, ResizeError};
 use crate::job::Priority;
+use crate::paths::TempDir;
 
 /// Supervisor-internal key of one lease (not the broker's lease id).
 pub(crate) type LeaseKey = u64;
@@ -84,17 +85,6 @@ pub(crate) struct Rechecked {
     pub(crate) outcome: Result<(), String>,
 }
 
-/// Whether a job asked for a temp dir, as its driver reports once the job is closed (nothing
-/// more is made after that). The core alone decides when it is removed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum DirEnd {
-    /// Never asked for: nothing is owed for it.
-    NeverMade,
-    /// Asked for (made, or a path handed out when making it failed): removed once the worker's
-    /// physical end is proven.
-    Asked,
-}
-
 /// Everything that can happen to the supervisor, as the core sees it.
 #[derive(Debug)]
 pub(crate) enum Input {
@@ -145,13 +135,14 @@ pub(crate) enum Input {
     },
     /// Proofs arrived (a job's driver, before its end, when what remains may take long).
     Proven { key: LeaseKey, proofs: Proofs },
-    /// A job's driver ended: its last `proofs`, and what became of the temp dir, which the
-    /// driver removes itself once it has proven the worker's physical end. The one report of
-    /// a job's end in the common case.
+    /// A job's driver ended: its last `proofs`, and the temp dir the job asked for, read once
+    /// the job is closed (nothing more is made after that; `None`: it never asked, and nothing
+    /// is owed for it). The core alone decides when the dir is removed: once the worker's
+    /// physical end is proven. The one report of a job's end in the common case.
     Ended {
         key: LeaseKey,
         proofs: Proofs,
-        dir: DirEnd,
+        dir: Option<TempDir>,
     },
     /// One proof arrived (events, processes, the temp dir).
     ProvenOne { key: LeaseKey, proof: Proof },
@@ -347,6 +338,7 @@ pub(crate) enum Effect {
     /// [`Proof::TempDir`] or [`Input::TempDirFailed`].
     RemoveTempDir {
         key: LeaseKey,
+        dir: TempDir,
     },
     /// Release one token to the broker under the cleanup timeout; report [`Input::Released`].
     Release {

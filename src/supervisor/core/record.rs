@@ -7,6 +7,7 @@ use std::io;
 use crate::broker::SlotToken;
 use crate::error::{CleanupError, CleanupErrorKind, PrepareError};
 use crate::job::Priority;
+use crate::paths::TempDir;
 
 /// Supervisor-internal id of one process group a job started.
 pub(crate) type ProcessKey = u64;
@@ -307,6 +308,9 @@ pub(crate) struct LeaseRecord {
     pub(crate) unprepared: Option<Box<PrepareError>>,
     /// Why the temp dir could not be removed, kept for the early answer.
     pub(crate) io: Option<KeptIo>,
+    /// The job's temp dir, once its end report named one: what the removal (and a reclaim's
+    /// retry of it) removes.
+    pub(crate) dir: Option<TempDir>,
 }
 
 /// The file system's error for a temp dir that could not be removed, kept for the caller.
@@ -346,6 +350,7 @@ impl LeaseRecord {
             stop: Stop::Running,
             unprepared: None,
             io: None,
+            dir: None,
         }
     }
 

@@ -204,7 +204,7 @@ impl Core {
 
 #[cfg(test)]
 mod tests {
-    use super::super::protocol::{Ask, DirEnd, Effect, Input, LeaseKey, Want};
+    use super::super::protocol::{Ask, Effect, Input, LeaseKey, Want};
     use super::super::record::Proofs;
     use super::*;
     use crate::broker::SlotToken;
@@ -246,7 +246,7 @@ mod tests {
         core.apply(Input::Ended {
             key,
             proofs: Proofs::default(),
-            dir: DirEnd::NeverMade,
+            dir: None,
         });
         effects(&mut core);
         assert_eq!(core.quarantined(), 1);

@@ -28,4 +28,13 @@ mod prelude {
     pub(super) fn token(slot: u32, lease: u64) -> SlotToken {
         SlotToken::new(slot, lease)
     }
+
+    /// The temp dir lease `key`'s job asked for, as its end report names it (one per lease,
+    /// so that a removal names whose dir it removes).
+    pub(super) fn dir_of(key: LeaseKey) -> Option<crate::paths::TempDir> {
+        Some(crate::paths::TempDir {
+            path: std::path::PathBuf::from(format!("/work-root/job-{key}")).into(),
+            made: true,
+        })
+    }
 }

@@ -130,7 +130,7 @@ fn a_job_is_released_only_after_every_proof_and_its_temp_dir() {
     core.apply(Input::Ended {
         key,
         proofs: Proofs::TASKS,
-        dir: DirEnd::Asked,
+        dir: dir_of(key),
     });
     let effects = drain(&mut core);
     assert!(
@@ -152,7 +152,7 @@ fn a_job_without_a_temp_dir_ends_in_one_report_when_nothing_is_late() {
     core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: DirEnd::NeverMade,
+        dir: None,
     });
     let effects = drain(&mut core);
     assert_eq!(releases(&effects), 1, "{effects:?}");
@@ -173,7 +173,7 @@ fn the_core_never_removes_a_temp_dir_before_the_workers_physical_end() {
     core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: DirEnd::Asked,
+        dir: dir_of(key),
     });
     let effects = drain(&mut core);
     assert!(effects.is_empty(), "{effects:?}");
@@ -186,7 +186,7 @@ fn a_temp_dir_removal_that_fails_quarantines_the_slot_and_a_reclaim_retries_it()
     core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: DirEnd::Asked,
+        dir: dir_of(key),
     });
     let asked = drain(&mut core);
     assert!(
@@ -224,7 +224,7 @@ fn a_process_group_started_by_the_job_holds_the_temp_dir_until_it_is_proven_empt
     core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: DirEnd::Asked,
+        dir: dir_of(key),
     });
     assert!(drain(&mut core).is_empty(), "the group is not proven empty");
     core.apply(Input::ProvenOne {
@@ -274,7 +274,7 @@ fn a_gpu_loss_and_an_unproven_process_group_on_one_lease_both_hold_it() {
     core.apply(Input::Ended {
         key,
         proofs: Proofs::default(),
-        dir: DirEnd::Asked,
+        dir: dir_of(key),
     });
     assert!(drain(&mut core).is_empty());
     core.apply(Input::DeviceReplaced {
@@ -359,7 +359,7 @@ fn two_reclaims_back_to_back_start_one_temp_dir_removal_and_apply_no_illegal_edg
     core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: DirEnd::Asked,
+        dir: dir_of(key),
     });
     drain(&mut core);
     core.apply(Input::TempDirFailed {

@@ -487,11 +487,7 @@ impl World {
                 h.joined = true;
                 h.ended = true;
                 h.asked_dir = asked_dir;
-                let dir = if asked_dir {
-                    DirEnd::Asked
-                } else {
-                    DirEnd::NeverMade
-                };
+                let dir = if asked_dir { dir_of(key) } else { None };
                 self.input(Input::Ended { key, proofs, dir }, &mut turn)?;
             }
             Op::Removal(j, end) => {
@@ -626,7 +622,11 @@ impl World {
                 | Effect::OrphanCounted
                 | Effect::TokenRefused(_) => {}
                 Effect::RecreateDevice { .. } => self.recreating = true,
-                Effect::RemoveTempDir { key } => {
+                Effect::RemoveTempDir { key, dir } => {
+                    ensure!(
+                        Some(&dir) == dir_of(key).as_ref(),
+                        "lease {key}'s removal names another dir: {dir:?}"
+                    );
                     let generation = self.generation;
                     let h = self.held_mut(key).ok_or("a removal for an unknown lease")?;
                     // Invariant 3: the temp dir goes only after the worker's physical end.

@@ -271,7 +271,12 @@ impl World {
                 | Effect::LostAfterExit { .. }
                 | Effect::AbortTasks { .. } => {}
                 Effect::RecreateDevice { .. } => {}
-                Effect::RemoveTempDir { key } => {
+                Effect::RemoveTempDir { key, dir } => {
+                    assert_eq!(
+                        Some(dir),
+                        dir_of(key),
+                        "lease {key}'s removal names another dir"
+                    );
                     let k = &self.known[&key];
                     // Invariant 3: the temp dir goes only after every proof of the physical end,
                     // and the core asks only once the driver has handed it over.
@@ -582,9 +587,9 @@ impl World {
                         m.ended = true;
                         let dir = if kind == 13 {
                             m.temp_dir_proven = true;
-                            DirEnd::NeverMade
+                            None
                         } else {
-                            DirEnd::Asked
+                            dir_of(key)
                         };
                         Input::Ended { key, proofs, dir }
                     }
