@@ -1549,7 +1549,10 @@ impl<B: SlotBroker> SlotBroker for Observed<B> {
             log: &self.0.log,
             request: request.clone(),
         };
-        let token = match self.0.broker.acquire(request).await {
+        // Boxed, here and in every call below: a broker's futures can be large (tens of KB in
+        // a debug build), and the suite's own futures, which hold them, are polled on the
+        // caller's stack; held inline they overflowed a test thread's 2 MiB.
+        let token = match Box::pin(self.0.broker.acquire(request)).await {
             Ok(token) => token,
             Err(e) => {
                 self.0.log.lock().refused += 1;
@@ -1564,7 +1567,7 @@ impl<B: SlotBroker> SlotBroker for Observed<B> {
         // Counted as given back before the broker is asked: once asked, it may hand the slot
         // on before its answer reaches the caller.
         self.0.log.lock().released(token);
-        self.0.broker.release(token).await
+        Box::pin(self.0.broker.release(token)).await
     }
 
     fn capacity(&self) -> Option<u32> {
@@ -1576,7 +1579,7 @@ impl<B: SlotBroker> SlotBroker for Observed<B> {
     }
 
     fn keep_alive(&self, token: SlotToken) -> impl Future<Output = BrokerError> + Send {
-        self.0.broker.keep_alive(token)
+        Box::pin(self.0.broker.keep_alive(token))
     }
 
     fn attach(&self, events: BrokerEvents) {
@@ -1589,6 +1592,6 @@ impl<B: SlotBroker> SlotBroker for Observed<B> {
             log.closes += 1;
             log.outstanding_at_close = Some(log.outstanding.len());
         }
-        self.0.broker.close().await
+        Box::pin(self.0.broker.close()).await
     }
 }
