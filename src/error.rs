@@ -488,27 +488,45 @@ pub struct BodyError<E> {
     lease_lost: Option<String>,
 }
 
+/// How a body ended, every part of it, before [`BodyError::decide`] picks the failure that
+/// wins.
+pub(crate) struct BodyEnd<E> {
+    /// The body returned its value.
+    pub(crate) produced_value: bool,
+    /// The body's own error, if it returned one.
+    pub(crate) error: Option<E>,
+    /// What panicked: the body, or a task or blocking closure it spawned through its context.
+    pub(crate) panics: Vec<String>,
+    /// Why a delivery the job made may or may not have happened.
+    pub(crate) delivery_unknown: Option<String>,
+    /// Why the lease was lost while the body ran.
+    pub(crate) lease_lost: Option<String>,
+    /// The job's cancel was requested.
+    pub(crate) cancel_requested: bool,
+}
+
 impl<E> BodyError<E> {
-    /// Applies the priority ladder: delivery-unknown > lease lost > cancellation > panic >
-    /// ordinary error.
+    /// Applies the priority ladder to how a body ended: delivery-unknown > lease lost >
+    /// cancellation > panic > ordinary error.
     /// Returns `None` when the body produced its value and nothing failed (a cancellation
     /// request the body completed its work despite is not a failure). A body with no value, no
     /// error and no panic was dropped after the cancel grace: cancelled.
-    pub(crate) fn decide(
-        has_value: bool,
-        error: Option<E>,
-        panics: Vec<String>,
-        delivery_unknown: Option<String>,
-        lease_lost: Option<String>,
-        cancelled: bool,
-    ) -> Option<Self> {
+    pub(crate) fn decide(end: BodyEnd<E>) -> Option<Self> {
+        let BodyEnd {
+            produced_value,
+            error,
+            panics,
+            delivery_unknown,
+            lease_lost,
+            cancel_requested,
+        } = end;
         let kind = if delivery_unknown.is_some() {
             BodyErrorKind::DeliveryUnknown
         } else if lease_lost.is_some() {
             BodyErrorKind::LeaseLost
-        } else if has_value && panics.is_empty() {
+        } else if produced_value && panics.is_empty() {
             return None;
-        } else if cancelled {
+        } else if cancel_requested {
             BodyErrorKind::Cancelled
         } else if !panics.is_empty() {
             BodyErrorKind::Panicked

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use ractor::Actor;
 
-use super::Supervisor;
 use super::actor::{BrokerPort, Config, SupArgs, SupervisorActor};
 use super::core::CoreConfig;
 use super::inbox::Inbox;
@@ -15,6 +14,7 @@ use super::messages::SupMsg;
 use super::reports::LastReport;
 use super::stats::SharedStats;
 use super::table::LeaseTable;
+use super::{Parts, Supervisor};
 use crate::broker::{BrokerEvents, DynBroker, LocalBroker, SlotBroker};
 use crate::error::StartError;
 use crate::hosts::Hosts;
@@ -354,21 +354,21 @@ impl SupervisorBuilder {
             })
             .with_origin(origin),
         );
-        Ok(Supervisor::from_parts(
+        Ok(Supervisor::from_parts(Parts {
             inbox,
             join,
-            (stats, table, last_report),
-            (
-                self.acquire_timeout,
-                self.cancel_grace,
-                self.shutdown_timeout,
-                resizable,
-            ),
+            stats,
+            table,
+            last_report,
+            acquire_timeout: self.acquire_timeout,
+            cancel_grace: self.cancel_grace,
+            shutdown_timeout: self.shutdown_timeout,
+            resizable,
             work_root,
             sink,
             #[cfg(feature = "gpu")]
             gpu,
-        ))
+        }))
     }
 }
 

@@ -51,7 +51,8 @@ use table::LeaseTable;
 
 use crate::actor_job::{ActorExit, ActorJobError};
 use crate::error::{
-    AcquireError, BodyError, CleanupError, JobError, ResizeError, ShutdownError, SupervisorStopped,
+    AcquireError, BodyEnd, BodyError, CleanupError, JobError, ResizeError, ShutdownError,
+    SupervisorStopped,
 };
 use crate::job::{JobParts, JobSpec};
 use crate::lease::Lease;
@@ -234,6 +235,24 @@ pub(crate) struct Inner {
     gpu: Option<Arc<crate::gpu::GpuPool>>,
 }
 
+/// What the builder hands a new handle: the running actor's ends and the settings the handle
+/// itself applies.
+struct Parts {
+    inbox: Arc<Inbox>,
+    join: JoinHandle<()>,
+    stats: Arc<SharedStats>,
+    table: Arc<LeaseTable>,
+    last_report: Arc<LastReport>,
+    acquire_timeout: Option<Duration>,
+    cancel_grace: Duration,
+    shutdown_timeout: Duration,
+    resizable: bool,
+    work_root: PathBuf,
+    sink: crate::sink::Sink,
+    #[cfg(feature = "gpu")]
+    gpu: Option<Arc<crate::gpu::GpuPool>>,
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         // Last handle gone: shut down, so that the actor does not outlive every way to reach it.
@@ -250,20 +269,22 @@ impl Supervisor {
         SupervisorBuilder::new()
     }
 
-    fn from_parts(
-        inbox: Arc<Inbox>,
-        join: JoinHandle<()>,
-        (stats, table, last_report): (Arc<SharedStats>, Arc<LeaseTable>, Arc<LastReport>),
-        (acquire_timeout, cancel_grace, shutdown_timeout, resizable): (
-            Option<Duration>,
-            Duration,
-            Duration,
-            bool,
-        ),
-        work_root: PathBuf,
-        sink: crate::sink::Sink,
-        #[cfg(feature = "gpu")] gpu: Option<Arc<crate::gpu::GpuPool>>,
-    ) -> Self {
+    fn from_parts(parts: Parts) -> Self {
+        let Parts {
+            inbox,
+            join,
+            stats,
+            table,
+            last_report,
+            acquire_timeout,
+            cancel_grace,
+            shutdown_timeout,
+            resizable,
+            work_root,
+            sink,
+            #[cfg(feature = "gpu")]
+            gpu,
+        } = parts;
         Self {
             inner: Arc::new(Inner {
                 inbox,
@@ -1170,14 +1191,14 @@ impl<T, E> Submitted<T, E> {
             Ok(Err(e)) => (None, Some(e)),
             Err(_) => (None, None),
         };
-        let failure = BodyError::decide(
-            value.is_some(),
+        let failure = BodyError::decide(BodyEnd {
+            produced_value: value.is_some(),
             error,
-            self.shared.take_panics(),
-            self.shared.take_delivery_unknown(),
-            self.shared.take_lease_lost(),
-            cancelled,
-        );
+            panics: self.shared.take_panics(),
+            delivery_unknown: self.shared.take_delivery_unknown(),
+            lease_lost: self.shared.take_lease_lost(),
+            cancel_requested: cancelled,
+        });
         match (failure, cleanup) {
             (None, Ok(())) => Ok(value.expect("no failure means the body returned a value")),
             (None, Err(cleanup)) => Err(JobError::Cleanup(cleanup)),

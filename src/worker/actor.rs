@@ -13,6 +13,7 @@ use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span};
 
+use super::context::ContextParts;
 use super::{JobReports, JobShared, WorkerContext};
 use crate::broker::SlotToken;
 use crate::hosts::Hosts;
@@ -115,17 +116,20 @@ async fn run_job(args: WorkerArgs, worker: ActorCell) {
     } = args;
     // The temp dir is made on the body's first use of it, in the body's task: a slow or hung
     // file system holds this job, never the supervisor's mailbox.
-    let ctx = WorkerContext::new(
-        (token, more_tokens),
+    let ctx = WorkerContext::new(ContextParts {
+        token,
+        more_tokens,
         job_id,
-        (work_root, Arc::clone(&hosts.temp_dirs)),
-        Arc::clone(&shared),
+        work_root,
+        temp_dirs: Arc::clone(&hosts.temp_dirs),
+        shared: Arc::clone(&shared),
         tracker,
         span,
-        policy,
-        hosts.processes.clone(),
-        (reporter, worker),
-    );
+        process_policy: policy,
+        processes: hosts.processes.clone(),
+        reporter,
+        worker,
+    });
     #[cfg(feature = "gpu")]
     if let (Some(placement), Some(host)) = (gpu, &hosts.gpu) {
         // May re-create a lost device (one creator, with backoff), or wait for the engine's

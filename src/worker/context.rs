@@ -53,19 +53,43 @@ struct Inner {
     gpu: std::sync::OnceLock<crate::gpu::JobGpu>,
 }
 
+/// What a worker gives its job's context.
+pub(crate) struct ContextParts {
+    /// The job's first token.
+    pub(crate) token: SlotToken,
+    /// The other tokens of a multi-slot job.
+    pub(crate) more_tokens: Box<[SlotToken]>,
+    pub(crate) job_id: Arc<str>,
+    /// Where the temp dir is made, on first use.
+    pub(crate) work_root: Arc<PathBuf>,
+    pub(crate) temp_dirs: Arc<dyn TempDirHost>,
+    pub(crate) shared: Arc<JobShared>,
+    /// Everything the body spawns through its context.
+    pub(crate) tracker: TaskTracker,
+    pub(crate) span: Span,
+    pub(crate) process_policy: ProcessPolicy,
+    pub(crate) processes: Arc<dyn ProcessHost>,
+    pub(crate) reporter: Arc<dyn JobReports>,
+    /// The job's worker actor.
+    pub(crate) worker: ractor::ActorCell,
+}
+
 impl WorkerContext {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        (token, more_tokens): (SlotToken, Box<[SlotToken]>),
-        job_id: Arc<str>,
-        (work_root, temp_dirs): (Arc<PathBuf>, Arc<dyn TempDirHost>),
-        shared: Arc<JobShared>,
-        tracker: TaskTracker,
-        span: Span,
-        process_policy: ProcessPolicy,
-        processes: Arc<dyn ProcessHost>,
-        (reporter, worker): (Arc<dyn JobReports>, ractor::ActorCell),
-    ) -> Self {
+    pub(crate) fn new(parts: ContextParts) -> Self {
+        let ContextParts {
+            token,
+            more_tokens,
+            job_id,
+            work_root,
+            temp_dirs,
+            shared,
+            tracker,
+            span,
+            process_policy,
+            processes,
+            reporter,
+            worker,
+        } = parts;
         Self {
             inner: Arc::new(Inner {
                 token,
