@@ -479,7 +479,7 @@ impl Shell {
             Effect::StopRenewal { key } => self.brokerage.stop_renewal(key),
             Effect::Cancel { key, holder, lost } => self.cancel(key, holder, lost),
             Effect::LostAfterExit { key, reason } => {
-                tracing::warn!(key, %reason, "lease lost after its worker ended; the slot is still held here until its release");
+                tracing::warn!(%key, %reason, "lease lost after its worker ended; the slot is still held here until its release");
             }
             Effect::RecreateDevice { device } => self.recreate_device(device),
             Effect::AbortTasks { key } => {
@@ -533,7 +533,7 @@ impl Shell {
         more: Box<[SlotToken]>,
     ) {
         let Some(Waiter { kind, since }) = self.kept.waiters.remove(&waiter) else {
-            tracing::error!(waiter, "a grant for a waiter the shell does not know");
+            tracing::error!(%waiter, "a grant for a waiter the shell does not know");
             return self.core.apply(Input::Undelivered { key });
         };
         match kind {
@@ -556,7 +556,7 @@ impl Shell {
                     },
                 );
                 let home = Arc::clone(&self.inbox) as Arc<dyn crate::lease::LeaseReturn>;
-                let lease = Lease::new(key, (token, more), home, cell);
+                let lease = Lease::new(key.0, (token, more), home, cell);
                 // Handed over with the turn's other answers, once the table, `Stats`, the
                 // gauges and the counters show it.
                 self.answers.grants.push(Grant { key, reply, lease });
@@ -611,7 +611,7 @@ impl Shell {
             Holder::Explicit => {
                 if let Some(lease) = self.kept.explicit.get(&key) {
                     if let Some(reason) = &lost {
-                        tracing::error!(key, %reason, "lease lost: it could not be kept alive");
+                        tracing::error!(%key, %reason, "lease lost: it could not be kept alive");
                     }
                     lease.cell.revoke(lost.is_some());
                 }

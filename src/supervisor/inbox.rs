@@ -26,6 +26,7 @@ use std::sync::OnceLock;
 use parking_lot::Mutex;
 use ractor::ActorRef;
 
+use super::core::LeaseKey;
 use super::messages::SupMsg;
 use crate::lease::{LeaseReturn, ReleaseReply};
 
@@ -149,6 +150,10 @@ impl Inbox {
 
 impl LeaseReturn for Inbox {
     fn give_back(&self, key: u64, reply: Option<ReleaseReply>) -> bool {
-        self.send(SupMsg::Release { key, reply }).is_ok()
+        self.send(SupMsg::Release {
+            key: LeaseKey(key),
+            reply,
+        })
+        .is_ok()
     }
 }

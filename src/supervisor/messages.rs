@@ -7,7 +7,7 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 use tracing::Span;
 
-use super::core::{Ask, Input, LeaseKey, RequestId, WaiterId, Withdrawal};
+use super::core::{Ask, Input, LeaseKey, ProcessKey, RequestId, WaiterId, Withdrawal};
 use super::reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, WaiterInfo};
 use crate::broker::{BrokerError, BrokerEvent, SlotToken};
 use crate::error::{AcquireError, CleanupError, PrepareError, ResizeError};
@@ -60,13 +60,13 @@ pub(crate) enum SupMsg {
     /// A job started a process group (its leader's pid, which is also the group id).
     ProcessStarted {
         key: LeaseKey,
-        process: u64,
+        process: ProcessKey,
         pid: u32,
     },
     /// A process group's keeper ended: proven empty (`None`), or not (what it knows).
     ProcessEnded {
         key: LeaseKey,
-        process: u64,
+        process: ProcessKey,
         unproven: Option<Box<dyn Evidence>>,
     },
     /// A job's worker task has ended, or may have: its join handle's waker rang (see

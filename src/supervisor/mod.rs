@@ -333,7 +333,7 @@ impl Supervisor {
 
     fn next_waiter(&self) -> WaiterId {
         // Relaxed: only uniqueness matters.
-        self.inner.next_waiter.fetch_add(1, Ordering::Relaxed)
+        WaiterId(self.inner.next_waiter.fetch_add(1, Ordering::Relaxed))
     }
 
     /// Waits for a slot (FIFO) and returns it as an explicit [`Lease`].

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::core::{Input, LeaseKey, Proofs};
+use super::core::{Input, LeaseKey, ProcessKey, Proofs};
 use super::inbox::Inbox;
 use super::messages::SupMsg;
 use crate::error::PrepareError;
@@ -47,19 +47,19 @@ impl Reporter {
 
 impl JobReports for Reporter {
     fn process_started(&self, pid: u32) -> u64 {
-        let process = NEXT_PROCESS.fetch_add(1, Ordering::Relaxed);
+        let process = ProcessKey(NEXT_PROCESS.fetch_add(1, Ordering::Relaxed));
         self.send(SupMsg::ProcessStarted {
             key: self.key,
             process,
             pid,
         });
-        process
+        process.0
     }
 
     fn process_ended(&self, process: u64, unproven: Option<Box<dyn Evidence>>) {
         self.send(SupMsg::ProcessEnded {
             key: self.key,
-            process,
+            process: ProcessKey(process),
             unproven,
         });
     }

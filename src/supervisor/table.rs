@@ -159,7 +159,11 @@ impl Row {
     }
 
     /// Copies what may have changed since the row was made.
-    fn refresh(&mut self, lease: &core::LeaseRecord, pid: &dyn Fn(u64) -> Option<u32>) {
+    fn refresh(
+        &mut self,
+        lease: &core::LeaseRecord,
+        pid: &dyn Fn(core::ProcessKey) -> Option<u32>,
+    ) {
         self.phase = phase(lease);
         self.device = lease.device;
         self.waiting_for.clear();
@@ -203,7 +207,7 @@ pub(crate) struct Extra<'a> {
     /// The actor a lease desk lease is tied to.
     pub(crate) holder: &'a dyn Fn() -> Option<ractor::ActorId>,
     /// A process key's leader pid.
-    pub(crate) pid: &'a dyn Fn(u64) -> Option<u32>,
+    pub(crate) pid: &'a dyn Fn(core::ProcessKey) -> Option<u32>,
 }
 
 impl LeaseTable {

@@ -104,7 +104,7 @@ impl Shell {
                         WaiterKind::Lease { .. } => None,
                     });
                 let req =
-                    AcquireRequest::for_job(request, job_id).with_origin(self.brokerage.origin);
+                    AcquireRequest::for_job(request.0, job_id).with_origin(self.brokerage.origin);
                 let make = || Arc::clone(broker).acquire_boxed(req);
                 match outside::first_poll(make) {
                     First::Ended(outcome) => acquired(outcome),

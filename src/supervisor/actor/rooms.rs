@@ -14,7 +14,7 @@ use super::{BATCH_KEEP, shrink};
 use crate::error::{AcquireError, CleanupError};
 use crate::lease::{Lease, LeaseCell, ReleaseReply};
 use crate::process::Evidence;
-use crate::supervisor::core::{ControlId, Core, LeaseKey, WaiterId};
+use crate::supervisor::core::{ControlId, Core, LeaseKey, ProcessKey, WaiterId};
 use crate::supervisor::messages::{RunOutcome, WaiterKind};
 use crate::supervisor::reports::{
     LastReport, QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo,
@@ -30,9 +30,9 @@ pub(super) struct Kept {
     pub(super) waiters: FxHashMap<WaiterId, Waiter>,
     pub(super) jobs: FxHashMap<LeaseKey, JobRt>,
     pub(super) explicit: FxHashMap<LeaseKey, Explicit>,
-    pub(super) evidence: FxHashMap<(LeaseKey, u64), Box<dyn Evidence>>,
+    pub(super) evidence: FxHashMap<(LeaseKey, ProcessKey), Box<dyn Evidence>>,
     /// Leader pid of each process group a live job started, by process key.
-    pub(super) pids: FxHashMap<u64, u32>,
+    pub(super) pids: FxHashMap<ProcessKey, u32>,
 }
 
 impl Kept {
@@ -70,7 +70,7 @@ impl Default for Answers {
             grants: Vec::new(),
             outbox: Vec::new(),
             controls: FxHashMap::default(),
-            next_control: 1,
+            next_control: ControlId(1),
             late_replies: Vec::new(),
             shutdown_replies: Vec::new(),
         }
@@ -80,8 +80,7 @@ impl Default for Answers {
 impl Answers {
     /// Keeps a control call's reply channel until the core answers it.
     pub(super) fn control(&mut self, reply: ControlReply) -> ControlId {
-        let control = self.next_control;
-        self.next_control += 1;
+        let control = self.next_control.take();
         self.controls.insert(control, reply);
         control
     }

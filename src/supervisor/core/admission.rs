@@ -29,12 +29,12 @@ pub(super) struct Queued(u64);
 
 impl Queued {
     pub(super) fn new(waiter: WaiterId, want: Want) -> Self {
-        debug_assert!(waiter < 1 << 63, "waiter id {waiter} out of range");
-        Self(waiter << 1 | u64::from(want == Want::Job))
+        debug_assert!(waiter.0 < 1 << 63, "waiter id {waiter} out of range");
+        Self(waiter.0 << 1 | u64::from(want == Want::Job))
     }
 
     pub(super) fn waiter(self) -> WaiterId {
-        self.0 >> 1
+        WaiterId(self.0 >> 1)
     }
 
     pub(super) fn want(self) -> Want {
@@ -282,7 +282,7 @@ impl Admission {
             tries: Vec::new(),
             acquiring: FxHashSet::default(),
             bound: FxHashMap::default(),
-            next_request: 1,
+            next_request: RequestId(1),
             spare: Vec::new(),
         }
     }
@@ -318,9 +318,7 @@ impl Admission {
     }
 
     fn next_request(&mut self) -> RequestId {
-        let request = self.next_request;
-        self.next_request += 1;
-        request
+        self.next_request.take()
     }
 
     /// Slots gathered by a waiter being served that a lowered pool size has retired go back in

@@ -101,14 +101,13 @@ impl Book {
             by_lease_id: FxHashMap::default(),
             tally: Tally::default(),
             touched: Vec::new(),
-            next_key: 1,
+            next_key: LeaseKey(1),
         }
     }
 
     #[inline]
     pub(crate) fn insert(&mut self, record: LeaseRecord) -> LeaseKey {
-        let key = self.next_key;
-        self.next_key += 1;
+        let key = self.next_key.take();
         if self.check_tokens {
             // Multi-slot leases come only from the pool, whose tokens are trusted.
             self.by_slot.insert(record.token.slot_id(), key);

@@ -37,6 +37,7 @@
 
 mod admission;
 mod book;
+mod ids;
 mod pipeline;
 pub(crate) mod protocol;
 mod quarantine;
@@ -47,8 +48,8 @@ use std::collections::VecDeque;
 use std::fmt;
 
 pub(crate) use self::protocol::{
-    Answer, Ask, ControlId, Effect, Input, LeaseKey, QuarantineEntry, RecheckFor, Rechecked, Reply,
-    RequestId, StopTally, WaiterId, Want, Withdrawal,
+    Answer, Ask, ControlId, Effect, Input, LeaseKey, ProcessKey, QuarantineEntry, RecheckFor,
+    Rechecked, Reply, RequestId, StopTally, WaiterId, Want, Withdrawal,
 };
 pub(crate) use self::record::{Holder, LeaseRecord, Phase, Proof, Proofs};
 

@@ -1,5 +1,5 @@
-//! The core's protocol: the ids it speaks in, what it is told ([`Input`]) and what it asks the
-//! shell to do ([`Effect`]). Plain data, no behaviour.
+//! The core's protocol: what it is told ([`Input`]) and what it asks the shell to do
+//! ([`Effect`]), in the ids of `ids.rs`. Plain data, no behaviour.
 
 use std::io;
 
@@ -9,16 +9,7 @@ use crate::error::{AcquireError, CleanupError, PrepareError, ResizeError};
 use crate::job::Priority;
 use crate::paths::TempDir;
 
-/// Supervisor-internal key of one lease (not the broker's lease id).
-pub(crate) type LeaseKey = u64;
-/// Supervisor-internal id of one waiting acquire.
-pub(crate) type WaiterId = u64;
-/// Supervisor-internal id of one broker acquire.
-pub(crate) type RequestId = u64;
-pub(crate) use super::record::ProcessKey;
-/// Supervisor-internal id of one control call (cancel, resize, quarantine list, reclaim), to
-/// route its reply.
-pub(crate) type ControlId = u64;
+pub(crate) use super::ids::{ControlId, LeaseKey, ProcessKey, RequestId, WaiterId};
 
 /// What a waiter asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

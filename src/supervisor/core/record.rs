@@ -9,8 +9,7 @@ use crate::error::{CleanupError, CleanupErrorKind, PrepareError};
 use crate::job::Priority;
 use crate::paths::TempDir;
 
-/// Supervisor-internal id of one process group a job started.
-pub(crate) type ProcessKey = u64;
+pub(crate) use super::ids::ProcessKey;
 
 /// Who holds a lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -490,7 +489,7 @@ mod tests {
     #[test]
     fn what_a_job_owes_is_listed_in_pipeline_order_and_cleared_proof_by_proof() {
         let mut owed = Owed::job();
-        owed.add(Proof::Process(7));
+        owed.add(Proof::Process(ProcessKey(7)));
         owed.add(Proof::GpuFence);
         assert_eq!(
             owed.iter().collect::<Vec<_>>(),
@@ -498,7 +497,7 @@ mod tests {
                 Proof::WorkerJoined,
                 Proof::TasksJoined,
                 Proof::GpuFence,
-                Proof::Process(7),
+                Proof::Process(ProcessKey(7)),
                 Proof::TempDir
             ]
         );
@@ -507,7 +506,7 @@ mod tests {
         assert!(owed.body_ended());
         owed.clear(Proofs::TASKS.with(Proofs::GPU));
         assert!(!owed.physically_done(), "the process group is still owed");
-        owed.clear_process(7);
+        owed.clear_process(ProcessKey(7));
         assert!(owed.physically_done());
         assert!(owed.owes(Proof::TempDir));
         owed.clear(Proofs::of(Proof::TempDir));
@@ -523,9 +522,9 @@ mod tests {
             Priority::Normal,
         );
         lease.owed.clear(Proofs::JOINED);
-        lease.owed.add(Proof::Process(3));
+        lease.owed.add(Proof::Process(ProcessKey(3)));
         lease.reasons.push(Reason {
-            proof: Proof::Process(3),
+            proof: Proof::Process(ProcessKey(3)),
             why: Why::Unproven,
             detail: "escaped".into(),
         });

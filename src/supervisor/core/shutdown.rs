@@ -204,7 +204,7 @@ impl Core {
 
 #[cfg(test)]
 mod tests {
-    use super::super::protocol::{Ask, Effect, Input, LeaseKey, Want};
+    use super::super::protocol::{Ask, Effect, Input, LeaseKey, WaiterId, Want};
     use super::super::record::Proofs;
     use super::*;
     use crate::broker::SlotToken;
@@ -219,7 +219,7 @@ mod tests {
     fn lost_job(lost: impl FnOnce(LeaseKey) -> Input) -> (Core, LeaseKey) {
         let mut core = Core::on_broker(Some(1), false, true);
         core.apply(Input::Enqueue {
-            waiter: 1,
+            waiter: WaiterId(1),
             ask: Ask::one(Want::Job),
         });
         let request = match effects(&mut core).as_slice() {

@@ -15,8 +15,8 @@ fn a_queued_waiter_keeps_its_id_and_what_it_wants_in_eight_bytes() {
     assert_eq!(std::mem::size_of::<Queued>(), 8);
     for waiter in [0, 1, 2, 0x1234_5678_9abc, (1 << 63) - 1] {
         for want in [Want::Lease, Want::Job] {
-            let q = Queued::new(waiter, want);
-            assert_eq!((q.waiter(), q.want()), (waiter, want));
+            let q = Queued::new(WaiterId(waiter), want);
+            assert_eq!((q.waiter(), q.want()), (WaiterId(waiter), want));
         }
     }
 }
@@ -24,23 +24,23 @@ fn a_queued_waiter_keeps_its_id_and_what_it_wants_in_eight_bytes() {
 #[test]
 fn waiters_of_both_kinds_are_popped_in_queue_order_with_what_they_want() {
     let mut queue = crate::supervisor::core::admission::WaitQueue::default();
-    queue.push(7, Ask::one(Want::Job));
-    queue.push(3, Ask::one(Want::Lease));
-    queue.push(9, Ask::one(Want::Job));
-    assert_eq!(queue.remove(3), Some(1));
-    queue.push(4, Ask::one(Want::Lease));
-    assert_eq!(queue.head(), Some(7));
+    queue.push(WaiterId(7), Ask::one(Want::Job));
+    queue.push(WaiterId(3), Ask::one(Want::Lease));
+    queue.push(WaiterId(9), Ask::one(Want::Job));
+    assert_eq!(queue.remove(WaiterId(3)), Some(1));
+    queue.push(WaiterId(4), Ask::one(Want::Lease));
+    assert_eq!(queue.head(), Some(WaiterId(7)));
     assert_eq!(
         queue.pop().map(|s| (s.waiter, s.want, s.slots)),
-        Some((7, Want::Job, 1))
+        Some((WaiterId(7), Want::Job, 1))
     );
     assert_eq!(
         queue.pop().map(|s| (s.waiter, s.want, s.slots)),
-        Some((9, Want::Job, 1))
+        Some((WaiterId(9), Want::Job, 1))
     );
     assert_eq!(
         queue.pop().map(|s| (s.waiter, s.want, s.slots)),
-        Some((4, Want::Lease, 1))
+        Some((WaiterId(4), Want::Lease, 1))
     );
     assert_eq!(queue.pop(), None);
 }
@@ -48,7 +48,7 @@ fn waiters_of_both_kinds_are_popped_in_queue_order_with_what_they_want() {
 /// A core with one job granted and started on `token`; returns its key.
 fn started_job(core: &mut Core, t: SlotToken, device: Option<usize>) -> LeaseKey {
     core.apply(Input::Enqueue {
-        waiter: 1,
+        waiter: WaiterId(1),
         ask: Ask::one(Want::Job),
     });
     core.settle();
@@ -169,7 +169,10 @@ fn the_core_never_removes_a_temp_dir_before_the_workers_physical_end() {
     // A process group still owed: the dir stays, whatever the driver's end says.
     let mut core = Core::on_broker(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
-    core.apply(Input::ProcessStarted { key, process: 7 });
+    core.apply(Input::ProcessStarted {
+        key,
+        process: ProcessKey(7),
+    });
     core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
@@ -204,7 +207,9 @@ fn a_temp_dir_removal_that_fails_quarantines_the_slot_and_a_reclaim_retries_it()
         "{early:?}"
     );
     assert_eq!(core.quarantined(), 1);
-    core.apply(Input::Reclaim { control: 1 });
+    core.apply(Input::Reclaim {
+        control: ControlId(1),
+    });
     let asked = drain(&mut core);
     let effects = answer_rechecks(&mut core, asked, |_, _| false);
     assert!(
@@ -219,7 +224,10 @@ fn a_temp_dir_removal_that_fails_quarantines_the_slot_and_a_reclaim_retries_it()
 fn a_process_group_started_by_the_job_holds_the_temp_dir_until_it_is_proven_empty() {
     let mut core = Core::on_broker(Some(1), false, false);
     let key = started_job(&mut core, token(0, 1), None);
-    core.apply(Input::ProcessStarted { key, process: 7 });
+    core.apply(Input::ProcessStarted {
+        key,
+        process: ProcessKey(7),
+    });
     // The group is not proven yet: the core keeps the dir.
     core.apply(Input::Ended {
         key,
@@ -229,7 +237,7 @@ fn a_process_group_started_by_the_job_holds_the_temp_dir_until_it_is_proven_empt
     assert!(drain(&mut core).is_empty(), "the group is not proven empty");
     core.apply(Input::ProvenOne {
         key,
-        proof: Proof::Process(7),
+        proof: Proof::Process(ProcessKey(7)),
     });
     assert!(matches!(
         drain(&mut core).as_slice(),
@@ -242,10 +250,13 @@ fn a_gpu_loss_and_an_unproven_process_group_on_one_lease_both_hold_it() {
     // Both must be proven: the replaced device says nothing about the process group.
     let mut core = Core::on_broker(Some(1), false, true);
     let key = started_job(&mut core, token(0, 1), Some(0));
-    core.apply(Input::ProcessStarted { key, process: 3 });
+    core.apply(Input::ProcessStarted {
+        key,
+        process: ProcessKey(3),
+    });
     core.apply(Input::Unproven {
         key,
-        proof: Proof::Process(3),
+        proof: Proof::Process(ProcessKey(3)),
         detail: "group 3 still has members".into(),
     });
     assert!(
@@ -287,10 +298,12 @@ fn a_gpu_loss_and_an_unproven_process_group_on_one_lease_both_hold_it() {
         "the temp dir was removed with the group unproven: {after:?}"
     );
     assert_eq!(core.quarantined(), 1);
-    core.apply(Input::Reclaim { control: 1 });
+    core.apply(Input::Reclaim {
+        control: ControlId(1),
+    });
     let effects = drain(&mut core);
     assert!(
-        matches!(effects.as_slice(), [Effect::Recheck { checks, .. }] if **checks == [(key, Proof::Process(3))]),
+        matches!(effects.as_slice(), [Effect::Recheck { checks, .. }] if **checks == [(key, Proof::Process(ProcessKey(3)))]),
         "{effects:?}"
     );
     let effects = answer_rechecks(&mut core, effects, |_, _| true);
@@ -370,7 +383,9 @@ fn two_reclaims_back_to_back_start_one_temp_dir_removal_and_apply_no_illegal_edg
     drain(&mut core);
     let mut effects = Vec::new();
     for control in 1..=2 {
-        core.apply(Input::Reclaim { control });
+        core.apply(Input::Reclaim {
+            control: ControlId(control),
+        });
         let asked = drain(&mut core);
         effects.extend(answer_rechecks(&mut core, asked, |_, _| false));
     }
@@ -394,7 +409,7 @@ fn an_input_that_does_not_fit_changes_nothing_and_is_reported() {
     let before = (core.active(), core.quarantined(), core.counters());
     for input in [
         Input::ProvenOne {
-            key: 99,
+            key: LeaseKey(99),
             proof: Proof::TempDir,
         },
         Input::Released {
@@ -405,7 +420,7 @@ fn an_input_that_does_not_fit_changes_nothing_and_is_reported() {
             key,
             proof: Proof::TempDir,
         },
-        Input::Undelivered { key: 42 },
+        Input::Undelivered { key: LeaseKey(42) },
         Input::Rechecked {
             results: Box::default(),
             leases: Box::default(),
@@ -429,7 +444,7 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
     let mut keys = Vec::new();
     for i in 0..3u32 {
         core.apply(Input::Enqueue {
-            waiter: u64::from(i) + 1,
+            waiter: WaiterId(u64::from(i) + 1),
             ask: Ask::one(Want::Job),
         });
     }
@@ -508,7 +523,7 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
 fn an_explicit_lease_held_at_shutdown_is_revoked_then_released_once() {
     let mut core = Core::on_broker(Some(1), false, false);
     core.apply(Input::Enqueue {
-        waiter: 1,
+        waiter: WaiterId(1),
         ask: Ask::one(Want::Lease),
     });
     core.settle();
@@ -562,7 +577,7 @@ fn a_token_for_a_slot_held_by_a_live_lease_is_refused_and_not_released() {
     let mut core = Core::on_broker(None, false, false);
     let _key = started_job(&mut core, token(0, 1), None);
     core.apply(Input::Enqueue {
-        waiter: 2,
+        waiter: WaiterId(2),
         ask: Ask::one(Want::Lease),
     });
     core.settle();
@@ -579,7 +594,7 @@ fn a_token_for_a_slot_held_by_a_live_lease_is_refused_and_not_released() {
         [
             Effect::TokenRefused(_),
             Effect::Refuse {
-                waiter: 2,
+                waiter: WaiterId(2),
                 error: AcquireError::Failed(_)
             }
         ]
@@ -667,7 +682,7 @@ impl Pool {
 fn a_higher_class_is_served_first_and_fifo_holds_within_a_class() {
     let mut core = pool_core(1);
     let mut pool = Pool::new(1);
-    join(&mut core, 1, 1, Priority::Normal);
+    join(&mut core, WaiterId(1), 1, Priority::Normal);
     pool.run(&mut core);
     let held = pool.delivered[0].1;
     for (waiter, priority) in [
@@ -678,7 +693,7 @@ fn a_higher_class_is_served_first_and_fifo_holds_within_a_class() {
         (6, Priority::High),
     ] {
         core.apply(Input::Enqueue {
-            waiter,
+            waiter: WaiterId(waiter),
             ask: ask(1, priority),
         });
     }
@@ -690,7 +705,7 @@ fn a_higher_class_is_served_first_and_fifo_holds_within_a_class() {
         core.apply(Input::ReleaseRequested { key });
         pool.run(&mut core);
         let (waiter, next, _) = *pool.delivered.last().unwrap();
-        order.push(waiter);
+        order.push(waiter.0);
         key = next;
     }
     assert_eq!(order, [4, 6, 3, 5, 2]);
@@ -700,17 +715,17 @@ fn a_higher_class_is_served_first_and_fifo_holds_within_a_class() {
 fn a_low_waiter_is_overtaken_by_later_high_waiters_only_within_the_aging_bound() {
     let mut core = pool_core(1);
     let mut pool = Pool::new(1);
-    join(&mut core, 1, 1, Priority::High);
+    join(&mut core, WaiterId(1), 1, Priority::High);
     pool.run(&mut core);
-    join(&mut core, 2, 1, Priority::Low);
+    join(&mut core, WaiterId(2), 1, Priority::Low);
     // A steady stream of high-priority work: one new High waiter per grant, for ever.
     let mut low_served_after = None;
     for grant in 0..(4 * PRIORITY_AGING_GRANTS) {
-        join(&mut core, 3 + grant, 1, Priority::High);
+        join(&mut core, WaiterId(3 + grant), 1, Priority::High);
         let key = pool.delivered.last().unwrap().1;
         core.apply(Input::ReleaseRequested { key });
         pool.run(&mut core);
-        if pool.delivered.last().unwrap().0 == 2 {
+        if pool.delivered.last().unwrap().0 == WaiterId(2) {
             low_served_after = Some(grant);
             break;
         }
@@ -731,13 +746,13 @@ fn a_multi_slot_waiter_gets_all_its_slots_at_once_and_blocks_the_queue_while_it_
     let mut core = pool_core(3);
     let mut pool = Pool::new(3);
     for waiter in 1..=2 {
-        join(&mut core, waiter, 1, Priority::Normal);
+        join(&mut core, WaiterId(waiter), 1, Priority::Normal);
     }
     pool.run(&mut core);
     assert_eq!(pool.delivered.len(), 2);
     // Needs all three; one is free, two are held. A single-slot waiter behind it must wait.
-    join(&mut core, 3, 3, Priority::Normal);
-    join(&mut core, 4, 1, Priority::Normal);
+    join(&mut core, WaiterId(3), 3, Priority::Normal);
+    join(&mut core, WaiterId(4), 1, Priority::Normal);
     pool.run(&mut core);
     assert_eq!(
         pool.delivered.len(),
@@ -756,7 +771,7 @@ fn a_multi_slot_waiter_gets_all_its_slots_at_once_and_blocks_the_queue_while_it_
     let second = pool.delivered[1].1;
     core.apply(Input::ReleaseRequested { key: second });
     pool.run(&mut core);
-    assert_eq!(pool.delivered[2].0, 3);
+    assert_eq!(pool.delivered[2].0, WaiterId(3));
     assert_eq!(pool.delivered[2].2, 3, "all three slots in one lease");
     // Its release gives all three back, as one lease.
     let released_before = core.counters().released_total;
@@ -769,7 +784,7 @@ fn a_multi_slot_waiter_gets_all_its_slots_at_once_and_blocks_the_queue_while_it_
         released_before + 3,
         "counted in slots"
     );
-    assert_eq!(pool.delivered[3].0, 4);
+    assert_eq!(pool.delivered[3].0, WaiterId(4));
     assert_eq!(core.held_slots(), 1);
 }
 
@@ -777,19 +792,19 @@ fn a_multi_slot_waiter_gets_all_its_slots_at_once_and_blocks_the_queue_while_it_
 fn a_multi_slot_waiter_that_leaves_while_gathering_hands_its_slots_on() {
     let mut core = pool_core(2);
     let mut pool = Pool::new(2);
-    join(&mut core, 1, 1, Priority::Normal);
+    join(&mut core, WaiterId(1), 1, Priority::Normal);
     pool.run(&mut core);
-    join(&mut core, 2, 2, Priority::Normal);
-    join(&mut core, 3, 1, Priority::Normal);
+    join(&mut core, WaiterId(2), 2, Priority::Normal);
+    join(&mut core, WaiterId(3), 1, Priority::Normal);
     pool.run(&mut core);
     assert_eq!(core.held_slots(), 2);
     core.apply(Input::Withdraw {
-        waiter: 2,
+        waiter: WaiterId(2),
         why: Withdrawal::Cancelled,
     });
     pool.run(&mut core);
-    assert_eq!(pool.refused, [(2, "LEASE_ACQUIRE_CANCELLED")]);
-    assert_eq!(pool.delivered.last().unwrap().0, 3);
+    assert_eq!(pool.refused, [(WaiterId(2), "LEASE_ACQUIRE_CANCELLED")]);
+    assert_eq!(pool.delivered.last().unwrap().0, WaiterId(3));
     assert_eq!(core.held_slots(), 2);
     assert_eq!(core.waiting(), 0);
 }
@@ -805,22 +820,22 @@ fn try_is_served_only_when_a_slot_is_free_and_nobody_waits_ahead() {
     };
     let mut core = pool_core(2);
     let mut pool = Pool::new(2);
-    core.apply(now(1));
+    core.apply(now(WaiterId(1)));
     pool.run(&mut core);
     assert_eq!(pool.delivered.len(), 1);
-    join(&mut core, 2, 2, Priority::Normal);
+    join(&mut core, WaiterId(2), 2, Priority::Normal);
     pool.run(&mut core);
     // One slot is free, but a waiter gathers ahead: refused, and the slot is not taken.
-    core.apply(now(3));
+    core.apply(now(WaiterId(3)));
     pool.run(&mut core);
-    assert_eq!(pool.refused, [(3, "LEASE_NO_SLOT_FREE")]);
+    assert_eq!(pool.refused, [(WaiterId(3), "LEASE_NO_SLOT_FREE")]);
     // A broker that is not the pool refuses it outright.
     let mut remote = Core::on_broker(Some(2), false, false);
-    remote.apply(now(4));
+    remote.apply(now(WaiterId(4)));
     assert!(matches!(
         drain(&mut remote).as_slice(),
         [Effect::Refuse {
-            waiter: 4,
+            waiter: WaiterId(4),
             error: AcquireError::Unsupported(_)
         }]
     ));
@@ -831,12 +846,12 @@ fn a_resize_wakes_waiters_when_raised_and_revokes_nothing_when_lowered() {
     let mut core = pool_core(1);
     let mut pool = Pool::new(3);
     for waiter in 1..=3 {
-        join(&mut core, waiter, 1, Priority::Normal);
+        join(&mut core, WaiterId(waiter), 1, Priority::Normal);
     }
     pool.run(&mut core);
     assert_eq!(pool.delivered.len(), 1);
     core.apply(Input::Resize {
-        control: 1,
+        control: ControlId(1),
         slots: 3,
     });
     pool.run(&mut core);
@@ -845,16 +860,16 @@ fn a_resize_wakes_waiters_when_raised_and_revokes_nothing_when_lowered() {
         3,
         "raising the capacity woke both waiters"
     );
-    join(&mut core, 4, 1, Priority::Normal);
-    join(&mut core, 5, 3, Priority::Normal);
+    join(&mut core, WaiterId(4), 1, Priority::Normal);
+    join(&mut core, WaiterId(5), 3, Priority::Normal);
     core.apply(Input::Resize {
-        control: 2,
+        control: ControlId(2),
         slots: 1,
     });
     pool.run(&mut core);
     // Nothing revoked; the 3-slot waiter can never be served now.
     assert_eq!(core.held_slots(), 3);
-    assert_eq!(pool.refused, [(5, "LEASE_SLOT_COUNT_INVALID")]);
+    assert_eq!(pool.refused, [(WaiterId(5), "LEASE_SLOT_COUNT_INVALID")]);
     for i in 0..2 {
         let key = pool.delivered[i].1;
         core.apply(Input::ReleaseRequested { key });
@@ -868,15 +883,15 @@ fn a_resize_wakes_waiters_when_raised_and_revokes_nothing_when_lowered() {
     let key = pool.delivered[2].1;
     core.apply(Input::ReleaseRequested { key });
     pool.run(&mut core);
-    assert_eq!(pool.delivered.last().unwrap().0, 4);
+    assert_eq!(pool.delivered.last().unwrap().0, WaiterId(4));
     assert_eq!(core.held_slots(), 1);
 }
 
 #[test]
 fn zero_slots_more_than_the_capacity_and_multi_slot_on_a_remote_broker_are_refused() {
     let mut core = pool_core(2);
-    join(&mut core, 1, 0, Priority::Normal);
-    join(&mut core, 2, 3, Priority::Normal);
+    join(&mut core, WaiterId(1), 0, Priority::Normal);
+    join(&mut core, WaiterId(2), 3, Priority::Normal);
     let codes: Vec<_> = drain(&mut core)
         .into_iter()
         .map(|e| match e {
@@ -887,7 +902,7 @@ fn zero_slots_more_than_the_capacity_and_multi_slot_on_a_remote_broker_are_refus
     assert_eq!(codes, ["LEASE_SLOT_COUNT_INVALID"; 2]);
     let mut remote = Core::on_broker(None, false, false);
     remote.apply(Input::Enqueue {
-        waiter: 3,
+        waiter: WaiterId(3),
         ask: ask(2, Priority::Normal),
     });
     assert!(matches!(
@@ -905,7 +920,7 @@ fn cancelling_a_job_by_key_cancels_it_once_and_only_before_its_release() {
     let key = started_job(&mut core, token(0, 1), None);
     for control in 1..=2 {
         core.apply(Input::CancelById {
-            control,
+            control: ControlId(control),
             waiters: Box::default(),
             leases: Box::new([key]),
         });

@@ -222,8 +222,8 @@ impl World {
             generation: 1,
             recreating: false,
             engine_lost: false,
-            next_waiter: 1,
-            next_control: 1,
+            next_waiter: WaiterId(1),
+            next_control: ControlId(1),
             stopping: false,
             timers: false,
             grace_over: false,
@@ -363,7 +363,7 @@ impl World {
     }
 
     fn control(&mut self) -> ControlId {
-        self.next_control += 1;
+        self.next_control.0 += 1;
         self.next_control
     }
 
@@ -374,8 +374,7 @@ impl World {
         let mut turn = Turn::default();
         match op {
             Op::Enqueue(fate) => {
-                let waiter = self.next_waiter;
-                self.next_waiter += 1;
+                let waiter = self.next_waiter.take();
                 self.jobs.push(Job {
                     waiter,
                     fate,

@@ -78,8 +78,8 @@ struct Known {
     ended: bool,
     gpu_done: bool,
     gpu_lost: Option<u64>,
-    processes_open: BTreeSet<u64>,
-    processes_unproven: BTreeSet<u64>,
+    processes_open: BTreeSet<ProcessKey>,
+    processes_unproven: BTreeSet<ProcessKey>,
     temp_dir_proven: bool,
     released: bool,
     answers: usize,
@@ -113,7 +113,7 @@ struct World {
     released_tokens: BTreeSet<(u32, u64)>,
     /// Callers' presence at delivery, from the seed.
     rng: u64,
-    next_process: u64,
+    next_process: ProcessKey,
     generation: [u64; 2],
     stopping: bool,
     stopped: bool,
@@ -127,21 +127,21 @@ impl World {
             core: Core::on_broker(Some(capacity), false, gpu),
             capacity,
             gpu,
-            next_control: 1,
+            next_control: ControlId(1),
             held: BTreeMap::new(),
             next_lease: 1,
             acquiring: Vec::new(),
             aborted: BTreeSet::new(),
             waiting: Vec::new(),
             wants: BTreeMap::new(),
-            next_waiter: 1,
+            next_waiter: WaiterId(1),
             ended: BTreeMap::new(),
             known: BTreeMap::new(),
             removing: Vec::new(),
             releases: Vec::new(),
             released_tokens: BTreeSet::new(),
             rng: seed | 1,
-            next_process: 1,
+            next_process: ProcessKey(1),
             generation: [1, 1],
             stopping: false,
             stopped: false,
@@ -474,8 +474,7 @@ impl World {
     fn step(&mut self, op: Op) {
         match op {
             Op::Enqueue(want) => {
-                let waiter = self.next_waiter;
-                self.next_waiter += 1;
+                let waiter = self.next_waiter.take();
                 self.wants.insert(waiter, want);
                 self.waiting.push(waiter);
                 self.input(Input::Enqueue {
@@ -594,8 +593,7 @@ impl World {
                         Input::Ended { key, proofs, dir }
                     }
                     4 if !k.tasks => {
-                        let p = self.next_process;
-                        self.next_process += 1;
+                        let p = self.next_process.take();
                         self.known.get_mut(&key).unwrap().processes_open.insert(p);
                         Input::ProcessStarted { key, process: p }
                     }
@@ -750,8 +748,7 @@ impl World {
                 }
             }
             Op::Reclaim => {
-                let control = self.next_control;
-                self.next_control += 1;
+                let control = self.next_control.take();
                 self.input(Input::Reclaim { control });
             }
             Op::Cancel(i) => {
@@ -763,8 +760,7 @@ impl World {
                     .filter(|w| self.wants[w] == Want::Job)
                     .collect();
                 let jobs = self.jobs();
-                let control = self.next_control;
-                self.next_control += 1;
+                let control = self.next_control.take();
                 let input = if i % 2 == 0 {
                     pick(&waiting, i / 2).map(|w| Input::CancelById {
                         control,

@@ -73,8 +73,8 @@ impl PoolWorld {
             holding: BTreeMap::new(),
             leases: BTreeMap::new(),
             waiting: BTreeMap::new(),
-            next_waiter: 1,
-            next_control: 1,
+            next_waiter: WaiterId(1),
+            next_control: ControlId(1),
             trace: Vec::new(),
         }
     }
@@ -212,8 +212,7 @@ impl PoolWorld {
         let roll = self.rng.below(100);
         match roll {
             0..=44 => {
-                let waiter = self.next_waiter;
-                self.next_waiter += 1;
+                let waiter = self.next_waiter.take();
                 let rank = self.rng.below(3) as usize;
                 let slots = match self.rng.below(10) {
                     0 => 3,
@@ -283,9 +282,7 @@ impl PoolWorld {
     }
 
     fn control(&mut self) -> ControlId {
-        let control = self.next_control;
-        self.next_control += 1;
-        control
+        self.next_control.take()
     }
 
     /// What holds after every batch, once its effects are performed.
