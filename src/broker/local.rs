@@ -177,3 +177,38 @@ impl SlotBroker for LocalBroker {
         Some(self.slots())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slots(tokens: &[SlotToken]) -> Vec<u32> {
+        tokens.iter().map(|t| t.slot_id()).collect()
+    }
+
+    #[test]
+    fn a_lowered_pool_never_grants_a_free_slot_above_its_size() {
+        let pool = LocalBroker::new(4);
+        pool.resize(2);
+        let granted = [pool.take().unwrap(), pool.take().unwrap()];
+        assert_eq!(slots(&granted), [0, 1]);
+        assert!(pool.take().is_err(), "a pool of 2 grants 2");
+        for token in granted {
+            pool.give(token).unwrap();
+        }
+        assert_eq!(pool.held(), 0);
+    }
+
+    #[test]
+    fn a_raised_pool_grants_the_slots_freed_before_in_the_order_they_were_freed_then_the_new_ones()
+    {
+        let pool = LocalBroker::new(3);
+        let t: Vec<SlotToken> = (0..3).map(|_| pool.take().unwrap()).collect();
+        pool.give(t[2]).unwrap();
+        pool.give(t[0]).unwrap();
+        pool.resize(4);
+        let granted: Vec<SlotToken> = (0..3).map(|_| pool.take().unwrap()).collect();
+        assert_eq!(slots(&granted), [2, 0, 3]);
+        assert!(pool.take().is_err(), "slot 1 is still held");
+    }
+}
