@@ -22,8 +22,42 @@ pub struct GpuDeviceInfo {
     /// How many times it has been created or installed: 1 at start, one more per re-creation
     /// (or per replacement the engine handed over).
     pub generation: u64,
-    /// Why its current generation is lost, while it is.
-    pub lost: Option<String>,
-    /// Given up for good: re-creation failed every attempt.
-    pub given_up: bool,
+    /// Whether it serves leases now.
+    pub state: GpuDeviceState,
+}
+
+/// Whether a GPU device serves leases: usable, lost (being re-created, or, for an adopted
+/// device, waiting for the engine's replacement), or given up for good.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GpuDeviceState {
+    /// Its current generation serves leases.
+    Usable,
+    /// Its current generation is lost; its quarantined slots wait for a new one.
+    Lost {
+        /// Why (the driver's message, or the engine's `destroy()`).
+        reason: String,
+    },
+    /// Re-creation failed every attempt (or the engine handed over no replacement when asked):
+    /// no lease is placed on it again.
+    GivenUp {
+        /// Why its last generation was lost, when it was.
+        reason: Option<String>,
+    },
+}
+
+impl GpuDeviceState {
+    /// Whether it serves leases now.
+    pub fn is_usable(&self) -> bool {
+        matches!(self, Self::Usable)
+    }
+
+    /// Why its current generation is lost (also when it was given up after that loss).
+    pub fn lost_reason(&self) -> Option<&str> {
+        match self {
+            Self::Usable => None,
+            Self::Lost { reason } => Some(reason),
+            Self::GivenUp { reason } => reason.as_deref(),
+        }
+    }
 }

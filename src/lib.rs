@@ -86,7 +86,7 @@ pub use fencing::{FencingGuard, StaleToken};
 pub use gpu::BackendCall;
 #[cfg(feature = "gpu")]
 pub use gpu::{FencePolicy, GpuError, GpuOptions, JobGpu, ScratchPolicy, SlotScratch};
-pub use gpu_info::GpuDeviceInfo;
+pub use gpu_info::{GpuDeviceInfo, GpuDeviceState};
 pub use job::{InvalidJob, JobSpec, MAX_JOB_ID_LEN, PRIORITY_AGING_GRANTS, Priority};
 pub use lease::Lease;
 pub use paths::{PathRefused, PathRefusedReason};

@@ -24,8 +24,8 @@ use super::outcomes::{Ended, Outcome, Outcomes, RECENT, Timings};
 use super::timeline::{Held, Segment, Timeline};
 use super::{MAX_LANES, QUARANTINE_POLL_INTERVAL, SAMPLE_INTERVAL, TIMELINE_WINDOW};
 use leasehold::{
-    LeaseInfo, LeaseKind, LeasePhase, Priority, QuarantinedSlot, Stats, Supervisor, WaiterInfo,
-    WaitingFor,
+    GpuDeviceState, LeaseInfo, LeaseKind, LeasePhase, Priority, QuarantinedSlot, Stats, Supervisor,
+    WaiterInfo, WaitingFor,
 };
 
 /// The quarantine reasons last heard from the supervisor, by lease id.
@@ -554,8 +554,8 @@ fn gpu_views(sup: &Supervisor, leases: &[LeaseInfo]) -> Vec<GpuView> {
             sub_slots: d.sub_slots,
             in_use: d.in_use,
             recreated: d.generation.saturating_sub(1),
-            lost: d.lost,
-            given_up: d.given_up,
+            given_up: matches!(d.state, GpuDeviceState::GivenUp { .. }),
+            lost: d.state.lost_reason().map(str::to_owned),
         })
         .collect()
 }

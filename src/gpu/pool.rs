@@ -14,6 +14,7 @@ use super::error::GpuError;
 use super::handles::JobHandles;
 use super::job::{JobGpu, JobGpuInner};
 use super::options::{FencePolicy, GpuOptions, ScratchPolicy};
+use crate::gpu_info::{GpuDeviceInfo, GpuDeviceState};
 
 /// How a lease's GPU fence ended badly.
 pub(crate) enum FenceFailure {
@@ -535,7 +536,7 @@ impl GpuPool {
 
     /// Every device as the pool knows it now (`Supervisor::gpu_devices`): what its current
     /// generation runs on, and that generation's loss.
-    pub(crate) fn describe(&self) -> Vec<crate::gpu_info::GpuDeviceInfo> {
+    pub(crate) fn describe(&self) -> Vec<GpuDeviceInfo> {
         let busy = self.busy.lock().clone();
         self.devices
             .iter()
@@ -544,7 +545,7 @@ impl GpuPool {
                 let state = dev.state.lock();
                 let current = state.current.as_ref().map(|c| &c.generation);
                 let info = current.map_or(&dev.info, |g| &g.info);
-                crate::gpu_info::GpuDeviceInfo {
+                GpuDeviceInfo {
                     index: dev.index,
                     adapter: info.name.clone(),
                     backend: format!("{:?}", info.backend),
@@ -552,8 +553,18 @@ impl GpuPool {
                     sub_slots: subs.len() as u32,
                     in_use: subs.iter().filter(|b| **b).count() as u32,
                     generation: state.installed,
-                    lost: current.and_then(|g| g.loss()),
-                    given_up: state.dead,
+                    state: match (state.dead, current) {
+                        (true, current) => GpuDeviceState::GivenUp {
+                            reason: current.and_then(|g| g.loss()),
+                        },
+                        (false, None) => GpuDeviceState::Lost {
+                            reason: "no generation installed yet".into(),
+                        },
+                        (false, Some(g)) => match g.loss() {
+                            Some(reason) => GpuDeviceState::Lost { reason },
+                            None => GpuDeviceState::Usable,
+                        },
+                    },
                 }
             })
             .collect()

@@ -15,7 +15,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use common::{EventLog, TestBroker};
 use gpu_support::{dispatch, engine_device, pattern, read_back, start};
-use leasehold::{BackendCall, GpuOptions, JobSpec, ScratchPolicy, Supervisor, wgpu};
+use leasehold::{
+    BackendCall, GpuDeviceState, GpuOptions, JobSpec, ScratchPolicy, Supervisor, wgpu,
+};
 use tokio::sync::oneshot;
 
 /// One `fill` dispatch through the lease, and the first 4 words read back: `[1, 3, 5, 7]`.
@@ -251,8 +253,11 @@ async fn a_lost_adopted_device_stays_quarantined_until_the_engine_replaces_it() 
     let devices = sup.gpu_devices();
     assert_eq!(devices.len(), 2);
     assert!(devices.iter().all(|d| d.adopted));
-    assert!(devices[0].lost.is_some(), "{devices:?}");
-    assert!(devices[1].lost.is_none());
+    assert!(
+        matches!(devices[0].state, GpuDeviceState::Lost { .. }),
+        "{devices:?}"
+    );
+    assert!(devices[1].state.is_usable());
     assert_eq!(devices[0].in_use, 1, "the quarantined lease's sub-slot");
     // The engine hands a replacement over: the quarantine clears by the time the call answers.
     let Some((d2, q2, _)) = engine_device().await else {
@@ -269,7 +274,7 @@ async fn a_lost_adopted_device_stays_quarantined_until_the_engine_replaces_it() 
         devices[0].generation, 2,
         "the engine's replacement is its second generation"
     );
-    assert!(devices[0].lost.is_none());
+    assert!(devices[0].state.is_usable());
     assert_eq!(devices[0].in_use, 0);
     // Both sub-slots serve again: two jobs held at once land on both devices.
     let placed = Arc::new(AtomicUsize::new(0));
@@ -776,7 +781,7 @@ async fn replacing_a_device_that_is_not_lost_lets_the_lease_on_it_finish_there()
     );
     let devices = sup.gpu_devices();
     assert_eq!(devices[0].generation, 2, "{devices:?}");
-    assert!(devices[0].lost.is_none(), "{devices:?}");
+    assert!(devices[0].state.is_usable(), "{devices:?}");
     let on_new = sup
         .run(
             JobSpec::new("on-the-new-device").unwrap(),
@@ -832,7 +837,7 @@ async fn a_refused_replacement_leaves_no_trace_on_the_device_it_refused() {
     let _ = refused.poll(wgpu::PollType::Poll);
     let devices = sup.gpu_devices();
     assert!(
-        devices[0].lost.is_none(),
+        devices[0].state.is_usable(),
         "destroying the refused device marked the installed one lost: {devices:?}"
     );
     assert_eq!(fill_job(&sup, "after").await.unwrap(), [1, 3, 5, 7]);

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use common::{TestBroker, ThreadGate};
 use gpu_support::{dispatch, read_back, start};
-use leasehold::{BackendCall, GpuError, GpuOptions, JobSpec, StartError, Supervisor};
+use leasehold::{
+    BackendCall, GpuDeviceState, GpuError, GpuOptions, JobSpec, StartError, Supervisor,
+};
 use tokio::sync::{Barrier, oneshot};
 
 /// A hook that panics the first time `call` is made after `armed` is set.
@@ -208,6 +210,11 @@ async fn a_device_whose_re_creation_keeps_panicking_is_given_up() {
     assert_eq!(refused.code(), "LEASE_PREPARE_FAILED", "{refused}");
     assert!(refused.prepare_error().is_some(), "{refused:?}");
     assert_eq!(sup.gpu_device_generation(0), Some(1));
+    let state = &sup.gpu_devices()[0].state;
+    assert!(
+        matches!(state, GpuDeviceState::GivenUp { reason: Some(_) }),
+        "{state:?}"
+    );
     assert_eq!(sup.stats().active, 0);
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.quarantined, 0);
