@@ -159,8 +159,12 @@ mod gpu {
             false
         }
         /// Waits at most `bound` for the devices' remaining work and destroys them, off the
-        /// caller's thread; resolves with the devices it could not prove idle (index, why).
-        fn close(&self, bound: Duration) -> BoxFuture<'static, Vec<(usize, String)>>;
+        /// caller's thread; resolves with the devices it could not prove idle (index, why), or
+        /// with why the close as a whole did not report.
+        fn close(
+            &self,
+            bound: Duration,
+        ) -> BoxFuture<'static, Result<Vec<(usize, String)>, String>>;
     }
 
     /// The real devices.
@@ -247,7 +251,10 @@ mod gpu {
             self.0.adopted(device)
         }
 
-        fn close(&self, bound: Duration) -> BoxFuture<'static, Vec<(usize, String)>> {
+        fn close(
+            &self,
+            bound: Duration,
+        ) -> BoxFuture<'static, Result<Vec<(usize, String)>, String>> {
             let (pool, (done, closed)) = (Arc::clone(&self.0), tokio::sync::oneshot::channel());
             // A thread of its own, not the blocking pool: the close waits (up to its bound) on
             // devices, and the runtime's own shutdown must never wait on that.
@@ -265,9 +272,9 @@ mod gpu {
                 tracing::error!(error = %e, "could not start a thread to close the gpu devices");
             }
             Box::pin(async move {
-                closed.await.unwrap_or_else(|_| {
-                    vec![(usize::MAX, "the close thread did not report".into())]
-                })
+                closed
+                    .await
+                    .map_err(|_| "the close thread did not report".to_owned())
             })
         }
     }

@@ -389,15 +389,16 @@ impl Shell {
                 }
             },
             SupMsg::GpuClosed { unclosed } => {
-                let unclosed = unclosed.unwrap_or_else(|| {
-                    vec![(
-                        usize::MAX,
-                        "the devices' close did not end within its bound".into(),
-                    )]
-                });
-                for (device, reason) in unclosed {
-                    tracing::error!(device, %reason, "gpu device not proven idle at shutdown");
-                    self.end.unclosed.push(UnclosedDevice::new(device, reason));
+                let unclosed = match unclosed {
+                    Ok(devices) => devices
+                        .into_iter()
+                        .map(|(device, reason)| UnclosedDevice::new(Some(device), reason))
+                        .collect(),
+                    Err(reason) => vec![UnclosedDevice::new(None, reason)],
+                };
+                for device in unclosed {
+                    tracing::error!(device = ?device.device, reason = %device.reason, "gpu device not proven idle at shutdown");
+                    self.end.unclosed.push(device);
                 }
                 Input::GpuClosed
             }

@@ -82,11 +82,11 @@ pub(crate) enum SupMsg {
     },
     /// Time to look for leases held past the held-too-long threshold.
     HeldTick,
-    /// The GPU devices were closed at shutdown (`unclosed`: those not proven idle), or their
-    /// close ran past its bound (`None`).
+    /// The GPU devices were closed at shutdown (`unclosed`: those not proven idle), or the
+    /// close as a whole did not report (why: it panicked, or ran past its bound).
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
     GpuClosed {
-        unclosed: Option<Vec<(usize, String)>>,
+        unclosed: Result<Vec<(usize, String)>, String>,
     },
     /// The broker's close at shutdown ended: `Some` when it failed, timed out or panicked.
     BrokerClosed { failed: Option<BrokerError> },

@@ -152,15 +152,16 @@ impl EndDrops {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct UnclosedDevice {
-    /// The device's index (`usize::MAX` when the close as a whole did not end in its bound).
-    pub device: usize,
+    /// The device's index; `None` when the close as a whole did not report (it panicked, or did
+    /// not end within its bound), so that no device is known idle.
+    pub device: Option<usize>,
     /// Why.
     pub reason: String,
 }
 
 impl UnclosedDevice {
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
-    pub(crate) fn new(device: usize, reason: String) -> Self {
+    pub(crate) fn new(device: Option<usize>, reason: String) -> Self {
         Self { device, reason }
     }
 }

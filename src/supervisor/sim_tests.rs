@@ -104,6 +104,9 @@ struct Ledger {
     failed_releases: u64,
     /// Whether the broker's close (once asked) fails, panics or hangs.
     close_fails: Option<bool>,
+    /// Whether the GPU devices' close (once asked) hung.
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
+    gpu_close_hung: Option<bool>,
     jobs: BTreeMap<String, Physical>,
     /// GPU sub-slots with work not yet completed (device, sub).
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
@@ -712,12 +715,17 @@ mod sim_gpu {
             self.generation.lock()[device]
         }
 
-        fn close(&self, _bound: Duration) -> BoxFuture<'static, Vec<(usize, String)>> {
-            if self.rng.lock().chance(20) {
+        fn close(
+            &self,
+            _bound: Duration,
+        ) -> BoxFuture<'static, Result<Vec<(usize, String)>, String>> {
+            let hangs = self.rng.lock().chance(20);
+            self.ledger.lock().gpu_close_hung = Some(hangs);
+            if hangs {
                 // A device whose work never drains: the supervisor stops waiting at its bound.
                 return Box::pin(std::future::pending());
             }
-            Box::pin(async { Vec::new() })
+            Box::pin(async { Ok(Vec::new()) })
         }
     }
 }
@@ -1317,6 +1325,17 @@ fn simulate(seed: u64) -> Result<Vec<String>, (Vec<String>, Vec<String>)> {
                     report.broker_close_failed
                 )),
                 Some(_) => {}
+            }
+            // A GPU close that hung is in the report as the close as a whole (no device
+            // index); one that ended found every device idle.
+            if let Some(hung) = l.gpu_close_hung {
+                let named: Vec<Option<usize>> =
+                    report.unclosed_devices.iter().map(|u| u.device).collect();
+                if named != if hung { vec![None] } else { vec![] } {
+                    l.violate(format!(
+                        "invariant 9: the gpu close hung: {hung}, the report names {named:?}"
+                    ));
+                }
             }
         }
         // Let every late release, removal and TTL land.

@@ -259,6 +259,8 @@ async fn shutdown_does_not_wait_without_end_for_a_device_that_never_drains() {
     assert_eq!(fill_job(&sup, "work").await, [1, 3, 5, 7]);
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.quarantined, 0);
+    let unclosed: Vec<Option<usize>> = report.unclosed_devices.iter().map(|u| u.device).collect();
+    assert_eq!(unclosed, [Some(0)], "{report:?}");
     // The close did reach the device (and blocks there still), so `shutdown` returned without it.
     entered.wait();
     assert!(sup.gpu_device(0).is_none());

@@ -41,14 +41,9 @@ impl Shell {
                 Some(bound + bound / 10),
                 move |outcome| {
                     let unclosed = outcome.fold(
-                        Some,
-                        |panic| {
-                            Some(vec![(
-                                usize::MAX,
-                                format!("the devices' close panicked: {panic}"),
-                            )])
-                        },
-                        |_| None,
+                        |closed| closed,
+                        |panic| Err(format!("the devices' close panicked: {panic}")),
+                        |_| Err("the devices' close did not end within its bound".to_owned()),
                     );
                     let _ = inbox.send(SupMsg::GpuClosed { unclosed });
                 },
