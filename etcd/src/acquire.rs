@@ -19,12 +19,12 @@ use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
 use parking_lot::Mutex;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 
-use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{Confirmed, MarkerState, Raw, place_key, request_key};
 use super::queue::{Look, Ticket};
 use super::session::{Claim, Held, Session};
 pub(super) use super::txn::{Grant, gets, held_in, revision_of, slot_keys, txn_shape};
+use crate::inner::Inner;
 use leasehold::{AcquireRequest, SlotToken};
 
 /// What the first transaction found or did.

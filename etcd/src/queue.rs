@@ -36,13 +36,13 @@ use futures_util::future::join_all;
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep};
 
-use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{Confirmed, Layout, Marker, MarkerState, Raw, Waiter, oldest_waiters, raws};
 use super::release::{CHAIN_MAX, merge};
 use super::session::Session;
 use super::txn::{Grant, gets, held_in, revision_of, slot_keys, txn_shape};
 use super::watches::{Seen, Watch};
+use crate::inner::Inner;
 
 /// A place in the queue.
 #[derive(Debug, Clone)]

@@ -40,11 +40,11 @@ use std::time::Duration;
 use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 use tokio::time::{Instant, sleep};
 
-use super::Inner;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{MarkerState, Waiter, oldest_waiters, raws};
 use super::session::{Claim, Held, Settling, SettlingRequest};
 use super::txn::{gets, txn_shape};
+use crate::inner::Inner;
 use leasehold::{BrokerError, SlotToken};
 
 /// How a give-back ended.

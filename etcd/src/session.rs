@@ -22,9 +22,9 @@ use tokio::sync::{Notify, watch};
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 
-use super::Inner;
 use super::endpoints::Endpoints;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
+use crate::inner::Inner;
 use leasehold::SlotToken;
 
 /// Whether a session is known alive, and since when.

@@ -14,8 +14,8 @@ use etcd_client::{Event, EventType, WatchFilterType, WatchOptions};
 use tokio::time::sleep;
 use tokio_util::sync::CancellationToken;
 
-use super::Inner;
 use super::watches;
+use crate::inner::Inner;
 
 /// How long the slot watch is kept without users.
 const LINGER: Duration = Duration::from_secs(1);
