@@ -48,13 +48,3 @@ pub use handles::SlotScratch;
 pub use job::JobGpu;
 pub use options::{FencePolicy, GpuOptions, ScratchPolicy};
 pub(crate) use pool::{FenceFailure, GpuPool, Placement};
-
-/// A device whose close (`GpuPool::close_within`) could not be proven within its bound: its
-/// remaining work had not completed, or the backend panicked while waiting or destroying it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Unclosed {
-    /// The device's index.
-    pub(crate) device: usize,
-    /// Why, for logs and reports.
-    pub(crate) reason: String,
-}

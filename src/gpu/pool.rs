@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::Unclosed;
 use super::contain::{BackendCall, Guard};
 use super::device::{Current, Doomed, Generation, GpuDevice};
 use super::error::GpuError;
@@ -15,6 +14,16 @@ use super::handles::JobHandles;
 use super::job::{JobGpu, JobGpuInner};
 use super::options::{FencePolicy, GpuOptions, ScratchPolicy};
 use crate::gpu_info::{GpuDeviceInfo, GpuDeviceState};
+
+/// A device whose close (`GpuPool::close_within`) could not be proven within its bound: its
+/// remaining work had not completed, or the backend panicked while waiting or destroying it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Unclosed {
+    /// The device's index.
+    pub(crate) device: usize,
+    /// Why, for logs and reports.
+    pub(crate) reason: String,
+}
 
 /// How a lease's GPU fence ended badly.
 pub(crate) enum FenceFailure {

@@ -9,12 +9,12 @@ use ractor::Actor;
 
 use super::actor::{BrokerPort, Config, SupArgs, SupervisorActor};
 use super::core::CoreConfig;
+use super::handle::{Parts, Supervisor};
 use super::inbox::Inbox;
 use super::messages::SupMsg;
 use super::reports::LastReport;
 use super::stats::SharedStats;
 use super::table::LeaseTable;
-use super::{Parts, Supervisor};
 use crate::broker::{BrokerEvents, DynBroker, LocalBroker, SlotBroker};
 use crate::error::StartError;
 use crate::hosts::Hosts;

@@ -16,8 +16,8 @@ use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPo
 use rustc_hash::FxHashMap;
 use tokio::sync::oneshot;
 
-use super::Supervisor;
 use super::core::{Ask, Want};
+use super::handle::Supervisor;
 use crate::broker::SlotToken;
 use crate::error::{AcquireError, CleanupError, SupervisorStopped, codes};
 use crate::lease::LeaseCell;
@@ -184,19 +184,19 @@ pub(crate) struct Desk;
 pub(crate) struct DeskState {
     /// Weak: the desk never keeps the supervisor alive (a held lease does, as an explicit
     /// lease would).
-    sup: Weak<crate::supervisor::Inner>,
+    sup: Weak<crate::supervisor::handle::Inner>,
     held: HeldTable,
 }
 
 impl Actor for Desk {
     type Msg = LeaseMsg;
     type State = DeskState;
-    type Arguments = Weak<crate::supervisor::Inner>;
+    type Arguments = Weak<crate::supervisor::handle::Inner>;
 
     async fn pre_start(
         &self,
         _myself: ActorRef<LeaseMsg>,
-        sup: Weak<crate::supervisor::Inner>,
+        sup: Weak<crate::supervisor::handle::Inner>,
     ) -> Result<DeskState, ActorProcessingErr> {
         Ok(DeskState {
             sup,

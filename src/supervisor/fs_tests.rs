@@ -13,7 +13,7 @@ use futures_util::future::BoxFuture;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
-use super::Supervisor;
+use super::handle::Supervisor;
 use super::table::{LeaseInfo, LeasePhase, WaitingFor};
 use crate::error::JobError;
 use crate::hosts::{Hosts, TempDirHost};

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use super::Submitted;
 use super::core::Withdrawal;
+use super::handle::Submitted;
 use crate::error::{AcquireError, JobError};
 use crate::sink::Sink;
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use futures_util::future::BoxFuture;
 use tokio::sync::oneshot;
 
-use super::Supervisor;
+use super::handle::Supervisor;
 use crate::hosts::{Hosts, SpawnHost};
 use crate::job::JobSpec;
 

@@ -226,7 +226,7 @@ impl WorkerContext {
     /// [`PathRefused`] (code `JOB_PATH_REFUSED`) for an absolute path, a `..` component, or a
     /// symlink that leads out of the temp dir.
     pub fn path(&self, relative: impl AsRef<Path>) -> Result<PathBuf, PathRefused> {
-        crate::worker::confine(self.temp_dir(), relative.as_ref())
+        crate::paths::confine(self.temp_dir(), relative.as_ref())
     }
 
     /// Starts a child process as the leader of its own process group, in the job's temp dir,

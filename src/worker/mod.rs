@@ -10,7 +10,6 @@ mod actor;
 mod context;
 mod shared;
 
-pub(crate) use crate::paths::confine;
 pub(crate) use actor::{BoxedBody, WorkerActor, WorkerArgs};
 pub use context::WorkerContext;
 

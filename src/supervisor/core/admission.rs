@@ -15,11 +15,24 @@ use std::collections::VecDeque;
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::Core;
-use super::protocol::{Ask, ControlId, Effect, Reply, RequestId, WaiterId, WaitingEntry, Want};
+use super::protocol::{
+    Ask, ControlId, Effect, LeaseKey, Reply, RequestId, WaiterId, WaitingEntry, Want,
+};
 use super::record::{Holder, LeaseRecord, Renewal};
+use super::shrink::{shrink_deque, shrink_map, shrink_set};
 use crate::broker::{BrokerError, SlotToken};
 use crate::error::{AcquireError, ResizeError};
 use crate::job::{PRIORITY_AGING_GRANTS, Priority};
+
+/// The capacity rule, the one place it is written: the supervisor grants up to the broker's
+/// capacity (the pool's size), capped by the GPU sub-slots when it owns GPU devices; `None` when
+/// neither says. At start and after every resize.
+pub(crate) fn capacity(broker: Option<u32>, gpu_slots: Option<u32>) -> Option<u32> {
+    match (broker, gpu_slots) {
+        (Some(b), Some(g)) => Some(b.min(g)),
+        (b, g) => b.or(g),
+    }
+}
 
 /// A queued waiter in 8 bytes: its id shifted left once, what it wants in the low bit (waiter
 /// ids come from a counter and never reach 2^63). The flood keeps 100 000 of these in a
@@ -210,10 +223,10 @@ impl WaitQueue {
 
     fn shrink(&mut self) {
         for class in &mut self.classes {
-            super::shrink_deque(class);
+            shrink_deque(class);
         }
-        super::shrink_set(&mut self.live);
-        super::shrink_map(&mut self.multi);
+        shrink_set(&mut self.live);
+        shrink_map(&mut self.multi);
     }
 }
 
@@ -360,8 +373,8 @@ impl Admission {
 
     pub(super) fn shrink(&mut self) {
         self.queue.shrink();
-        super::shrink_set(&mut self.acquiring);
-        super::shrink_map(&mut self.bound);
+        shrink_set(&mut self.acquiring);
+        shrink_map(&mut self.bound);
     }
 }
 
@@ -531,7 +544,7 @@ impl Core {
             Err(ResizeError::Unsupported)
         } else {
             a.pool = Some(slots);
-            let capacity = super::capacity(Some(slots), a.gpu_cap).unwrap_or(slots);
+            let capacity = capacity(Some(slots), a.gpu_cap).unwrap_or(slots);
             a.capacity = Some(capacity as usize);
             a.strip_retired();
             self.fx.push(Effect::ResizePool { slots });
@@ -747,7 +760,7 @@ impl Core {
     }
 
     /// A grant nobody took (its caller left): not counted, and its tokens go back in hand.
-    pub(super) fn undelivered(&mut self, key: super::LeaseKey) {
+    pub(super) fn undelivered(&mut self, key: LeaseKey) {
         // Only a grant being handed over (not a surplus token, not a lease already releasing).
         let fits = self
             .book

@@ -7,6 +7,7 @@ use rustc_hash::FxHashMap;
 
 use super::protocol::LeaseKey;
 use super::record::{Holder, LeaseRecord, Phase};
+use super::shrink::shrink_map;
 use crate::broker::SlotToken;
 
 /// Slot counts over every record, kept in step by [`Book`].
@@ -230,9 +231,9 @@ impl Book {
 
     /// Gives back the memory a flood left behind (amortised O(1)).
     pub(crate) fn shrink(&mut self) {
-        super::shrink_map(&mut self.records);
-        super::shrink_map(&mut self.by_slot);
-        super::shrink_map(&mut self.by_lease_id);
+        shrink_map(&mut self.records);
+        shrink_map(&mut self.by_slot);
+        shrink_map(&mut self.by_lease_id);
     }
 }
 

@@ -42,6 +42,7 @@ mod pipeline;
 pub(crate) mod protocol;
 mod quarantine;
 pub(crate) mod record;
+mod shrink;
 mod shutdown;
 
 use std::collections::VecDeque;
@@ -54,7 +55,10 @@ pub(crate) use self::protocol::{
 pub(crate) use self::record::{Holder, LeaseRecord, Phase, Proof, Proofs};
 
 use self::admission::Admission;
+pub(crate) use self::admission::capacity;
 use self::book::Book;
+use self::shrink::shrink_deque;
+pub(crate) use self::shrink::shrink_map;
 use self::shutdown::Ending;
 
 /// Monotonic counters, in slots: every slot granted (a k-slot lease counts k) and every broker
@@ -110,16 +114,6 @@ pub(crate) struct CoreConfig {
     pub(crate) gpu_slots: Option<u32>,
     /// The broker renews leases (start a renewal per grant).
     pub(crate) renews: bool,
-}
-
-/// The capacity rule, the one place it is written: the supervisor grants up to the broker's
-/// capacity (the pool's size), capped by the GPU sub-slots when it owns GPU devices; `None` when
-/// neither says. At start and after every resize.
-pub(crate) fn capacity(broker: Option<u32>, gpu_slots: Option<u32>) -> Option<u32> {
-    match (broker, gpu_slots) {
-        (Some(b), Some(g)) => Some(b.min(g)),
-        (b, g) => b.or(g),
-    }
 }
 
 /// The core: admission, the lease book, shutdown, the counters and the effects.
@@ -347,35 +341,6 @@ impl Core {
     #[cfg(test)]
     pub(crate) fn counters(&self) -> Counters {
         self.counters
-    }
-}
-
-/// Map capacity kept however empty a map gets.
-const SHRINK_FLOOR: usize = 64;
-
-/// Gives back most of a map's capacity once it is at most a quarter full.
-pub(crate) fn shrink_map<K: Eq + std::hash::Hash, V, S: std::hash::BuildHasher>(
-    map: &mut std::collections::HashMap<K, V, S>,
-) {
-    let cap = map.capacity();
-    if cap > SHRINK_FLOOR && map.len() <= cap / 4 {
-        map.shrink_to((map.len() * 2).max(SHRINK_FLOOR));
-    }
-}
-
-fn shrink_set<K: Eq + std::hash::Hash, S: std::hash::BuildHasher>(
-    set: &mut std::collections::HashSet<K, S>,
-) {
-    let cap = set.capacity();
-    if cap > SHRINK_FLOOR && set.len() <= cap / 4 {
-        set.shrink_to((set.len() * 2).max(SHRINK_FLOOR));
-    }
-}
-
-fn shrink_deque<T>(deque: &mut VecDeque<T>) {
-    let cap = deque.capacity();
-    if cap > SHRINK_FLOOR && deque.len() <= cap / 4 {
-        deque.shrink_to((deque.len() * 2).max(SHRINK_FLOOR));
     }
 }
 
