@@ -41,7 +41,7 @@ use super::layout::{Confirmed, Layout, Marker, MarkerState, Raw, Waiter, oldest_
 use super::release::{CHAIN_MAX, merge};
 use super::session::Session;
 use super::txn::{Grant, gets, held_in, revision_of, slot_keys, txn_shape};
-use super::watches::{Seen, Watch};
+use super::watches::{Seen, Watch, event_kind};
 use crate::inner::Inner;
 
 /// A place in the queue.
@@ -661,7 +661,8 @@ impl Inner {
                                 if kv.key() != self.layout.request_key(ticket.rk).as_bytes() {
                                     continue; // not this watch's key: etcd routes by watch id
                                 }
-                                if event.event_type() == EventType::Put {
+                                // A kind it does not know is read again, like a deletion.
+                                if event_kind(event) == Some(EventType::Put) {
                                     // Checked like any read: decided by `decide` (its own
                                     // session's, or refused).
                                     let marker = self.layout.marker(kv)?;

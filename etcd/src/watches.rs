@@ -27,7 +27,9 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use etcd_client::{Event, WatchOptions, WatchRequestSender, WatchResponse, WatchResponseStream};
+use etcd_client::{
+    Event, EventType, WatchOptions, WatchRequestSender, WatchResponse, WatchResponseStream,
+};
 use futures_util::future::BoxFuture;
 use parking_lot::Mutex;
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -36,6 +38,16 @@ use tokio::time::{Instant, sleep};
 
 use super::endpoints::Endpoints;
 use super::error::{EtcdError, EtcdErrorKind, Fail};
+
+/// A watch event's kind as etcd sent it, `None` for a kind this broker does not know (a newer
+/// server's, or a damaged response): `Event::event_type` would panic on one.
+pub(crate) fn event_kind(event: &Event) -> Option<EventType> {
+    match event.0.r#type {
+        0 => Some(EventType::Put),
+        1 => Some(EventType::Delete),
+        _ => None,
+    }
+}
 
 /// What a [`Watch`] receives.
 #[derive(Debug)]
