@@ -10,7 +10,7 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Plan, TestBroker};
+use common::{Plan, TestBroker, supervise};
 use leasehold::{
     AcquireError, BodyErrorKind, BrokerError, BrokerErrorKind, CancellationToken, CleanupError,
     CleanupErrorKind, InvalidJob, JobError, JobSpec, Lease, LeaseReleased, PrepareError,
@@ -19,14 +19,6 @@ use leasehold::{
 use tokio::sync::oneshot;
 
 type Res<T> = Result<T, JobError<io::Error>>;
-
-async fn start(broker: &TestBroker) -> Supervisor {
-    Supervisor::builder()
-        .broker(broker.clone())
-        .start()
-        .await
-        .unwrap()
-}
 
 async fn ok_job(sup: &Supervisor, id: &str) -> Res<()> {
     sup.run(JobSpec::new(id).unwrap(), |_ctx| async {
@@ -103,7 +95,7 @@ async fn every_code_of_the_contract_table_is_produced_with_its_exact_string_and_
 
     // Ordinary supervisor: body outcomes, pre-cancelled job, shutdown.
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let pre = CancellationToken::new();
     pre.cancel();
     let err = sup
@@ -178,14 +170,14 @@ async fn every_code_of_the_contract_table_is_produced_with_its_exact_string_and_
     // Acquire failure.
     let broker = TestBroker::new(1);
     broker.on_acquire(|_| Plan::Fail);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     seen.push(shape(&ok_job(&sup, "refused").await.unwrap_err()));
     broker.assert_quiescent(sup.stats());
 
     // Cleanup failure, alone and with a body failure.
     let broker = TestBroker::new(1);
     broker.on_release(|_| Plan::Fail);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     seen.push(shape(&ok_job(&sup, "cleanup").await.unwrap_err()));
     let err = sup
         .run(JobSpec::new("both").unwrap(), |_ctx| async {
@@ -239,7 +231,7 @@ async fn every_code_of_the_contract_table_is_produced_with_its_exact_string_and_
 #[tokio::test]
 async fn the_body_error_code_matches_the_job_code_when_only_the_body_failed() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let err = sup
         .run(JobSpec::new("fails").unwrap(), |_ctx| async {
             Err::<(), _>(io::Error::other("x"))
@@ -258,7 +250,7 @@ async fn the_body_error_code_matches_the_job_code_when_only_the_body_failed() {
 #[tokio::test]
 async fn delivery_unknown_from_the_body_wins_over_cancellation_and_a_body_error() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let err = run_cancelled_by_caller(&sup, "upload", |ctx| async move {
         ctx.mark_delivery_unknown("upload ack lost");
         ctx.mark_delivery_unknown("second reason is not kept");
@@ -278,7 +270,7 @@ async fn delivery_unknown_from_the_body_wins_over_cancellation_and_a_body_error(
 #[tokio::test]
 async fn delivery_unknown_from_a_sibling_task_wins_over_an_ok_body() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let err = sup
         .run(JobSpec::new("sibling").unwrap(), |ctx| async move {
             let sibling = ctx.clone();
@@ -305,7 +297,7 @@ async fn delivery_unknown_from_a_sibling_task_wins_over_an_ok_body() {
 async fn delivery_unknown_from_a_sibling_that_finishes_after_the_body_still_wins() {
     for cancel in [false, true] {
         let broker = TestBroker::new(1);
-        let sup = start(&broker).await;
+        let sup = supervise(&broker).await;
         let token = CancellationToken::new();
         let (returned_tx, returned_rx) = oneshot::channel();
         let (gate_tx, gate_rx) = oneshot::channel::<()>();
@@ -351,7 +343,7 @@ async fn delivery_unknown_from_a_sibling_that_finishes_after_the_body_still_wins
 #[tokio::test]
 async fn cancellation_wins_over_a_body_error_and_the_body_error_is_kept() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let err = run_cancelled_by_caller(&sup, "cancelled", |_ctx| async {
         Err::<(), _>(io::Error::other("render failed"))
     })
@@ -368,7 +360,7 @@ async fn cancellation_wins_over_a_body_error_and_the_body_error_is_kept() {
 #[tokio::test]
 async fn cancellation_wins_over_a_panic_of_the_body_and_the_panic_is_kept() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let err = run_cancelled_by_caller(&sup, "panics", |_ctx| async {
         if true {
             panic!("panicked while cancelling");
@@ -388,7 +380,7 @@ async fn cancellation_wins_over_a_panic_of_the_body_and_the_panic_is_kept() {
 #[tokio::test]
 async fn cancellation_wins_over_a_panic_of_a_sibling_task() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let err = run_cancelled_by_caller(&sup, "sibling-panics", |ctx| async move {
         let h = ctx.spawn(async {
             if true {
@@ -414,7 +406,7 @@ async fn cancellation_wins_over_a_panic_of_a_sibling_task() {
 #[tokio::test(start_paused = true)]
 async fn a_sibling_panic_with_an_ok_body_ends_lease_body_panicked_with_its_message() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let (returned_tx, returned_rx) = oneshot::channel();
     let (gate_tx, gate_rx) = oneshot::channel::<()>();
     let job = {
@@ -449,7 +441,7 @@ async fn a_sibling_panic_with_an_ok_body_ends_lease_body_panicked_with_its_messa
 #[tokio::test]
 async fn a_panicking_blocking_closure_is_recorded_like_a_sibling_panic() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let err = sup
         .run(JobSpec::new("blocking").unwrap(), |ctx| async move {
             let h = ctx.spawn_blocking(|| {
@@ -475,7 +467,7 @@ async fn a_panicking_blocking_closure_is_recorded_like_a_sibling_panic() {
 #[tokio::test]
 async fn a_sibling_panic_and_a_body_error_keep_both_and_report_the_panic() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let err = sup
         .run(JobSpec::new("both").unwrap(), |ctx| async move {
             let h = ctx.spawn(async {
@@ -499,7 +491,7 @@ async fn a_sibling_panic_and_a_body_error_keep_both_and_report_the_panic() {
 #[tokio::test]
 async fn a_body_that_completes_ok_despite_a_cancellation_request_returns_ok() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let v = run_cancelled_by_caller(&sup, "finishes-anyway", |ctx| async move {
         assert!(ctx.is_cancelled());
         Ok::<_, io::Error>(7)
@@ -515,7 +507,7 @@ async fn a_body_that_completes_ok_despite_a_cancellation_request_returns_ok() {
 async fn both_body_and_cleanup_failures_are_kept_for_every_body_kind() {
     let broker = TestBroker::new(1);
     broker.on_release(|_| Plan::Fail);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
 
     let failed = sup
         .run(JobSpec::new("failed").unwrap(), |_ctx| async {
@@ -629,7 +621,7 @@ struct Produced {
 
 async fn produce() -> Produced {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let body_failed = sup
         .run(JobSpec::new("f").unwrap(), |_ctx| async {
             Err::<(), _>(io::Error::other("disk full"))
@@ -670,7 +662,7 @@ async fn produce() -> Produced {
 
     let broker = TestBroker::new(1);
     broker.on_release(|_| Plan::Fail);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let cleanup_failed = ok_job(&sup, "cf").await.unwrap_err();
     let both = sup
         .run(JobSpec::new("b").unwrap(), |_ctx| async {

@@ -8,34 +8,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use common::{EventLog, Plan, TestBroker, sink_channel};
+use common::{EventLog, Plan, TestBroker, sink_channel, supervise, until};
 use leasehold::{
     AcquireError, AcquireRequest, BrokerError, BrokerErrorKind, CancellationToken,
     CleanupErrorKind, JobSpec, SlotBroker, SlotToken, StartError, Supervisor,
 };
 use parking_lot::Mutex;
 use tokio::sync::{Notify, oneshot};
-
-async fn start(broker: &TestBroker) -> Supervisor {
-    Supervisor::builder()
-        .broker(broker.clone())
-        .start()
-        .await
-        .unwrap()
-}
-
-/// Yields until `cond` holds. The real-time bound only turns a hang into a failure; it never
-/// decides an outcome.
-async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !cond() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
-        );
-        tokio::task::yield_now().await;
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Builder rules
@@ -218,7 +197,7 @@ async fn a_user_work_root_is_created_if_missing_and_kept_after_shutdown() {
 #[tokio::test(start_paused = true)]
 async fn shutdown_refuses_waiters_cancels_and_awaits_jobs_and_releases_held_leases() {
     let broker = TestBroker::new(2);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let mut lease = sup.acquire().await.unwrap();
     let lease_token = lease.token().unwrap();
 
@@ -243,7 +222,7 @@ async fn shutdown_refuses_waiters_cancels_and_awaits_jobs_and_releases_held_leas
         let sup = sup.clone();
         tokio::spawn(async move { sup.acquire().await })
     };
-    wait_until("the third caller waits", || sup.stats().waiting == 1).await;
+    until("the third caller waits", || sup.stats().waiting == 1).await;
 
     let shutting = {
         let sup = sup.clone();
@@ -320,7 +299,7 @@ async fn shutdown_refuses_waiters_cancels_and_awaits_jobs_and_releases_held_leas
 #[tokio::test(start_paused = true)]
 async fn a_lease_released_by_shutdown_can_still_be_released_by_its_holder_during_the_drain() {
     let broker = TestBroker::new(2);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let mut lease = sup.acquire().await.unwrap();
     let (started_tx, started_rx) = oneshot::channel();
     let gate = Arc::new(Notify::new());
@@ -359,7 +338,7 @@ async fn a_lease_released_by_shutdown_can_still_be_released_by_its_holder_during
 #[tokio::test]
 async fn dropping_the_last_handle_shuts_the_supervisor_down() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let root = sup.work_root().to_path_buf();
     assert_eq!(
         Arc::strong_count(&broker.0),
@@ -367,7 +346,7 @@ async fn dropping_the_last_handle_shuts_the_supervisor_down() {
         "the supervisor holds a clone"
     );
     drop(sup);
-    wait_until("the supervisor has stopped", || {
+    until("the supervisor has stopped", || {
         !root.exists() && Arc::strong_count(&broker.0) == 1
     })
     .await;
@@ -378,7 +357,7 @@ async fn dropping_the_last_handle_shuts_the_supervisor_down() {
 #[tokio::test(start_paused = true)]
 async fn a_lease_keeps_the_supervisor_alive_until_it_is_dropped() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let root = sup.work_root().to_path_buf();
     let lease = sup.acquire().await.unwrap();
     drop(sup);
@@ -390,7 +369,7 @@ async fn a_lease_keeps_the_supervisor_alive_until_it_is_dropped() {
     assert_eq!(broker.release_calls(), 0);
 
     drop(lease);
-    wait_until("the supervisor has stopped", || {
+    until("the supervisor has stopped", || {
         !root.exists() && Arc::strong_count(&broker.0) == 1
     })
     .await;
@@ -415,7 +394,7 @@ fn runtime_gone_answers_every_call(multi_thread: bool) {
     };
     let first = build();
     let broker = TestBroker::new(1);
-    let sup = first.block_on(start(&broker));
+    let sup = first.block_on(supervise(&broker));
     // Prove it worked on its own runtime.
     first
         .block_on(sup.run(JobSpec::new("before").unwrap(), |_ctx| async {
@@ -529,7 +508,7 @@ async fn acquire_timeout_ends_both_acquire_and_run_with_lease_acquire_timeout_an
 #[tokio::test]
 async fn a_job_cancelled_before_run_acquires_nothing_and_ends_lease_acquire_cancelled() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let token = CancellationToken::new();
     token.cancel();
     let ran = Arc::new(AtomicBool::new(false));
@@ -556,7 +535,7 @@ async fn a_job_cancelled_before_run_acquires_nothing_and_ends_lease_acquire_canc
 #[tokio::test]
 async fn cancelling_a_waiting_job_with_its_token_ends_it_lease_acquire_cancelled_without_leaking() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let mut holder = sup.acquire().await.unwrap();
     let token = CancellationToken::new();
     let ran = Arc::new(AtomicBool::new(false));
@@ -573,7 +552,7 @@ async fn cancelling_a_waiting_job_with_its_token_ends_it_lease_acquire_cancelled
             .await
         })
     };
-    wait_until("the job waits", || sup.stats().waiting == 1).await;
+    until("the job waits", || sup.stats().waiting == 1).await;
     token.cancel();
     let err = job.await.unwrap().unwrap_err();
     assert_eq!(err.code(), "LEASE_ACQUIRE_CANCELLED");
@@ -593,7 +572,7 @@ async fn cancelling_a_waiting_job_with_its_token_ends_it_lease_acquire_cancelled
 #[tokio::test]
 async fn a_grant_racing_with_a_cancellation_goes_to_the_next_waiter_not_the_cancelled_one() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let mut holder = sup.acquire().await.unwrap();
     let token_a = CancellationToken::new();
     let a_ran = Arc::new(AtomicBool::new(false));
@@ -610,7 +589,7 @@ async fn a_grant_racing_with_a_cancellation_goes_to_the_next_waiter_not_the_canc
             .await
         })
     };
-    wait_until("A waits", || sup.stats().waiting == 1).await;
+    until("A waits", || sup.stats().waiting == 1).await;
     let b = {
         let sup = sup.clone();
         tokio::spawn(async move {
@@ -620,7 +599,7 @@ async fn a_grant_racing_with_a_cancellation_goes_to_the_next_waiter_not_the_canc
             .await
         })
     };
-    wait_until("A and B wait", || sup.stats().waiting == 2).await;
+    until("A and B wait", || sup.stats().waiting == 2).await;
 
     token_a.cancel();
     token_a.cancel();
@@ -649,7 +628,7 @@ async fn a_grant_racing_with_a_cancellation_goes_to_the_next_waiter_not_the_canc
 #[tokio::test]
 async fn waiters_behind_a_held_slot_are_granted_in_fifo_order() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let mut holder = sup.acquire().await.unwrap();
     let log = EventLog::default();
     let mut tasks = Vec::new();
@@ -669,7 +648,7 @@ async fn waiters_behind_a_held_slot_are_granted_in_fifo_order() {
                 lease.release().await.unwrap();
             }
         }));
-        wait_until("the waiter is queued", || sup.stats().waiting == i + 1).await;
+        until("the waiter is queued", || sup.stats().waiting == i + 1).await;
     }
     assert!(log.events().is_empty());
     holder.release().await.unwrap();
@@ -940,7 +919,7 @@ async fn the_next_waiter_is_granted_before_the_released_jobs_caller_hears() {
             lease
         })
     };
-    wait_until("b waits", || sup.stats().waiting == 1).await;
+    until("b waits", || sup.stats().waiting == 1).await;
 
     a_go_tx.send(()).unwrap();
     a.await.unwrap().unwrap();

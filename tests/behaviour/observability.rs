@@ -11,9 +11,8 @@ use crate::common;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
 
-use common::{Plan, TestBroker};
+use common::{Plan, TestBroker, until};
 use leasehold::{JobSpec, OrphanedFailure, Supervisor, metric_names};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use parking_lot::Mutex;
@@ -23,18 +22,6 @@ use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Instrument, Level, Subscriber};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
-
-/// Yields until `cond` holds. The real-time bound only turns a hang into a failure.
-async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !cond() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
-        );
-        tokio::task::yield_now().await;
-    }
-}
 
 fn current_thread_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -134,7 +121,7 @@ fn every_metric_name_of_the_contract_is_emitted_with_plausible_values() {
                     .await
                 })
             };
-            wait_until("the job waits", || sup.stats().waiting == 1).await;
+            until("the job waits", || sup.stats().waiting == 1).await;
             let mid = seen.take(&snapshotter);
             holder.release().await.unwrap();
             waiter.await.unwrap().unwrap();

@@ -5,21 +5,13 @@ use crate::common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use common::{Plan, TestBroker};
-use leasehold::{JobSpec, Supervisor};
-
-async fn start(broker: &TestBroker) -> Supervisor {
-    Supervisor::builder()
-        .broker(broker.clone())
-        .start()
-        .await
-        .unwrap()
-}
+use common::{Plan, TestBroker, supervise};
+use leasehold::JobSpec;
 
 #[tokio::test]
 async fn normal_completion_releases_the_slot_once() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let v = sup
         .run(JobSpec::new("ok").unwrap(), |ctx| async move {
             Ok::<_, std::io::Error>(ctx.slot_id() + 7)
@@ -34,7 +26,7 @@ async fn normal_completion_releases_the_slot_once() {
 #[tokio::test]
 async fn body_failure_still_releases_the_slot_once() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let err = sup
         .run(JobSpec::new("fails").unwrap(), |_ctx| async move {
             Err::<(), _>(std::io::Error::other("render failed"))
@@ -54,7 +46,7 @@ async fn body_failure_still_releases_the_slot_once() {
 #[tokio::test]
 async fn sequential_double_release_calls_the_broker_once() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let mut lease = sup.acquire().await.unwrap();
     lease.release().await.unwrap();
     lease.release().await.unwrap();
@@ -71,7 +63,7 @@ async fn sequential_double_release_calls_the_broker_once() {
 async fn release_failure_reaches_the_caller() {
     let broker = TestBroker::new(1);
     broker.on_release(|_| Plan::Fail);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
 
     let mut lease = sup.acquire().await.unwrap();
     let err = lease.release().await.unwrap_err();
@@ -105,7 +97,7 @@ async fn release_failure_reaches_the_caller() {
 async fn acquire_failure_releases_nothing_and_runs_no_body() {
     let broker = TestBroker::new(1);
     broker.on_acquire(|_| Plan::Fail);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let ran = Arc::new(AtomicBool::new(false));
     let ran2 = Arc::clone(&ran);
     let err = sup
@@ -128,7 +120,7 @@ async fn acquire_failure_releases_nothing_and_runs_no_body() {
 #[tokio::test]
 async fn use_after_release_is_refused() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let mut lease = sup.acquire().await.unwrap();
     assert_eq!(lease.slot_id().unwrap(), 0);
     assert!(lease.token().is_ok());
@@ -142,7 +134,7 @@ async fn use_after_release_is_refused() {
 #[tokio::test]
 async fn dropping_a_lease_releases_it_without_blocking() {
     let broker = TestBroker::new(1);
-    let sup = start(&broker).await;
+    let sup = supervise(&broker).await;
     let lease = sup.acquire().await.unwrap();
     let released = broker.0.released.notified();
     drop(lease);

@@ -396,15 +396,26 @@ pub async fn supervisor_whose_releases_fail() -> (
     (sup, failures)
 }
 
-/// Polls `cond` between yields to the runtime (the supervisor answers in its own turns).
+/// Polls `cond` between yields to the runtime (the supervisor answers in its own turns). The
+/// real-time bound only turns a hang into a failure; it never decides an outcome.
 pub async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    for _ in 0..200_000 {
-        if cond() {
-            return;
-        }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never happened: {what}"
+        );
         tokio::task::yield_now().await;
     }
-    panic!("never happened: {what}");
+}
+
+/// A supervisor on `broker`, everything else by default.
+pub async fn supervise(broker: &TestBroker) -> leasehold::Supervisor {
+    leasehold::Supervisor::builder()
+        .broker(broker.clone())
+        .start()
+        .await
+        .unwrap()
 }
 
 /// A supervisor on the in-process pool of `slots`, with a work root of its own.
