@@ -31,11 +31,11 @@ use tracing::Span;
 
 use super::core::{
     Answer, ControlId, Core, CoreConfig, Effect, Holder, Input, LeaseKey, Proof, QuarantineEntry,
-    RecheckFor, Rechecked, Reply, WaiterId, Want,
+    RecheckFor, Rechecked, Reply, StopTally, WaiterId, Want,
 };
 use super::inbox::{Inbox, Ring};
 use super::messages::{Control, PendingJob, RunOutcome, SupMsg, WaiterKind};
-use super::reports::{LastReport, QuarantinedSlot, ReclaimReport, UnclosedDevice, WaiterInfo};
+use super::reports::{EndDrop, LastReport, QuarantinedSlot, ReclaimReport, WaiterInfo};
 use super::stats::SharedStats;
 use super::table::LeaseTable;
 use crate::broker::{BrokerEvent, SlotToken};
@@ -53,10 +53,10 @@ mod rooms;
 
 pub(crate) use brokerage::BrokerPort;
 use brokerage::Brokerage;
+use ending::EndState;
 use jobs::JobStart;
 use rooms::{
-    Answers, BatchClock, ControlReply, EndState, Explicit, Grant, Kept, Outgoing, Publisher, Since,
-    Waiter,
+    Answers, BatchClock, ControlReply, Explicit, Grant, Kept, Outgoing, Publisher, Since, Waiter,
 };
 
 /// Settings fixed at start.
@@ -147,12 +147,18 @@ impl Actor for SupervisorActor {
         if let Some(threshold) = args.config.held_warning {
             spawn_held_ticker(Arc::clone(&args.inbox), threshold);
         }
+        let brokerage = Brokerage::new(
+            args.broker,
+            args.origin,
+            Arc::clone(&args.inbox),
+            args.config.cleanup_timeout,
+        );
         Ok(Shell {
             core: Core::new(args.core),
             inbox: args.inbox,
             myself,
             config: args.config,
-            brokerage: Brokerage::new(args.broker, args.origin),
+            brokerage,
             kept: Kept::default(),
             answers: Answers::default(),
             publisher: Publisher::new(args.stats, args.table),
@@ -345,7 +351,7 @@ impl Shell {
                 Input::Shutdown
             }
             SupMsg::Acquired { request, result } => {
-                self.brokerage.acquires.remove(&request);
+                self.brokerage.acquire_ended(request);
                 Input::Acquired { request, result }
             }
             SupMsg::Released {
@@ -389,21 +395,11 @@ impl Shell {
                 }
             },
             SupMsg::GpuClosed { unclosed } => {
-                let unclosed = match unclosed {
-                    Ok(devices) => devices
-                        .into_iter()
-                        .map(|(device, reason)| UnclosedDevice::new(Some(device), reason))
-                        .collect(),
-                    Err(reason) => vec![UnclosedDevice::new(None, reason)],
-                };
-                for device in unclosed {
-                    tracing::error!(device = ?device.device, reason = %device.reason, "gpu device not proven idle at shutdown");
-                    self.end.unclosed.push(device);
-                }
+                self.end.gpu_closed(unclosed);
                 Input::GpuClosed
             }
             SupMsg::BrokerClosed { failed } => {
-                self.end.broker_close_failed = failed;
+                self.end.broker_closed(failed);
                 Input::BrokerClosed
             }
         };
@@ -462,7 +458,20 @@ impl Shell {
             Effect::Acquire {
                 request,
                 for_waiter,
-            } => self.broker_acquire(request, for_waiter),
+            } => {
+                let kept = &self.kept;
+                let job_id = || {
+                    for_waiter
+                        .and_then(|w| kept.waiters.get(&w))
+                        .and_then(|w| match &w.kind {
+                            WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
+                            WaiterKind::Lease { .. } => None,
+                        })
+                };
+                if let Some(result) = self.brokerage.acquire(request, job_id) {
+                    self.core.apply(Input::Acquired { request, result });
+                }
+            }
             Effect::AbortAcquire { request } => self.brokerage.abort_acquire(request),
             Effect::Deliver {
                 waiter,
@@ -476,7 +485,7 @@ impl Shell {
                     pool.resize(slots);
                 }
             }
-            Effect::StartRenewal { key, token } => self.start_renewal(key, token),
+            Effect::StartRenewal { key, token } => self.brokerage.start_renewal(key, token),
             Effect::StopRenewal { key } => self.brokerage.stop_renewal(key),
             Effect::Cancel { key, holder, lost } => self.cancel(key, holder, lost),
             Effect::LostAfterExit { key, reason } => {
@@ -492,7 +501,15 @@ impl Shell {
                 }
             }
             Effect::RemoveTempDir { key, dir } => self.remove_temp_dir(key, dir),
-            Effect::Release { key, token } => self.broker_release(key, token),
+            Effect::Release { key, token } => {
+                let clock = &mut self.batch_clock;
+                if let Some(result) = self.brokerage.release(key, token, || clock.now()) {
+                    // Answered inline, within this turn: no time passed that the batch clock
+                    // could see.
+                    self.record_release(Duration::ZERO, &result);
+                    self.core.apply(Input::Released { key, result });
+                }
+            }
             Effect::Answer { key, answer } => self.answer(key, answer),
             Effect::Sink { key, error } => {
                 let job_id = self.kept.jobs.get(&key).map(|j| j.job_id.to_string());
@@ -505,9 +522,21 @@ impl Shell {
                 purpose,
             } => self.recheck(checks, leases, purpose),
             Effect::Reply { control, reply } => self.reply(control, reply),
-            Effect::ArmShutdownTimers => self.arm_shutdown_timers(),
-            Effect::CloseGpu => self.close_gpu(),
-            Effect::CloseBroker => self.close_broker(),
+            Effect::ArmShutdownTimers => ending::arm_shutdown_timers(
+                &self.inbox,
+                self.config.cancel_grace,
+                self.config.shutdown_timeout,
+            ),
+            Effect::CloseGpu => {
+                if !ending::close_gpu(&self.config, &self.inbox) {
+                    self.core.apply(Input::GpuClosed);
+                }
+            }
+            Effect::CloseBroker => {
+                if !self.brokerage.close() {
+                    self.core.apply(Input::BrokerClosed);
+                }
+            }
             Effect::Stopped {
                 tally,
                 quarantine,
@@ -727,6 +756,57 @@ impl Shell {
     }
 
     /// The quarantined slots, as users see them.
+    /// The core has stopped: every caller hears, then the shutdown's callers get the report,
+    /// and the actor stops.
+    fn stopped(
+        &mut self,
+        tally: StopTally,
+        quarantine: Vec<QuarantineEntry>,
+        keep_work_root: bool,
+    ) {
+        // The jobs' and leases' callers hear before the shutdown's caller does.
+        self.publish();
+        self.send_answers();
+        let unproven = self.describe(quarantine);
+        let stats = self.publisher.stats.snapshot();
+        let report = self.end.report(tally, unproven, keep_work_root, stats);
+        for reply in self.answers.shutdown_replies.drain(..) {
+            let _ = reply.send(report.clone());
+        }
+        self.inbox.close();
+        self.myself.stop(None);
+    }
+
+    /// Drops everything the actor still holds: queued mail, waiters, renewals, broker acquires,
+    /// the broker. Idempotent. What leasehold did not write (the broker, the closures of jobs
+    /// that never ran) and the work root's removal are dropped off the actor's task (see
+    /// `EndDrops`): the actor's end never waits for them.
+    fn stop_everything(&mut self) {
+        // Answers of an unfinished turn still reach their callers.
+        self.send_answers();
+        let mut drops: Vec<EndDrop> = Vec::new();
+        let queued = self.inbox.close_taking();
+        if !queued.is_empty() {
+            drops.push(("the jobs still in the inbox", ending::each(queued)));
+        }
+        self.brokerage.abort_all();
+        // Waiters still queued hear SUPERVISOR_STOPPED when their reply senders drop (with
+        // their jobs' closures, off this task).
+        if !self.kept.waiters.is_empty() {
+            let waiters = self.kept.waiters.drain().map(|(_, w)| w);
+            drops.push(("the jobs still queued", ending::each(waiters)));
+        }
+        if let Some(broker) = self.brokerage.take_foreign() {
+            drops.push(("the broker", ending::each([broker])));
+        }
+        self.answers.controls.clear();
+        // Nobody keeps the table up to date any more: what it still shows is what stays held,
+        // the quarantined slots.
+        self.publisher.table.retain_quarantined();
+        let core = &mut self.core;
+        self.end.dispose(drops, || core.abandon().keep_work_root);
+    }
+
     fn describe(&self, entries: Vec<QuarantineEntry>) -> Vec<QuarantinedSlot> {
         entries
             .into_iter()

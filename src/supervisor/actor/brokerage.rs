@@ -5,17 +5,18 @@
 //! included, are inputs to the core, which decides what follows.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap;
 use tokio::task::AbortHandle;
 
-use super::{Shell, shrink};
+use super::shrink;
 use crate::broker::{AcquireRequest, BrokerError, DynBroker, LocalBroker, SlotToken};
 use crate::error::CleanupError;
 use crate::outside::{self, First, Outcome};
-use crate::supervisor::core::{Input, LeaseKey, RequestId, WaiterId};
-use crate::supervisor::messages::{SupMsg, WaiterKind};
+use crate::supervisor::core::{Input, LeaseKey, RequestId};
+use crate::supervisor::inbox::Inbox;
+use crate::supervisor::messages::SupMsg;
 
 /// Where tokens come from. The in-process broker is called directly (no boxed future, no
 /// poll); any other broker through its object-safe face.
@@ -42,76 +43,57 @@ impl BrokerPort {
 }
 
 /// The broker and the calls into it that are still running: acquires the core may withdraw,
-/// renewals it may stop.
+/// renewals it may stop. A call the broker answers in its first poll answers here, for the shell
+/// to apply as an input; any other reports back through the inbox.
 pub(super) struct Brokerage {
     pub(super) port: BrokerPort,
     /// Random per supervisor (see `AcquireRequest::origin`).
-    pub(super) origin: u64,
-    pub(super) acquires: FxHashMap<RequestId, AbortHandle>,
-    pub(super) renewals: FxHashMap<LeaseKey, AbortHandle>,
+    origin: u64,
+    /// Where calls finished in a task of their own report.
+    inbox: Arc<Inbox>,
+    /// A release's bound (the supervisor's cleanup timeout).
+    release_timeout: Duration,
+    acquires: FxHashMap<RequestId, AbortHandle>,
+    renewals: FxHashMap<LeaseKey, AbortHandle>,
 }
 
 impl Brokerage {
-    pub(super) fn new(port: BrokerPort, origin: u64) -> Self {
+    pub(super) fn new(
+        port: BrokerPort,
+        origin: u64,
+        inbox: Arc<Inbox>,
+        release_timeout: Duration,
+    ) -> Self {
         Self {
             port,
             origin,
+            inbox,
+            release_timeout,
             acquires: FxHashMap::default(),
             renewals: FxHashMap::default(),
         }
     }
 
-    /// Stops a broker acquire the core no longer wants.
-    pub(super) fn abort_acquire(&mut self, request: RequestId) {
-        if let Some(task) = self.acquires.remove(&request) {
-            task.abort();
-        }
-    }
-
-    /// Stops a lease's renewal.
-    pub(super) fn stop_renewal(&mut self, key: LeaseKey) {
-        if let Some(task) = self.renewals.remove(&key) {
-            task.abort();
-        }
-    }
-
-    /// Stops every call still running (the supervisor is gone).
-    pub(super) fn abort_all(&mut self) {
-        for (_, task) in self.renewals.drain() {
-            task.abort();
-        }
-        for (_, task) in self.acquires.drain() {
-            task.abort();
-        }
-    }
-
-    pub(super) fn shrink(&mut self) {
-        shrink(&mut self.acquires);
-        shrink(&mut self.renewals);
-    }
-}
-
-impl Shell {
-    pub(super) fn broker_acquire(&mut self, request: RequestId, for_waiter: Option<WaiterId>) {
-        let result = match &self.brokerage.port {
+    /// Asks the broker for a token for `request` (for the job `job_id`, when a job waits for
+    /// it). The answer, when the broker gave it in its first poll; otherwise it comes as
+    /// `SupMsg::Acquired`.
+    pub(super) fn acquire(
+        &mut self,
+        request: RequestId,
+        job_id: impl FnOnce() -> Option<Arc<str>>,
+    ) -> Option<Result<SlotToken, BrokerError>> {
+        match &self.port {
             // Answers at once (the core asks only while a slot is free).
-            BrokerPort::Local(local) => local.take(),
+            BrokerPort::Local(local) => Some(local.take()),
             BrokerPort::Dyn(broker) => {
-                let job_id = for_waiter
-                    .and_then(|w| self.kept.waiters.get(&w))
-                    .and_then(|w| match &w.kind {
-                        WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
-                        WaiterKind::Lease { .. } => None,
-                    });
-                let req =
-                    AcquireRequest::for_job(request.0, job_id).with_origin(self.brokerage.origin);
+                let req = AcquireRequest::for_job(request.0, job_id()).with_origin(self.origin);
                 let make = || Arc::clone(broker).acquire_boxed(req);
                 match outside::first_poll(make) {
-                    First::Ended(outcome) => acquired(outcome),
+                    First::Ended(outcome) => Some(acquired(outcome)),
                     First::Pending(fut) => {
                         let inbox = Arc::clone(&self.inbox);
                         let broker = Arc::clone(broker);
-                        let timeout = self.config.cleanup_timeout;
+                        let timeout = self.release_timeout;
                         // Unbounded: a broker may queue for as long as the caller waits (the
                         // caller's own timeout or cancellation withdraws it, and the core
                         // aborts this call then).
@@ -126,19 +108,30 @@ impl Shell {
                                 release_orphan(broker, token, timeout);
                             }
                         });
-                        self.brokerage.acquires.insert(request, task);
-                        return;
+                        self.acquires.insert(request, task);
+                        None
                     }
                 }
             }
-        };
-        self.core.apply(Input::Acquired { request, result });
+        }
+    }
+
+    /// An acquire that finished in its own task has reported.
+    pub(super) fn acquire_ended(&mut self, request: RequestId) {
+        self.acquires.remove(&request);
+    }
+
+    /// Stops a broker acquire the core no longer wants.
+    pub(super) fn abort_acquire(&mut self, request: RequestId) {
+        if let Some(task) = self.acquires.remove(&request) {
+            task.abort();
+        }
     }
 
     /// Keeps the lease alive while it is held, when the broker needs that. The renewal ends
     /// only when the lease is lost (or the core stops it); a panic in it is a lost lease.
     pub(super) fn start_renewal(&mut self, key: LeaseKey, token: SlotToken) {
-        let broker = self.brokerage.port.as_dyn();
+        let broker = self.port.as_dyn();
         let inbox = Arc::clone(&self.inbox);
         let task = outside::spawn(
             move || broker.keep_alive_boxed(token),
@@ -156,22 +149,38 @@ impl Shell {
                 let _ = inbox.send(SupMsg::Input(Input::LeaseLost { key, reason }));
             },
         );
-        self.brokerage.renewals.insert(key, task);
+        self.renewals.insert(key, task);
     }
 
-    /// Releases `token` under the cleanup timeout, which is the supervisor's own: no caller's
-    /// cancellation reaches it.
-    pub(super) fn broker_release(&mut self, key: LeaseKey, token: SlotToken) {
-        let result = match &self.brokerage.port {
-            BrokerPort::Local(local) => local
-                .give(token)
-                .map_err(|e| CleanupError::broker(token, e)),
+    /// Stops a lease's renewal.
+    pub(super) fn stop_renewal(&mut self, key: LeaseKey) {
+        if let Some(task) = self.renewals.remove(&key) {
+            task.abort();
+        }
+    }
+
+    /// Releases `token` under the release timeout, which is the supervisor's own: no caller's
+    /// cancellation reaches it. The answer, when the broker gave it in its first poll;
+    /// otherwise it comes as `SupMsg::Released`, with the time it started (`started`, read only
+    /// then).
+    pub(super) fn release(
+        &mut self,
+        key: LeaseKey,
+        token: SlotToken,
+        started: impl FnOnce() -> Instant,
+    ) -> Option<Result<(), CleanupError>> {
+        match &self.port {
+            BrokerPort::Local(local) => Some(
+                local
+                    .give(token)
+                    .map_err(|e| CleanupError::broker(token, e)),
+            ),
             BrokerPort::Dyn(broker) => {
-                let timeout = self.config.cleanup_timeout;
+                let timeout = self.release_timeout;
                 match outside::first_poll(|| Arc::clone(broker).release_boxed(token)) {
-                    First::Ended(outcome) => released(token, timeout, outcome),
+                    First::Ended(outcome) => Some(released(token, timeout, outcome)),
                     First::Pending(fut) => {
-                        let started = self.now();
+                        let started = started();
                         let inbox = Arc::clone(&self.inbox);
                         let _ = outside::finish(fut, Some(timeout), move |outcome| {
                             let result = released(token, timeout, outcome);
@@ -181,14 +190,72 @@ impl Shell {
                                 started,
                             });
                         });
-                        return;
+                        None
                     }
                 }
             }
+        }
+    }
+
+    /// Closes the broker under the release timeout, off the mailbox, the outcome reported as
+    /// `SupMsg::BrokerClosed`. A failure, a timeout or a panic is logged, goes to the
+    /// shutdown's report, and the shutdown goes on. `false` for the in-process pool, which has
+    /// nothing to close (the shell applies `Input::BrokerClosed` itself).
+    pub(super) fn close(&self) -> bool {
+        let BrokerPort::Dyn(broker) = &self.port else {
+            return false;
         };
-        // Answered inline, within this turn: no time passed that the batch clock could see.
-        self.record_release(Duration::ZERO, &result);
-        self.core.apply(Input::Released { key, result });
+        let broker = Arc::clone(broker);
+        let (bound, inbox) = (self.release_timeout, Arc::clone(&self.inbox));
+        let _ = outside::spawn(
+            move || broker.close_boxed(),
+            Some(bound),
+            move |outcome| {
+                let failed = outcome.fold(
+                    Result::err,
+                    |panic| {
+                        Some(BrokerError::panicked(format!(
+                            "the broker's close panicked: {panic}"
+                        )))
+                    },
+                    |bound| {
+                        Some(BrokerError::timeout(format!(
+                            "the broker's close did not end within {bound:?}"
+                        )))
+                    },
+                );
+                if let Some(error) = &failed {
+                    tracing::error!(%error, "the broker's close at shutdown failed; what it held is left to its expiry");
+                }
+                let _ = inbox.send(SupMsg::BrokerClosed { failed });
+            },
+        );
+        true
+    }
+
+    /// The broker leasehold did not write, taken out to be dropped off the actor's task (the
+    /// supervisor has stopped: the port is never called again).
+    pub(super) fn take_foreign(&mut self) -> Option<BrokerPort> {
+        if let BrokerPort::Local(_) = &self.port {
+            return None;
+        }
+        let local = BrokerPort::Local(Arc::new(LocalBroker::new(0)));
+        Some(std::mem::replace(&mut self.port, local))
+    }
+
+    /// Stops every call still running (the supervisor is gone).
+    pub(super) fn abort_all(&mut self) {
+        for (_, task) in self.renewals.drain() {
+            task.abort();
+        }
+        for (_, task) in self.acquires.drain() {
+            task.abort();
+        }
+    }
+
+    pub(super) fn shrink(&mut self) {
+        shrink(&mut self.acquires);
+        shrink(&mut self.renewals);
     }
 }
 

@@ -16,9 +16,7 @@ use crate::lease::{Lease, LeaseCell, ReleaseReply};
 use crate::process::Evidence;
 use crate::supervisor::core::{ControlId, Core, LeaseKey, ProcessKey, WaiterId};
 use crate::supervisor::messages::{RunOutcome, WaiterKind};
-use crate::supervisor::reports::{
-    LastReport, QuarantinedSlot, ReclaimReport, ShutdownReport, UnclosedDevice, WaiterInfo,
-};
+use crate::supervisor::reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, WaiterInfo};
 use crate::supervisor::stats::{Metrics, Published, SharedStats};
 use crate::supervisor::table::{Extra, LeaseTable};
 
@@ -218,31 +216,6 @@ impl BatchClock {
             self.fresh = fresh;
         }
         self.now = None;
-    }
-}
-
-/// What the end of the supervisor reports and keeps.
-pub(super) struct EndState {
-    /// GPU devices the shutdown could not prove idle.
-    pub(super) unclosed: Vec<UnclosedDevice>,
-    /// Why the broker's close at shutdown failed, timed out or panicked.
-    pub(super) broker_close_failed: Option<crate::broker::BrokerError>,
-    pub(super) owned_root: Option<tempfile::TempDir>,
-    /// Whether the owned work root is kept, as the core said when it stopped.
-    pub(super) keep_root: Option<bool>,
-    /// Where the shutdown's report is kept for a later `shutdown()` call.
-    pub(super) last_report: Arc<LastReport>,
-}
-
-impl EndState {
-    pub(super) fn new(owned_root: Option<tempfile::TempDir>, last_report: Arc<LastReport>) -> Self {
-        Self {
-            unclosed: Vec::new(),
-            broker_close_failed: None,
-            owned_root,
-            keep_root: None,
-            last_report,
-        }
     }
 }
 
