@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::contain::{BackendCall, BackendHook};
+use super::contain::BackendHook;
 
 type AdapterFilter = Arc<dyn Fn(&wgpu::AdapterInfo) -> bool + Send + Sync>;
 
@@ -263,7 +263,7 @@ impl GpuOptions {
     #[doc(hidden)]
     pub fn backend_hook(
         mut self,
-        hook: impl Fn(BackendCall, usize, Option<usize>) + Send + Sync + 'static,
+        hook: impl Fn(super::contain::BackendCall, usize, Option<usize>) + Send + Sync + 'static,
     ) -> Self {
         self.backend_hook = Some(Arc::new(hook));
         self

@@ -19,14 +19,12 @@
 //! dropped at the end).
 
 use std::mem;
-use std::path::PathBuf;
 use std::sync::Arc;
 #[cfg(test)]
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
-use rustc_hash::FxHashMap;
 use tracing::Span;
 
 use super::core::{
@@ -40,38 +38,24 @@ use super::stats::SharedStats;
 use super::table::LeaseTable;
 use crate::broker::{BrokerEvent, SlotToken};
 use crate::error::{AcquireError, CleanupError};
-use crate::hosts::Hosts;
 use crate::lease::{Lease, LeaseCell, ReleaseReply};
 use crate::outside;
-use crate::process::ProcessPolicy;
-use crate::sink::Sink;
 
 mod brokerage;
+mod config;
 mod ending;
 mod jobs;
 mod rooms;
 
 pub(crate) use brokerage::BrokerPort;
 use brokerage::Brokerage;
+pub(crate) use config::Config;
 use ending::EndState;
-use jobs::JobStart;
+use jobs::{JobStart, Jobs};
 use rooms::{
-    Answers, BatchClock, ControlReply, Explicit, Grant, Kept, Outgoing, Publisher, Since, Waiter,
+    Answers, BATCH_KEEP, BatchClock, ControlReply, Explicit, Grant, Kept, Outgoing, Publisher,
+    Since, Waiter,
 };
-
-/// Settings fixed at start.
-pub(crate) struct Config {
-    pub(crate) cleanup_timeout: Duration,
-    pub(crate) cancel_grace: Duration,
-    pub(crate) drain_timeout: Option<Duration>,
-    pub(crate) shutdown_timeout: Duration,
-    pub(crate) work_root: Arc<PathBuf>,
-    pub(crate) sink: Sink,
-    pub(crate) process_policy: ProcessPolicy,
-    pub(crate) hosts: Hosts,
-    /// Warn once about a lease held at least this long.
-    pub(crate) held_warning: Option<Duration>,
-}
 
 pub(crate) struct SupervisorActor;
 
@@ -100,8 +84,10 @@ pub(crate) struct Shell {
     config: Arc<Config>,
     /// Calls into the broker and what runs of them (see [`brokerage`]).
     brokerage: Brokerage,
-    /// What only the shell can hold for waiters and leases.
+    /// What only the shell can hold for waiters and explicit leases.
     kept: Kept,
+    /// The running jobs: their workers, their ends, their temp dirs' removals.
+    jobs: Jobs,
     /// The turn's answers, held until their effects show.
     answers: Answers,
     /// The lease table, `Stats`, the gauges and the counters, brought up to date before any
@@ -123,9 +109,6 @@ const SHRINK_AFTER: usize = 64;
 /// At most this many drains of the inbox per doorbell; then the actor rings itself, so that
 /// supervision events (worker ends) get their turn under a sustained load.
 const DRAINS_PER_RING: usize = 4;
-
-/// The most message slots the batch vector keeps between drains.
-const BATCH_KEEP: usize = 64;
 
 impl Actor for SupervisorActor {
     type Msg = Ring;
@@ -153,6 +136,11 @@ impl Actor for SupervisorActor {
             Arc::clone(&args.inbox),
             args.config.cleanup_timeout,
         );
+        let jobs = Jobs::new(
+            Arc::clone(&args.inbox),
+            Arc::clone(&args.config),
+            myself.get_cell(),
+        );
         Ok(Shell {
             core: Core::new(args.core),
             inbox: args.inbox,
@@ -160,6 +148,7 @@ impl Actor for SupervisorActor {
             config: args.config,
             brokerage,
             kept: Kept::default(),
+            jobs,
             answers: Answers::default(),
             publisher: Publisher::new(args.stats, args.table),
             batch_clock: BatchClock::new(),
@@ -285,12 +274,13 @@ impl Shell {
         }
         // Memory a flood left behind goes back once it has drained (nothing waits, nothing is
         // held): checked then, not after every batch.
-        let load = self.kept.load();
+        let load = self.kept.load() + self.jobs.running.len();
         self.peak = self.peak.max(load);
         if load == 0 && self.peak > SHRINK_AFTER {
             self.peak = 0;
             self.core.shrink_idle();
             self.kept.shrink();
+            self.jobs.shrink();
             self.brokerage.shrink();
             self.answers.shrink();
             self.publisher.shrink();
@@ -305,7 +295,8 @@ impl Shell {
     /// a caller who has just been answered reads all of them with its effect included
     /// (invariant 11).
     fn publish(&mut self) {
-        self.publisher.publish(&mut self.core, &self.kept);
+        self.publisher
+            .publish(&mut self.core, &self.kept, &self.jobs);
     }
 
     fn on_message(&mut self, msg: SupMsg) {
@@ -333,9 +324,17 @@ impl Shell {
                 self.report_held_too_long();
                 return;
             }
-            SupMsg::Joined { key } => return self.worker_joined(key),
-            SupMsg::RemovalRang { key } => return self.poll_removal(key),
-            SupMsg::WorkerSpawned { key, result } => return self.worker_spawned(key, result),
+            SupMsg::Joined { key } => match self.jobs.worker_joined(key) {
+                Some(input) => input,
+                None => return,
+            },
+            SupMsg::RemovalRang { key } => match self.jobs.poll_removal(key) {
+                Some(input) => input,
+                None => return,
+            },
+            SupMsg::WorkerSpawned { key, result } => {
+                return self.jobs.worker_spawned(key, result);
+            }
             SupMsg::Withdraw { waiter, why } => Input::Withdraw { waiter, why },
             SupMsg::Release { key, reply } => {
                 if let Some(reply) = reply {
@@ -422,8 +421,8 @@ impl Shell {
                     .collect();
                 waiters.sort_unstable();
                 let mut leases: Vec<LeaseKey> = self
-                    .kept
                     .jobs
+                    .running
                     .iter()
                     .filter(|(_, job)| *job.job_id == *job_id)
                     .map(|(key, _)| *key)
@@ -491,16 +490,24 @@ impl Shell {
             Effect::LostAfterExit { key, reason } => {
                 tracing::warn!(%key, %reason, "lease lost after its worker ended; the slot is still held here until its release");
             }
-            Effect::RecreateDevice { device } => self.recreate_device(device),
+            Effect::RecreateDevice { device } => {
+                if let Some(input) = jobs::recreate_device(&self.config, device) {
+                    self.core.apply(input);
+                }
+            }
             Effect::AbortTasks { key } => {
-                if let Some(job) = self.kept.jobs.get(&key) {
+                if let Some(job) = self.jobs.running.get(&key) {
                     let n = job.shared.abort_tasks();
                     if n > 0 {
                         tracing::warn!(job_id = %job.job_id, tasks = n, "shutdown aborted tracked tasks still running");
                     }
                 }
             }
-            Effect::RemoveTempDir { key, dir } => self.remove_temp_dir(key, dir),
+            Effect::RemoveTempDir { key, dir } => {
+                if let Some(input) = self.jobs.remove_temp_dir(key, dir) {
+                    self.core.apply(input);
+                }
+            }
             Effect::Release { key, token } => {
                 let clock = &mut self.batch_clock;
                 if let Some(result) = self.brokerage.release(key, token, || clock.now()) {
@@ -512,7 +519,7 @@ impl Shell {
             }
             Effect::Answer { key, answer } => self.answer(key, answer),
             Effect::Sink { key, error } => {
-                let job_id = self.kept.jobs.get(&key).map(|j| j.job_id.to_string());
+                let job_id = self.jobs.running.get(&key).map(|j| j.job_id.to_string());
                 self.sink(job_id, error);
             }
             Effect::Forget { key } => self.forget(key),
@@ -601,12 +608,13 @@ impl Shell {
                     return self.core.apply(Input::Undelivered { key });
                 }
                 self.record_grant(job.span.get(), since, token, 1 + more.len());
-                self.start_job(JobStart {
+                let started = self.jobs.start(JobStart {
                     key,
                     token,
                     more,
                     job,
                 });
+                self.core.apply(started);
             }
         }
     }
@@ -630,7 +638,7 @@ impl Shell {
     fn cancel(&mut self, key: LeaseKey, holder: Holder, lost: Option<String>) {
         match holder {
             Holder::Job => {
-                if let Some(job) = self.kept.jobs.get(&key) {
+                if let Some(job) = self.jobs.running.get(&key) {
                     if let Some(reason) = lost {
                         tracing::error!(job_id = %job.job_id, %reason, "lease lost: it could not be kept alive");
                         job.shared.mark_lease_lost(reason);
@@ -657,7 +665,7 @@ impl Shell {
                 unprepared,
                 cleanup,
             } => {
-                let Some(job) = self.kept.jobs.get_mut(&key) else {
+                let Some(job) = self.jobs.running.get_mut(&key) else {
                     return;
                 };
                 let job_id = Arc::clone(&job.job_id);
@@ -812,7 +820,7 @@ impl Shell {
             .into_iter()
             .map(|e| QuarantinedSlot {
                 token: e.token,
-                job_id: self.kept.jobs.get(&e.key).map(|j| j.job_id.to_string()),
+                job_id: self.jobs.running.get(&e.key).map(|j| j.job_id.to_string()),
                 reason: e.reason,
             })
             .collect()
@@ -886,7 +894,7 @@ impl Shell {
     }
 
     fn forget(&mut self, key: LeaseKey) {
-        if let Some(job) = self.kept.jobs.remove(&key) {
+        if let Some(job) = self.jobs.running.remove(&key) {
             #[cfg(feature = "gpu")]
             if let (Some(gpu), Some(p)) = (&self.config.hosts.gpu, job.placement) {
                 // Every proof is in (the fence among them): the sub-slot may serve again.
@@ -1014,10 +1022,6 @@ fn spawn_held_ticker(inbox: Arc<Inbox>, threshold: Duration) {
             }
         }
     });
-}
-
-fn shrink<K: Eq + std::hash::Hash, V>(map: &mut FxHashMap<K, V>) {
-    super::core::shrink_map(map);
 }
 
 /// Inputs the core refused, ever (the simulation test demands none).

@@ -183,6 +183,43 @@ fn every_room_of_the_shell_names_what_it_imports() {
     );
 }
 
+/// Each room of the supervisor's shell owns its state and its methods: none opens an `impl` of
+/// the shell or imports from `actor.rs` above it (the shell applies what a room hands back), so
+/// `actor.rs` is only the message-to-input and effect dispatch (ARCHITECTURE.md).
+#[test]
+fn no_room_of_the_shell_reaches_back_into_the_shell() {
+    let mut files = Vec::new();
+    rust_files(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("src/supervisor/actor"),
+        &mut files,
+    );
+    assert!(files.len() >= 4, "{files:?}");
+    let found: Vec<String> = files
+        .iter()
+        .flat_map(|file| {
+            code_lines(file)
+                .into_iter()
+                .filter(|(_, code)| {
+                    let code = code.trim();
+                    code.starts_with("impl Shell")
+                        || code.contains("super::Shell")
+                        || code.contains("super::{") && code.contains("Shell")
+                        || code.starts_with("use super::")
+                            && !code.starts_with("use super::super")
+                            && !["config", "jobs", "brokerage", "ending", "rooms"]
+                                .iter()
+                                .any(|room| code.starts_with(&format!("use super::{room}")))
+                })
+                .map(move |(n, code)| format!("{}:{n}: {}", file.display(), code.trim()))
+        })
+        .collect();
+    assert!(
+        found.is_empty(),
+        "a room reaches back into the shell (own the state, hand back an input):\n{}",
+        found.join("\n")
+    );
+}
+
 /// The body of the first `fn name(` in a file, braces matched (comments dropped).
 fn body_of(file: &str, name: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(file);

@@ -10,11 +10,10 @@ use std::time::{Duration, Instant};
 use rustc_hash::FxHashMap;
 use tokio::task::AbortHandle;
 
-use super::shrink;
 use crate::broker::{AcquireRequest, BrokerError, DynBroker, LocalBroker, SlotToken};
 use crate::error::CleanupError;
 use crate::outside::{self, First, Outcome};
-use crate::supervisor::core::{Input, LeaseKey, RequestId};
+use crate::supervisor::core::{Input, LeaseKey, RequestId, shrink_map as shrink};
 use crate::supervisor::inbox::Inbox;
 use crate::supervisor::messages::SupMsg;
 

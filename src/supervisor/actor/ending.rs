@@ -5,7 +5,7 @@ use std::mem;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::Config;
+use super::config::Config;
 #[cfg(feature = "gpu")]
 use crate::outside;
 use crate::supervisor::core::{Input, StopTally};

@@ -11,15 +11,16 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use ractor::Actor;
+use ractor::{Actor, ActorCell};
+use rustc_hash::FxHashMap;
 use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 
-use super::Shell;
+use super::config::Config;
 use crate::broker::SlotToken;
 use crate::error::PrepareError;
 use crate::paths::TempDir;
-use crate::supervisor::core::{Input, LeaseKey, Proof, Proofs};
+use crate::supervisor::core::{Input, LeaseKey, Proof, Proofs, shrink_map as shrink};
 use crate::supervisor::inbox::Inbox;
 use crate::supervisor::messages::{PendingJob, RunOutcome, SupMsg};
 use crate::supervisor::reporter::Reporter;
@@ -117,8 +118,33 @@ impl Wake for Bell {
     }
 }
 
-impl Shell {
-    pub(super) fn start_job(&mut self, start: JobStart) {
+/// The running jobs, as the shell keeps them: their workers' starts and ends and their temp
+/// dirs' removals. What the core must hear comes back as an input, for the shell to apply.
+pub(super) struct Jobs {
+    pub(super) running: FxHashMap<LeaseKey, JobRt>,
+    inbox: Arc<Inbox>,
+    config: Arc<Config>,
+    /// The supervisor actor: every worker is linked under it.
+    supervisor: ActorCell,
+}
+
+impl Jobs {
+    pub(super) fn new(inbox: Arc<Inbox>, config: Arc<Config>, supervisor: ActorCell) -> Self {
+        Self {
+            running: FxHashMap::default(),
+            inbox,
+            config,
+            supervisor,
+        }
+    }
+
+    pub(super) fn shrink(&mut self) {
+        shrink(&mut self.running);
+    }
+
+    /// Starts a job granted its slots: `Input::Started`, or `Input::NotStarted` when no GPU
+    /// sub-slot is free for it.
+    pub(super) fn start(&mut self, start: JobStart) -> Input {
         let JobStart {
             key,
             token,
@@ -168,7 +194,7 @@ impl Shell {
             gpu: placement,
         });
         let waker = Bell::waker(&self.inbox, key, Rings::Join);
-        self.kept.jobs.insert(
+        self.running.insert(
             key,
             JobRt {
                 job_id,
@@ -194,7 +220,7 @@ impl Shell {
             None,
             WorkerActor,
             args,
-            self.myself.get_cell(),
+            self.supervisor.clone(),
         ));
         match (&mut spawn).now_or_never() {
             Some(spawned) => {
@@ -214,7 +240,7 @@ impl Shell {
         let device = placement.map(|p| p.device);
         #[cfg(not(feature = "gpu"))]
         let device = None;
-        self.core.apply(Input::Started { key, device });
+        Input::Started { key, device }
     }
 
     /// The worker's spawn ended: its join handle is kept and polled once (which registers the
@@ -238,7 +264,7 @@ impl Shell {
                 return;
             }
         };
-        let Some(end) = self.kept.jobs.get_mut(&key).and_then(|j| j.end.as_mut()) else {
+        let Some(end) = self.running.get_mut(&key).and_then(|j| j.end.as_mut()) else {
             return;
         };
         end.join = Join::Running(join);
@@ -252,20 +278,13 @@ impl Shell {
     /// proven here. With nothing left to wait for (no tracked task still running, no GPU
     /// work to fence), the job's end is one input to the core in this turn; otherwise the rest
     /// is awaited by a [`Driver`] task, which reports.
-    pub(super) fn worker_joined(&mut self, key: LeaseKey) {
-        let Some(job) = self.kept.jobs.get_mut(&key) else {
-            return;
-        };
-        let Some(end) = job.end.as_mut() else {
-            return;
-        };
-        if !end.poll_join() {
+    pub(super) fn worker_joined(&mut self, key: LeaseKey) -> Option<Input> {
+        let job = self.running.get_mut(&key)?;
+        if !job.end.as_mut()?.poll_join() {
             // Not spawned yet, or a wake that was not the end.
-            return;
+            return None;
         }
-        let Some(WorkerEnd { tracker, .. }) = job.end.take() else {
-            return;
-        };
+        let WorkerEnd { tracker, .. } = job.end.take()?;
         tracker.close();
         #[cfg(feature = "gpu")]
         let gpu = self.config.hosts.gpu.clone().zip(job.placement);
@@ -273,7 +292,7 @@ impl Shell {
         let gpu: Option<()> = None;
         if tracker.is_empty() && gpu.is_none() {
             job.shared.close();
-            return self.core.apply(Input::Ended {
+            return Some(Input::Ended {
                 key,
                 proofs: Proofs::JOINED.with(Proofs::TASKS),
                 dir: job.shared.temp_dir(),
@@ -292,19 +311,20 @@ impl Shell {
         };
         crate::counters::task();
         tokio::spawn(crate::counters::polled(driver.finish()));
+        None
     }
 
     /// A job that could not start: the core takes its slots back, then its caller hears why.
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
-    pub(super) fn not_started(
+    fn not_started(
         &mut self,
         key: LeaseKey,
         job_id: Arc<str>,
         shared: Arc<JobShared>,
         reply: oneshot::Sender<RunOutcome>,
         why: PrepareError,
-    ) {
-        self.kept.jobs.insert(
+    ) -> Input {
+        self.running.insert(
             key,
             JobRt {
                 job_id,
@@ -316,28 +336,12 @@ impl Shell {
                 removal: None,
             },
         );
-        self.core.apply(Input::NotStarted { key, why });
+        Input::NotStarted { key, why }
     }
 
-    #[cfg_attr(not(feature = "gpu"), allow(unused_variables))]
-    pub(super) fn recreate_device(&mut self, device: usize) {
-        #[cfg(feature = "gpu")]
-        if let Some(gpu) = &self.config.hosts.gpu {
-            if gpu.settled(device) {
-                // Replaced (or given up) before the loss reached the core.
-                let generation = gpu.generation(device);
-                self.core
-                    .apply(Input::DeviceReplaced { device, generation });
-            } else {
-                gpu.recreate(device);
-            }
-        }
-    }
-
-    pub(super) fn remove_temp_dir(&mut self, key: LeaseKey, dir: TempDir) {
-        let Some(job) = self.kept.jobs.get_mut(&key) else {
-            return;
-        };
+    /// Starts removing a job's temp dir; its answer, when the first poll has it.
+    pub(super) fn remove_temp_dir(&mut self, key: LeaseKey, dir: TempDir) -> Option<Input> {
+        let job = self.running.get_mut(&key)?;
         // Started exactly when the core says. The host's removal runs off every runtime
         // thread; what the turn polls is only its answer and the bound's timer.
         job.removal = Some(Removal {
@@ -352,25 +356,41 @@ impl Shell {
             )),
             waker: Bell::waker(&self.inbox, key, Rings::Removal),
         });
-        self.poll_removal(key);
+        self.poll_removal(key)
     }
 
     /// Polls a temp dir's removal (its bell rang, or it has just started); its answer, once
     /// there, is the core's input.
-    pub(super) fn poll_removal(&mut self, key: LeaseKey) {
-        let Some(job) = self.kept.jobs.get_mut(&key) else {
-            return;
-        };
-        let Some(removal) = job.removal.as_mut() else {
-            return;
-        };
+    pub(super) fn poll_removal(&mut self, key: LeaseKey) -> Option<Input> {
+        let job = self.running.get_mut(&key)?;
+        let removal = job.removal.as_mut()?;
         let mut cx = Context::from_waker(&removal.waker);
         let fut = tokio::task::unconstrained(removal.removal.as_mut());
-        if let Poll::Ready(input) = std::pin::pin!(fut).poll(&mut cx) {
-            job.removal = None;
-            self.core.apply(input);
-        }
+        let Poll::Ready(input) = std::pin::pin!(fut).poll(&mut cx) else {
+            return None;
+        };
+        job.removal = None;
+        Some(input)
     }
+}
+
+/// Has a lost GPU device re-created, unless it was replaced (or given up) before the loss reached
+/// the core: then the replacement, for the shell to apply.
+#[cfg(feature = "gpu")]
+pub(super) fn recreate_device(config: &Config, device: usize) -> Option<Input> {
+    let gpu = config.hosts.gpu.as_ref()?;
+    if gpu.settled(device) {
+        let generation = gpu.generation(device);
+        return Some(Input::DeviceReplaced { device, generation });
+    }
+    gpu.recreate(device);
+    None
+}
+
+/// Without the `gpu` feature there are no devices to lose.
+#[cfg(not(feature = "gpu"))]
+pub(super) fn recreate_device(_config: &Config, _device: usize) -> Option<Input> {
+    None
 }
 
 /// Removes a temp dir when the core asks, and answers with the core's input; past `bound` the

@@ -9,16 +9,21 @@ use ractor::ActorId;
 use rustc_hash::FxHashMap;
 use tokio::sync::oneshot;
 
-use super::jobs::JobRt;
-use super::{BATCH_KEEP, shrink};
+use super::jobs::Jobs;
 use crate::error::{AcquireError, CleanupError};
 use crate::lease::{Lease, LeaseCell, ReleaseReply};
 use crate::process::Evidence;
-use crate::supervisor::core::{ControlId, Core, LeaseKey, ProcessKey, WaiterId};
+use crate::supervisor::core::{
+    ControlId, Core, LeaseKey, ProcessKey, WaiterId, shrink_map as shrink,
+};
 use crate::supervisor::messages::{RunOutcome, WaiterKind};
 use crate::supervisor::reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, WaiterInfo};
 use crate::supervisor::stats::{Metrics, Published, SharedStats};
 use crate::supervisor::table::{Extra, LeaseTable};
+
+/// The most slots the turn's vectors (the batch, the answers, the touched rows) keep between
+/// drains.
+pub(super) const BATCH_KEEP: usize = 64;
 
 /// What the shell keeps that the core cannot hold: the callers' reply channels and spans, the
 /// jobs' shared state, the explicit leases' cells, the process evidence to re-check and the
@@ -26,7 +31,6 @@ use crate::supervisor::table::{Extra, LeaseTable};
 #[derive(Default)]
 pub(super) struct Kept {
     pub(super) waiters: FxHashMap<WaiterId, Waiter>,
-    pub(super) jobs: FxHashMap<LeaseKey, JobRt>,
     pub(super) explicit: FxHashMap<LeaseKey, Explicit>,
     pub(super) evidence: FxHashMap<(LeaseKey, ProcessKey), Box<dyn Evidence>>,
     /// Leader pid of each process group a live job started, by process key.
@@ -34,14 +38,13 @@ pub(super) struct Kept {
 }
 
 impl Kept {
-    /// How many callers and leases it holds.
+    /// How many callers and explicit leases it holds.
     pub(super) fn load(&self) -> usize {
-        self.waiters.len() + self.jobs.len() + self.explicit.len()
+        self.waiters.len() + self.explicit.len()
     }
 
     pub(super) fn shrink(&mut self) {
         shrink(&mut self.waiters);
-        shrink(&mut self.jobs);
         shrink(&mut self.explicit);
         shrink(&mut self.evidence);
         shrink(&mut self.pids);
@@ -116,15 +119,15 @@ impl Publisher {
     }
 
     /// Brings the touched rows, the figures, the gauges and the acquire counter up to date.
-    pub(super) fn publish(&mut self, core: &mut Core, kept: &Kept) {
-        self.sync_table(core, kept);
+    pub(super) fn publish(&mut self, core: &mut Core, kept: &Kept, jobs: &Jobs) {
+        self.sync_table(core, kept, jobs);
         let figures = core.figures();
         self.stats.publish(figures, &mut self.published);
         self.metrics.publish(&figures);
     }
 
     /// Brings the rows of the leases the core touched since the last call up to date.
-    fn sync_table(&mut self, core: &mut Core, kept: &Kept) {
+    fn sync_table(&mut self, core: &mut Core, kept: &Kept, jobs: &Jobs) {
         core.take_touched(&mut self.touched);
         if self.touched.is_empty() {
             return;
@@ -133,7 +136,7 @@ impl Publisher {
         for key in touched.drain(..) {
             let lease = core.view(key);
             let extra = Extra {
-                job_id: &|| kept.jobs.get(&key).map(|j| Arc::clone(&j.job_id)),
+                job_id: &|| jobs.running.get(&key).map(|j| Arc::clone(&j.job_id)),
                 holder: &|| kept.explicit.get(&key).and_then(|e| e.holder),
                 pid: &|p| kept.pids.get(&p).copied(),
             };
