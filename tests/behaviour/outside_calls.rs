@@ -851,3 +851,49 @@ async fn a_broker_is_told_the_head_jobs_id_and_its_supervisors_origin_the_same_a
         sup.shutdown().await.unwrap();
     }
 }
+
+/// A broker that says it needs no renewal and counts every `keep_alive` asked of it.
+struct NoRenewals {
+    pool: LocalBroker,
+    keep_alives: AtomicU64,
+}
+
+impl SlotBroker for NoRenewals {
+    async fn acquire(&self, request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+        self.pool.acquire(request).await
+    }
+
+    async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
+        self.pool.release(token).await
+    }
+
+    fn keep_alive(&self, _token: SlotToken) -> impl Future<Output = BrokerError> + Send {
+        self.keep_alives.fetch_add(1, Ordering::SeqCst);
+        std::future::pending()
+    }
+}
+
+/// `SlotBroker::renews` is `false` by default, and then the supervisor never calls
+/// `keep_alive`: not for a job, not for an explicit lease.
+#[tokio::test]
+async fn a_broker_that_needs_no_renewal_is_never_asked_to_keep_a_lease_alive() {
+    let broker = Arc::new(NoRenewals {
+        pool: LocalBroker::new(1),
+        keep_alives: AtomicU64::new(0),
+    });
+    let sup = Supervisor::builder()
+        .broker(Arc::clone(&broker))
+        .start()
+        .await
+        .unwrap();
+    sup.run(JobSpec::new("job").unwrap(), |_ctx| async {
+        Ok::<_, Infallible>(())
+    })
+    .await
+    .unwrap();
+    let mut lease = sup.acquire().await.unwrap();
+    lease.release().await.unwrap();
+    sup.shutdown().await.unwrap();
+    assert_eq!(broker.keep_alives.load(Ordering::SeqCst), 0);
+    assert_eq!(broker.pool.held(), 0);
+}
