@@ -12,11 +12,13 @@
 //! their own; a job's driver task spawns its worker.
 //!
 //! This file is the shell itself: the actor's handlers, each message turned into an input, and
-//! the dispatch of each effect. Its state lives in rooms ([`rooms`]), and the effects that reach
-//! outside live beside it, one concern each: [`brokerage`] (broker acquires, releases and
-//! renewals), [`jobs`] (a worker's start, the driver that reports its physical end, temp dir
-//! removal) and [`ending`] (shutdown's timers, the GPU and broker close, the report, what is
-//! dropped at the end).
+//! the dispatch of each effect to the room that performs it. The rooms own their state and
+//! methods, one concern each, and hand back what the core must hear rather than reach into the
+//! shell: [`brokerage`] (broker acquires, releases, renewals and the close), [`jobs`] (the
+//! running jobs: a worker's start, the driver that reports its physical end, the temp dir's
+//! removal), [`ending`] (shutdown's timers, the GPU close, the report, what is dropped at the
+//! end) and [`rooms`] (reply channels and spans, the turn's answers, the publisher, the batch
+//! clock); [`config`] holds the settings they share.
 
 use std::mem;
 use std::sync::Arc;
