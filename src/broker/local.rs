@@ -200,6 +200,31 @@ mod tests {
     }
 
     #[test]
+    fn a_lowered_pool_never_grants_a_slot_freed_above_its_size_before_the_lowering() {
+        let pool = LocalBroker::new(3);
+        let t: Vec<SlotToken> = (0..3).map(|_| pool.take().unwrap()).collect();
+        pool.give(t[2]).unwrap();
+        pool.give(t[0]).unwrap();
+        pool.resize(2);
+        let granted = pool.take().unwrap();
+        assert_eq!(granted.slot_id(), 0, "slot 2 is retired");
+        assert!(pool.take().is_err(), "slots 0 and 1 are held");
+    }
+
+    #[test]
+    fn a_lowered_pool_refuses_while_its_size_in_slots_is_held_retired_ones_included() {
+        let pool = LocalBroker::new(4);
+        let t: Vec<SlotToken> = (0..4).map(|_| pool.take().unwrap()).collect();
+        pool.give(t[0]).unwrap();
+        pool.resize(2);
+        assert!(pool.take().is_err(), "three held in a pool of two");
+        pool.give(t[3]).unwrap();
+        assert!(pool.take().is_err(), "two held in a pool of two");
+        pool.give(t[2]).unwrap();
+        assert_eq!(pool.take().unwrap().slot_id(), 0);
+    }
+
+    #[test]
     fn a_raised_pool_grants_the_slots_freed_before_in_the_order_they_were_freed_then_the_new_ones()
     {
         let pool = LocalBroker::new(3);
