@@ -77,9 +77,9 @@ impl LocalBroker {
     pub fn resize(&self, slots: u32) {
         let mut state = self.state.lock();
         state.capacity = slots;
-        if state.holder.len() < slots as usize {
-            state.holder.resize(slots as usize, 0);
-        }
+        // Slots are never forgotten: a lowered pool still knows who holds its retired slots.
+        let known = state.holder.len().max(slots as usize);
+        state.holder.resize(known, 0);
         // Free now: the free slots below the new size, in the order they were freed, then those
         // not free before (retired, or new) that nobody holds.
         let LocalState { free, holder, .. } = &mut *state;
