@@ -78,8 +78,8 @@ impl LocalBroker {
         let mut state = self.state.lock();
         state.capacity = slots;
         // Slots are never forgotten: a lowered pool still knows who holds its retired slots.
-        let known = state.holder.len().max(slots as usize);
-        state.holder.resize(known, 0);
+        let table = state.holder.len().max(slots as usize);
+        state.holder.resize(table, 0);
         // Free now: the free slots below the new size, in the order they were freed, then those
         // not free before (retired, or new) that nobody holds.
         let LocalState { free, holder, .. } = &mut *state;
