@@ -225,6 +225,17 @@ mod tests {
     }
 
     #[test]
+    fn a_slot_released_after_its_pool_was_lowered_below_it_is_retired() {
+        let pool = LocalBroker::new(3);
+        let t: Vec<SlotToken> = (0..3).map(|_| pool.take().unwrap()).collect();
+        pool.resize(2);
+        pool.give(t[2]).unwrap();
+        pool.give(t[0]).unwrap();
+        assert_eq!(pool.take().unwrap().slot_id(), 0, "slot 2 is retired");
+        assert!(pool.take().is_err());
+    }
+
+    #[test]
     fn a_raised_pool_grants_the_slots_freed_before_in_the_order_they_were_freed_then_the_new_ones()
     {
         let pool = LocalBroker::new(3);
