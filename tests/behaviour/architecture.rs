@@ -157,25 +157,30 @@ fn every_stable_code_has_its_row_in_the_codes_table() {
     }
 }
 
-/// Each room of the supervisor's shell says what it depends on: no glob import of the shell's
-/// own scope (ARCHITECTURE.md: rooms that own their state, with explicit imports).
-#[test]
-fn every_room_of_the_shell_names_what_it_imports() {
+/// The lines of the shell's rooms (`src/supervisor/actor/`) that `bad` picks, with where.
+fn lines_of_the_shells_rooms(bad: impl Fn(&str) -> bool) -> Vec<String> {
     let mut files = Vec::new();
     rust_files(
         &Path::new(env!("CARGO_MANIFEST_DIR")).join("src/supervisor/actor"),
         &mut files,
     );
     assert!(files.len() >= 4, "{files:?}");
-    let found: Vec<String> = files
+    files
         .iter()
         .flat_map(|file| {
             code_lines(file)
                 .into_iter()
-                .filter(|(_, code)| code.trim().starts_with("use super::*"))
+                .filter(|(_, code)| bad(code.trim()))
                 .map(move |(n, code)| format!("{}:{n}: {}", file.display(), code.trim()))
         })
-        .collect();
+        .collect()
+}
+
+/// Each room of the supervisor's shell says what it depends on: no glob import of the shell's
+/// own scope (ARCHITECTURE.md: rooms that own their state, with explicit imports).
+#[test]
+fn every_room_of_the_shell_names_what_it_imports() {
+    let found = lines_of_the_shells_rooms(|code| code.starts_with("use super::*"));
     assert!(
         found.is_empty(),
         "a room imports its parent's whole scope (name what it uses):\n{}",
@@ -188,31 +193,17 @@ fn every_room_of_the_shell_names_what_it_imports() {
 /// `actor.rs` is only the message-to-input and effect dispatch (ARCHITECTURE.md).
 #[test]
 fn no_room_of_the_shell_reaches_back_into_the_shell() {
-    let mut files = Vec::new();
-    rust_files(
-        &Path::new(env!("CARGO_MANIFEST_DIR")).join("src/supervisor/actor"),
-        &mut files,
-    );
-    assert!(files.len() >= 4, "{files:?}");
-    let found: Vec<String> = files
-        .iter()
-        .flat_map(|file| {
-            code_lines(file)
-                .into_iter()
-                .filter(|(_, code)| {
-                    let code = code.trim();
-                    code.starts_with("impl Shell")
-                        || code.contains("super::Shell")
-                        || code.contains("super::{") && code.contains("Shell")
-                        || code.starts_with("use super::")
-                            && !code.starts_with("use super::super")
-                            && !["config", "jobs", "brokerage", "ending", "rooms"]
-                                .iter()
-                                .any(|room| code.starts_with(&format!("use super::{room}")))
-                })
-                .map(move |(n, code)| format!("{}:{n}: {}", file.display(), code.trim()))
-        })
-        .collect();
+    let rooms = ["config", "jobs", "brokerage", "ending", "rooms"];
+    let found = lines_of_the_shells_rooms(|code| {
+        code.starts_with("impl Shell")
+            || code.contains("super::Shell")
+            || code.contains("super::{") && code.contains("Shell")
+            || code.starts_with("use super::")
+                && !code.starts_with("use super::super")
+                && !rooms
+                    .iter()
+                    .any(|room| code.starts_with(&format!("use super::{room}")))
+    });
     assert!(
         found.is_empty(),
         "a room reaches back into the shell (own the state, hand back an input):\n{}",
