@@ -44,6 +44,8 @@ pub enum GpuDeviceState {
         /// Why its last generation was lost, when it was.
         reason: Option<String>,
     },
+    /// Closed by the supervisor's shutdown.
+    Closed,
 }
 
 impl GpuDeviceState {
@@ -55,7 +57,7 @@ impl GpuDeviceState {
     /// Why its current generation is lost (also when it was given up after that loss).
     pub fn lost_reason(&self) -> Option<&str> {
         match self {
-            Self::Usable => None,
+            Self::Usable | Self::Closed => None,
             Self::Lost { reason } => Some(reason),
             Self::GivenUp { reason } => reason.as_deref(),
         }

@@ -566,9 +566,8 @@ impl GpuPool {
                         (true, current) => GpuDeviceState::GivenUp {
                             reason: current.and_then(|g| g.loss()),
                         },
-                        (false, None) => GpuDeviceState::Lost {
-                            reason: "no generation installed yet".into(),
-                        },
+                        // Every device has a generation from the pool's open until its close.
+                        (false, None) => GpuDeviceState::Closed,
                         (false, Some(g)) => match g.loss() {
                             Some(reason) => GpuDeviceState::Lost { reason },
                             None => GpuDeviceState::Usable,

@@ -326,14 +326,20 @@ impl Shell {
                 self.report_held_too_long();
                 return;
             }
-            SupMsg::Joined { key } => match self.jobs.worker_joined(key) {
-                Some(input) => input,
-                None => return,
-            },
-            SupMsg::RemovalRang { key } => match self.jobs.poll_removal(key) {
-                Some(input) => input,
-                None => return,
-            },
+            // What a job's end hands back is applied in this turn, its effects performed with
+            // the batch's (the core settles first).
+            SupMsg::Joined { key } => {
+                if let Some(input) = self.jobs.worker_joined(key) {
+                    self.core.apply(input);
+                }
+                return;
+            }
+            SupMsg::RemovalRang { key } => {
+                if let Some(input) = self.jobs.poll_removal(key) {
+                    self.core.apply(input);
+                }
+                return;
+            }
             SupMsg::WorkerSpawned { key, result } => {
                 return self.jobs.worker_spawned(key, result);
             }
@@ -765,7 +771,6 @@ impl Shell {
         self.answers.outbox.push(Outgoing::Control(send));
     }
 
-    /// The quarantined slots, as users see them.
     /// The core has stopped: every caller hears, then the shutdown's callers get the report,
     /// and the actor stops.
     fn stopped(
@@ -817,6 +822,7 @@ impl Shell {
         self.end.dispose(drops, || core.abandon().keep_work_root);
     }
 
+    /// The quarantined slots, as users see them.
     fn describe(&self, entries: Vec<QuarantineEntry>) -> Vec<QuarantinedSlot> {
         entries
             .into_iter()

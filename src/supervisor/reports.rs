@@ -160,7 +160,6 @@ pub struct UnclosedDevice {
 }
 
 impl UnclosedDevice {
-    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
     pub(crate) fn new(device: Option<usize>, reason: String) -> Self {
         Self { device, reason }
     }

@@ -10,24 +10,13 @@ use crate::common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{EventLog, Plan, TestBroker, ThreadGate};
+use common::{EventLog, Plan, TestBroker, ThreadGate, until};
 use leasehold::ractor::{Actor, ActorProcessingErr, ActorRef, call};
 use leasehold::{
     ActorExit, ActorJobError, ActorLease, BodyErrorKind, JobSpec, LeaseMsg, Supervisor,
     WorkerContext, codes,
 };
 use tokio::sync::{Notify, oneshot};
-
-/// Polls `cond` between yields to the runtime (the supervisor answers in its own turns).
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    for _ in 0..1_000_000 {
-        if cond() {
-            return;
-        }
-        tokio::task::yield_now().await;
-    }
-    panic!("never happened: {what}");
-}
 
 /// A supervisor on a broker that logs each release into `log`.
 async fn logged_pool(slots: u32, log: &EventLog) -> (Supervisor, TestBroker) {

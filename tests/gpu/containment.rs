@@ -264,4 +264,5 @@ async fn shutdown_does_not_wait_without_end_for_a_device_that_never_drains() {
     // The close did reach the device (and blocks there still), so `shutdown` returned without it.
     entered.wait();
     assert!(sup.gpu_device(0).is_none());
+    assert_eq!(sup.gpu_devices()[0].state, GpuDeviceState::Closed);
 }

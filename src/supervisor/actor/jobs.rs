@@ -26,7 +26,7 @@ use crate::supervisor::messages::{PendingJob, RunOutcome, SupMsg};
 use crate::supervisor::reporter::Reporter;
 use crate::worker::{JobShared, WorkerActor, WorkerArgs};
 
-/// A job granted a slot, to start (its driver task spawns the worker).
+/// A job granted a slot, to start: the turn spawns its worker.
 pub(super) struct JobStart {
     pub(super) key: LeaseKey,
     pub(super) token: SlotToken,

@@ -25,9 +25,9 @@ use crate::supervisor::table::{Extra, LeaseTable};
 /// drains.
 pub(super) const BATCH_KEEP: usize = 64;
 
-/// What the shell keeps that the core cannot hold: the callers' reply channels and spans, the
-/// jobs' shared state, the explicit leases' cells, the process evidence to re-check and the
-/// pids to show.
+/// What the shell keeps that the core cannot hold, beside the running jobs (`Jobs`): the
+/// callers' reply channels and spans, the explicit leases' cells, the process evidence to
+/// re-check and the pids to show.
 #[derive(Default)]
 pub(super) struct Kept {
     pub(super) waiters: FxHashMap<WaiterId, Waiter>,
