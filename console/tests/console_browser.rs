@@ -146,24 +146,70 @@ async fn js<T: serde::de::DeserializeOwned>(page: &Page, expr: &str) -> T {
         .unwrap_or_else(|e| panic!("`{expr}`: {e}"))
 }
 
-/// A real mouse click on the element (scrolled into view first).
+/// A real mouse click on the element (scrolled into view first), that reached it.
+///
+/// The page re-renders ten times a second and its sections above a button change height (a lane
+/// goes, a queue row comes), so the layout can move between the moment the browser measures the
+/// element and the moment the mouse presses and releases there (three DevTools round trips): the
+/// click then lands on whatever moved under the pointer. A guard in the capture phase sees every
+/// click first: one that reached the element goes on to the page's own handlers; one that missed
+/// is swallowed (it reaches no other control) and the click is tried again, as a user would
+/// click again. An element that every try misses fails the test, naming what was hit instead.
 async fn click(page: &Page, selector: &str) {
-    page.find_element(selector)
-        .await
-        .unwrap_or_else(|e| panic!("no `{selector}`: {e}"))
-        .click()
-        .await
-        .unwrap_or_else(|e| panic!("clicking `{selector}`: {e}"));
+    const TRIES: u32 = 5;
+    let mut missed = Vec::new();
+    for _ in 0..TRIES {
+        js::<bool>(
+            page,
+            &format!(
+                "(() => {{ const want = document.querySelector({selector:?}); \
+                 if (window.__clickGuard) window.removeEventListener('click', window.__clickGuard, true); \
+                 window.__clickHit = ''; \
+                 window.__clickGuard = (e) => {{ \
+                   window.removeEventListener('click', window.__clickGuard, true); \
+                   window.__clickGuard = null; \
+                   if (want && want.contains(e.target)) {{ window.__clickHit = 'hit'; return; }} \
+                   const t = e.target; \
+                   window.__clickHit = t.tagName + (t.id ? '#' + t.id : '') + \
+                     (t.className && typeof t.className === 'string' ? '.' + t.className : ''); \
+                   e.stopImmediatePropagation(); e.preventDefault(); }}; \
+                 window.addEventListener('click', window.__clickGuard, true); return true; }})()"
+            ),
+        )
+        .await;
+        page.find_element(selector)
+            .await
+            .unwrap_or_else(|e| panic!("no `{selector}`: {e}"))
+            .click()
+            .await
+            .unwrap_or_else(|e| panic!("clicking `{selector}`: {e}"));
+        wait_for(
+            page,
+            &format!("the click on `{selector}` delivered"),
+            "window.__clickHit !== ''",
+        )
+        .await;
+        let hit: String = js(page, "window.__clickHit").await;
+        if hit == "hit" {
+            if !missed.is_empty() {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "a click on `{selector}` first landed on {missed:?} (the layout moved under it)"
+                );
+            }
+            return;
+        }
+        missed.push(hit);
+    }
+    panic!("{TRIES} clicks on `{selector}` all landed elsewhere: {missed:?}");
 }
 
-/// Clicks into a field and types `text`, key by key.
+/// Clicks into a field (a click that reached it, see [`click`]) and types `text`, key by key.
 async fn type_into(page: &Page, selector: &str, text: &str) {
+    click(page, selector).await;
     page.find_element(selector)
         .await
         .unwrap_or_else(|e| panic!("no `{selector}`: {e}"))
-        .click()
-        .await
-        .unwrap()
         .type_str(text)
         .await
         .unwrap();
@@ -553,14 +599,7 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
 
     // ---- cancel without the token: 403, nothing changed -------------------------------------
     let before = sup.stats();
-    let input = page.find_element("#cancel-job").await.unwrap();
-    input
-        .click()
-        .await
-        .unwrap()
-        .type_str("victim")
-        .await
-        .unwrap();
+    type_into(&page, "#cancel-job", "victim").await;
     confirm_click(&page, "#cancel-btn").await;
     wait_for(
         &page,
@@ -595,15 +634,7 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
     screenshot(&page, "console-refused.png").await;
 
     // ---- the same cancel with the token -----------------------------------------------------
-    page.find_element("#token")
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap()
-        .type_str(TOKEN)
-        .await
-        .unwrap();
+    type_into(&page, "#token", TOKEN).await;
     confirm_click(&page, "#cancel-btn").await;
     wait_for(
         &page,
@@ -657,27 +688,14 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
     // ---- the history: a filter by code, a search by id, a job's detail ----------------------
     let history_rows =
         "[...document.querySelectorAll('#outcomes tbody tr')].map(tr => tr.dataset.job)";
-    page.find_element("#history-code")
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap()
-        .type_str("LEASE_BODY_CANCELLED")
-        .await
-        .unwrap();
+    type_into(&page, "#history-code", "LEASE_BODY_CANCELLED").await;
     wait_for(
         &page,
         "the history filtered by code",
         &format!("JSON.stringify({history_rows}) === '[\"victim\"]'"),
     )
     .await;
-    page.find_element("#outcomes tbody tr")
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(&page, "#outcomes tbody tr").await;
     wait_for(
         &page,
         "the victim's detail: its slot, its run, its drain, its body error",
@@ -703,15 +721,7 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
         document.querySelector('#history-code').dispatchEvent(new Event('input')); true",
     )
     .await;
-    page.find_element("#history-search")
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap()
-        .type_str("held")
-        .await
-        .unwrap();
+    type_into(&page, "#history-search", "held").await;
     wait_for(
         &page,
         "the history searched by job id",
@@ -752,12 +762,7 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
         still, "held-job",
         "the selection did not survive ten updates"
     );
-    page.find_element("#pause")
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(&page, "#pause").await;
     let clock: String = js(&page, "document.querySelector('#clock').textContent").await;
     wait_for(
         &page,
@@ -767,21 +772,11 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
     .await;
     let paused_clock: String = js(&page, "document.querySelector('#clock').textContent").await;
     assert_eq!(clock, paused_clock, "a paused page kept updating");
-    page.find_element("#pause")
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(&page, "#pause").await;
 
     // ---- resize with an empty field: nothing is sent ------------------------------------------
     let capacity = sup.stats().capacity;
-    page.find_element("#resize-btn")
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(&page, "#resize-btn").await;
     wait_for(
         &page,
         "an empty resize field refused on the page",
@@ -801,6 +796,49 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.quarantined, 0, "{report:?}");
     assert_eq!(report.stats.active, 0);
+}
+
+/// The tests' own click ([`click`]) reaches the element it names even when the layout moves
+/// under the mouse, and a click that lands elsewhere acts on nothing: this page puts a button
+/// of its own above the target when the mouse first moves in (as a re-render that adds a row
+/// would), so the first press and release land on that button. Its handler must not run, and
+/// the target's must run exactly once. With a plain coordinate click, the other button acts and
+/// the target never hears the click.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_click_the_layout_moves_off_its_element_acts_on_nothing_and_is_tried_again() {
+    let Some(exe) = chromium_or_skip() else {
+        return;
+    };
+    let _one = ONE_BROWSER.lock().await;
+    let chrome = Chrome::launch(&exe, 800, 600).await;
+    let page = chrome.browser.new_page("about:blank").await.unwrap();
+    js::<bool>(
+        &page,
+        "(() => { document.body.innerHTML = '<div id=\"above\"></div><button id=\"target\">target</button>'; \
+           window.targetClicks = 0; window.otherClicks = 0; window.shifted = false; \
+           document.querySelector('#target').addEventListener('click', () => window.targetClicks++); \
+           document.addEventListener('mousemove', () => { \
+             if (window.shifted) return; window.shifted = true; \
+             const b = document.createElement('button'); b.id = 'other'; b.textContent = 'other'; \
+             b.style.display = 'block'; b.style.width = '100%'; b.style.height = '300px'; \
+             b.addEventListener('click', () => window.otherClicks++); \
+             document.querySelector('#above').appendChild(b); }); \
+           return true; })()",
+    )
+    .await;
+    click(&page, "#target").await;
+    let (target, other, shifted): (u32, u32, bool) = js(
+        &page,
+        "[window.targetClicks, window.otherClicks, window.shifted]",
+    )
+    .await;
+    assert!(shifted, "the page never moved its layout under the mouse");
+    assert_eq!(
+        (target, other),
+        (1, 0),
+        "the click reached the target {target} times and the button that moved under it {other} times"
+    );
+    chrome.close().await;
 }
 
 /// Opens one event stream from a plain socket, as another tab would, and waits for its first
