@@ -9,10 +9,11 @@ use ractor::Actor;
 
 use super::actor::{BrokerPort, Config, SupArgs, SupervisorActor};
 use super::core::CoreConfig;
-use super::handle::{Parts, Supervisor};
+use super::handle::Supervisor;
 use super::inbox::Inbox;
 use super::messages::SupMsg;
 use super::reports::LastReport;
+use super::state::Parts;
 use super::stats::SharedStats;
 use super::table::LeaseTable;
 use crate::broker::{BrokerEvents, DynBroker, LocalBroker, SlotBroker};
@@ -60,6 +61,13 @@ pub struct SupervisorBuilder {
     /// Fakes in place of the file system, processes and GPU (the simulation test).
     #[cfg(test)]
     hosts: Option<Hosts>,
+}
+
+impl Supervisor {
+    /// Starts configuring a supervisor.
+    pub fn builder() -> SupervisorBuilder {
+        SupervisorBuilder::new()
+    }
 }
 
 impl SupervisorBuilder {

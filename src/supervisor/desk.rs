@@ -184,19 +184,19 @@ pub(crate) struct Desk;
 pub(crate) struct DeskState {
     /// Weak: the desk never keeps the supervisor alive (a held lease does, as an explicit
     /// lease would).
-    sup: Weak<crate::supervisor::handle::Inner>,
+    sup: Weak<crate::supervisor::state::Inner>,
     held: HeldTable,
 }
 
 impl Actor for Desk {
     type Msg = LeaseMsg;
     type State = DeskState;
-    type Arguments = Weak<crate::supervisor::handle::Inner>;
+    type Arguments = Weak<crate::supervisor::state::Inner>;
 
     async fn pre_start(
         &self,
         _myself: ActorRef<LeaseMsg>,
-        sup: Weak<crate::supervisor::handle::Inner>,
+        sup: Weak<crate::supervisor::state::Inner>,
     ) -> Result<DeskState, ActorProcessingErr> {
         Ok(DeskState {
             sup,

@@ -2,33 +2,27 @@
 //! actor's inbox, or reads what the actor published.
 
 use std::fmt;
-use std::future::{Future, poll_fn};
-use std::path::{Path, PathBuf};
-use std::pin::{Pin, pin};
+use std::future::Future;
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::Poll;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Span;
 
-use super::builder::SupervisorBuilder;
-use super::core::{Ask, WaiterId, Want, Withdrawal};
-use super::inbox::Inbox;
+use super::core::{Ask, WaiterId, Want};
 use super::job_handle::JobHandle;
-use super::messages::{Control, KeptSpan, PendingJob, RunOutcome, SupMsg, WaiterKind};
-use super::reports::{LastReport, QuarantinedSlot, ReclaimReport, ShutdownReport, WaiterInfo};
-use super::stats::{SharedStats, Stats};
-use super::table::{LeaseInfo, LeaseTable};
+use super::messages::{Control, KeptSpan, PendingJob, SupMsg, WaiterKind};
+use super::reports::{QuarantinedSlot, ReclaimReport, ShutdownReport, WaiterInfo};
+use super::state::{Inner, Parts};
+use super::stats::Stats;
+use super::table::LeaseInfo;
+use super::waiting::{Submitted, WaitGuard, await_reply};
 use crate::actor_job::{ActorExit, ActorJobError};
-use crate::error::{
-    AcquireError, BodyEnd, BodyError, CleanupError, JobError, ResizeError, ShutdownError,
-    SupervisorStopped,
-};
+use crate::error::{AcquireError, JobError, ResizeError, ShutdownError, SupervisorStopped};
 use crate::job::{JobParts, JobSpec};
 use crate::lease::Lease;
 use crate::worker::{BoxedBody, JobShared, WorkerContext};
@@ -181,69 +175,7 @@ pub struct Supervisor {
     inner: Arc<Inner>,
 }
 
-pub(crate) struct Inner {
-    pub(super) inbox: Arc<Inbox>,
-    join: Mutex<Option<JoinHandle<()>>>,
-    pub(super) stats: Arc<SharedStats>,
-    table: Arc<LeaseTable>,
-    /// The report of the shutdown that stopped the actor, for a later `shutdown()` call.
-    last_report: Arc<LastReport>,
-    acquire_timeout: Option<Duration>,
-    /// The shutdown's bound, which `shutdown` also holds what it waits for to.
-    shutdown_timeout: Duration,
-    next_waiter: AtomicU64,
-    work_root: PathBuf,
-    /// The runtime the supervisor was started on, for `submit` from non-async code.
-    runtime: tokio::runtime::Handle,
-    /// Where a cleanup failure whose handle is gone is reported (the same sink the actor
-    /// reports to).
-    sink: crate::sink::Sink,
-    /// How long a cancelled job actor may take to stop before it is killed.
-    cancel_grace: Duration,
-    /// Its broker is the in-process pool, whose size `resize` changes.
-    resizable: bool,
-    /// The lease desk's actor, spawned on first use (see `desk.rs`).
-    pub(crate) desk: tokio::sync::OnceCell<ractor::ActorCell>,
-    /// The GPU pool, for `replace_device` and the fault-injection accessors (the actor holds
-    /// its own handle).
-    #[cfg(feature = "gpu")]
-    gpu: Option<Arc<crate::gpu::GpuPool>>,
-}
-
-/// What the builder hands a new handle: the running actor's ends and the settings the handle
-/// itself applies.
-pub(super) struct Parts {
-    pub(super) inbox: Arc<Inbox>,
-    pub(super) join: JoinHandle<()>,
-    pub(super) stats: Arc<SharedStats>,
-    pub(super) table: Arc<LeaseTable>,
-    pub(super) last_report: Arc<LastReport>,
-    pub(super) acquire_timeout: Option<Duration>,
-    pub(super) cancel_grace: Duration,
-    pub(super) shutdown_timeout: Duration,
-    pub(super) resizable: bool,
-    pub(super) work_root: PathBuf,
-    pub(super) sink: crate::sink::Sink,
-    #[cfg(feature = "gpu")]
-    pub(super) gpu: Option<Arc<crate::gpu::GpuPool>>,
-}
-
-impl Drop for Inner {
-    fn drop(&mut self) {
-        // Last handle gone: shut down, so that the actor does not outlive every way to reach it.
-        let _ = self.inbox.send(SupMsg::Shutdown { reply: None });
-        if let Some(desk) = self.desk.get() {
-            desk.stop(None);
-        }
-    }
-}
-
 impl Supervisor {
-    /// Starts configuring a supervisor.
-    pub fn builder() -> SupervisorBuilder {
-        SupervisorBuilder::new()
-    }
-
     pub(super) fn from_parts(parts: Parts) -> Self {
         let Parts {
             inbox,
@@ -552,7 +484,7 @@ impl Supervisor {
             return Err(JobError::Acquire(AcquireError::Stopped));
         }
         Ok(Submitted {
-            sup: self.clone(),
+            sup: self.inner.clone(),
             waiter,
             answer: rx,
             shared,
@@ -1032,247 +964,9 @@ pub type SpawnedJob<A> = Result<
     JobError<ActorJobError>,
 >;
 
-/// A job in the supervisor's queue (or running, or releasing), as its caller holds it: the
-/// answer's channel, the body's result, and what is needed to read them (`run` awaits it; a
-/// [`JobHandle`] polls it).
-pub(crate) struct Submitted<T, E> {
-    /// Keeps the supervisor up while the job's answer is awaited.
-    sup: Supervisor,
-    waiter: WaiterId,
-    answer: oneshot::Receiver<RunOutcome>,
-    shared: Arc<JobShared>,
-    body: oneshot::Receiver<Result<T, E>>,
-    cancel: CancellationToken,
-    /// When the job stops waiting for a slot (the acquire timeout).
-    deadline: Option<tokio::time::Instant>,
-}
-
-impl<T, E> Submitted<T, E> {
-    /// The answer, if it has come (`Some(Err(()))`: the supervisor is gone).
-    pub(crate) fn try_answer(&mut self) -> Option<Result<RunOutcome, ()>> {
-        match self.answer.try_recv() {
-            Ok(outcome) => Some(Ok(outcome)),
-            Err(oneshot::error::TryRecvError::Closed) => Some(Err(())),
-            Err(oneshot::error::TryRecvError::Empty) => None,
-        }
-    }
-
-    /// Why the job should leave the queue now, if it should: cancelled, or past its acquire
-    /// timeout.
-    pub(crate) fn leaving(&self) -> Option<Withdrawal> {
-        if self.cancel.is_cancelled() {
-            return Some(Withdrawal::Cancelled);
-        }
-        let deadline = self.deadline?;
-        (tokio::time::Instant::now() >= deadline)
-            .then(|| Withdrawal::TimedOut(self.sup.inner.acquire_timeout.unwrap_or_default()))
-    }
-
-    /// Asks the supervisor to take the job out of the queue (ignored once it was granted).
-    pub(crate) fn withdraw(&self, why: Withdrawal) {
-        let _ = self.sup.inner.inbox.send(SupMsg::Withdraw {
-            waiter: self.waiter,
-            why,
-        });
-    }
-
-    /// Waits for the answer: a cancellation or the acquire timeout withdraws the job, and the
-    /// wait goes on (a grant that won the race is never lost).
-    pub(crate) async fn wait(&mut self) -> Result<RunOutcome, ()> {
-        let timeout = self
-            .deadline
-            .map(|d| d.saturating_duration_since(tokio::time::Instant::now()));
-        let cancel = self.cancel.clone();
-        await_reply(
-            &self.sup.inner.inbox,
-            self.waiter,
-            &mut self.answer,
-            Some(&cancel),
-            timeout,
-        )
-        .await
-        .map_err(drop)
-    }
-
-    /// Lets the job run to its end with nobody holding it: a task (on the supervisor's
-    /// runtime) keeps the supervisor up until the answer comes, and reports a cleanup failure
-    /// in it.
-    pub(crate) fn detach(self, job_id: String)
-    where
-        T: Send + 'static,
-        E: Send + 'static,
-    {
-        let runtime = self.sup.inner.runtime.clone();
-        crate::counters::task();
-        drop(runtime.spawn(async move {
-            let Self { sup, answer, .. } = self;
-            if let Ok(RunOutcome::Finished {
-                cleanup: Err(err), ..
-            }) = answer.await
-            {
-                sup.inner.sink.report(Some(job_id), err);
-            }
-        }));
-    }
-
-    /// The job's handle is gone with the answer unread: a cleanup failure in an answer already
-    /// in is reported here (otherwise the supervisor reports it when its answer finds nobody).
-    pub(crate) fn orphan(mut self, job_id: &str) {
-        if let Ok(RunOutcome::Finished {
-            cleanup: Err(err), ..
-        }) = self.answer.try_recv()
-        {
-            self.sup.inner.sink.report(Some(job_id.to_owned()), err);
-        }
-    }
-
-    /// The job's result from the supervisor's answer (`Err(())`: the supervisor is gone), its
-    /// body's own result and what its context recorded.
-    pub(crate) fn conclude(&mut self, outcome: Result<RunOutcome, ()>) -> Result<T, JobError<E>> {
-        let cancelled = self.cancel.is_cancelled();
-        let cleanup = match outcome {
-            // A broker failure that raced the job's cancellation: the job was cancelled.
-            Ok(RunOutcome::NotGranted(err)) => {
-                return Err(JobError::Acquire(match *err {
-                    AcquireError::Failed(_) if cancelled => AcquireError::Cancelled,
-                    other => other,
-                }));
-            }
-            // No body ran: the job could not be prepared, and its slots went back.
-            Ok(RunOutcome::Finished {
-                unprepared: Some(why),
-                cleanup,
-            }) => {
-                return Err(JobError::Unprepared {
-                    why: *why,
-                    cleanup: cleanup.err(),
-                });
-            }
-            Ok(RunOutcome::Finished {
-                unprepared: None,
-                cleanup,
-            }) => cleanup,
-            // The supervisor died (its runtime is gone): nothing more can be proven.
-            Err(()) if !self.shared.started() => {
-                return Err(JobError::Acquire(AcquireError::Stopped));
-            }
-            Err(()) => Err(CleanupError::stopped(None)),
-        };
-        // Every writer of `shared` and `body` has ended: the worker and its tracked tasks were
-        // joined before the supervisor answered (or the slot was quarantined, in which case
-        // late sibling reports are not waited for).
-        let (value, error) = match self.body.try_recv() {
-            Ok(Ok(v)) => (Some(v), None),
-            Ok(Err(e)) => (None, Some(e)),
-            Err(_) => (None, None),
-        };
-        let failure = BodyError::decide(BodyEnd {
-            produced_value: value.is_some(),
-            error,
-            panics: self.shared.take_panics(),
-            delivery_unknown: self.shared.take_delivery_unknown(),
-            lease_lost: self.shared.take_lease_lost(),
-            cancel_requested: cancelled,
-        });
-        match (failure, cleanup) {
-            (None, Ok(())) => Ok(value.expect("no failure means the body returned a value")),
-            (None, Err(cleanup)) => Err(JobError::Cleanup(cleanup)),
-            (Some(body), Ok(())) => Err(JobError::Body(body)),
-            (Some(body), Err(cleanup)) => Err(JobError::BodyAndCleanup { body, cleanup }),
-        }
-    }
-}
-
 /// How long `shutdown` waits, at least, for the supervisor's task and its end's drops once the
 /// report is in (when the shutdown's own bound has already run out).
 const END_GRACE: Duration = Duration::from_millis(100);
-
-/// Withdraws a waiter (and cancels its job) when the waiting future is dropped.
-struct WaitGuard<'a> {
-    inbox: &'a Inbox,
-    waiter: WaiterId,
-    cancel: Option<CancellationToken>,
-    armed: bool,
-}
-
-impl<'a> WaitGuard<'a> {
-    fn new(inbox: &'a Inbox, waiter: WaiterId, cancel: Option<CancellationToken>) -> Self {
-        Self {
-            inbox,
-            waiter,
-            cancel,
-            armed: true,
-        }
-    }
-
-    fn disarm(&mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for WaitGuard<'_> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        if let Some(cancel) = &self.cancel {
-            cancel.cancel();
-        }
-        let _ = self.inbox.send(SupMsg::Withdraw {
-            waiter: self.waiter,
-            why: Withdrawal::Cancelled,
-        });
-    }
-}
-
-/// Waits for the supervisor's answer. Cancellation and the acquire timeout do not abandon the
-/// wait: they ask the supervisor to withdraw the waiter and keep listening, so a grant that won
-/// the race is never lost (for a job, the answer is then the job's own result).
-async fn await_reply<T>(
-    inbox: &Inbox,
-    waiter: WaiterId,
-    rx: &mut oneshot::Receiver<T>,
-    cancel: Option<&CancellationToken>,
-    timeout: Option<Duration>,
-) -> Result<T, oneshot::error::RecvError> {
-    if cancel.is_none() && timeout.is_none() {
-        return rx.await;
-    }
-    // Only what is configured exists: the timer is boxed and made only when an acquire timeout
-    // is set, so that an untimed wait (the common case, and a flood's) carries no `Sleep`.
-    let mut timer = timeout.map(|t| Box::pin(tokio::time::sleep(t)));
-    let mut cancelled = pin!(cancel.map(CancellationToken::cancelled));
-    loop {
-        // Biased: the reply first, then the cancellation, then the timer. A source that fired
-        // is dropped and the wait goes on.
-        let next = poll_fn(|cx| {
-            if let Poll::Ready(reply) = Pin::new(&mut *rx).poll(cx) {
-                return Poll::Ready(Err(reply));
-            }
-            if let Some(fut) = cancelled.as_mut().as_pin_mut()
-                && fut.poll(cx).is_ready()
-            {
-                cancelled.set(None);
-                return Poll::Ready(Ok(Withdrawal::Cancelled));
-            }
-            if let Some(sleep) = timer.as_mut()
-                && sleep.as_mut().poll(cx).is_ready()
-            {
-                timer = None;
-                return Poll::Ready(Ok(Withdrawal::TimedOut(timeout.unwrap_or_default())));
-            }
-            Poll::Pending
-        })
-        .await;
-        match next {
-            Err(reply) => return reply,
-            // If the supervisor is gone, `rx` resolves with an error on the next turn.
-            Ok(why) => {
-                let _ = inbox.send(SupMsg::Withdraw { waiter, why });
-            }
-        }
-    }
-}
 
 // The handle and the futures of public async fns are `Send` (and the handle `Sync`).
 const _: fn() = || {

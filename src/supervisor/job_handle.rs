@@ -8,7 +8,7 @@ use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 
 use super::core::Withdrawal;
-use super::handle::Submitted;
+use super::waiting::Submitted;
 use crate::error::{AcquireError, JobError};
 use crate::sink::Sink;
 

@@ -17,8 +17,10 @@ mod reporter;
 mod reports;
 #[cfg(test)]
 mod sim_tests;
+mod state;
 mod stats;
 mod table;
+mod waiting;
 
 pub use builder::SupervisorBuilder;
 pub use desk::{ActorLease, LeaseMsg, ReleaseError};
