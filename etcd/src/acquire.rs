@@ -22,7 +22,7 @@ use tokio::time::{Instant, sleep, sleep_until, timeout};
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{Confirmed, MarkerState, Raw, place_key, request_key};
 use super::queue::{Look, Ticket};
-use super::session::{Claim, Held, Session};
+use super::records::{Claim, Cleanup, CleanupPhase, Held, Session};
 pub(super) use super::txn::{Grant, gets, held_in, revision_of, slot_keys, txn_shape};
 use crate::inner::Inner;
 use leasehold::{AcquireRequest, SlotToken};
@@ -36,24 +36,6 @@ enum First {
     Again,
     /// The idle pool's claim found the pool busy: join the queue.
     Busy,
-}
-
-/// Where the cleanup of an acquire that ended without a grant is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum CleanupPhase {
-    /// Not started: a retry of the same request may take the work back instead.
-    Pending,
-    /// Its transaction may land: a retry waits for it.
-    Running,
-    /// Taken back by a retry; the task stops without touching etcd.
-    Cancelled,
-    Done,
-}
-
-#[derive(Debug)]
-pub(super) struct Cleanup {
-    phase: Mutex<CleanupPhase>,
-    done: tokio::sync::watch::Sender<bool>,
 }
 
 /// The attempt of one request in flight; its end (drop) wakes the copies waiting for it.

@@ -14,12 +14,11 @@ use tokio_util::task::TaskTracker;
 
 use leasehold::{BrokerEvents, SlotToken};
 
-use crate::acquire::Cleanup;
 use crate::endpoints::Endpoints;
 use crate::error::{EtcdError, EtcdErrorKind, Fail};
 use crate::layout::{self, Layout};
-use crate::session::{Held, Session};
-use crate::{slots, txn, watches};
+use crate::records::{Cleanup, Held, Session, SlotView, SlotsCtl};
+use crate::{txn, watches};
 
 /// The broker's state, shared with its background tasks.
 pub(crate) struct Inner {
@@ -67,8 +66,8 @@ pub(crate) struct Inner {
     pub(crate) frees: tokio::sync::watch::Sender<u64>,
     /// The slot watch's users and task, what it has seen, and a bump on each of its batches
     /// (see `slots`).
-    pub(crate) slots_ctl: Mutex<slots::SlotsCtl>,
-    pub(crate) slot_view: Mutex<slots::SlotView>,
+    pub(crate) slots_ctl: Mutex<SlotsCtl>,
+    pub(crate) slot_view: Mutex<SlotView>,
     pub(crate) slot_seen: tokio::sync::watch::Sender<u64>,
     /// Whether the queue had waiters when last seen: an acquire then joins it straight away
     /// instead of first trying to claim (a comparison over the whole queue).

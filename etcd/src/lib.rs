@@ -30,6 +30,7 @@ mod error;
 mod inner;
 mod layout;
 mod queue;
+mod records;
 mod release;
 mod session;
 mod slots;
@@ -246,8 +247,8 @@ impl EtcdBroker {
             refreshed: tokio::sync::Notify::new(),
             filling: AtomicBool::new(false),
             frees: tokio::sync::watch::Sender::new(0),
-            slots_ctl: Mutex::new(slots::SlotsCtl::default()),
-            slot_view: Mutex::new(slots::SlotView::default()),
+            slots_ctl: Mutex::new(records::SlotsCtl::default()),
+            slot_view: Mutex::new(records::SlotView::default()),
             slot_seen: tokio::sync::watch::Sender::new(0),
             contended: AtomicBool::new(false),
             places: Mutex::new(Places::default()),

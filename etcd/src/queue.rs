@@ -38,8 +38,8 @@ use tokio::time::{Instant, sleep};
 
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{Confirmed, Layout, Marker, MarkerState, Raw, Waiter, oldest_waiters, raws};
+use super::records::Session;
 use super::release::{CHAIN_MAX, merge};
-use super::session::Session;
 use super::txn::{Grant, gets, held_in, revision_of, slot_keys, txn_shape};
 use super::watches::{Seen, Watch, event_kind};
 use crate::inner::Inner;

@@ -42,7 +42,8 @@ use tokio::time::{Instant, sleep};
 
 use super::error::{EtcdError, EtcdErrorKind, Fail};
 use super::layout::{MarkerState, Waiter, oldest_waiters, raws};
-use super::session::{Claim, Held, Settling, SettlingRequest};
+use super::records::{Claim, Held};
+use super::session::{Settling, SettlingRequest};
 use super::txn::{gets, txn_shape};
 use crate::inner::Inner;
 use leasehold::{BrokerError, SlotToken};

@@ -21,23 +21,6 @@ use crate::inner::Inner;
 /// How long the slot watch is kept without users.
 const LINGER: Duration = Duration::from_secs(1);
 
-/// Whether the slot watch is in place.
-#[derive(Debug, Default)]
-pub(super) struct SlotView {
-    /// The task whose watch is in place (`None`: none is).
-    task: Option<u64>,
-}
-
-/// The slot watch's users and task.
-#[derive(Debug, Default)]
-pub(super) struct SlotsCtl {
-    users: usize,
-    /// Bumped each time the last user leaves (see `SlotsUser`'s drop).
-    idle: u64,
-    next_task: u64,
-    stop: Option<CancellationToken>,
-}
-
 /// One user of the broker's slot watch; the last one stops it.
 pub(super) struct SlotsUser {
     inner: Arc<Inner>,

@@ -7,7 +7,7 @@ use etcd_client::{GetOptions, TxnOp};
 
 use super::error::{EtcdError, EtcdErrorKind};
 use super::layout::Layout;
-use super::session::Session;
+use super::records::Session;
 
 /// A slot granted to a request, not yet handed to the caller.
 #[derive(Debug, Clone)]
