@@ -253,3 +253,206 @@ fn the_grant_and_the_workers_start_have_no_test_switch() {
         );
     }
 }
+
+/// The module path of a source file below a crate's `src/` (`a/b.rs` and `a/b/mod.rs`: `a::b`;
+/// `lib.rs`: the root).
+fn module_of(src: &Path, file: &Path) -> Vec<String> {
+    let rel = file.strip_prefix(src).unwrap().with_extension("");
+    let mut parts: Vec<String> = rel
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    if matches!(parts.last().map(String::as_str), Some("mod" | "lib")) {
+        parts.pop();
+    }
+    parts
+}
+
+/// Whether a file is a face: `lib.rs` or a folder's `mod.rs`, which declares and re-exports.
+fn is_face(file: &Path) -> bool {
+    matches!(
+        file.file_name().and_then(|n| n.to_str()),
+        Some("lib.rs" | "mod.rs")
+    )
+}
+
+/// The file that defines module `module` in the crate whose sources are `src`.
+fn file_of(src: &Path, module: &[String]) -> Option<PathBuf> {
+    if module.is_empty() {
+        return Some(src.join("lib.rs"));
+    }
+    let base = module.iter().fold(src.to_path_buf(), |p, m| p.join(m));
+    [base.with_extension("rs"), base.join("mod.rs")]
+        .into_iter()
+        .find(|p| p.is_file())
+}
+
+/// The paths a `use` tree names, each as its segments (`a::{b, c::d}`: `a::b`, `a::c::d`).
+fn use_paths(tree: &str) -> Vec<Vec<String>> {
+    let tree = tree.trim();
+    let Some(open) = tree.find('{') else {
+        let path = tree.split(" as ").next().unwrap_or(tree);
+        return vec![
+            path.split("::")
+                .map(|s| s.trim().to_owned())
+                .filter(|s| !s.is_empty())
+                .collect(),
+        ];
+    };
+    let prefix: Vec<String> = tree[..open]
+        .split("::")
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .collect();
+    let inner = &tree[open + 1..tree.rfind('}').expect("a closing brace")];
+    let (mut items, mut depth, mut start) = (Vec::new(), 0, 0);
+    for (i, ch) in inner.char_indices() {
+        match ch {
+            '{' => depth += 1,
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                items.push(&inner[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    items.push(&inner[start..]);
+    items
+        .into_iter()
+        .filter(|item| !item.trim().is_empty())
+        .flat_map(use_paths)
+        .map(|rest| prefix.iter().cloned().chain(rest).collect())
+        .collect()
+}
+
+/// The files each file of a crate imports from (its `use` lines, resolved to the file that
+/// defines the module they name). Imports through a face (`lib.rs`, `mod.rs`) are left out: a
+/// face declares and re-exports, and the rooms' own arrows are what can run in a circle.
+fn import_graph(src: &Path) -> Vec<(PathBuf, Vec<PathBuf>)> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    files.sort();
+    files
+        .iter()
+        .map(|file| {
+            let module = module_of(src, file);
+            let text: String = code_lines(file)
+                .into_iter()
+                .map(|(_, code)| code + "\n")
+                .collect();
+            let mut targets = Vec::new();
+            // Every `use` item up to its `;` (one line or several).
+            let mut rest = text.as_str();
+            while let Some(at) = rest.find("use ") {
+                let before = &rest[..at];
+                let line_start = before.rfind('\n').map_or(0, |n| n + 1);
+                let lead = rest[line_start..at].trim();
+                let end = at + rest[at..].find(';').unwrap_or(rest.len() - at);
+                if lead.is_empty() || lead.starts_with("pub") {
+                    for path in use_paths(&rest[at + 4..end]) {
+                        let Some(first) = path.first() else { continue };
+                        let mut base: Vec<String> = match first.as_str() {
+                            "crate" => Vec::new(),
+                            "self" => module.clone(),
+                            "super" => {
+                                let mut up = module.clone();
+                                for _ in path.iter().take_while(|s| *s == "super") {
+                                    up.pop();
+                                }
+                                up
+                            }
+                            // A child module named from its parent (the face), or another crate.
+                            _ => {
+                                let mut child = module.clone();
+                                child.push(first.clone());
+                                if file_of(src, &child).is_none() {
+                                    continue;
+                                }
+                                module.clone()
+                            }
+                        };
+                        let skip = path
+                            .iter()
+                            .take_while(|s| matches!(s.as_str(), "crate" | "self" | "super"))
+                            .count();
+                        let mut target = None;
+                        for seg in &path[skip..] {
+                            base.push(seg.clone());
+                            match file_of(src, &base) {
+                                Some(found) => target = Some(found),
+                                None => break,
+                            }
+                        }
+                        if let Some(target) = target
+                            && target != *file
+                            && !is_face(&target)
+                            && !targets.contains(&target)
+                        {
+                            targets.push(target);
+                        }
+                    }
+                }
+                rest = &rest[end.min(rest.len())..];
+                if rest.is_empty() {
+                    break;
+                }
+                rest = &rest[1..];
+            }
+            (file.clone(), targets)
+        })
+        .collect()
+}
+
+/// A circle in the graph, as the files it passes through, if there is one.
+fn a_circle(graph: &[(PathBuf, Vec<PathBuf>)]) -> Option<Vec<PathBuf>> {
+    fn visit(
+        at: &PathBuf,
+        graph: &[(PathBuf, Vec<PathBuf>)],
+        done: &mut Vec<PathBuf>,
+        path: &mut Vec<PathBuf>,
+    ) -> Option<Vec<PathBuf>> {
+        if let Some(start) = path.iter().position(|p| p == at) {
+            let mut circle = path[start..].to_vec();
+            circle.push(at.clone());
+            return Some(circle);
+        }
+        if done.contains(at) {
+            return None;
+        }
+        path.push(at.clone());
+        let next = graph.iter().find(|(f, _)| f == at).map(|(_, t)| t.clone());
+        for to in next.unwrap_or_default() {
+            if let Some(circle) = visit(&to, graph, done, path) {
+                return Some(circle);
+            }
+        }
+        path.pop();
+        done.push(at.clone());
+        None
+    }
+    let mut done = Vec::new();
+    graph
+        .iter()
+        .find_map(|(file, _)| visit(file, graph, &mut done, &mut Vec::new()))
+}
+
+/// No file imports, through others, from a file that imports from it: in each crate of the
+/// workspace the files' `use` arrows run one way (ARCHITECTURE.md: a room below never reaches
+/// up into one that uses it). A type two rooms need goes below both.
+#[test]
+fn no_file_imports_in_a_circle() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for src in ["src", "etcd/src", "console/src"] {
+        let graph = import_graph(&root.join(src));
+        let arrows: usize = graph.iter().map(|(_, t)| t.len()).sum();
+        assert!(arrows >= 5, "{src}: only {arrows} imports read: {graph:?}");
+        if let Some(circle) = a_circle(&graph) {
+            let names: Vec<String> = circle
+                .iter()
+                .map(|p| p.strip_prefix(root).unwrap().display().to_string())
+                .collect();
+            panic!("an import circle in {src}: {}", names.join(" -> "));
+        }
+    }
+}
