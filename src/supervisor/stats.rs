@@ -66,7 +66,7 @@ pub(crate) struct SharedStats {
     quarantined: AtomicU64,
     draining: AtomicU64,
     held_slots: AtomicU64,
-    /// `u64::MAX`: unknown.
+    /// The capacity as [`encode_capacity`] stores it (an atomic holds no `Option`).
     capacity: AtomicU64,
     leases: AtomicU64,
     /// Supervision events the actor received (tests: a worker sends none).
@@ -102,15 +102,18 @@ impl SharedStats {
         set(&self.quarantined, now.quarantined as u64);
         set(&self.draining, now.draining as u64);
         set(&self.held_slots, now.held_slots as u64);
-        set(&self.capacity, now.capacity.map_or(u64::MAX, |c| c as u64));
+        set(
+            &self.capacity,
+            encode_capacity(now.capacity.map(|c| c as u64)),
+        );
         set(&self.leases, now.leases as u64);
         last.stored = Some(now);
     }
 
     /// The capacity at start, before the actor's first publication.
     pub(crate) fn set_capacity(&self, capacity: Option<u32>) {
-        let c = capacity.map_or(u64::MAX, u64::from);
-        self.capacity.store(c, Ordering::Relaxed);
+        self.capacity
+            .store(encode_capacity(capacity.map(u64::from)), Ordering::Relaxed);
     }
 
     pub(crate) fn snapshot(&self) -> Stats {
@@ -125,10 +128,7 @@ impl SharedStats {
             quarantined: get(&self.quarantined) as usize,
             draining: get(&self.draining) as usize,
             held_slots: get(&self.held_slots) as usize,
-            capacity: match get(&self.capacity) {
-                u64::MAX => None,
-                c => Some(c as usize),
-            },
+            capacity: decode_capacity(get(&self.capacity)),
             leases: get(&self.leases) as usize,
         }
     }
@@ -185,5 +185,33 @@ impl Metrics {
         self.active.set(figures.active as f64);
         self.waiting.set(figures.waiting as f64);
         self.quarantined.set(figures.quarantined as f64);
+    }
+}
+
+/// An optional capacity in one atomic word: a capacity counts slots (a `u32` at most), so the
+/// word one above the largest capacity stands for "unknown" and no capacity can be read as it.
+fn encode_capacity(capacity: Option<u64>) -> u64 {
+    capacity.map_or(UNKNOWN_CAPACITY, |c| c.min(u64::from(u32::MAX)))
+}
+
+fn decode_capacity(word: u64) -> Option<usize> {
+    (word != UNKNOWN_CAPACITY).then_some(word as usize)
+}
+
+/// The word that stands for an unknown capacity (see [`encode_capacity`]).
+const UNKNOWN_CAPACITY: u64 = u32::MAX as u64 + 1;
+
+#[cfg(test)]
+mod tests {
+    use super::{decode_capacity, encode_capacity};
+
+    #[test]
+    fn a_capacity_goes_through_its_atomic_word_unchanged_and_unknown_stays_unknown() {
+        for capacity in [None, Some(0), Some(1), Some(8), Some(u64::from(u32::MAX))] {
+            assert_eq!(
+                decode_capacity(encode_capacity(capacity)),
+                capacity.map(|c| c as usize)
+            );
+        }
     }
 }
