@@ -4,12 +4,18 @@
 //! workload, measured in the same run (see `BENCHMARKS.md`). The figure is the time per lease:
 //! one iteration's time over `TOTAL_OPS`.
 //!
-//! The target is 64 workers / 8 slots ≤ 2.0× the semaphore's time per
-//! lease; 1024 / 8 is printed next to it, and the rest of the workers × slots table as context.
-//! Per-acquire wait percentiles (p50 / p99 / p99.9) are collected once per pair, in an untimed
-//! pass before criterion's, and printed after the ratio rows.
+//! The shape floor runs the same workload: one owner actor written by hand that leases slots by
+//! message (`floor/owner.rs`), leasehold's shape with nothing else; a `Semaphore` hands a permit
+//! over inside the releasing task's poll, which no lease by message can.
 //!
-//! criterion ids are `contention/<leasehold|tokio_semaphore>/workers=W,slots=S`. The last
+//! The targets are 64 workers / 8 slots ≤ 1.3× the shape floor's and ≤ 3.0× the semaphore's
+//! time per lease; 1024 / 8 is printed next to them, and the rest of the workers × slots table as
+//! context. Per-acquire wait percentiles (p50 / p99 / p99.9) are collected once per pair, in an
+//! untimed pass before criterion's, and printed after the ratio rows with what noise does not
+//! move over that pass: leasehold's doorbells and polls per lease (`leasehold::Counts`), the
+//! shape floor's doorbells, actor turns per lease and requests drained per turn.
+//!
+//! criterion ids are `contention/<leasehold|shape_floor|tokio_semaphore>/workers=W,slots=S`. The last
 //! "benchmark", `summary`, prints the rows from the samples criterion took above. `-- --test`
 //! runs each once.
 
@@ -21,10 +27,12 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use hdrhistogram::Histogram;
-use leasehold::{Lease, Supervisor};
+use leasehold::{Counts, Lease, Supervisor};
 use tokio::sync::{Barrier, Semaphore, SemaphorePermit};
 
-use floor::{fmt_ns, key, ratio_row, start_supervisor, table_end, table_start, timed};
+use floor::{
+    Owner, OwnerCounts, fmt_ns, key, ratio_row, start_supervisor, table_end, table_start, timed,
+};
 
 const GROUP: &str = "contention";
 const SAMPLES: usize = 10;
@@ -34,6 +42,8 @@ const SLOTS: [u32; 3] = [1, 8, 32];
 const TOTAL_OPS: u64 = 8192;
 /// 64 workers / 8 slots ≤ 3.0× tokio Semaphore's time per lease.
 const TARGET: (usize, u32, f64) = (64, 8, 3.0);
+/// ... and ≤ 1.3× the shape floor's.
+const TARGET_SHAPE: f64 = 1.3;
 /// Printed next to the target's row.
 const ALSO: (usize, u32) = (1024, 8);
 
@@ -55,6 +65,18 @@ impl Pool for Supervisor {
 
     async fn give<'a>(mut lease: Self::Guard<'a>) {
         lease.release().await.expect("release");
+    }
+}
+
+impl Pool for Owner {
+    type Guard<'a> = (&'a Owner, usize);
+
+    async fn take(&self) -> (&Owner, usize) {
+        (self, self.acquire().await)
+    }
+
+    async fn give<'a>((owner, slot): Self::Guard<'a>) {
+        owner.release(slot).await;
     }
 }
 
@@ -143,7 +165,12 @@ struct LatencyRow {
     workers: usize,
     slots: u32,
     leasehold: [u64; 3],
+    shape: [u64; 3],
     semaphore: [u64; 3],
+    /// Over leasehold's pass.
+    counts: Counts,
+    /// Over the shape floor's pass.
+    owner: OwnerCounts,
 }
 
 static LATENCY: Mutex<Vec<LatencyRow>> = Mutex::new(Vec::new());
@@ -175,6 +202,7 @@ fn contention(c: &mut Criterion) {
     for workers in WORKERS {
         for slots in SLOTS {
             let sup = rt.block_on(start_supervisor(slots, None));
+            let (owner, owner_join) = rt.block_on(Owner::start(slots as usize));
             let sem = Arc::new(Semaphore::new(slots as usize));
             let p = param(workers, slots);
             // Percentiles once per pair, on the first call (so that a filter that skips this
@@ -185,12 +213,23 @@ fn contention(c: &mut Criterion) {
             group.bench_function(BenchmarkId::new("leasehold", &p), |b| {
                 if !latency_done {
                     latency_done = true;
-                    let (sup, sem) = (sup.clone(), Arc::clone(&sem));
-                    let (l, s) = rt.block_on(async move {
+                    let (sup, owner, sem) = (sup.clone(), owner.clone(), Arc::clone(&sem));
+                    let (l, o, s, counts, owner_counts) = rt.block_on(async move {
                         tokio::spawn(async move {
+                            let before = Counts::now();
                             let (_, l) = contend(&sup, workers, true).await;
+                            let counts = Counts::now().since(before);
+                            owner.take_counts();
+                            let (_, o) = contend(&owner, workers, true).await;
+                            let owner_counts = owner.take_counts();
                             let (_, s) = contend(&sem, workers, true).await;
-                            (l.expect("histogram"), s.expect("histogram"))
+                            (
+                                l.expect("histogram"),
+                                o.expect("histogram"),
+                                s.expect("histogram"),
+                                counts,
+                                owner_counts,
+                            )
                         })
                         .await
                         .expect("latency pass")
@@ -199,7 +238,10 @@ fn contention(c: &mut Criterion) {
                         workers,
                         slots,
                         leasehold: percentiles(&l),
+                        shape: percentiles(&o),
                         semaphore: percentiles(&s),
+                        counts,
+                        owner: owner_counts,
                     });
                 }
                 timed(b, &rt, &k, SAMPLES, |iters| {
@@ -208,6 +250,20 @@ fn contention(c: &mut Criterion) {
                         let mut total = Duration::ZERO;
                         for _ in 0..iters {
                             total += contend(&sup, workers, false).await.0;
+                        }
+                        total
+                    }
+                });
+            });
+
+            let k = key(GROUP, "shape_floor", &p);
+            group.bench_function(BenchmarkId::new("shape_floor", &p), |b| {
+                timed(b, &rt, &k, SAMPLES, |iters| {
+                    let owner = owner.clone();
+                    async move {
+                        let mut total = Duration::ZERO;
+                        for _ in 0..iters {
+                            total += contend(&owner, workers, false).await.0;
                         }
                         total
                     }
@@ -228,15 +284,42 @@ fn contention(c: &mut Criterion) {
                 });
             });
 
-            rt.block_on(sup.shutdown()).expect("shutdown");
+            rt.block_on(async {
+                owner.check_idle().await;
+                owner.stop();
+                owner_join.await.expect("the shape floor joins");
+                sup.shutdown().await.expect("shutdown");
+            });
         }
     }
     group.finish();
 }
 
 fn row(workers: usize, slots: u32, target: Option<f64>) {
+    row_against("tokio_semaphore", "tokio Semaphore", workers, slots, target);
+}
+
+/// One row of leasehold (or the shape floor, `of`) over `floor`, for one pair.
+fn row_of(of: &str, floor: &str, label: &str, workers: usize, slots: u32, target: Option<f64>) {
     let p = param(workers, slots);
-    let label = format!("{workers} workers / {slots} slots, per lease");
+    let label = format!("{workers} workers / {slots} slots, {label}, per lease");
+    let label = if target.is_some() {
+        format!("**{label}**")
+    } else {
+        label
+    };
+    ratio_row(
+        &label,
+        &key(GROUP, of, &p),
+        &key(GROUP, floor, &p),
+        TOTAL_OPS,
+        target,
+    );
+}
+
+fn row_against(floor: &str, name: &str, workers: usize, slots: u32, target: Option<f64>) {
+    let p = param(workers, slots);
+    let label = format!("{workers} workers / {slots} slots, leasehold / {name}, per lease");
     let label = if target.is_some() {
         format!("**{label}**")
     } else {
@@ -245,7 +328,7 @@ fn row(workers: usize, slots: u32, target: Option<f64>) {
     ratio_row(
         &label,
         &key(GROUP, "leasehold", &p),
-        &key(GROUP, "tokio_semaphore", &p),
+        &key(GROUP, floor, &p),
         TOTAL_OPS,
         target,
     );
@@ -253,14 +336,24 @@ fn row(workers: usize, slots: u32, target: Option<f64>) {
 
 fn summary(_c: &mut Criterion) {
     if !table_start(
-        "contention (yielding body), leasehold / tokio Semaphore",
+        "contention (yielding body), leasehold / the shape floor and / tokio Semaphore",
         &format!("per lease: one iteration's time over its {TOTAL_OPS} acquire + release"),
     ) {
         return;
     }
     let (tw, ts, target) = TARGET;
+    row_against("shape_floor", "the shape floor", tw, ts, Some(TARGET_SHAPE));
     row(tw, ts, Some(target));
+    row_against("shape_floor", "the shape floor", ALSO.0, ALSO.1, None);
     row(ALSO.0, ALSO.1, None);
+    row_of(
+        "shape_floor",
+        "tokio_semaphore",
+        "the shape floor / tokio Semaphore",
+        tw,
+        ts,
+        None,
+    );
     for workers in WORKERS {
         for slots in SLOTS {
             if (workers, slots) != (tw, ts) && (workers, slots) != ALSO {
@@ -275,9 +368,9 @@ fn summary(_c: &mut Criterion) {
         println!("### contention: per-acquire wait (one untimed pass per pair)");
         println!();
         println!(
-            "| workers | slots | leasehold p50 / p99 / p99.9 | tokio Semaphore p50 / p99 / p99.9 |"
+            "| workers | slots | leasehold p50 / p99 / p99.9 | shape floor p50 / p99 / p99.9 | tokio Semaphore p50 / p99 / p99.9 |"
         );
-        println!("|---|---|---|---|");
+        println!("|---|---|---|---|---|");
         for row in latency.iter() {
             let f = |p: [u64; 3]| {
                 format!(
@@ -288,11 +381,32 @@ fn summary(_c: &mut Criterion) {
                 )
             };
             println!(
-                "| {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} |",
                 row.workers,
                 row.slots,
                 f(row.leasehold),
+                f(row.shape),
                 f(row.semaphore)
+            );
+        }
+        println!();
+        println!("### contention: what noise does not move (the same untimed pass)");
+        println!();
+        println!(
+            "| workers | slots | leasehold doorbells / lease | leasehold polls / lease | shape floor doorbells / lease | shape floor actor turns / lease | shape floor requests / turn |"
+        );
+        println!("|---|---|---|---|---|---|---|");
+        for row in latency.iter() {
+            let leases = (TOTAL_OPS / row.workers as u64 * row.workers as u64).max(1) as f64;
+            println!(
+                "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                row.workers,
+                row.slots,
+                row.counts.rings as f64 / leases,
+                row.counts.polls as f64 / leases,
+                row.owner.rings as f64 / leases,
+                row.owner.wakes as f64 / leases,
+                row.owner.drained as f64 / row.owner.wakes.max(1) as f64
             );
         }
     }

@@ -13,7 +13,9 @@
 //! explicit lease on 8 slots, as `benches/lease.rs`), `contention` (64 tasks on 8 slots, each
 //! acquire, yield, release, as `benches/contention.rs`; the count is the total leases), `run`,
 //! `submit` and `spawn_job` (one no-op job at a time, as `benches/run.rs`: `run`, `submit` and
-//! its handle joined, `spawn_job` of an actor that stops in `post_start`). The first 100 round
+//! its handle joined, `spawn_job` of an actor that stops in `post_start`), and the shape floor's
+//! `owner_lease` and `owner_contention` (the same two workloads on one owner actor written by
+//! hand, `floor/owner.rs`: the yardstick for a lease by message). The first 100 round
 //! trips warm up in both runs, so they cancel out. Under plain `cargo bench` (or
 //! `-- --test`) it runs each shape briefly and prints what it did.
 
@@ -23,7 +25,7 @@ use std::sync::Arc;
 
 use leasehold::Supervisor;
 
-use floor::{acquire_release, runtime};
+use floor::{Owner, acquire_release, owner_acquire_release, runtime};
 
 async fn contention(sup: &Supervisor, n: u64) {
     let workers = 64u64;
@@ -44,7 +46,53 @@ async fn contention(sup: &Supervisor, n: u64) {
     }
 }
 
+/// `contention` on the shape floor.
+async fn owner_contention(owner: &Owner, n: u64) {
+    let workers = 64u64;
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let owner = owner.clone();
+        let share = n / workers + u64::from(w < n % workers);
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..share {
+                let slot = owner.acquire().await;
+                tokio::task::yield_now().await;
+                owner.release(slot).await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("worker");
+    }
+}
+
+/// A shape of the shape floor, as `run` runs leasehold's.
+fn run_owner(shape: &str, n: u64) {
+    let rt = Arc::new(runtime());
+    let shape = shape.to_owned();
+    rt.clone().block_on(async move {
+        tokio::spawn(async move {
+            let (owner, join) = Owner::start(8).await;
+            for n in [100, n] {
+                if shape == "owner_lease" {
+                    owner_acquire_release(&owner, n).await;
+                } else {
+                    owner_contention(&owner, n).await;
+                }
+            }
+            owner.check_idle().await;
+            owner.stop();
+            join.await.expect("the shape floor joins");
+        })
+        .await
+        .expect("the loop");
+    });
+}
+
 fn run(shape: &str, n: u64) {
+    if shape.starts_with("owner_") {
+        return run_owner(shape, n);
+    }
     let rt = Arc::new(runtime());
     let shape = shape.to_owned();
     rt.clone().block_on(async move {
@@ -72,7 +120,9 @@ fn run(shape: &str, n: u64) {
                     }
                 }
                 other => {
-                    panic!("unknown shape {other:?} (lease, contention, run, submit, spawn_job)")
+                    panic!(
+                        "unknown shape {other:?} (lease, contention, run, submit, spawn_job, owner_lease, owner_contention)"
+                    )
                 }
             }
             sup.shutdown().await.expect("shutdown");
@@ -88,7 +138,15 @@ fn main() {
         [shape, n] if !shape.starts_with('-') => run(shape, n.parse().expect("a count")),
         // `cargo bench` / `cargo bench -- --test`: a brief run of each shape.
         _ => {
-            for shape in ["lease", "contention", "run", "submit", "spawn_job"] {
+            for shape in [
+                "lease",
+                "contention",
+                "run",
+                "submit",
+                "spawn_job",
+                "owner_lease",
+                "owner_contention",
+            ] {
                 run(shape, 256);
                 println!(
                     "instructions: {shape} ran 256 round trips (count them under callgrind: see BENCHMARKS.md)"

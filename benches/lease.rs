@@ -6,7 +6,14 @@
 //! - `ractor_call`: one raw ractor `call` to an actor that answers at once: the target's floor,
 //!   acquire + release ≤ 2.2× of it;
 //! - `ractor_call_x2`: two raw calls in a row, context (acquire and release are each a message
-//!   to the supervisor actor).
+//!   to the supervisor actor);
+//! - `shape_floor`: the same lease from the shape floor (`floor/owner.rs`: one owner actor
+//!   written by hand, requests on a shared queue, a doorbell only when it sleeps, answers by
+//!   oneshot, the release awaited): target ≤ 1.3× of it.
+//!
+//! After the ratios, what noise does not move, per acquire + release over an untimed run:
+//! leasehold's messages, doorbells and polls (`leasehold::Counts`), and the shape floor's
+//! doorbells, wakes and requests drained per wake.
 //!
 //! The web console's cost on the same round trip is leasehold-console's `console` bench.
 //!
@@ -23,14 +30,24 @@ use ractor::Actor;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
 use floor::{
-    PingActor, acquire_release, key, ratio_row, start_supervisor, table_end, table_start, timed,
+    Owner, PingActor, acquire_release, key, owner_acquire_release, ratio_row, start_supervisor,
+    table_end, table_start, timed,
 };
+use leasehold::Counts;
 
 const GROUP: &str = "lease_round_trip";
 const SAMPLES: usize = 30;
 const PARAM: &str = "slots=8";
 /// acquire + release ≤ 3.0× one raw ractor call.
 const TARGET_ONE_CALL: f64 = 3.0;
+/// acquire + release ≤ 1.3× the shape floor's.
+const TARGET_SHAPE: f64 = 1.3;
+/// Round trips of the untimed counted run.
+const COUNTED: u64 = 10_000;
+
+/// What each side did per acquire + release in the counted run, for the summary.
+static COUNTED_FIGURES: std::sync::Mutex<Option<(Counts, floor::OwnerCounts, u64)>> =
+    std::sync::Mutex::new(None);
 
 fn lease_round_trip(c: &mut Criterion) {
     let rt = floor::runtime();
@@ -40,6 +57,7 @@ fn lease_round_trip(c: &mut Criterion) {
         .block_on(Actor::spawn(None, PingActor, ()))
         .expect("ping actor starts");
     let echo = floor::spawn_echo(&rt);
+    let (owner, owner_join) = rt.block_on(Owner::start(8));
 
     let mut group = c.benchmark_group(GROUP);
     group
@@ -106,6 +124,18 @@ fn lease_round_trip(c: &mut Criterion) {
         });
     });
 
+    let k = key(GROUP, "shape_floor", PARAM);
+    group.bench_function(BenchmarkId::new("shape_floor", PARAM), |b| {
+        timed(b, &rt, &k, SAMPLES, |iters| {
+            let owner = owner.clone();
+            async move {
+                let start = Instant::now();
+                owner_acquire_release(&owner, iters).await;
+                start.elapsed()
+            }
+        });
+    });
+
     // Context, not a target: acquire + release is two messages to the actor, each answered.
     let k = key(GROUP, "ractor_call_x2", PARAM);
     group.bench_function(BenchmarkId::new("ractor_call_x2", PARAM), |b| {
@@ -123,8 +153,28 @@ fn lease_round_trip(c: &mut Criterion) {
     });
     group.finish();
 
+    // Untimed: what each side does per round trip, on a worker thread as above.
+    let n = if floor::test_mode() { 100 } else { COUNTED };
+    let (sup2, owner2) = (sup.clone(), owner.clone());
+    let figures = rt.block_on(async move {
+        tokio::spawn(async move {
+            let before = Counts::now();
+            acquire_release(&sup2, n).await;
+            let counts = Counts::now().since(before);
+            owner2.take_counts();
+            owner_acquire_release(&owner2, n).await;
+            (counts, owner2.take_counts())
+        })
+        .await
+        .expect("the counted run")
+    });
+    *COUNTED_FIGURES.lock().expect("figures") = Some((figures.0, figures.1, n));
+
     drop(echo);
     rt.block_on(async {
+        owner.check_idle().await;
+        owner.stop();
+        owner_join.await.expect("the shape floor joins");
         sup.shutdown().await.expect("shutdown");
         ping.stop(None);
         ping_join.await.expect("ping actor joins");
@@ -164,6 +214,36 @@ fn summary(_c: &mut Criterion) {
         1,
         None,
     );
+    ratio_row(
+        "**acquire+release / the shape floor's** (one owner actor by hand)",
+        &k("leasehold"),
+        &k("shape_floor"),
+        1,
+        Some(TARGET_SHAPE),
+    );
+    if let Some((c, o, n)) = *COUNTED_FIGURES.lock().expect("figures") {
+        let per = |x: u64| x as f64 / n as f64;
+        println!();
+        println!("What noise does not move, per acquire + release ({n} round trips, untimed):");
+        println!();
+        println!(
+            "| side | messages / lease | doorbells / lease | wakes / lease | requests / wake |"
+        );
+        println!("|---|---|---|---|---|");
+        println!(
+            "| leasehold | {:.2} | {:.2} | {:.2} (polls) | - |",
+            per(c.messages),
+            per(c.rings),
+            per(c.polls)
+        );
+        println!(
+            "| shape floor | {:.2} (requests) | {:.2} | {:.2} (actor turns) | {:.2} |",
+            per(o.drained),
+            per(o.rings),
+            per(o.wakes),
+            o.drained as f64 / o.wakes.max(1) as f64
+        );
+    }
     table_end();
 }
 

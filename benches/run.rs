@@ -13,7 +13,10 @@
 //!   `post_start`, its outcome joined, against `run` and against an actor spawned and joined;
 //! - `leasehold_submit` (≤ 1.0× `leasehold_run`): the same no-op job through `submit`, its
 //!   handle joined (the job is queued by `submit` itself: no task of its own);
-//! - `hand_written_task` (context): a permit, a temp dir, the body as a tokio task, joined.
+//! - `hand_written_task` (context): a permit, a temp dir, the body as a tokio task, joined;
+//! - `shape_floor_noop` (`leasehold_run` ≤ 1.3× of it): a lease from the shape floor (one
+//!   owner actor by hand, `floor/owner.rs`) and the same per-job ractor worker, joined, the
+//!   lease released: leasehold's shape with nothing else.
 //!
 //! criterion ids are `job_lifecycle/<function>/<shape>`. The last "benchmark", `summary`, prints
 //! the ratio rows from the samples criterion took above, then what machine noise does not move:
@@ -49,6 +52,7 @@ const RACTOR_FILE: &str = "hand_written_ractor_file";
 const TASK: &str = "hand_written_task";
 const ACTOR_JOB: &str = "leasehold_spawn_job";
 const SUBMIT: &str = "leasehold_submit";
+const SHAPE_NOOP: &str = "shape_floor_noop";
 
 /// Targets: wall time (the no-op row also has one in instructions, judged in the callgrind
 /// table).
@@ -57,6 +61,7 @@ const NOOP_INSTRUCTIONS_TARGET: f64 = 2.0;
 const FILE_TARGET: f64 = 1.5;
 const ACTOR_JOB_TARGET: f64 = 1.5;
 const SUBMIT_TARGET: f64 = 1.0;
+const SHAPE_TARGET: f64 = 1.3;
 
 /// Jobs per shape for the counts printed by `summary`.
 const COUNTED_JOBS: u64 = 2_000;
@@ -66,6 +71,7 @@ const COUNTED_JOBS: u64 = 2_000;
 struct Jobs {
     sup: Supervisor,
     sem: Arc<Semaphore>,
+    owner: floor::Owner,
     root: Arc<PathBuf>,
 }
 
@@ -80,6 +86,7 @@ impl Jobs {
             RACTOR_NOOP => floor::hand_written_ractor_noop(&self.sem).await,
             RACTOR_FILE => floor::hand_written_ractor_file(&self.sem, &self.root).await,
             TASK => floor::hand_written_task_job(&self.sem, &self.root).await,
+            SHAPE_NOOP => floor::owner_ractor_noop(&self.owner).await,
             other => panic!("unknown shape {other:?}"),
         }
     }
@@ -99,11 +106,13 @@ fn setup() -> Setup {
     // The supervisor's own work root (canonicalized), where its job temp dirs go: the floors
     // make theirs there too.
     let root = Arc::new(PathBuf::from(sup.work_root()));
+    let (owner, _join) = rt.block_on(floor::Owner::start(SLOTS as usize));
     Setup {
         rt,
         jobs: Jobs {
             sup,
             sem: Arc::new(Semaphore::new(SLOTS as usize)),
+            owner,
             root,
         },
         scratch,
@@ -160,6 +169,7 @@ fn job_lifecycle(c: &mut Criterion) {
         (RACTOR_NOOP, NOOP),
         (RACTOR_FILE, FILE),
         (TASK, NOOP),
+        (SHAPE_NOOP, NOOP),
     ] {
         let k = key(GROUP, function, shape);
         group.bench_function(BenchmarkId::new(function, shape), |b| {
@@ -228,6 +238,13 @@ fn summary(_c: &mut Criterion) {
         Some(SUBMIT_TARGET),
     );
     ratio_row(
+        "**`run`, no-op body / the shape floor's** (a lease by message from one owner actor by hand + actor spawned and joined)",
+        &key(GROUP, LEASEHOLD, NOOP),
+        &key(GROUP, SHAPE_NOOP, NOOP),
+        1,
+        Some(SHAPE_TARGET),
+    );
+    ratio_row(
         "`spawn_job` / an actor spawned and joined by hand (permit + actor)",
         &key(GROUP, ACTOR_JOB, NOOP),
         &key(GROUP, RACTOR_NOOP, NOOP),
@@ -280,6 +297,7 @@ fn summary(_c: &mut Criterion) {
     if !floor::test_mode() {
         counted_externally();
     }
+    s.rt.block_on(s.jobs.owner.check_idle());
     s.rt.block_on(s.jobs.sup.clone().shutdown())
         .expect("shutdown");
     // `SETUP` is a static, never dropped: its scratch dir is removed here.
@@ -371,6 +389,10 @@ fn counted_externally() {
     for (label, shape) in [
         ("`run`, no-op body, no temp dir", LEASEHOLD),
         ("floor: permit + actor spawned and joined", RACTOR_NOOP),
+        (
+            "shape floor: a lease from one owner actor + actor spawned and joined",
+            SHAPE_NOOP,
+        ),
         ("`run`, writes one file in its temp dir", LEASEHOLD_FILE),
         (
             "floor: permit + temp dir + actor writes the file + dir removed",

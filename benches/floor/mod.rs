@@ -1,7 +1,8 @@
 //! What the benches share: the runtime every figure is taken on, the timed loop that runs on it,
 //! the samples behind each bench's ratio rows and the printer of those rows, test-mode
 //! detection, the scratch dir for job temp dirs, and the floors themselves (a raw ractor actor,
-//! a tokio mpsc + oneshot echo task, and the hand-written equivalents of `Supervisor::run`).
+//! a tokio mpsc + oneshot echo task, the hand-written equivalents of `Supervisor::run`, and the
+//! shape floor: one owner actor that leases slots by message, written by hand, in `owner.rs`).
 //!
 //! Each bench includes it with `mod floor;` and uses a part of it, hence the `dead_code` allow.
 //!
@@ -27,6 +28,11 @@ use leasehold::{JobSpec, Supervisor};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::runtime::Runtime;
 use tokio::sync::{Semaphore, mpsc, oneshot};
+
+mod owner;
+// Each bench uses a part of this module (as with `dead_code` above).
+#[allow(unused_imports)]
+pub use owner::{Owner, OwnerCounts};
 
 // ---------------------------------------------------------------------------------------------
 // Runtime, timed loops, modes
@@ -402,7 +408,6 @@ impl Actor for NoopActor {
     }
 }
 
-/// One `Supervisor::spawn_job` of a [`NoopActor`], its outcome joined.
 /// A no-op job through `submit`, its handle joined.
 pub async fn noop_submit(sup: &Supervisor) {
     sup.submit(JobSpec::new("s").expect("valid id"), |_ctx| async {
@@ -413,6 +418,7 @@ pub async fn noop_submit(sup: &Supervisor) {
     .expect("no-op job succeeds");
 }
 
+/// One `Supervisor::spawn_job` of a [`NoopActor`], its outcome joined.
 pub async fn noop_spawn_job(sup: &Supervisor) {
     let job = JobSpec::new("a").expect("valid id");
     let (_actor, outcome) = sup
@@ -420,6 +426,30 @@ pub async fn noop_spawn_job(sup: &Supervisor) {
         .await
         .expect("spawned");
     outcome.join().await.expect("stopped");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shape floor (`owner.rs`): a lease by message from one owner actor, by hand
+// ---------------------------------------------------------------------------------------------
+
+/// `n` round trips of a lease from the shape floor: acquire, then release (awaited).
+pub async fn owner_acquire_release(owner: &Owner, n: u64) {
+    for _ in 0..n {
+        let slot = owner.acquire().await;
+        owner.release(slot).await;
+    }
+}
+
+/// The shape floor of `run` with a no-op body: a lease from the owner, a fresh [`JobWorker`]
+/// that runs the body in its `post_start` and stops itself, joined, the lease released.
+pub async fn owner_ractor_noop(owner: &Owner) {
+    let slot = owner.acquire().await;
+    let body = || async { Ok::<_, io::Error>(()) };
+    let (_worker, join) = Actor::spawn(None, JobWorker(PhantomData), body)
+        .await
+        .expect("worker starts");
+    join.await.expect("worker joins");
+    owner.release(slot).await;
 }
 
 /// A per-job ractor worker: runs the body it was started with in `post_start`, then stops.
