@@ -318,18 +318,12 @@ fn row_of(of: &str, floor: &str, label: &str, workers: usize, slots: u32, target
 }
 
 fn row_against(floor: &str, name: &str, workers: usize, slots: u32, target: Option<f64>) {
-    let p = param(workers, slots);
-    let label = format!("{workers} workers / {slots} slots, leasehold / {name}, per lease");
-    let label = if target.is_some() {
-        format!("**{label}**")
-    } else {
-        label
-    };
-    ratio_row(
-        &label,
-        &key(GROUP, "leasehold", &p),
-        &key(GROUP, floor, &p),
-        TOTAL_OPS,
+    row_of(
+        "leasehold",
+        floor,
+        &format!("leasehold / {name}"),
+        workers,
+        slots,
         target,
     );
 }

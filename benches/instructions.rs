@@ -27,17 +27,20 @@ use leasehold::Supervisor;
 
 use floor::{Owner, acquire_release, owner_acquire_release, runtime};
 
-async fn contention(sup: &Supervisor, n: u64) {
+/// `n` rounds of `one` spread over 64 tasks, as `benches/contention.rs` spreads its leases.
+async fn spread<F, Fut>(n: u64, one: F)
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
     let workers = 64u64;
     let mut tasks = Vec::new();
     for w in 0..workers {
-        let sup = sup.clone();
+        let one = one.clone();
         let share = n / workers + u64::from(w < n % workers);
         tasks.push(tokio::spawn(async move {
             for _ in 0..share {
-                let mut lease = sup.acquire().await.expect("acquire");
-                tokio::task::yield_now().await;
-                lease.release().await.expect("release");
+                one().await;
             }
         }));
     }
@@ -46,24 +49,32 @@ async fn contention(sup: &Supervisor, n: u64) {
     }
 }
 
+/// 64 tasks on 8 slots: acquire, yield, release.
+async fn contention(sup: &Supervisor, n: u64) {
+    let sup = sup.clone();
+    spread(n, move || {
+        let sup = sup.clone();
+        async move {
+            let mut lease = sup.acquire().await.expect("acquire");
+            tokio::task::yield_now().await;
+            lease.release().await.expect("release");
+        }
+    })
+    .await;
+}
+
 /// `contention` on the shape floor.
 async fn owner_contention(owner: &Owner, n: u64) {
-    let workers = 64u64;
-    let mut tasks = Vec::new();
-    for w in 0..workers {
+    let owner = owner.clone();
+    spread(n, move || {
         let owner = owner.clone();
-        let share = n / workers + u64::from(w < n % workers);
-        tasks.push(tokio::spawn(async move {
-            for _ in 0..share {
-                let slot = owner.acquire().await;
-                tokio::task::yield_now().await;
-                owner.release(slot).await;
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.expect("worker");
-    }
+        async move {
+            let slot = owner.acquire().await;
+            tokio::task::yield_now().await;
+            owner.release(slot).await;
+        }
+    })
+    .await;
 }
 
 /// A shape of the shape floor, as `run` runs leasehold's.
