@@ -85,10 +85,10 @@ fn run_owner(shape: &str, n: u64) {
         tokio::spawn(async move {
             let (owner, join) = Owner::start(8).await;
             for n in [100, n] {
-                if shape == "owner_lease" {
-                    owner_acquire_release(&owner, n).await;
-                } else {
-                    owner_contention(&owner, n).await;
+                match shape.as_str() {
+                    "owner_lease" => owner_acquire_release(&owner, n).await,
+                    "owner_contention" => owner_contention(&owner, n).await,
+                    other => panic!("unknown shape {other:?} (owner_lease, owner_contention)"),
                 }
             }
             owner.check_idle().await;

@@ -8,10 +8,13 @@
 //! releases first and then grants in the order asked, and answers each by oneshot after its
 //! effect. A release is awaited like an acquire.
 //!
-//! It checks itself as it goes: a slot granted while held, a release of a slot not held, or more
-//! holders than slots panic the actor (and the bench with it); [`Owner::check_idle`] says every
-//! slot is free and nobody waits at the end. It counts its wakes, the requests they drained and
-//! the doorbells rung, which the benches print next to their ratios.
+//! It is checked as it goes, from the callers' side: a caller handed a slot that another caller
+//! holds, or more callers holding a slot at once than there are slots, panics that caller (and
+//! the bench with it). A release of a slot the actor does not hold as granted ends the process
+//! (a panic in the actor would stop only the actor, which ractor catches, and leave every caller
+//! waiting). [`Owner::check_idle`] says every slot is free and nobody waits at the end. It
+//! counts its wakes (doorbells handled), the requests they drained and the doorbells rung,
+//! which the benches print next to their ratios.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -42,8 +45,10 @@ struct Shared {
     requests: Mutex<Vec<Request>>,
     /// The actor sleeps with no doorbell on its way: the caller that flips this rings.
     idle: AtomicBool,
-    /// Whether each slot is held now: a grant of a held slot is a double grant.
+    /// Whether each slot is held, as its callers see it: a slot handed to a caller while
+    /// another holds it is a double grant.
     held: Vec<AtomicBool>,
+    /// Callers holding a slot now, and the most there ever were at once.
     holders: AtomicUsize,
     most_holders: AtomicUsize,
     wakes: AtomicU64,
@@ -61,7 +66,7 @@ pub struct Owner {
 /// The owner's counters since its start (or its last [`Owner::take_counts`]).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct OwnerCounts {
-    /// Turns of the actor that drained the queue.
+    /// Doorbells the actor handled (each drains the queue until it is empty).
     pub wakes: u64,
     /// Requests those turns drained (acquires and releases).
     pub drained: u64,
@@ -100,11 +105,30 @@ impl Owner {
     pub async fn acquire(&self) -> usize {
         let (tx, rx) = oneshot::channel();
         self.push(Request::Acquire(tx));
-        rx.await.expect("the owner answers")
+        let slot = rx.await.expect("the owner answers");
+        let shared = &self.shared;
+        assert!(
+            !shared.held[slot].swap(true, Ordering::AcqRel),
+            "slot {slot} handed to a caller while another holds it"
+        );
+        let holders = shared.holders.fetch_add(1, Ordering::AcqRel) + 1;
+        assert!(
+            holders <= shared.held.len(),
+            "{holders} callers hold one of {} slots at once",
+            shared.held.len()
+        );
+        shared.most_holders.fetch_max(holders, Ordering::AcqRel);
+        slot
     }
 
     /// Gives `slot` back and waits until the owner has taken it.
     pub async fn release(&self, slot: usize) {
+        let shared = &self.shared;
+        assert!(
+            shared.held[slot].swap(false, Ordering::AcqRel),
+            "slot {slot} given back by a caller that does not hold it"
+        );
+        shared.holders.fetch_sub(1, Ordering::AcqRel);
         let (tx, rx) = oneshot::channel();
         self.push(Request::Release(slot, tx));
         rx.await.expect("the owner answers");
@@ -143,31 +167,31 @@ impl Owner {
 
 struct OwnerActor;
 
-/// The actor's own state: the free list and the waiters, oldest first.
-pub struct OwnerState {
+/// The actor's own state: the free list, the waiters (oldest first) and which slots it has
+/// granted.
+struct OwnerState {
     shared: Arc<Shared>,
     free: VecDeque<usize>,
     waiters: VecDeque<oneshot::Sender<usize>>,
+    granted: Vec<bool>,
+}
+
+/// A broken promise inside the actor ends the process: a panic there would stop only the actor
+/// (ractor catches it) and leave every caller waiting.
+fn broken(what: &str) -> ! {
+    eprintln!("the shape floor broke its promise: {what}");
+    std::process::exit(101)
 }
 
 impl OwnerState {
     /// Hands `slot` to the oldest waiter that still listens; `false` when none is left.
     fn grant(&mut self, slot: usize) -> bool {
         while let Some(waiter) = self.waiters.pop_front() {
-            let shared = &self.shared;
-            assert!(
-                !shared.held[slot].swap(true, Ordering::AcqRel),
-                "slot {slot} granted while held"
-            );
-            let holders = shared.holders.fetch_add(1, Ordering::AcqRel) + 1;
-            assert!(holders <= shared.held.len(), "{holders} holders");
-            shared.most_holders.fetch_max(holders, Ordering::AcqRel);
             if waiter.send(slot).is_ok() {
+                self.granted[slot] = true;
                 return true;
             }
-            // The caller gave up: the slot is free again.
-            shared.held[slot].store(false, Ordering::Release);
-            shared.holders.fetch_sub(1, Ordering::AcqRel);
+            // That caller gave up: the next one gets the slot.
         }
         false
     }
@@ -175,9 +199,9 @@ impl OwnerState {
     /// One wake: drain the queue (releases first, then the acquires in order, then grants
     /// while slots are free), again while requests came in meanwhile, then sleep.
     fn drain(&mut self) {
+        self.shared.wakes.fetch_add(1, Ordering::Relaxed);
         loop {
             let batch = std::mem::take(&mut *self.shared.requests.lock());
-            self.shared.wakes.fetch_add(1, Ordering::Relaxed);
             self.shared
                 .drained
                 .fetch_add(batch.len() as u64, Ordering::Relaxed);
@@ -185,11 +209,9 @@ impl OwnerState {
             for request in batch {
                 match request {
                     Request::Release(slot, done) => {
-                        assert!(
-                            self.shared.held[slot].swap(false, Ordering::AcqRel),
-                            "slot {slot} released while free"
-                        );
-                        self.shared.holders.fetch_sub(1, Ordering::AcqRel);
+                        if !std::mem::replace(&mut self.granted[slot], false) {
+                            broken(&format!("slot {slot} released while not granted"));
+                        }
                         self.free.push_back(slot);
                         let _ = done.send(());
                     }
@@ -225,11 +247,12 @@ impl Actor for OwnerActor {
         _myself: ActorRef<OwnerMsg>,
         shared: Arc<Shared>,
     ) -> Result<OwnerState, ActorProcessingErr> {
-        let free = (0..shared.held.len()).collect();
+        let slots = shared.held.len();
         Ok(OwnerState {
             shared,
-            free,
+            free: (0..slots).collect(),
             waiters: VecDeque::new(),
+            granted: vec![false; slots],
         })
     }
 

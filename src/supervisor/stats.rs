@@ -213,5 +213,10 @@ mod tests {
                 capacity.map(|c| c as usize)
             );
         }
+        // Past the largest capacity a broker can state (a u32): the largest, never "unknown".
+        assert_eq!(
+            decode_capacity(encode_capacity(Some(u64::MAX))),
+            Some(u32::MAX as usize)
+        );
     }
 }
