@@ -153,8 +153,9 @@ async fn js<T: serde::de::DeserializeOwned>(page: &Page, expr: &str) -> T {
 /// element and the moment the mouse presses and releases there (three DevTools round trips): the
 /// click then lands on whatever moved under the pointer. A guard in the capture phase sees every
 /// click first: one that reached the element goes on to the page's own handlers; one that missed
-/// is swallowed (it reaches no other control) and the click is tried again, as a user would
-/// click again. An element that every try misses fails the test, naming what was hit instead.
+/// is swallowed (no control's click handler hears it; the press may still have moved the
+/// focus) and the click is tried again, as a user would click again. An element that every try
+/// misses fails the test, naming what was hit instead.
 async fn click(page: &Page, selector: &str) {
     const TRIES: u32 = 5;
     let mut missed = Vec::new();
@@ -162,12 +163,13 @@ async fn click(page: &Page, selector: &str) {
         js::<bool>(
             page,
             &format!(
-                "(() => {{ const want = document.querySelector({selector:?}); \
+                "(() => {{ const sel = {selector:?}; \
                  if (window.__clickGuard) window.removeEventListener('click', window.__clickGuard, true); \
                  window.__clickHit = ''; \
                  window.__clickGuard = (e) => {{ \
                    window.removeEventListener('click', window.__clickGuard, true); \
                    window.__clickGuard = null; \
+                   const want = document.querySelector(sel); \
                    if (want && want.contains(e.target)) {{ window.__clickHit = 'hit'; return; }} \
                    const t = e.target; \
                    window.__clickHit = t.tagName + (t.id ? '#' + t.id : '') + \
@@ -183,13 +185,18 @@ async fn click(page: &Page, selector: &str) {
             .click()
             .await
             .unwrap_or_else(|e| panic!("clicking `{selector}`: {e}"));
-        wait_for(
+        // The page's click handlers have run when the mouse's release returns. No click at all
+        // (the element pressed was replaced before the release, or it is disabled) is a miss
+        // too: the guard comes off and the click is tried again.
+        let hit: String = js(
             page,
-            &format!("the click on `{selector}` delivered"),
-            "window.__clickHit !== ''",
+            "(() => { const hit = window.__clickHit; \
+               if (window.__clickGuard) { \
+                 window.removeEventListener('click', window.__clickGuard, true); \
+                 window.__clickGuard = null; } \
+               return hit || 'no click delivered'; })()",
         )
         .await;
-        let hit: String = js(page, "window.__clickHit").await;
         if hit == "hit" {
             if !missed.is_empty() {
                 let _ = writeln!(
@@ -799,13 +806,13 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
 }
 
 /// The tests' own click ([`click`]) reaches the element it names even when the layout moves
-/// under the mouse, and a click that lands elsewhere acts on nothing: this page puts a button
+/// under the mouse, and a click that lands elsewhere reaches no control: this page puts a button
 /// of its own above the target when the mouse first moves in (as a re-render that adds a row
 /// would), so the first press and release land on that button. Its handler must not run, and
 /// the target's must run exactly once. With a plain coordinate click, the other button acts and
 /// the target never hears the click.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_click_the_layout_moves_off_its_element_acts_on_nothing_and_is_tried_again() {
+async fn a_click_the_layout_moves_off_its_element_reaches_no_control_and_is_tried_again() {
     let Some(exe) = chromium_or_skip() else {
         return;
     };
@@ -838,6 +845,40 @@ async fn a_click_the_layout_moves_off_its_element_acts_on_nothing_and_is_tried_a
         (1, 0),
         "the click reached the target {target} times and the button that moved under it {other} times"
     );
+    chrome.close().await;
+}
+
+/// The tests' own click is tried again when no click came at all: here the page replaces the
+/// button between the mouse's press and its release (as a re-render that rebuilds a row would),
+/// so the browser sends no click. The second try reaches the new button.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_click_that_never_comes_because_its_element_was_replaced_is_tried_again() {
+    let Some(exe) = chromium_or_skip() else {
+        return;
+    };
+    let _one = ONE_BROWSER.lock().await;
+    let chrome = Chrome::launch(&exe, 800, 600).await;
+    let page = chrome.browser.new_page("about:blank").await.unwrap();
+    js::<bool>(
+        &page,
+        "(() => { document.body.innerHTML = '<button id=\"target\">target</button>'; \
+           window.targetClicks = 0; window.replaced = false; \
+           const count = () => window.targetClicks++; \
+           document.querySelector('#target').addEventListener('click', count); \
+           document.addEventListener('mousedown', () => { \
+             if (window.replaced) return; window.replaced = true; \
+             const old = document.querySelector('#target'); const b = old.cloneNode(true); \
+             b.addEventListener('click', count); old.replaceWith(b); }); \
+           return true; })()",
+    )
+    .await;
+    click(&page, "#target").await;
+    let (clicks, replaced): (u32, bool) = js(&page, "[window.targetClicks, window.replaced]").await;
+    assert!(
+        replaced,
+        "the page never replaced the button under the press"
+    );
+    assert_eq!(clicks, 1, "the button heard {clicks} clicks");
     chrome.close().await;
 }
 
