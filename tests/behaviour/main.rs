@@ -16,6 +16,7 @@ mod architecture;
 mod cancellation_matrix;
 mod errors_and_priority;
 mod frame_loop;
+mod imports;
 mod lifecycle;
 mod observability;
 mod outside_calls;

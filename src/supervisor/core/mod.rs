@@ -37,6 +37,8 @@
 
 mod admission;
 mod book;
+mod ending;
+mod grant;
 mod ids;
 mod pipeline;
 pub(crate) mod protocol;
@@ -57,9 +59,9 @@ pub(crate) use self::record::{Holder, LeaseRecord, Phase, Proof, Proofs};
 use self::admission::Admission;
 pub(crate) use self::admission::capacity;
 use self::book::Book;
+use self::ending::Ending;
 use self::shrink::shrink_deque;
 pub(crate) use self::shrink::shrink_map;
-use self::shutdown::Ending;
 
 /// Monotonic counters, in slots: every slot granted (a k-slot lease counts k) and every broker
 /// release, one per slot.

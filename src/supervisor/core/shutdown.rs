@@ -5,56 +5,10 @@
 //! distributed broker gives up its session), and stop.
 
 use super::Core;
-use super::protocol::{Abandon, Effect, RecheckFor, StopTally};
+use super::protocol::{Abandon, Effect, RecheckFor};
 use super::record::{Holder, Proof, Stop, Why};
 
-/// A close at the end of shutdown (the GPU devices', the broker's).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Close {
-    NotNeeded,
-    Pending,
-    Closing,
-    Closed,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stage {
-    Serving,
-    Stopping {
-        gpu: Close,
-        broker: Close,
-        deadline_passed: bool,
-    },
-    Stopped,
-}
-
-/// Where the supervisor is in its life, and what its shutdown did.
-#[cfg_attr(test, derive(Clone))]
-#[derive(Debug)]
-pub(super) struct Ending {
-    stage: Stage,
-    /// The supervisor owns GPU devices (close them at shutdown).
-    gpu: bool,
-    pub(super) tally: StopTally,
-}
-
-impl Ending {
-    pub(super) fn new(gpu: bool) -> Self {
-        Self {
-            stage: Stage::Serving,
-            gpu,
-            tally: StopTally::default(),
-        }
-    }
-
-    pub(super) fn is_serving(&self) -> bool {
-        self.stage == Stage::Serving
-    }
-
-    fn is_stopping(&self) -> bool {
-        matches!(self.stage, Stage::Stopping { .. })
-    }
-}
+use super::ending::{Close, Stage};
 
 impl Core {
     pub(super) fn shutdown(&mut self) {
