@@ -907,6 +907,8 @@ impl Supervisor {
     /// # Cancel safety
     ///
     /// Dropping the future does not stop the shutdown, which continues on its own.
+    ///
+    /// [`SupervisorBuilder::shutdown_timeout`]: crate::SupervisorBuilder::shutdown_timeout
     pub async fn shutdown(&self) -> Result<ShutdownReport, ShutdownError> {
         let started = tokio::time::Instant::now();
         let (tx, rx) = oneshot::channel();
