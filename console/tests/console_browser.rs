@@ -805,6 +805,17 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
     assert_eq!(report.stats.active, 0);
 }
 
+/// A blank page in a fresh browser, set up by the JavaScript `setup` (which returns `true`),
+/// holding the one-browser lock; `None` where the browser test is skipped.
+async fn scratch_page(setup: &str) -> Option<(tokio::sync::MutexGuard<'static, ()>, Chrome, Page)> {
+    let exe = chromium_or_skip()?;
+    let one = ONE_BROWSER.lock().await;
+    let chrome = Chrome::launch(&exe, 800, 600).await;
+    let page = chrome.browser.new_page("about:blank").await.unwrap();
+    js::<bool>(&page, setup).await;
+    Some((one, chrome, page))
+}
+
 /// The tests' own click ([`click`]) reaches the element it names even when the layout moves
 /// under the mouse, and a click that lands elsewhere reaches no control: this page puts a button
 /// of its own above the target when the mouse first moves in (as a re-render that adds a row
@@ -813,14 +824,7 @@ async fn the_console_shows_slots_phases_quarantine_and_outcomes_and_guards_its_a
 /// the target never hears the click.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_click_the_layout_moves_off_its_element_reaches_no_control_and_is_tried_again() {
-    let Some(exe) = chromium_or_skip() else {
-        return;
-    };
-    let _one = ONE_BROWSER.lock().await;
-    let chrome = Chrome::launch(&exe, 800, 600).await;
-    let page = chrome.browser.new_page("about:blank").await.unwrap();
-    js::<bool>(
-        &page,
+    let Some((_one, chrome, page)) = scratch_page(
         "(() => { document.body.innerHTML = '<div id=\"above\"></div><button id=\"target\">target</button>'; \
            window.targetClicks = 0; window.otherClicks = 0; window.shifted = false; \
            document.querySelector('#target').addEventListener('click', () => window.targetClicks++); \
@@ -832,7 +836,10 @@ async fn a_click_the_layout_moves_off_its_element_reaches_no_control_and_is_trie
              document.querySelector('#above').appendChild(b); }); \
            return true; })()",
     )
-    .await;
+    .await
+    else {
+        return;
+    };
     click(&page, "#target").await;
     let (target, other, shifted): (u32, u32, bool) = js(
         &page,
@@ -853,14 +860,7 @@ async fn a_click_the_layout_moves_off_its_element_reaches_no_control_and_is_trie
 /// so the browser sends no click. The second try reaches the new button.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_click_that_never_comes_because_its_element_was_replaced_is_tried_again() {
-    let Some(exe) = chromium_or_skip() else {
-        return;
-    };
-    let _one = ONE_BROWSER.lock().await;
-    let chrome = Chrome::launch(&exe, 800, 600).await;
-    let page = chrome.browser.new_page("about:blank").await.unwrap();
-    js::<bool>(
-        &page,
+    let Some((_one, chrome, page)) = scratch_page(
         "(() => { document.body.innerHTML = '<button id=\"target\">target</button>'; \
            window.targetClicks = 0; window.replaced = false; \
            const count = () => window.targetClicks++; \
@@ -871,7 +871,10 @@ async fn a_click_that_never_comes_because_its_element_was_replaced_is_tried_agai
              b.addEventListener('click', count); old.replaceWith(b); }); \
            return true; })()",
     )
-    .await;
+    .await
+    else {
+        return;
+    };
     click(&page, "#target").await;
     let (clicks, replaced): (u32, bool) = js(&page, "[window.targetClicks, window.replaced]").await;
     assert!(
