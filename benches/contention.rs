@@ -285,9 +285,7 @@ fn contention(c: &mut Criterion) {
             });
 
             rt.block_on(async {
-                owner.check_idle().await;
-                owner.stop();
-                owner_join.await.expect("the shape floor joins");
+                owner.close(owner_join).await;
                 sup.shutdown().await.expect("shutdown");
             });
         }

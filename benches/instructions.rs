@@ -27,54 +27,43 @@ use leasehold::Supervisor;
 
 use floor::{Owner, acquire_release, owner_acquire_release, runtime};
 
-/// `n` rounds of `one` spread over 64 tasks, as `benches/contention.rs` spreads its leases.
-async fn spread<F, Fut>(n: u64, one: F)
-where
-    F: Fn() -> Fut + Clone + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send,
-{
+/// One contended round on a pool: acquire, yield, release.
+trait Round: Clone + Send + Sync + 'static {
+    fn round(&self) -> impl std::future::Future<Output = ()> + Send;
+}
+
+impl Round for Supervisor {
+    async fn round(&self) {
+        let mut lease = self.acquire().await.expect("acquire");
+        tokio::task::yield_now().await;
+        lease.release().await.expect("release");
+    }
+}
+
+impl Round for Owner {
+    async fn round(&self) {
+        let slot = self.acquire().await;
+        tokio::task::yield_now().await;
+        self.release(slot).await;
+    }
+}
+
+/// 64 tasks on 8 slots, `n` rounds between them, as `benches/contention.rs` spreads its leases.
+async fn contention<P: Round>(pool: &P, n: u64) {
     let workers = 64u64;
     let mut tasks = Vec::new();
     for w in 0..workers {
-        let one = one.clone();
+        let pool = pool.clone();
         let share = n / workers + u64::from(w < n % workers);
         tasks.push(tokio::spawn(async move {
             for _ in 0..share {
-                one().await;
+                pool.round().await;
             }
         }));
     }
     for t in tasks {
         t.await.expect("worker");
     }
-}
-
-/// 64 tasks on 8 slots: acquire, yield, release.
-async fn contention(sup: &Supervisor, n: u64) {
-    let sup = sup.clone();
-    spread(n, move || {
-        let sup = sup.clone();
-        async move {
-            let mut lease = sup.acquire().await.expect("acquire");
-            tokio::task::yield_now().await;
-            lease.release().await.expect("release");
-        }
-    })
-    .await;
-}
-
-/// `contention` on the shape floor.
-async fn owner_contention(owner: &Owner, n: u64) {
-    let owner = owner.clone();
-    spread(n, move || {
-        let owner = owner.clone();
-        async move {
-            let slot = owner.acquire().await;
-            tokio::task::yield_now().await;
-            owner.release(slot).await;
-        }
-    })
-    .await;
 }
 
 /// A shape of the shape floor, as `run` runs leasehold's.
@@ -87,13 +76,11 @@ fn run_owner(shape: &str, n: u64) {
             for n in [100, n] {
                 match shape.as_str() {
                     "owner_lease" => owner_acquire_release(&owner, n).await,
-                    "owner_contention" => owner_contention(&owner, n).await,
+                    "owner_contention" => contention(&owner, n).await,
                     other => panic!("unknown shape {other:?} (owner_lease, owner_contention)"),
                 }
             }
-            owner.check_idle().await;
-            owner.stop();
-            join.await.expect("the shape floor joins");
+            owner.close(join).await;
         })
         .await
         .expect("the loop");

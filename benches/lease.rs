@@ -172,9 +172,7 @@ fn lease_round_trip(c: &mut Criterion) {
 
     drop(echo);
     rt.block_on(async {
-        owner.check_idle().await;
-        owner.stop();
-        owner_join.await.expect("the shape floor joins");
+        owner.close(owner_join).await;
         sup.shutdown().await.expect("shutdown");
         ping.stop(None);
         ping_join.await.expect("ping actor joins");

@@ -48,9 +48,8 @@ struct Shared {
     /// Whether each slot is held, as its callers see it: a slot handed to a caller while
     /// another holds it is a double grant.
     held: Vec<AtomicBool>,
-    /// Callers holding a slot now, and the most there ever were at once.
+    /// Callers holding a slot now.
     holders: AtomicUsize,
-    most_holders: AtomicUsize,
     wakes: AtomicU64,
     drained: AtomicU64,
     rings: AtomicU64,
@@ -82,7 +81,6 @@ impl Owner {
             idle: AtomicBool::new(true),
             held: (0..slots).map(|_| AtomicBool::new(false)).collect(),
             holders: AtomicUsize::new(0),
-            most_holders: AtomicUsize::new(0),
             wakes: AtomicU64::new(0),
             drained: AtomicU64::new(0),
             rings: AtomicU64::new(0),
@@ -117,7 +115,6 @@ impl Owner {
             "{holders} callers hold one of {} slots at once",
             shared.held.len()
         );
-        shared.most_holders.fetch_max(holders, Ordering::AcqRel);
         slot
     }
 
@@ -134,8 +131,8 @@ impl Owner {
         rx.await.expect("the owner answers");
     }
 
-    /// Panics unless every slot is free, nobody waits and there were never more holders than
-    /// slots.
+    /// Panics unless every slot is free and nobody waits (no caller holds a slot, and the actor
+    /// has every slot on its free list).
     pub async fn check_idle(&self) {
         let (free, waiting) =
             ractor::call!(self.actor, OwnerMsg::Check).expect("the owner answers");
@@ -146,8 +143,13 @@ impl Owner {
             "the shape floor ended with {free} of {slots} slots free and {waiting} waiting"
         );
         assert_eq!(self.shared.holders.load(Ordering::Acquire), 0);
-        let most = self.shared.most_holders.load(Ordering::Acquire);
-        assert!(most <= slots, "{most} holders of {slots} slots at once");
+    }
+
+    /// The end of a run: [`check_idle`](Self::check_idle), then the actor stopped and joined.
+    pub async fn close(self, join: JoinHandle<()>) {
+        self.check_idle().await;
+        self.actor.stop(None);
+        join.await.expect("the shape floor joins");
     }
 
     /// The counters since the last call, reset.
@@ -157,11 +159,6 @@ impl Owner {
             drained: self.shared.drained.swap(0, Ordering::Relaxed),
             rings: self.shared.rings.swap(0, Ordering::Relaxed),
         }
-    }
-
-    /// Stops the actor.
-    pub fn stop(&self) {
-        self.actor.stop(None);
     }
 }
 
