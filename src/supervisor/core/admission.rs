@@ -209,6 +209,14 @@ impl WaitQueue {
         out
     }
 
+    /// The capacity its queues and maps hold on to (the memory tests).
+    #[cfg(test)]
+    fn retained(&self) -> usize {
+        self.classes.iter().map(VecDeque::capacity).sum::<usize>()
+            + self.live.capacity()
+            + self.multi.capacity()
+    }
+
     fn shrink(&mut self) {
         for class in &mut self.classes {
             shrink_deque(class);
@@ -357,6 +365,16 @@ impl Admission {
             .position(|(t, _)| self.retired(*t))
             .unwrap_or(0);
         Some(self.spare.remove(i))
+    }
+
+    /// The capacity held on to by the waiter queue, and by the acquires in flight (the memory
+    /// tests).
+    #[cfg(test)]
+    pub(super) fn retained(&self) -> (usize, usize) {
+        (
+            self.queue.retained(),
+            self.acquiring.capacity() + self.bound.capacity(),
+        )
     }
 
     pub(super) fn shrink(&mut self) {

@@ -229,6 +229,12 @@ impl Book {
         Ok(())
     }
 
+    /// The capacity its maps hold on to (the memory tests).
+    #[cfg(test)]
+    pub(crate) fn retained(&self) -> usize {
+        self.records.capacity() + self.by_slot.capacity() + self.by_lease_id.capacity()
+    }
+
     /// Gives back the memory a flood left behind (amortised O(1)).
     pub(crate) fn shrink(&mut self) {
         shrink_map(&mut self.records);

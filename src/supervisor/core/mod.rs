@@ -44,7 +44,7 @@ mod pipeline;
 pub(crate) mod protocol;
 mod quarantine;
 pub(crate) mod record;
-mod shrink;
+pub(crate) mod shrink;
 mod shutdown;
 
 use std::collections::VecDeque;
@@ -85,6 +85,16 @@ pub(crate) struct Figures {
     pub(crate) leases: usize,
     pub(crate) capacity: Option<usize>,
     pub(crate) counters: Counters,
+}
+
+/// What each part of the core holds on to, in elements of capacity (the memory tests).
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Retained {
+    pub(crate) waiters: usize,
+    pub(crate) acquiring: usize,
+    pub(crate) leases: usize,
+    pub(crate) effects: usize,
 }
 
 /// The effects of the inputs applied so far, in order.
@@ -278,6 +288,18 @@ impl Core {
     /// each).
     pub(crate) fn take_touched(&mut self, into: &mut Vec<LeaseKey>) {
         self.book.take_touched(into);
+    }
+
+    /// The capacity each part holds on to (the memory tests).
+    #[cfg(test)]
+    pub(crate) fn retained(&self) -> Retained {
+        let (waiters, acquiring) = self.admission.retained();
+        Retained {
+            waiters,
+            acquiring,
+            leases: self.book.retained(),
+            effects: self.fx.0.capacity(),
+        }
     }
 
     /// Gives back the memory a flood left behind (amortised O(1)).

@@ -5,6 +5,7 @@
 
 mod edges;
 mod explore;
+mod memory;
 mod model;
 mod pool_model;
 

@@ -931,3 +931,48 @@ fn cancelling_a_job_by_key_cancels_it_once_and_only_before_its_release() {
         .count();
     assert_eq!(cancels, 1);
 }
+
+#[test]
+fn each_orphan_that_expires_is_counted_once() {
+    let mut core = Core::on_broker(Some(1), false, false);
+    for n in 1..=3 {
+        core.apply(Input::OrphanExpired);
+        assert!(matches!(
+            drain(&mut core).as_slice(),
+            [Effect::OrphanCounted]
+        ));
+        assert_eq!(core.counters().orphan_expired_total, n);
+    }
+}
+
+#[test]
+fn a_process_started_once_the_jobs_tasks_have_joined_is_illegal_and_owes_nothing() {
+    // The tasks that could start a process are gone: a report of one is a driver's bug, and
+    // must not hold the slot for a group nobody will prove.
+    let mut core = Core::on_broker(Some(1), false, false);
+    let key = started_job(&mut core, token(0, 1), None);
+    core.apply(Input::Proven {
+        key,
+        proofs: Proofs::TASKS,
+    });
+    drain(&mut core);
+    core.apply(Input::ProcessStarted {
+        key,
+        process: ProcessKey(9),
+    });
+    let effects = drain(&mut core);
+    assert!(
+        matches!(effects.as_slice(), [Effect::Illegal(what)] if what.contains("process")),
+        "{effects:?}"
+    );
+    core.apply(Input::Ended {
+        key,
+        proofs: Proofs::JOINED,
+        dir: dir_of(key),
+    });
+    let effects = drain(&mut core);
+    assert!(
+        matches!(effects.as_slice(), [Effect::RemoveTempDir { .. }]),
+        "the group that never was is not owed: {effects:?}"
+    );
+}
