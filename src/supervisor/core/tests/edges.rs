@@ -976,3 +976,150 @@ fn a_process_started_once_the_jobs_tasks_have_joined_is_illegal_and_owes_nothing
         "the group that never was is not owed: {effects:?}"
     );
 }
+
+/// A renewing core with one job started and one explicit lease delivered; their keys.
+fn renewing_job_and_lease() -> (Core, LeaseKey, LeaseKey) {
+    let mut core = Core::on_broker(Some(2), true, false);
+    for (w, want) in [(1, Want::Job), (2, Want::Lease)] {
+        core.apply(Input::Enqueue {
+            waiter: WaiterId(w),
+            ask: Ask::one(want),
+        });
+    }
+    core.settle();
+    let requests: Vec<_> = drain(&mut core)
+        .into_iter()
+        .filter_map(|e| match e {
+            Effect::Acquire { request, .. } => Some(request),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(requests.len(), 2);
+    for (i, request) in requests.into_iter().enumerate() {
+        core.apply(Input::Acquired {
+            request,
+            result: Ok(token(i as u32, i as u64 + 1)),
+        });
+    }
+    let delivered: Vec<_> = drain(&mut core)
+        .into_iter()
+        .filter_map(|e| match e {
+            Effect::Deliver { waiter, key, .. } => Some((waiter, key)),
+            _ => None,
+        })
+        .collect();
+    let key_of = |w| delivered.iter().find(|(x, _)| *x == WaiterId(w)).unwrap().1;
+    let (job, lease) = (key_of(1), key_of(2));
+    core.apply(Input::Started {
+        key: job,
+        device: None,
+    });
+    drain(&mut core);
+    (core, job, lease)
+}
+
+#[test]
+fn a_lease_lost_under_a_running_job_or_an_explicit_holder_cancels_it_once_with_the_reason() {
+    let (mut core, job, lease) = renewing_job_and_lease();
+    for key in [job, lease] {
+        core.apply(Input::LeaseLost {
+            key,
+            reason: format!("ttl of {key} expired"),
+        });
+        let effects = drain(&mut core);
+        let holder = if key == job {
+            Holder::Job
+        } else {
+            Holder::Explicit
+        };
+        assert!(
+            matches!(effects.as_slice(),
+                [Effect::Cancel { key: k, holder: h, lost: Some(why) }]
+                    if *k == key && *h == holder && why.contains("expired")),
+            "{effects:?}"
+        );
+        // Its renewal has ended: a second report acts on nothing.
+        core.apply(Input::LeaseLost {
+            key,
+            reason: "again".into(),
+        });
+        let effects = drain(&mut core);
+        assert!(effects.is_empty(), "{effects:?}");
+    }
+}
+
+#[test]
+fn a_lease_lost_after_the_jobs_work_has_ended_is_only_reported() {
+    let (mut core, job, _) = renewing_job_and_lease();
+    // The body ended and its tasks joined; the temp dir's removal is still owed.
+    core.apply(Input::Proven {
+        key: job,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+    });
+    drain(&mut core);
+    core.apply(Input::LeaseLost {
+        key: job,
+        reason: "ttl expired".into(),
+    });
+    let effects = drain(&mut core);
+    assert!(
+        matches!(effects.as_slice(), [Effect::LostAfterExit { key, .. }] if *key == job),
+        "{effects:?}"
+    );
+}
+
+#[test]
+fn a_job_that_could_not_be_prepared_is_noted_and_any_other_lease_is_refused_as_illegal() {
+    let (mut core, job, lease) = renewing_job_and_lease();
+    core.apply(Input::Unprepared {
+        key: job,
+        why: PrepareError::NoGpuSlot,
+    });
+    let effects = drain(&mut core);
+    assert!(effects.is_empty(), "{effects:?}");
+    core.apply(Input::Unprepared {
+        key: lease,
+        why: PrepareError::NoGpuSlot,
+    });
+    let effects = drain(&mut core);
+    assert!(
+        matches!(effects.as_slice(), [Effect::Illegal(what)] if what.contains("unprepared")),
+        "{effects:?}"
+    );
+}
+
+#[test]
+fn the_quarantine_is_listed_to_the_control_that_asked() {
+    let mut core = Core::on_broker(Some(1), false, false);
+    core.apply(Input::ListQuarantine {
+        control: ControlId(3),
+    });
+    let effects = drain(&mut core);
+    assert!(
+        matches!(effects.as_slice(), [Effect::Reply { control: ControlId(3), reply: Reply::Quarantine(e) }] if e.is_empty()),
+        "{effects:?}"
+    );
+    let key = started_job(&mut core, token(0, 1), None);
+    core.apply(Input::Ended {
+        key,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+        dir: dir_of(key),
+    });
+    drain(&mut core);
+    core.apply(Input::TempDirFailed {
+        key,
+        detail: "temp dir x could not be removed".into(),
+        error: io::Error::other("busy"),
+    });
+    drain(&mut core);
+    core.apply(Input::ListQuarantine {
+        control: ControlId(4),
+    });
+    let effects = drain(&mut core);
+    assert!(
+        matches!(effects.as_slice(),
+            [Effect::Reply { control: ControlId(4), reply: Reply::Quarantine(e) }]
+                if e.len() == 1 && e[0].key == key && e[0].token == token(0, 1)),
+        "{effects:?}"
+    );
+}
