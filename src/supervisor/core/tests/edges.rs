@@ -1123,3 +1123,81 @@ fn the_quarantine_is_listed_to_the_control_that_asked() {
         "{effects:?}"
     );
 }
+
+#[test]
+fn the_waiters_are_listed_in_the_order_they_would_be_served() {
+    let mut core = Core::on_broker(Some(1), false, false);
+    let _held = started_job(&mut core, token(0, 1), None);
+    for (w, priority) in [
+        (2, Priority::Normal),
+        (3, Priority::High),
+        (4, Priority::Low),
+        (5, Priority::Normal),
+    ] {
+        core.apply(Input::Enqueue {
+            waiter: WaiterId(w),
+            ask: Ask {
+                priority,
+                ..Ask::one(Want::Job)
+            },
+        });
+    }
+    drain(&mut core);
+    core.apply(Input::ListWaiters {
+        control: ControlId(9),
+    });
+    let effects = drain(&mut core);
+    let [
+        Effect::Reply {
+            control: ControlId(9),
+            reply: Reply::Waiters(list),
+        },
+    ] = effects.as_slice()
+    else {
+        panic!("{effects:?}")
+    };
+    let order: Vec<_> = list.iter().map(|e| (e.waiter.0, e.priority)).collect();
+    assert_eq!(
+        order,
+        [
+            (3, Priority::High),
+            (2, Priority::Normal),
+            (5, Priority::Normal),
+            (4, Priority::Low)
+        ]
+    );
+    assert!(list.iter().all(|e| e.slots == 1 && e.gathered == 0));
+}
+
+#[test]
+fn the_leases_touched_are_taken_sorted_and_once_each() {
+    let mut core = Core::on_broker(Some(2), false, false);
+    let first = started_job(&mut core, token(0, 1), None);
+    let second = started_job(&mut core, token(1, 2), None);
+    let mut seen = Vec::new();
+    core.take_touched(&mut seen);
+    seen.clear();
+    for key in [second, first, second] {
+        core.apply(Input::ProcessStarted {
+            key,
+            process: ProcessKey(key.0 + 10),
+        });
+    }
+    core.take_touched(&mut seen);
+    assert_eq!(seen, [first, second]);
+}
+
+#[test]
+fn every_proof_is_described_in_words_of_its_own() {
+    let kinds = [
+        Proof::WorkerJoined,
+        Proof::TasksJoined,
+        Proof::Process(ProcessKey(1)),
+        Proof::GpuFence,
+        Proof::TempDir,
+    ];
+    let words: BTreeSet<&str> = kinds.iter().map(|p| p.describe()).collect();
+    assert_eq!(words.len(), kinds.len(), "{words:?}");
+    assert!(words.iter().all(|w| w.len() > 4), "{words:?}");
+    assert!(Proof::TempDir.describe().contains("temp dir"));
+}
