@@ -1201,3 +1201,86 @@ fn every_proof_is_described_in_words_of_its_own() {
     assert!(words.iter().all(|w| w.len() > 4), "{words:?}");
     assert!(Proof::TempDir.describe().contains("temp dir"));
 }
+
+fn acquires(effects: &[Effect]) -> Vec<(RequestId, Option<WaiterId>)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Acquire {
+                request,
+                for_waiter,
+            } => Some((*request, *for_waiter)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_remote_broker_is_asked_once_per_waiter_with_the_head_as_a_hint() {
+    let mut core = Core::on_broker(Some(3), false, false);
+    core.apply(Input::Enqueue {
+        waiter: WaiterId(7),
+        ask: Ask::one(Want::Lease),
+    });
+    let first = acquires(&drain(&mut core));
+    assert_eq!(first.len(), 1);
+    assert_eq!(first[0].1, Some(WaiterId(7)), "the head travels as a hint");
+    core.apply(Input::Enqueue {
+        waiter: WaiterId(8),
+        ask: Ask::one(Want::Lease),
+    });
+    let second = acquires(&drain(&mut core));
+    assert_eq!(
+        second.len(),
+        1,
+        "one more waiter, one more acquire: {second:?}"
+    );
+}
+
+#[test]
+fn acquires_nobody_needs_any_more_are_dropped_newest_first_and_only_those() {
+    let mut core = Core::on_broker(Some(4), false, false);
+    for w in 1..=3 {
+        core.apply(Input::Enqueue {
+            waiter: WaiterId(w),
+            ask: Ask::one(Want::Lease),
+        });
+    }
+    let asked: Vec<RequestId> = acquires(&drain(&mut core))
+        .into_iter()
+        .map(|(r, _)| r)
+        .collect();
+    assert_eq!(asked.len(), 3);
+    for w in [1, 2] {
+        core.apply(Input::Withdraw {
+            waiter: WaiterId(w),
+            why: Withdrawal::Cancelled,
+        });
+    }
+    let mut aborted: Vec<RequestId> = drain(&mut core)
+        .into_iter()
+        .filter_map(|e| match e {
+            Effect::AbortAcquire { request } => Some(request),
+            _ => None,
+        })
+        .collect();
+    aborted.sort_unstable();
+    let mut newest = asked.clone();
+    newest.sort_unstable();
+    assert_eq!(aborted, newest[1..], "two dropped, the newest two");
+}
+
+#[test]
+fn the_in_process_pool_is_asked_without_a_hint_and_never_has_an_acquire_to_drop() {
+    let mut core = Core::pool(2);
+    core.apply(Input::Enqueue {
+        waiter: WaiterId(1),
+        ask: Ask::one(Want::Lease),
+    });
+    let effects = drain(&mut core);
+    assert_eq!(
+        acquires(&effects).first().map(|a| a.1),
+        Some(None),
+        "{effects:?}"
+    );
+}
