@@ -480,10 +480,25 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
         proof: Proof::TasksJoined,
         detail: "late".into(),
     });
+    // Two more callers wait behind them: refused at the shutdown.
+    for w in [4, 5] {
+        core.apply(Input::Enqueue {
+            waiter: WaiterId(w),
+            ask: Ask::one(Want::Job),
+        });
+    }
     drain(&mut core);
     core.apply(Input::Shutdown);
     let effects = drain(&mut core);
     let effects = answer_rechecks(&mut core, effects, |_, _| false);
+    let refused: BTreeSet<WaiterId> = effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Refuse { waiter, .. } => Some(*waiter),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(refused, [WaiterId(4), WaiterId(5)].into());
     let cancelled: BTreeSet<LeaseKey> = effects
         .iter()
         .filter_map(|e| match e {
@@ -512,10 +527,19 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
     assert!(matches!(drain(&mut core).as_slice(), [Effect::CloseBroker]));
     core.apply(Input::BrokerClosed);
     core.settle();
-    assert!(matches!(
-        drain(&mut core).as_slice(),
-        [Effect::Stopped { .. }]
-    ));
+    let stopped = drain(&mut core);
+    let [Effect::Stopped { tally, .. }] = stopped.as_slice() else {
+        panic!("{stopped:?}")
+    };
+    // Each counted once: the report says what the shutdown did.
+    assert_eq!(
+        (
+            tally.refused_waiters,
+            tally.cancelled_jobs,
+            tally.released_leases
+        ),
+        (2, 3, 0)
+    );
     assert_eq!(core.quarantined(), 3);
 }
 
