@@ -1308,3 +1308,85 @@ fn the_in_process_pool_is_asked_without_a_hint_and_never_has_an_acquire_to_drop(
         "{effects:?}"
     );
 }
+
+#[test]
+fn a_report_about_the_wrong_kind_of_lease_or_a_proof_not_owed_is_illegal_and_changes_nothing() {
+    let (mut core, job, lease) = renewing_job_and_lease();
+    let before = (core.active(), core.quarantined(), core.counters());
+    let inputs = [
+        // Only a job has a driver that ends, or a job that cannot start.
+        Input::Ended {
+            key: lease,
+            proofs: Proofs::default(),
+            dir: None,
+        },
+        Input::NotStarted {
+            key: lease,
+            why: PrepareError::NoGpuSlot,
+        },
+        // The job runs on no GPU: no fence is owed, so none can be late.
+        Input::Late {
+            key: job,
+            proof: Proof::GpuFence,
+            detail: "late".into(),
+        },
+    ];
+    for input in inputs {
+        let what = format!("{input:?}");
+        core.apply(input);
+        let effects = drain(&mut core);
+        assert!(
+            matches!(effects.as_slice(), [Effect::Illegal(_)]),
+            "{what}: {effects:?}"
+        );
+    }
+    assert_eq!(before, (core.active(), core.quarantined(), core.counters()));
+    // A driver ends once.
+    core.apply(Input::Ended {
+        key: job,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+        dir: dir_of(job),
+    });
+    drain(&mut core);
+    core.apply(Input::Ended {
+        key: job,
+        proofs: Proofs::default(),
+        dir: None,
+    });
+    let effects = drain(&mut core);
+    assert!(
+        matches!(effects.as_slice(), [Effect::Illegal(_)]),
+        "{effects:?}"
+    );
+}
+
+#[test]
+fn a_job_started_just_as_the_shutdown_began_is_cancelled_once() {
+    let mut core = Core::on_broker(Some(1), false, false);
+    core.apply(Input::Enqueue {
+        waiter: WaiterId(1),
+        ask: Ask::one(Want::Job),
+    });
+    core.settle();
+    let Effect::Acquire { request, .. } = drain(&mut core).remove(0) else {
+        panic!()
+    };
+    core.apply(Input::Acquired {
+        request,
+        result: Ok(token(0, 1)),
+    });
+    let Effect::Deliver { key, .. } = drain(&mut core).remove(0) else {
+        panic!()
+    };
+    core.apply(Input::Shutdown);
+    let cancels = |effects: &[Effect]| {
+        effects
+            .iter()
+            .filter(|e| matches!(e, Effect::Cancel { key: k, .. } if *k == key))
+            .count()
+    };
+    assert_eq!(cancels(&drain(&mut core)), 1);
+    core.apply(Input::Started { key, device: None });
+    let effects = drain(&mut core);
+    assert_eq!(cancels(&effects), 0, "cancelled already: {effects:?}");
+}
