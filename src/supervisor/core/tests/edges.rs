@@ -1390,3 +1390,78 @@ fn a_job_started_just_as_the_shutdown_began_is_cancelled_once() {
     let effects = drain(&mut core);
     assert_eq!(cancels(&effects), 0, "cancelled already: {effects:?}");
 }
+
+#[test]
+fn only_an_explicit_lease_is_released_on_request() {
+    let (mut core, job, _) = renewing_job_and_lease();
+    core.apply(Input::ReleaseRequested { key: job });
+    let effects = drain(&mut core);
+    assert!(
+        matches!(effects.as_slice(), [Effect::Illegal(what)] if what.contains("job lease")),
+        "{effects:?}"
+    );
+}
+
+#[test]
+fn a_lease_of_two_slots_ends_when_both_are_back_with_the_first_failure_as_its_result() {
+    let mut core = Core::pool(2);
+    core.apply(Input::Enqueue {
+        waiter: WaiterId(1),
+        ask: Ask {
+            slots: 2,
+            ..Ask::one(Want::Lease)
+        },
+    });
+    core.settle();
+    let mut key = None;
+    // The pool answers each acquire in the turn it is asked.
+    for _ in 0..4 {
+        for effect in drain(&mut core) {
+            match effect {
+                Effect::Acquire { request, .. } => {
+                    let slot = request.0 as u32 % 2;
+                    core.apply(Input::Acquired {
+                        request,
+                        result: Ok(token(slot, request.0 + 1)),
+                    });
+                }
+                Effect::Deliver { key: k, more, .. } => {
+                    assert_eq!(more.len(), 1);
+                    key = Some(k);
+                }
+                _ => {}
+            }
+        }
+    }
+    let key = key.expect("the lease was delivered");
+    core.apply(Input::ReleaseRequested { key });
+    let tokens: Vec<SlotToken> = drain(&mut core)
+        .into_iter()
+        .filter_map(|e| match e {
+            Effect::Release { token, .. } => Some(token),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tokens.len(), 2);
+    core.apply(Input::Released {
+        key,
+        result: Err(CleanupError::broker(tokens[0], BrokerError::new("first"))),
+    });
+    assert!(drain(&mut core).is_empty(), "one slot is still out");
+    core.apply(Input::Released {
+        key,
+        result: Ok(()),
+    });
+    let effects = drain(&mut core);
+    assert!(
+        matches!(effects.as_slice(), [Effect::Answer { answer: Answer::Released(Err(e)), .. }, Effect::Forget { .. }] if format!("{e:?}").contains("first")),
+        "{effects:?}"
+    );
+    assert_eq!(core.active(), 0);
+    // Nothing more to release.
+    core.apply(Input::Released {
+        key,
+        result: Ok(()),
+    });
+    assert!(matches!(drain(&mut core).as_slice(), [Effect::Illegal(_)]));
+}
