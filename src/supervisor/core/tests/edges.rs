@@ -1465,3 +1465,70 @@ fn a_lease_of_two_slots_ends_when_both_are_back_with_the_first_failure_as_its_re
     });
     assert!(matches!(drain(&mut core).as_slice(), [Effect::Illegal(_)]));
 }
+
+#[test]
+fn cancel_by_id_finds_a_waiter_or_a_running_job_and_nothing_else() {
+    let (mut core, job, lease) = renewing_job_and_lease();
+    // Both slots held: a third caller waits.
+    core.apply(Input::Enqueue {
+        waiter: WaiterId(3),
+        ask: Ask::one(Want::Job),
+    });
+    drain(&mut core);
+    let cancel = |core: &mut Core, waiters: &[u64], leases: &[LeaseKey]| {
+        core.apply(Input::CancelById {
+            control: ControlId(5),
+            waiters: waiters.iter().map(|w| WaiterId(*w)).collect(),
+            leases: leases.into(),
+        });
+        drain(core)
+    };
+    // An explicit lease is not a job: cancel by id does not reach it.
+    let effects = cancel(&mut core, &[], &[lease]);
+    assert!(
+        matches!(
+            effects.as_slice(),
+            [Effect::Reply {
+                reply: Reply::Cancelled(false),
+                ..
+            }]
+        ),
+        "{effects:?}"
+    );
+    // The waiter is found, and hears that it was cancelled.
+    let effects = cancel(&mut core, &[3, 77], &[]);
+    assert!(
+        effects.iter().any(|e| matches!(
+            e,
+            Effect::Reply {
+                reply: Reply::Cancelled(true),
+                ..
+            }
+        )),
+        "{effects:?}"
+    );
+    assert!(!effects.iter().any(|e| matches!(e, Effect::Cancel { .. })));
+    // The job is found and cancelled once.
+    let effects = cancel(&mut core, &[], &[job]);
+    assert!(
+        matches!(
+            effects.as_slice(),
+            [
+                Effect::Cancel { key, holder: Holder::Job, lost: None },
+                Effect::Reply { reply: Reply::Cancelled(true), .. }
+            ] if *key == job
+        ),
+        "{effects:?}"
+    );
+    let effects = cancel(&mut core, &[], &[job]);
+    assert!(
+        matches!(
+            effects.as_slice(),
+            [Effect::Reply {
+                reply: Reply::Cancelled(true),
+                ..
+            }]
+        ),
+        "found, cancelled already: {effects:?}"
+    );
+}
