@@ -1532,3 +1532,43 @@ fn cancel_by_id_finds_a_waiter_or_a_running_job_and_nothing_else() {
         "found, cancelled already: {effects:?}"
     );
 }
+
+#[test]
+fn a_lowered_capacity_keeps_the_waiters_that_ask_exactly_for_it_and_refuses_those_above() {
+    let mut core = pool_core(3);
+    let mut pool = Pool::new(3);
+    join(&mut core, WaiterId(1), 2, Priority::Normal);
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.len(), 1);
+    // The head gathers the one free slot and waits for a second; another waits behind it.
+    join(&mut core, WaiterId(2), 2, Priority::Normal);
+    join(&mut core, WaiterId(3), 2, Priority::Normal);
+    pool.run(&mut core);
+    assert_eq!(core.figures().waiting, 2);
+    core.apply(Input::Resize {
+        control: ControlId(1),
+        slots: 2,
+    });
+    pool.run(&mut core);
+    assert!(
+        pool.refused.is_empty(),
+        "two slots can still serve them: {:?}",
+        pool.refused
+    );
+    assert_eq!(core.figures().waiting, 2);
+    core.apply(Input::Resize {
+        control: ControlId(2),
+        slots: 1,
+    });
+    pool.run(&mut core);
+    let mut refused = pool.refused.clone();
+    refused.sort_unstable();
+    assert_eq!(
+        refused,
+        [
+            (WaiterId(2), "LEASE_SLOT_COUNT_INVALID"),
+            (WaiterId(3), "LEASE_SLOT_COUNT_INVALID")
+        ]
+    );
+    assert_eq!(core.figures().waiting, 0);
+}
