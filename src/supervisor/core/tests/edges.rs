@@ -1572,3 +1572,32 @@ fn a_lowered_capacity_keeps_the_waiters_that_ask_exactly_for_it_and_refuses_thos
     );
     assert_eq!(core.figures().waiting, 0);
 }
+
+#[test]
+fn a_proof_made_twice_or_a_driver_end_claiming_it_again_is_illegal() {
+    let mut core = Core::on_broker(Some(1), false, false);
+    let key = started_job(&mut core, token(0, 1), None);
+    core.apply(Input::Proven {
+        key,
+        proofs: Proofs::TASKS,
+    });
+    assert!(drain(&mut core).is_empty());
+    for input in [
+        Input::Proven {
+            key,
+            proofs: Proofs::TASKS,
+        },
+        Input::Ended {
+            key,
+            proofs: Proofs::JOINED.with(Proofs::TASKS),
+            dir: dir_of(key),
+        },
+    ] {
+        core.apply(input);
+        let effects = drain(&mut core);
+        assert!(
+            matches!(effects.as_slice(), [Effect::Illegal(_)]),
+            "{effects:?}"
+        );
+    }
+}
