@@ -543,12 +543,12 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
     assert_eq!(core.quarantined(), 3);
 }
 
-#[test]
-fn an_explicit_lease_held_at_shutdown_is_revoked_then_released_once() {
+/// A core on a one-slot broker that has delivered its slot to a first caller wanting `want`.
+fn one_delivered(want: Want) -> (Core, LeaseKey) {
     let mut core = Core::on_broker(Some(1), false, false);
     core.apply(Input::Enqueue {
         waiter: WaiterId(1),
-        ask: Ask::one(Want::Lease),
+        ask: Ask::one(want),
     });
     core.settle();
     let Effect::Acquire { request, .. } = drain(&mut core).remove(0) else {
@@ -561,6 +561,12 @@ fn an_explicit_lease_held_at_shutdown_is_revoked_then_released_once() {
     let Effect::Deliver { key, .. } = drain(&mut core).remove(0) else {
         panic!()
     };
+    (core, key)
+}
+
+#[test]
+fn an_explicit_lease_held_at_shutdown_is_revoked_then_released_once() {
+    let (mut core, key) = one_delivered(Want::Lease);
     core.apply(Input::Shutdown);
     let effects = drain(&mut core);
     assert!(matches!(
@@ -1362,22 +1368,7 @@ fn a_report_about_the_wrong_kind_of_lease_or_a_proof_not_owed_is_illegal_and_cha
 
 #[test]
 fn a_job_started_just_as_the_shutdown_began_is_cancelled_once() {
-    let mut core = Core::on_broker(Some(1), false, false);
-    core.apply(Input::Enqueue {
-        waiter: WaiterId(1),
-        ask: Ask::one(Want::Job),
-    });
-    core.settle();
-    let Effect::Acquire { request, .. } = drain(&mut core).remove(0) else {
-        panic!()
-    };
-    core.apply(Input::Acquired {
-        request,
-        result: Ok(token(0, 1)),
-    });
-    let Effect::Deliver { key, .. } = drain(&mut core).remove(0) else {
-        panic!()
-    };
+    let (mut core, key) = one_delivered(Want::Job);
     core.apply(Input::Shutdown);
     let cancels = |effects: &[Effect]| {
         effects
