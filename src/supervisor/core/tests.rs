@@ -26,6 +26,32 @@ mod prelude {
         out
     }
 
+    /// Settles, answers every broker acquire the core asked for (slot `i` under lease id
+    /// `i + 1`, in the order asked) and returns who was delivered which lease.
+    pub(super) fn grant_every_acquire(core: &mut Core) -> Vec<(WaiterId, LeaseKey)> {
+        core.settle();
+        let requests: Vec<RequestId> = drain(core)
+            .into_iter()
+            .filter_map(|e| match e {
+                Effect::Acquire { request, .. } => Some(request),
+                _ => None,
+            })
+            .collect();
+        for (i, request) in requests.into_iter().enumerate() {
+            core.apply(Input::Acquired {
+                request,
+                result: Ok(token(i as u32, i as u64 + 1)),
+            });
+        }
+        drain(core)
+            .into_iter()
+            .filter_map(|e| match e {
+                Effect::Deliver { waiter, key, .. } => Some((waiter, key)),
+                _ => None,
+            })
+            .collect()
+    }
+
     pub(super) fn token(slot: u32, lease: u64) -> SlotToken {
         SlotToken::new(slot, lease)
     }

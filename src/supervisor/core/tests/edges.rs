@@ -365,22 +365,28 @@ fn a_loss_seen_on_an_older_generation_than_the_replacement_is_proven_by_it_but_n
     );
 }
 
-#[test]
-fn two_reclaims_back_to_back_start_one_temp_dir_removal_and_apply_no_illegal_edge() {
-    let mut core = Core::on_broker(Some(1), false, false);
-    let key = started_job(&mut core, token(0, 1), None);
+/// A job on slot 0 whose temp dir could not be removed: its slot is quarantined.
+fn quarantined_job(core: &mut Core) -> LeaseKey {
+    let key = started_job(core, token(0, 1), None);
     core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
         dir: dir_of(key),
     });
-    drain(&mut core);
+    drain(core);
     core.apply(Input::TempDirFailed {
         key,
         detail: "temp dir x could not be removed".into(),
         error: io::Error::other("busy"),
     });
-    drain(&mut core);
+    drain(core);
+    key
+}
+
+#[test]
+fn two_reclaims_back_to_back_start_one_temp_dir_removal_and_apply_no_illegal_edge() {
+    let mut core = Core::on_broker(Some(1), false, false);
+    let key = quarantined_job(&mut core);
     let mut effects = Vec::new();
     for control in 1..=2 {
         core.apply(Input::Reclaim {
@@ -1016,28 +1022,8 @@ fn renewing_job_and_lease() -> (Core, LeaseKey, LeaseKey) {
             ask: Ask::one(want),
         });
     }
-    core.settle();
-    let requests: Vec<_> = drain(&mut core)
-        .into_iter()
-        .filter_map(|e| match e {
-            Effect::Acquire { request, .. } => Some(request),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(requests.len(), 2);
-    for (i, request) in requests.into_iter().enumerate() {
-        core.apply(Input::Acquired {
-            request,
-            result: Ok(token(i as u32, i as u64 + 1)),
-        });
-    }
-    let delivered: Vec<_> = drain(&mut core)
-        .into_iter()
-        .filter_map(|e| match e {
-            Effect::Deliver { waiter, key, .. } => Some((waiter, key)),
-            _ => None,
-        })
-        .collect();
+    let delivered = grant_every_acquire(&mut core);
+    assert_eq!(delivered.len(), 2);
     let key_of = |w| delivered.iter().find(|(x, _)| *x == WaiterId(w)).unwrap().1;
     let (job, lease) = (key_of(1), key_of(2));
     core.apply(Input::Started {
@@ -1129,19 +1115,7 @@ fn the_quarantine_is_listed_to_the_control_that_asked() {
         matches!(effects.as_slice(), [Effect::Reply { control: ControlId(3), reply: Reply::Quarantine(e) }] if e.is_empty()),
         "{effects:?}"
     );
-    let key = started_job(&mut core, token(0, 1), None);
-    core.apply(Input::Ended {
-        key,
-        proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: dir_of(key),
-    });
-    drain(&mut core);
-    core.apply(Input::TempDirFailed {
-        key,
-        detail: "temp dir x could not be removed".into(),
-        error: io::Error::other("busy"),
-    });
-    drain(&mut core);
+    let key = quarantined_job(&mut core);
     core.apply(Input::ListQuarantine {
         control: ControlId(4),
     });
