@@ -356,8 +356,8 @@ impl Admission {
     /// the slots above the pool's new size before any other.
     #[inline]
     pub(super) fn next_spare(&mut self) -> Option<(SlotToken, Option<WaiterId>)> {
-        if self.spare.len() < 2 {
-            return self.spare.pop();
+        if self.spare.is_empty() {
+            return None;
         }
         let i = self
             .spare

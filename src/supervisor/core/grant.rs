@@ -305,12 +305,12 @@ impl Core {
         if demand > asked {
             let n = (demand - asked).min(self.room());
             // The head's id travels with each request, as a hint (tokens are fungible); the
-            // supervisor's own pool has no use for it.
-            let for_waiter = match (n, &self.admission.gather) {
-                (0, _) => None,
-                _ if self.admission.exact() => None,
-                (_, Some(g)) => Some(g.served.waiter),
-                _ => self.admission.queue.head(),
+            // supervisor's own pool has no use for it. (Only the pool serves multi-slot
+            // waiters, so no other broker has a gathering head.)
+            let for_waiter = if self.admission.exact() {
+                None
+            } else {
+                self.admission.queue.head()
             };
             for _ in 0..n {
                 let request = self.admission.next_request();

@@ -347,7 +347,8 @@ impl Core {
     /// the lease ends when the last one has, its first failure being its result.
     pub(super) fn released(&mut self, key: LeaseKey, result: Result<(), CleanupError>) {
         let left = match self.book.get(key).map(|r| &r.release) {
-            Some(Release::Releasing { left, .. }) if *left > 0 => *left,
+            // `left` never reaches 0: the record goes with its last release.
+            Some(Release::Releasing { left, .. }) => *left,
             _ => {
                 return self.fx.illegal(format_args!(
                     "release of lease {key}, which was not releasing"
