@@ -514,6 +514,86 @@ mod tests {
     }
 
     #[test]
+    fn proofs_gathered_twice_are_still_one_set() {
+        assert!(Proofs::default().is_empty());
+        let both = Proofs::JOINED.with(Proofs::TASKS);
+        assert!(!both.is_empty());
+        // The union of what a driver saw: the same proof twice is that proof once.
+        assert_eq!(both.with(Proofs::JOINED), both);
+        assert!(both.contains(Proof::WorkerJoined) && both.contains(Proof::TasksJoined));
+        assert!(!both.contains(Proof::GpuFence));
+    }
+
+    #[test]
+    fn each_proof_of_the_physical_end_is_needed_and_work_runs_while_any_is_owed() {
+        // One owed at a time: the body, the tasks, the GPU work, a process group.
+        let owing = |proof: Proof| {
+            let mut owed = Owed::default();
+            owed.add(proof);
+            owed
+        };
+        for proof in [
+            Proof::WorkerJoined,
+            Proof::TasksJoined,
+            Proof::GpuFence,
+            Proof::Process(ProcessKey(2)),
+        ] {
+            let owed = owing(proof);
+            assert!(!owed.physically_done(), "{proof:?} is still owed");
+            assert!(owed.work_running(), "{proof:?} may still run");
+        }
+        // Only the temp dir: physically done, nothing runs.
+        let owed = owing(Proof::TempDir);
+        assert!(owed.physically_done());
+        assert!(!owed.work_running());
+        // A job owes its body, its tasks and its temp dir from the grant on, and nothing else.
+        let job = Owed::job();
+        assert_eq!(
+            job.iter().collect::<Vec<_>>(),
+            [Proof::WorkerJoined, Proof::TasksJoined, Proof::TempDir]
+        );
+    }
+
+    #[test]
+    fn an_explicit_lease_runs_until_released_and_a_jobs_lease_drains_once_its_body_ended() {
+        let lease = |holder| {
+            LeaseRecord::new(
+                SlotToken::new(0, 1),
+                Box::default(),
+                holder,
+                Priority::Normal,
+            )
+        };
+        // An explicit lease owes nothing, so its "body" has always ended: it is still running.
+        let explicit = lease(Holder::Explicit);
+        assert!(explicit.owed.body_ended());
+        assert_eq!(explicit.phase(), Phase::Running);
+        let mut job = lease(Holder::Job);
+        assert_eq!(job.phase(), Phase::Running);
+        job.owed.clear(Proofs::JOINED);
+        assert_eq!(job.phase(), Phase::Draining);
+    }
+
+    #[test]
+    fn a_quarantined_leases_reasons_read_as_one_line_in_order() {
+        let mut lease = LeaseRecord::new(
+            SlotToken::new(0, 1),
+            Box::default(),
+            Holder::Job,
+            Priority::Normal,
+        );
+        assert_eq!(lease.reason_line(), "");
+        for (proof, detail) in [(Proof::GpuFence, "slow gpu"), (Proof::TempDir, "EACCES")] {
+            lease.reasons.push(Reason {
+                proof,
+                why: Why::Late,
+                detail: detail.into(),
+            });
+        }
+        assert_eq!(lease.reason_line(), "slow gpu; EACCES");
+    }
+
+    #[test]
     fn a_shutdown_waits_for_a_quarantined_jobs_work_whatever_its_reasons() {
         let mut lease = LeaseRecord::new(
             SlotToken::new(0, 1),

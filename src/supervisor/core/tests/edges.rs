@@ -534,9 +534,19 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
     core.apply(Input::BrokerClosed);
     core.settle();
     let stopped = drain(&mut core);
-    let [Effect::Stopped { tally, .. }] = stopped.as_slice() else {
+    let [
+        Effect::Stopped {
+            tally,
+            keep_work_root,
+            quarantine,
+        },
+    ] = stopped.as_slice()
+    else {
         panic!("{stopped:?}")
     };
+    // The quarantined jobs' temp dirs stay, under the work root.
+    assert_eq!(quarantine.len(), 3);
+    assert!(keep_work_root);
     // Each counted once: the report says what the shutdown did.
     assert_eq!(
         (
@@ -700,6 +710,19 @@ impl Pool {
                         self.delivered.push((waiter, key, n));
                     }
                     Effect::Refuse { waiter, error } => self.refused.push((waiter, error.code())),
+                    // Nothing here starts a process group: every re-check finds none.
+                    Effect::Recheck {
+                        checks,
+                        leases,
+                        purpose,
+                    } => {
+                        assert!(checks.is_empty(), "{checks:?}");
+                        core.apply(Input::Rechecked {
+                            results: Box::default(),
+                            leases,
+                            purpose,
+                        });
+                    }
                     Effect::Release { key, token } => {
                         self.broker.give(token).expect("a held token");
                         core.apply(Input::Released {
@@ -1565,4 +1588,276 @@ fn a_proof_made_twice_or_a_driver_end_claiming_it_again_is_illegal() {
             "{effects:?}"
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Waiters in every place, stray timers, aborted acquires, late temp dirs
+// ---------------------------------------------------------------------------------------------
+
+/// A `try_acquire` ask for `slots` of the pool.
+fn now(waiter: u64, slots: u32) -> Input {
+    Input::Enqueue {
+        waiter: WaiterId(waiter),
+        ask: Ask {
+            now_only: true,
+            ..ask(slots, Priority::Normal)
+        },
+    }
+}
+
+#[test]
+fn the_callers_waiting_in_every_place_are_counted_and_each_refused_once_at_shutdown() {
+    let mut core = pool_core(3);
+    let mut pool = Pool::new(3);
+    join(&mut core, WaiterId(1), 1, Priority::Normal);
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.len(), 1);
+    // A `try_acquire` caller whose acquire is not answered yet, and a waiter behind it.
+    core.apply(now(2, 1));
+    join(&mut core, WaiterId(3), 3, Priority::Normal);
+    assert_eq!(core.waiting(), 2, "the queue and the try in flight");
+    pool.run(&mut core);
+    // The try is served; the three-slot waiter gathers what is free, then one queues behind it.
+    assert_eq!(pool.delivered.len(), 2);
+    join(&mut core, WaiterId(4), 1, Priority::Normal);
+    assert_eq!(core.waiting(), 2, "the gathering head and the queue");
+    core.apply(Input::Shutdown);
+    pool.run(&mut core);
+    let stopped = AcquireError::Stopped.code();
+    assert_eq!(
+        pool.refused,
+        [(WaiterId(3), stopped), (WaiterId(4), stopped)]
+    );
+    core.apply(Input::BrokerClosed);
+    core.settle();
+    let effects = drain(&mut core);
+    let [
+        Effect::Stopped {
+            tally,
+            keep_work_root,
+            quarantine,
+        },
+    ] = effects.as_slice()
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!((tally.refused_waiters, tally.released_leases), (2, 2));
+    assert!(quarantine.is_empty() && !keep_work_root, "nothing is left");
+}
+
+#[test]
+fn a_try_never_overtakes_a_queued_waiter_and_is_served_when_the_free_slots_just_fit() {
+    let mut core = pool_core(2);
+    // A waiter's acquire is asked but not answered: a slot is still free, and it is its.
+    join(&mut core, WaiterId(1), 1, Priority::Normal);
+    core.apply(now(2, 1));
+    let effects = drain(&mut core);
+    assert!(
+        effects.iter().any(|e| matches!(e,
+            Effect::Refuse { waiter: WaiterId(2), error } if error.code() == "LEASE_NO_SLOT_FREE")),
+        "{effects:?}"
+    );
+    // Exactly as many slots free as asked for: served.
+    let mut core = pool_core(2);
+    let mut pool = Pool::new(2);
+    core.apply(now(1, 2));
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.len(), 1, "refused: {:?}", pool.refused);
+    assert_eq!(pool.delivered[0].2, 2);
+}
+
+#[test]
+fn a_stray_grace_timer_aborts_nothing_while_serving() {
+    let (mut core, _, _) = renewing_job_and_lease();
+    core.apply(Input::ShutdownGraceOver);
+    let effects = drain(&mut core);
+    assert!(effects.is_empty(), "{effects:?}");
+}
+
+#[test]
+fn the_failure_of_an_acquire_that_was_dropped_refuses_nobody() {
+    let mut core = Core::on_broker(Some(2), false, false);
+    core.apply(Input::Enqueue {
+        waiter: WaiterId(1),
+        ask: Ask::one(Want::Lease),
+    });
+    let [(dropped, _)] = acquires(&drain(&mut core))[..] else {
+        panic!("one acquire")
+    };
+    core.apply(Input::Withdraw {
+        waiter: WaiterId(1),
+        why: Withdrawal::Cancelled,
+    });
+    drain(&mut core);
+    core.apply(Input::Enqueue {
+        waiter: WaiterId(2),
+        ask: Ask::one(Want::Lease),
+    });
+    assert_eq!(acquires(&drain(&mut core)).len(), 1);
+    // The dropped acquire's failure arrives after all: nobody waits for it.
+    core.apply(Input::Acquired {
+        request: dropped,
+        result: Err(BrokerError::new("gave up")),
+    });
+    let effects = drain(&mut core);
+    assert!(effects.is_empty(), "{effects:?}");
+    assert_eq!(core.waiting(), 1);
+}
+
+#[test]
+fn a_lease_already_releasing_cannot_be_undelivered() {
+    let (mut core, key) = one_delivered(Want::Lease);
+    core.apply(Input::ReleaseRequested { key });
+    assert_eq!(releases(&drain(&mut core)), 1);
+    let before = (core.active(), core.counters());
+    core.apply(Input::Undelivered { key });
+    assert!(
+        matches!(drain(&mut core).as_slice(), [Effect::Illegal(_)]),
+        "an illegal input must be reported"
+    );
+    assert_eq!(before, (core.active(), core.counters()));
+    assert!(core.lease(key).is_some(), "its release is still awaited");
+}
+
+#[test]
+fn a_process_proven_while_its_recheck_was_out_is_not_proven_twice() {
+    let mut core = Core::on_broker(Some(1), false, false);
+    let key = started_job(&mut core, token(0, 1), None);
+    let process = Proof::Process(ProcessKey(7));
+    core.apply(Input::ProcessStarted {
+        key,
+        process: ProcessKey(7),
+    });
+    core.apply(Input::Ended {
+        key,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+        dir: dir_of(key),
+    });
+    core.apply(Input::Unproven {
+        key,
+        proof: process,
+        detail: "the group may have escaped".into(),
+    });
+    drain(&mut core);
+    assert_eq!(core.quarantined(), 1);
+    core.apply(Input::Reclaim {
+        control: ControlId(1),
+    });
+    let asked = drain(&mut core);
+    // The group is proven empty on its own before the re-check answers.
+    core.apply(Input::ProvenOne {
+        key,
+        proof: process,
+    });
+    let removal = drain(&mut core);
+    assert!(
+        matches!(removal.as_slice(), [Effect::RemoveTempDir { .. }]),
+        "{removal:?}"
+    );
+    let effects = answer_rechecks(&mut core, asked, |_, _| true);
+    assert!(
+        !effects.iter().any(|e| matches!(e, Effect::Illegal(_))),
+        "{effects:?}"
+    );
+    // The reclaim waits for the removal, then finds the slot clean.
+    assert!(effects.is_empty(), "{effects:?}");
+    core.apply(Input::ProvenOne {
+        key,
+        proof: Proof::TempDir,
+    });
+    let effects = drain(&mut core);
+    assert!(
+        effects.iter().any(|e| matches!(e,
+            Effect::Reply { reply: Reply::Reclaimed { reclaimed, still }, .. }
+                if reclaimed.len() == 1 && still.is_empty())),
+        "{effects:?}"
+    );
+}
+
+#[test]
+fn a_reclaim_does_not_wait_for_a_temp_dir_removal_already_late() {
+    let mut core = Core::on_broker(Some(1), false, false);
+    let key = started_job(&mut core, token(0, 1), None);
+    core.apply(Input::Ended {
+        key,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+        dir: dir_of(key),
+    });
+    drain(&mut core);
+    core.apply(Input::Late {
+        key,
+        proof: Proof::TempDir,
+        detail: "the temp dir's removal is slow".into(),
+    });
+    drain(&mut core);
+    assert_eq!(core.quarantined(), 1);
+    core.apply(Input::Reclaim {
+        control: ControlId(1),
+    });
+    let asked = drain(&mut core);
+    let effects = answer_rechecks(&mut core, asked, |_, _| true);
+    assert!(
+        effects.iter().any(|e| matches!(e,
+            Effect::Reply { reply: Reply::Reclaimed { reclaimed, still }, .. }
+                if reclaimed.is_empty() && still.len() == 1 && still[0].key == key)),
+        "{effects:?}"
+    );
+}
+
+#[test]
+fn the_shutdown_grace_aborts_the_tasks_of_the_jobs_that_still_run_them_and_no_others() {
+    let mut core = Core::on_broker(Some(2), false, false);
+    for w in 1..=2 {
+        core.apply(Input::Enqueue {
+            waiter: WaiterId(w),
+            ask: Ask::one(Want::Job),
+        });
+    }
+    let delivered = grant_every_acquire(&mut core);
+    let [(_, running), (_, draining)] = delivered[..] else {
+        panic!("{delivered:?}")
+    };
+    for key in [running, draining] {
+        core.apply(Input::Started { key, device: None });
+    }
+    // The second job's body and tasks have ended: only its temp dir is owed.
+    core.apply(Input::Proven {
+        key: draining,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+    });
+    core.apply(Input::Shutdown);
+    drain(&mut core);
+    core.apply(Input::ShutdownGraceOver);
+    let aborted: Vec<LeaseKey> = drain(&mut core)
+        .into_iter()
+        .filter_map(|e| match e {
+            Effect::AbortTasks { key } => Some(key),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(aborted, [running]);
+}
+
+#[test]
+fn a_shutdown_ends_only_once_its_re_checks_are_in() {
+    let mut core = pool_core(1);
+    core.apply(Input::Shutdown);
+    let asked: Vec<Effect> = drain(&mut core)
+        .into_iter()
+        .filter(|e| matches!(e, Effect::Recheck { .. }))
+        .collect();
+    assert_eq!(asked.len(), 1);
+    core.settle();
+    let effects = drain(&mut core);
+    assert!(effects.is_empty(), "a re-check is out: {effects:?}");
+    assert!(answer_rechecks(&mut core, asked, |_, _| true).is_empty());
+    core.settle();
+    assert!(matches!(drain(&mut core).as_slice(), [Effect::CloseBroker]));
+}
+
+#[test]
+fn a_core_dropped_without_a_shutdown_keeps_the_work_root_only_while_it_holds_a_lease() {
+    let (core, key) = one_delivered(Want::Job);
+    assert!(core.abandon().keep_work_root, "lease {key} is held");
+    assert!(!pool_core(1).abandon().keep_work_root);
 }

@@ -21,6 +21,9 @@ fn a_deque_at_most_a_quarter_full_keeps_twice_what_it_holds_and_never_less_than_
     let (before, after) = with(1_000, 250);
     assert!(before >= 1_000, "{before}");
     assert!((500..before).contains(&after), "{before} -> {after}");
+    // A tenth full: still twice its length, not a little more than it.
+    let (before, after) = with(1_000, 100);
+    assert!((200..before).contains(&after), "{before} -> {after}");
     // One past a quarter: kept.
     let (before, after) = with(1_000, before / 4 + 1);
     assert_eq!(after, before);
@@ -46,6 +49,11 @@ fn a_map_or_set_at_most_a_quarter_full_keeps_about_twice_what_it_holds() {
         map.capacity(),
         map.len()
     );
+    // A tenth full: still room for twice what it holds, not a little more than it.
+    let mut map: HashMap<u64, u64> = HashMap::with_capacity(1_000);
+    map.extend((0..100).map(|k| (k, k)));
+    shrink_map(&mut map);
+    assert!((200..cap).contains(&map.capacity()), "{}", map.capacity());
     // Over a quarter: kept.
     let mut map: HashMap<u64, u64> = HashMap::with_capacity(1_000);
     map.extend((0..=(cap / 4) as u64).map(|k| (k, k)));
@@ -65,6 +73,10 @@ fn a_map_or_set_at_most_a_quarter_full_keeps_about_twice_what_it_holds() {
         "{cap} -> {}",
         set.capacity()
     );
+    let mut set: HashSet<u64> = HashSet::with_capacity(1_000);
+    set.extend(0..100);
+    shrink_set(&mut set);
+    assert!((200..cap).contains(&set.capacity()), "{}", set.capacity());
     let mut set: HashSet<u64> = HashSet::with_capacity(1_000);
     set.extend(0..=(cap / 4) as u64);
     shrink_set(&mut set);
