@@ -209,6 +209,14 @@ impl WaitQueue {
         out
     }
 
+    /// What it holds (the memory tests): entries queued (withdrawn ones included), live
+    /// waiters, and waiters in the multi-slot map.
+    #[cfg(test)]
+    pub(super) fn entries(&self) -> (usize, usize, usize) {
+        let queued = self.classes.iter().map(VecDeque::len).sum();
+        (queued, self.live.len(), self.multi.len())
+    }
+
     /// The capacity its queues and maps hold on to (the memory tests).
     #[cfg(test)]
     fn retained(&self) -> usize {

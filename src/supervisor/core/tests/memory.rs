@@ -4,6 +4,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::prelude::*;
+use crate::supervisor::core::admission::WaitQueue;
 use crate::supervisor::core::shrink::{shrink_deque, shrink_map, shrink_set};
 
 const FLOOD: u64 = 2_000;
@@ -155,4 +156,50 @@ fn after_a_flood_every_part_of_the_core_gives_its_memory_back_when_asked_and_onl
         ls.acquiring < small && ls.leases < small && ls.effects < small,
         "{ls:?}"
     );
+}
+
+#[test]
+fn withdrawn_waiters_behind_a_live_head_never_outnumber_twice_the_live_ones_and_sixteen() {
+    let mut queue = WaitQueue::default();
+    queue.push(WaiterId(0), Ask::one(Want::Job));
+    let mut next = 0;
+    // Batches of one to four join and leave behind the head, for a long while.
+    for round in 0..300u64 {
+        let batch: Vec<WaiterId> = (0..=round % 4)
+            .map(|_| {
+                next += 1;
+                WaiterId(next)
+            })
+            .collect();
+        for w in &batch {
+            queue.push(*w, Ask::one(Want::Lease));
+        }
+        for w in batch {
+            assert_eq!(queue.remove(w), Some(1));
+            let (queued, live, _) = queue.entries();
+            assert!(
+                queued <= 2 * live + 16,
+                "round {round}: {queued} entries for {live} live waiters"
+            );
+        }
+    }
+    assert_eq!(queue.pop().map(|s| s.waiter), Some(WaiterId(0)));
+    assert_eq!(queue.pop(), None);
+}
+
+#[test]
+fn a_one_slot_waiter_costs_one_queue_entry_and_no_entry_in_the_multi_slot_map() {
+    let mut queue = WaitQueue::default();
+    for w in 0..1_000 {
+        queue.push(WaiterId(w), Ask::one(Want::Job));
+    }
+    queue.push(WaiterId(1_000), ask_for(3));
+    assert_eq!(queue.entries(), (1_001, 1_001, 1));
+}
+
+fn ask_for(slots: u32) -> Ask {
+    Ask {
+        slots,
+        ..Ask::one(Want::Lease)
+    }
 }
