@@ -94,9 +94,9 @@ impl WaitQueue {
         }
         let slots = self.slots_of(waiter);
         self.wanted -= slots as usize;
-        // Withdrawn ids stay queued until popped; compact when they dominate, so that a
-        // long-lived head with many withdrawn waiters behind it cannot grow the queue without
-        // bound (amortised O(1) per withdrawal).
+        // Withdrawn ids stay queued until popped; compacted when the entries pass twice the
+        // live waiters and sixteen, so that a long-lived head with many withdrawn waiters
+        // behind it cannot grow the queue without bound (amortised O(1) per withdrawal).
         let queued: usize = self.classes.iter().map(VecDeque::len).sum();
         if queued > 2 * self.live.len() + 16 {
             let live = &self.live;

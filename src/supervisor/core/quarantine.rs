@@ -114,7 +114,8 @@ impl Core {
         let RecheckFor::Reclaim(control) = purpose else {
             return;
         };
-        // A temp dir being removed again is part of the re-check: the reply waits for it.
+        // A temp dir being removed is part of the re-check: the reply waits for every removal
+        // in flight (one retried just above included) that is not already reported late.
         let leases = leases
             .iter()
             .filter_map(|key| self.book.get(*key).map(|r| (*key, r.tokens().collect())))
@@ -123,7 +124,8 @@ impl Core {
         self.answer_reclaims();
     }
 
-    /// Answers every reclaim whose re-checks have all ended: a slot is `reclaimed` only once
+    /// Answers every reclaim whose re-checks have all ended, and whose leases have no temp dir
+    /// removal in flight that is not already reported late: a slot is `reclaimed` only once
     /// each of its re-checks succeeded (its record is gone, or has no reason left); any other is
     /// still quarantined, with its reason. Called after every input while one waits.
     pub(super) fn answer_reclaims(&mut self) {

@@ -488,7 +488,12 @@ mod tests {
 
     #[test]
     fn what_a_job_owes_is_listed_in_pipeline_order_and_cleared_proof_by_proof() {
+        // From the grant on: its body, its tasks and its temp dir, and nothing else.
         let mut owed = Owed::job();
+        assert_eq!(
+            owed.iter().collect::<Vec<_>>(),
+            [Proof::WorkerJoined, Proof::TasksJoined, Proof::TempDir]
+        );
         owed.add(Proof::Process(ProcessKey(7)));
         owed.add(Proof::GpuFence);
         assert_eq!(
@@ -546,12 +551,6 @@ mod tests {
         let owed = owing(Proof::TempDir);
         assert!(owed.physically_done());
         assert!(!owed.work_running());
-        // A job owes its body, its tasks and its temp dir from the grant on, and nothing else.
-        let job = Owed::job();
-        assert_eq!(
-            job.iter().collect::<Vec<_>>(),
-            [Proof::WorkerJoined, Proof::TasksJoined, Proof::TempDir]
-        );
     }
 
     #[test]
@@ -565,9 +564,14 @@ mod tests {
             )
         };
         // An explicit lease owes nothing, so its "body" has always ended: it is still running.
-        let explicit = lease(Holder::Explicit);
+        let mut explicit = lease(Holder::Explicit);
         assert!(explicit.owed.body_ended());
         assert_eq!(explicit.phase(), Phase::Running);
+        explicit.release = Release::Releasing {
+            left: 1,
+            error: None,
+        };
+        assert_eq!(explicit.phase(), Phase::Releasing);
         let mut job = lease(Holder::Job);
         assert_eq!(job.phase(), Phase::Running);
         job.owed.clear(Proofs::JOINED);

@@ -1,5 +1,6 @@
-//! Giving memory back after a flood: the core's maps and queues keep at most twice what they
-//! hold once they are at most a quarter full (never less than a floor).
+//! Giving memory back after a flood: the core's maps and queues keep twice what they hold
+//! (room to grow back without reallocating) once they are at most a quarter full, never less
+//! than a floor.
 
 use std::collections::VecDeque;
 

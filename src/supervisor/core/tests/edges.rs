@@ -544,7 +544,7 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
     else {
         panic!("{stopped:?}")
     };
-    // The quarantined jobs' temp dirs stay, under the work root.
+    // An owned work root is kept: quarantined slots may hold their temp dirs.
     assert_eq!(quarantine.len(), 3);
     assert!(keep_work_root);
     // Each counted once: the report says what the shutdown did.
@@ -674,11 +674,12 @@ fn ask(slots: u32, priority: Priority) -> Ask {
 }
 
 /// Answers every effect at once from the real in-process pool (`LocalBroker`); records what was
-/// delivered (waiter, key, slots) and refused (waiter, code), in order.
+/// delivered (waiter, key, slots), refused (waiter, code) and dropped (the acquire), in order.
 struct Pool {
     broker: crate::broker::LocalBroker,
     delivered: Vec<(WaiterId, LeaseKey, usize)>,
     refused: Vec<(WaiterId, &'static str)>,
+    aborted: Vec<RequestId>,
 }
 
 impl Pool {
@@ -687,6 +688,7 @@ impl Pool {
             broker: crate::broker::LocalBroker::new(slots),
             delivered: Vec::new(),
             refused: Vec::new(),
+            aborted: Vec::new(),
         }
     }
 
@@ -710,6 +712,7 @@ impl Pool {
                         self.delivered.push((waiter, key, n));
                     }
                     Effect::Refuse { waiter, error } => self.refused.push((waiter, error.code())),
+                    Effect::AbortAcquire { request } => self.aborted.push(request),
                     // Nothing here starts a process group: every re-check finds none.
                     Effect::Recheck {
                         checks,
@@ -870,27 +873,20 @@ fn a_multi_slot_waiter_that_leaves_while_gathering_hands_its_slots_on() {
 
 #[test]
 fn try_is_served_only_when_a_slot_is_free_and_nobody_waits_ahead() {
-    let now = |waiter| Input::Enqueue {
-        waiter,
-        ask: Ask {
-            now_only: true,
-            ..ask(1, Priority::Normal)
-        },
-    };
     let mut core = pool_core(2);
     let mut pool = Pool::new(2);
-    core.apply(now(WaiterId(1)));
+    core.apply(now(1, 1));
     pool.run(&mut core);
     assert_eq!(pool.delivered.len(), 1);
     join(&mut core, WaiterId(2), 2, Priority::Normal);
     pool.run(&mut core);
     // One slot is free, but a waiter gathers ahead: refused, and the slot is not taken.
-    core.apply(now(WaiterId(3)));
+    core.apply(now(3, 1));
     pool.run(&mut core);
     assert_eq!(pool.refused, [(WaiterId(3), "LEASE_NO_SLOT_FREE")]);
     // A broker that is not the pool refuses it outright.
     let mut remote = Core::on_broker(Some(2), false, false);
-    remote.apply(now(WaiterId(4)));
+    remote.apply(now(4, 1));
     assert!(matches!(
         drain(&mut remote).as_slice(),
         [Effect::Refuse {
@@ -1612,22 +1608,40 @@ fn the_callers_waiting_in_every_place_are_counted_and_each_refused_once_at_shutd
     join(&mut core, WaiterId(1), 1, Priority::Normal);
     pool.run(&mut core);
     assert_eq!(pool.delivered.len(), 1);
-    // A `try_acquire` caller whose acquire is not answered yet, and a waiter behind it.
+    // A `try_acquire` caller whose acquire is not answered yet.
     core.apply(now(2, 1));
-    join(&mut core, WaiterId(3), 3, Priority::Normal);
-    assert_eq!(core.waiting(), 2, "the queue and the try in flight");
-    pool.run(&mut core);
-    // The try is served; the three-slot waiter gathers what is free, then one queues behind it.
-    assert_eq!(pool.delivered.len(), 2);
+    let [(tried, None)] = acquires(&drain(&mut core))[..] else {
+        panic!("one acquire for the try")
+    };
+    // A two-slot waiter behind it: the one slot left is asked for, answered, and gathered.
+    join(&mut core, WaiterId(3), 2, Priority::Normal);
+    let [(gathering, None)] = acquires(&drain(&mut core))[..] else {
+        panic!("one acquire for the two-slot waiter")
+    };
+    core.apply(Input::Acquired {
+        request: gathering,
+        result: pool.broker.take(),
+    });
+    assert!(drain(&mut core).is_empty(), "it gathers");
+    // And one queued behind the gathering head.
     join(&mut core, WaiterId(4), 1, Priority::Normal);
-    assert_eq!(core.waiting(), 2, "the gathering head and the queue");
+    assert_eq!(
+        core.waiting(),
+        3,
+        "the try, the gathering head and the queue"
+    );
     core.apply(Input::Shutdown);
     pool.run(&mut core);
     let stopped = AcquireError::Stopped.code();
     assert_eq!(
         pool.refused,
-        [(WaiterId(3), stopped), (WaiterId(4), stopped)]
+        [
+            (WaiterId(3), stopped),
+            (WaiterId(2), stopped),
+            (WaiterId(4), stopped)
+        ]
     );
+    assert_eq!(pool.aborted, [tried], "the try's acquire is dropped");
     core.apply(Input::BrokerClosed);
     core.settle();
     let effects = drain(&mut core);
@@ -1641,14 +1655,15 @@ fn the_callers_waiting_in_every_place_are_counted_and_each_refused_once_at_shutd
     else {
         panic!("{effects:?}")
     };
-    assert_eq!((tally.refused_waiters, tally.released_leases), (2, 2));
+    assert_eq!((tally.refused_waiters, tally.released_leases), (3, 1));
     assert!(quarantine.is_empty() && !keep_work_root, "nothing is left");
 }
 
 #[test]
 fn a_try_never_overtakes_a_queued_waiter_and_is_served_when_the_free_slots_just_fit() {
     let mut core = pool_core(2);
-    // A waiter's acquire is asked but not answered: a slot is still free, and it is its.
+    // The waiter's acquire is not answered, so it is still queued: a slot is free beyond it,
+    // yet the try would overtake it.
     join(&mut core, WaiterId(1), 1, Priority::Normal);
     core.apply(now(2, 1));
     let effects = drain(&mut core);
@@ -1754,12 +1769,9 @@ fn a_process_proven_while_its_recheck_was_out_is_not_proven_twice() {
         matches!(removal.as_slice(), [Effect::RemoveTempDir { .. }]),
         "{removal:?}"
     );
+    // Nothing to learn from the re-check (no proof made twice); the reclaim waits for the
+    // removal, then finds the slot clean.
     let effects = answer_rechecks(&mut core, asked, |_, _| true);
-    assert!(
-        !effects.iter().any(|e| matches!(e, Effect::Illegal(_))),
-        "{effects:?}"
-    );
-    // The reclaim waits for the removal, then finds the slot clean.
     assert!(effects.is_empty(), "{effects:?}");
     core.apply(Input::ProvenOne {
         key,
@@ -1857,7 +1869,15 @@ fn a_shutdown_ends_only_once_its_re_checks_are_in() {
 
 #[test]
 fn a_core_dropped_without_a_shutdown_keeps_the_work_root_only_while_it_holds_a_lease() {
-    let (core, key) = one_delivered(Want::Job);
+    let (mut core, key) = one_delivered(Want::Lease);
     assert!(core.abandon().keep_work_root, "lease {key} is held");
-    assert!(!pool_core(1).abandon().keep_work_root);
+    core.apply(Input::ReleaseRequested { key });
+    assert_eq!(releases(&drain(&mut core)), 1);
+    assert!(core.abandon().keep_work_root, "its release is not answered");
+    core.apply(Input::Released {
+        key,
+        result: Ok(()),
+    });
+    drain(&mut core);
+    assert!(!core.abandon().keep_work_root);
 }
