@@ -1595,3 +1595,39 @@ impl<B: SlotBroker> SlotBroker for Observed<B> {
         Box::pin(self.0.broker.close()).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A log of `releases` per token, `double` of them refused as double grants.
+    fn log(releases: &[(SlotToken, u32)], double: &[SlotToken]) -> Log {
+        Log {
+            releases: releases.iter().copied().collect(),
+            double_grants: double.iter().map(|t| (*t, SlotToken::new(0, 1))).collect(),
+            ..Log::default()
+        }
+    }
+
+    #[test]
+    fn the_supervisors_releases_are_judged_once_per_token_granted() {
+        let (a, b) = (SlotToken::new(0, 1), SlotToken::new(1, 2));
+        assert_eq!(log(&[(a, 1), (b, 1)], &[]).releases_once(), Ok(()));
+        // Released twice, or never: each named.
+        let twice = log(&[(a, 2), (b, 1)], &[]).releases_once().unwrap_err();
+        assert_eq!(twice, format!("{a} released 2 times"));
+        let never = log(&[(a, 1), (b, 0)], &[]).releases_once().unwrap_err();
+        assert_eq!(never, format!("{b} released 0 times"));
+        // A double grant is not released (that could free the live holder's slot): its own
+        // failure, not this one.
+        assert_eq!(log(&[(a, 1), (b, 0)], &[b]).releases_once(), Ok(()));
+        // A release of a token never granted.
+        let stranger = SlotToken::new(7, 70);
+        let mut strange = log(&[(a, 1)], &[]);
+        strange.strangers.push(stranger);
+        assert_eq!(
+            strange.releases_once().unwrap_err(),
+            format!("{stranger} was released but never granted")
+        );
+    }
+}

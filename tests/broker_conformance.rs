@@ -581,6 +581,18 @@ async fn a_broker_that_never_grants_is_reported_not_panicked_on() {
         .unwrap();
     assert!(capacity.passed(), "{report}");
     assert!(report.failed().contains(&"release"), "{report}");
+    // The failure counts what it dropped: eight acquires after 0 to 7 polls, and three after
+    // 1, 5 and 20 ms, none of which ever answered.
+    let cancel = report
+        .checks()
+        .iter()
+        .find(|c| c.name() == "cancel safety")
+        .and_then(|c| c.failure())
+        .unwrap_or_default();
+    assert!(
+        cancel.contains("after 11 acquires were dropped before they answered"),
+        "{cancel:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
