@@ -52,6 +52,22 @@ mod prelude {
             .collect()
     }
 
+    impl Core {
+        /// Each of `waiters` asks for one slot, for `want`, in order.
+        pub(in crate::supervisor::core) fn ask_one_slot_each(
+            &mut self,
+            waiters: impl IntoIterator<Item = u64>,
+            want: Want,
+        ) {
+            for w in waiters {
+                self.apply(Input::Enqueue {
+                    waiter: WaiterId(w),
+                    ask: Ask::one(want),
+                });
+            }
+        }
+    }
+
     pub(super) fn token(slot: u32, lease: u64) -> SlotToken {
         SlotToken::new(slot, lease)
     }

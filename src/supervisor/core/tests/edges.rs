@@ -47,10 +47,7 @@ fn waiters_of_both_kinds_are_popped_in_queue_order_with_what_they_want() {
 
 /// A core with one job granted and started on `token`; returns its key.
 fn started_job(core: &mut Core, t: SlotToken, device: Option<usize>) -> LeaseKey {
-    core.apply(Input::Enqueue {
-        waiter: WaiterId(1),
-        ask: Ask::one(Want::Job),
-    });
+    core.ask_one_slot_each([1], Want::Job);
     core.settle();
     let request = match drain(core).as_slice() {
         [Effect::Acquire { request, .. }] => *request,
@@ -66,6 +63,18 @@ fn started_job(core: &mut Core, t: SlotToken, device: Option<usize>) -> LeaseKey
     };
     core.apply(Input::Started { key, device });
     assert!(drain(core).is_empty());
+    key
+}
+
+/// A job on slot 0 that has ended, its body and tasks joined, naming its temp dir: the core
+/// has asked for the dir's removal (the effects are not drained).
+fn ended_job(core: &mut Core) -> LeaseKey {
+    let key = started_job(core, token(0, 1), None);
+    core.apply(Input::Ended {
+        key,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+        dir: dir_of(key),
+    });
     key
 }
 
@@ -185,12 +194,7 @@ fn the_core_never_removes_a_temp_dir_before_the_workers_physical_end() {
 #[test]
 fn a_temp_dir_removal_that_fails_quarantines_the_slot_and_a_reclaim_retries_it() {
     let mut core = Core::on_broker(Some(1), false, false);
-    let key = started_job(&mut core, token(0, 1), None);
-    core.apply(Input::Ended {
-        key,
-        proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: dir_of(key),
-    });
+    let key = ended_job(&mut core);
     let asked = drain(&mut core);
     assert!(
         matches!(asked.as_slice(), [Effect::RemoveTempDir { .. }]),
@@ -367,12 +371,7 @@ fn a_loss_seen_on_an_older_generation_than_the_replacement_is_proven_by_it_but_n
 
 /// A job on slot 0 whose temp dir could not be removed: its slot is quarantined.
 fn quarantined_job(core: &mut Core) -> LeaseKey {
-    let key = started_job(core, token(0, 1), None);
-    core.apply(Input::Ended {
-        key,
-        proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: dir_of(key),
-    });
+    let key = ended_job(core);
     drain(core);
     core.apply(Input::TempDirFailed {
         key,
@@ -448,12 +447,7 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
     let mut core = Core::on_broker(Some(3), false, false);
     // A running job, a draining one (tasks still running), a quarantined one (late tasks).
     let mut keys = Vec::new();
-    for i in 0..3u32 {
-        core.apply(Input::Enqueue {
-            waiter: WaiterId(u64::from(i) + 1),
-            ask: Ask::one(Want::Job),
-        });
-    }
+    core.ask_one_slot_each(1..=3, Want::Job);
     core.settle();
     let requests: Vec<RequestId> = drain(&mut core)
         .into_iter()
@@ -487,12 +481,7 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
         detail: "late".into(),
     });
     // Two more callers wait behind them: refused at the shutdown.
-    for w in [4, 5] {
-        core.apply(Input::Enqueue {
-            waiter: WaiterId(w),
-            ask: Ask::one(Want::Job),
-        });
-    }
+    core.ask_one_slot_each([4, 5], Want::Job);
     drain(&mut core);
     core.apply(Input::Shutdown);
     let effects = drain(&mut core);
@@ -562,10 +551,7 @@ fn shutdown_cancels_every_job_whatever_its_phase_and_quarantines_what_the_deadli
 /// A core on a one-slot broker that has delivered its slot to a first caller wanting `want`.
 fn one_delivered(want: Want) -> (Core, LeaseKey) {
     let mut core = Core::on_broker(Some(1), false, false);
-    core.apply(Input::Enqueue {
-        waiter: WaiterId(1),
-        ask: Ask::one(want),
-    });
+    core.ask_one_slot_each([1], want);
     core.settle();
     let Effect::Acquire { request, .. } = drain(&mut core).remove(0) else {
         panic!()
@@ -622,10 +608,7 @@ fn an_explicit_lease_held_at_shutdown_is_revoked_then_released_once() {
 fn a_token_for_a_slot_held_by_a_live_lease_is_refused_and_not_released() {
     let mut core = Core::on_broker(None, false, false);
     let _key = started_job(&mut core, token(0, 1), None);
-    core.apply(Input::Enqueue {
-        waiter: WaiterId(2),
-        ask: Ask::one(Want::Lease),
-    });
+    core.ask_one_slot_each([2], Want::Lease);
     core.settle();
     let Effect::Acquire { request, .. } = drain(&mut core).remove(0) else {
         panic!()
@@ -1241,17 +1224,11 @@ fn acquires(effects: &[Effect]) -> Vec<(RequestId, Option<WaiterId>)> {
 #[test]
 fn a_remote_broker_is_asked_once_per_waiter_with_the_head_as_a_hint() {
     let mut core = Core::on_broker(Some(3), false, false);
-    core.apply(Input::Enqueue {
-        waiter: WaiterId(7),
-        ask: Ask::one(Want::Lease),
-    });
+    core.ask_one_slot_each([7], Want::Lease);
     let first = acquires(&drain(&mut core));
     assert_eq!(first.len(), 1);
     assert_eq!(first[0].1, Some(WaiterId(7)), "the head travels as a hint");
-    core.apply(Input::Enqueue {
-        waiter: WaiterId(8),
-        ask: Ask::one(Want::Lease),
-    });
+    core.ask_one_slot_each([8], Want::Lease);
     let second = acquires(&drain(&mut core));
     assert_eq!(
         second.len(),
@@ -1263,12 +1240,7 @@ fn a_remote_broker_is_asked_once_per_waiter_with_the_head_as_a_hint() {
 #[test]
 fn acquires_nobody_needs_any_more_are_dropped_newest_first_and_only_those() {
     let mut core = Core::on_broker(Some(4), false, false);
-    for w in 1..=3 {
-        core.apply(Input::Enqueue {
-            waiter: WaiterId(w),
-            ask: Ask::one(Want::Lease),
-        });
-    }
+    core.ask_one_slot_each(1..=3, Want::Lease);
     let asked: Vec<RequestId> = acquires(&drain(&mut core))
         .into_iter()
         .map(|(r, _)| r)
@@ -1296,10 +1268,7 @@ fn acquires_nobody_needs_any_more_are_dropped_newest_first_and_only_those() {
 #[test]
 fn the_in_process_pool_is_asked_without_a_hint_and_never_has_an_acquire_to_drop() {
     let mut core = Core::pool(2);
-    core.apply(Input::Enqueue {
-        waiter: WaiterId(1),
-        ask: Ask::one(Want::Lease),
-    });
+    core.ask_one_slot_each([1], Want::Lease);
     let effects = drain(&mut core);
     assert_eq!(
         acquires(&effects).first().map(|a| a.1),
@@ -1454,10 +1423,7 @@ fn a_lease_of_two_slots_ends_when_both_are_back_with_the_first_failure_as_its_re
 fn cancel_by_id_finds_a_waiter_or_a_running_job_and_nothing_else() {
     let (mut core, job, lease) = renewing_job_and_lease();
     // Both slots held: a third caller waits.
-    core.apply(Input::Enqueue {
-        waiter: WaiterId(3),
-        ask: Ask::one(Want::Job),
-    });
+    core.ask_one_slot_each([3], Want::Job);
     drain(&mut core);
     let cancel = |core: &mut Core, waiters: &[u64], leases: &[LeaseKey]| {
         core.apply(Input::CancelById {
@@ -1692,10 +1658,7 @@ fn a_stray_grace_timer_aborts_nothing_while_serving() {
 #[test]
 fn the_failure_of_an_acquire_that_was_dropped_refuses_nobody() {
     let mut core = Core::on_broker(Some(2), false, false);
-    core.apply(Input::Enqueue {
-        waiter: WaiterId(1),
-        ask: Ask::one(Want::Lease),
-    });
+    core.ask_one_slot_each([1], Want::Lease);
     let [(dropped, _)] = acquires(&drain(&mut core))[..] else {
         panic!("one acquire")
     };
@@ -1704,10 +1667,7 @@ fn the_failure_of_an_acquire_that_was_dropped_refuses_nobody() {
         why: Withdrawal::Cancelled,
     });
     drain(&mut core);
-    core.apply(Input::Enqueue {
-        waiter: WaiterId(2),
-        ask: Ask::one(Want::Lease),
-    });
+    core.ask_one_slot_each([2], Want::Lease);
     assert_eq!(acquires(&drain(&mut core)).len(), 1);
     // The dropped acquire's failure arrives after all: nobody waits for it.
     core.apply(Input::Acquired {
@@ -1789,12 +1749,7 @@ fn a_process_proven_while_its_recheck_was_out_is_not_proven_twice() {
 #[test]
 fn a_reclaim_does_not_wait_for_a_temp_dir_removal_already_late() {
     let mut core = Core::on_broker(Some(1), false, false);
-    let key = started_job(&mut core, token(0, 1), None);
-    core.apply(Input::Ended {
-        key,
-        proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: dir_of(key),
-    });
+    let key = ended_job(&mut core);
     drain(&mut core);
     core.apply(Input::Late {
         key,
@@ -1819,12 +1774,7 @@ fn a_reclaim_does_not_wait_for_a_temp_dir_removal_already_late() {
 #[test]
 fn the_shutdown_grace_aborts_the_tasks_of_the_jobs_that_still_run_them_and_no_others() {
     let mut core = Core::on_broker(Some(2), false, false);
-    for w in 1..=2 {
-        core.apply(Input::Enqueue {
-            waiter: WaiterId(w),
-            ask: Ask::one(Want::Job),
-        });
-    }
+    core.ask_one_slot_each(1..=2, Want::Job);
     let delivered = grant_every_acquire(&mut core);
     let [(_, running), (_, draining)] = delivered[..] else {
         panic!("{delivered:?}")
