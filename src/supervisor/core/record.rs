@@ -486,6 +486,16 @@ impl LeaseRecord {
 mod tests {
     use super::*;
 
+    /// A one-slot lease on slot 0 under lease id 1.
+    fn lease(holder: Holder) -> LeaseRecord {
+        LeaseRecord::new(
+            SlotToken::new(0, 1),
+            Box::default(),
+            holder,
+            Priority::Normal,
+        )
+    }
+
     #[test]
     fn what_a_job_owes_is_listed_in_pipeline_order_and_cleared_proof_by_proof() {
         // From the grant on: its body, its tasks and its temp dir, and nothing else.
@@ -555,14 +565,6 @@ mod tests {
 
     #[test]
     fn an_explicit_lease_runs_until_released_and_a_jobs_lease_drains_once_its_body_ended() {
-        let lease = |holder| {
-            LeaseRecord::new(
-                SlotToken::new(0, 1),
-                Box::default(),
-                holder,
-                Priority::Normal,
-            )
-        };
         // An explicit lease owes nothing, so its "body" has always ended: it is still running.
         let mut explicit = lease(Holder::Explicit);
         assert!(explicit.owed.body_ended());
@@ -580,12 +582,7 @@ mod tests {
 
     #[test]
     fn a_quarantined_leases_reasons_read_as_one_line_in_order() {
-        let mut lease = LeaseRecord::new(
-            SlotToken::new(0, 1),
-            Box::default(),
-            Holder::Job,
-            Priority::Normal,
-        );
+        let mut lease = lease(Holder::Job);
         assert_eq!(lease.reason_line(), "");
         for (proof, detail) in [(Proof::GpuFence, "slow gpu"), (Proof::TempDir, "EACCES")] {
             lease.reasons.push(Reason {
@@ -599,12 +596,7 @@ mod tests {
 
     #[test]
     fn a_shutdown_waits_for_a_quarantined_jobs_work_whatever_its_reasons() {
-        let mut lease = LeaseRecord::new(
-            SlotToken::new(0, 1),
-            Box::default(),
-            Holder::Job,
-            Priority::Normal,
-        );
+        let mut lease = lease(Holder::Job);
         lease.owed.clear(Proofs::JOINED);
         lease.owed.add(Proof::Process(ProcessKey(3)));
         lease.reasons.push(Reason {
@@ -633,12 +625,7 @@ mod tests {
     #[test]
     fn a_shutdown_waits_for_a_device_leasehold_re_creates_but_not_for_the_engines() {
         let lost_on = |replacer| {
-            let mut lease = LeaseRecord::new(
-                SlotToken::new(0, 1),
-                Box::default(),
-                Holder::Job,
-                Priority::Normal,
-            );
+            let mut lease = lease(Holder::Job);
             lease.owed.clear(Proofs::JOINED.with(Proofs::TASKS));
             lease.owed.add(Proof::GpuFence);
             lease.reasons.push(Reason {

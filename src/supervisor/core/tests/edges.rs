@@ -66,10 +66,17 @@ fn started_job(core: &mut Core, t: SlotToken, device: Option<usize>) -> LeaseKey
     key
 }
 
-/// A job on slot 0 that has ended, its body and tasks joined, naming its temp dir: the core
-/// has asked for the dir's removal (the effects are not drained).
-fn ended_job(core: &mut Core) -> LeaseKey {
+/// A job on slot 0 that started the process `groups`, then ended, its body and tasks joined,
+/// naming its temp dir: with no group, the core has asked for the dir's removal (the effects
+/// are not drained).
+fn ended_job(core: &mut Core, groups: &[ProcessKey]) -> LeaseKey {
     let key = started_job(core, token(0, 1), None);
+    for process in groups {
+        core.apply(Input::ProcessStarted {
+            key,
+            process: *process,
+        });
+    }
     core.apply(Input::Ended {
         key,
         proofs: Proofs::JOINED.with(Proofs::TASKS),
@@ -177,16 +184,7 @@ fn a_job_without_a_temp_dir_ends_in_one_report_when_nothing_is_late() {
 fn the_core_never_removes_a_temp_dir_before_the_workers_physical_end() {
     // A process group still owed: the dir stays, whatever the driver's end says.
     let mut core = Core::on_broker(Some(1), false, false);
-    let key = started_job(&mut core, token(0, 1), None);
-    core.apply(Input::ProcessStarted {
-        key,
-        process: ProcessKey(7),
-    });
-    core.apply(Input::Ended {
-        key,
-        proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: dir_of(key),
-    });
+    ended_job(&mut core, &[ProcessKey(7)]);
     let effects = drain(&mut core);
     assert!(effects.is_empty(), "{effects:?}");
 }
@@ -194,7 +192,7 @@ fn the_core_never_removes_a_temp_dir_before_the_workers_physical_end() {
 #[test]
 fn a_temp_dir_removal_that_fails_quarantines_the_slot_and_a_reclaim_retries_it() {
     let mut core = Core::on_broker(Some(1), false, false);
-    let key = ended_job(&mut core);
+    let key = ended_job(&mut core, &[]);
     let asked = drain(&mut core);
     assert!(
         matches!(asked.as_slice(), [Effect::RemoveTempDir { .. }]),
@@ -227,17 +225,8 @@ fn a_temp_dir_removal_that_fails_quarantines_the_slot_and_a_reclaim_retries_it()
 #[test]
 fn a_process_group_started_by_the_job_holds_the_temp_dir_until_it_is_proven_empty() {
     let mut core = Core::on_broker(Some(1), false, false);
-    let key = started_job(&mut core, token(0, 1), None);
-    core.apply(Input::ProcessStarted {
-        key,
-        process: ProcessKey(7),
-    });
     // The group is not proven yet: the core keeps the dir.
-    core.apply(Input::Ended {
-        key,
-        proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: dir_of(key),
-    });
+    let key = ended_job(&mut core, &[ProcessKey(7)]);
     assert!(drain(&mut core).is_empty(), "the group is not proven empty");
     core.apply(Input::ProvenOne {
         key,
@@ -371,7 +360,7 @@ fn a_loss_seen_on_an_older_generation_than_the_replacement_is_proven_by_it_but_n
 
 /// A job on slot 0 whose temp dir could not be removed: its slot is quarantined.
 fn quarantined_job(core: &mut Core) -> LeaseKey {
-    let key = ended_job(core);
+    let key = ended_job(core, &[]);
     drain(core);
     core.apply(Input::TempDirFailed {
         key,
@@ -1697,17 +1686,8 @@ fn a_lease_already_releasing_cannot_be_undelivered() {
 #[test]
 fn a_process_proven_while_its_recheck_was_out_is_not_proven_twice() {
     let mut core = Core::on_broker(Some(1), false, false);
-    let key = started_job(&mut core, token(0, 1), None);
+    let key = ended_job(&mut core, &[ProcessKey(7)]);
     let process = Proof::Process(ProcessKey(7));
-    core.apply(Input::ProcessStarted {
-        key,
-        process: ProcessKey(7),
-    });
-    core.apply(Input::Ended {
-        key,
-        proofs: Proofs::JOINED.with(Proofs::TASKS),
-        dir: dir_of(key),
-    });
     core.apply(Input::Unproven {
         key,
         proof: process,
@@ -1749,7 +1729,7 @@ fn a_process_proven_while_its_recheck_was_out_is_not_proven_twice() {
 #[test]
 fn a_reclaim_does_not_wait_for_a_temp_dir_removal_already_late() {
     let mut core = Core::on_broker(Some(1), false, false);
-    let key = ended_job(&mut core);
+    let key = ended_job(&mut core, &[]);
     drain(&mut core);
     core.apply(Input::Late {
         key,
