@@ -97,14 +97,18 @@ impl WaitQueue {
         // Withdrawn ids stay queued until popped; compacted when the entries pass twice the
         // live waiters and sixteen, so that a long-lived head with many withdrawn waiters
         // behind it cannot grow the queue without bound (amortised O(1) per withdrawal).
-        let queued: usize = self.classes.iter().map(VecDeque::len).sum();
-        if queued > 2 * self.live.len() + 16 {
+        if self.queued() > 2 * self.live.len() + 16 {
             let live = &self.live;
             for class in &mut self.classes {
                 class.retain(|e| live.contains(&e.queued.waiter()));
             }
         }
         Some(slots)
+    }
+
+    /// Entries in the classes, withdrawn ones included.
+    fn queued(&self) -> usize {
+        self.classes.iter().map(VecDeque::len).sum()
     }
 
     /// The class whose live front is served next: the earliest deadline, then the earliest
@@ -213,8 +217,7 @@ impl WaitQueue {
     /// waiters, and waiters in the multi-slot map.
     #[cfg(test)]
     pub(super) fn entries(&self) -> (usize, usize, usize) {
-        let queued = self.classes.iter().map(VecDeque::len).sum();
-        (queued, self.live.len(), self.multi.len())
+        (self.queued(), self.live.len(), self.multi.len())
     }
 
     /// The capacity its queues and maps hold on to (the memory tests).
