@@ -28,7 +28,7 @@
 //! | `cancel safety` | "An acquire dropped at any await point — before it answers, while it waits, or as a slot is being handed to it — takes nothing: a slot it had taken goes back, or to the next waiter." |
 //! | `bad tokens` | "A release of a token the broker did not grant, of one already released, or of a stale one (its slot now has a newer holder) is refused with an error, and takes nothing from the current holder." |
 //! | `close` | "Closing again answers `Ok` at once." Also the supervisor's side: its shutdown closes the broker once, after its last release. |
-//! | `lost leases` | (a broker that [`renews`](SlotBroker::renews), with [`Conformance::lose_with`]) "The future resolves only when the lease is lost": the lease then ends under its holder, and is still released once. |
+//! | `lost leases` | (a broker that [`renews`](SlotBroker::renews), with [`Conformance::lose_with`]) "The future resolves only when the lease is lost": the lease then ends under its holder, and is still released once. A renewal that resolves before the broker lost anything fails. |
 //! | `supervised` | "Its futures are ordinary futures: each poll registers the waker it is given." Jobs run through two supervisors sharing the broker all end, and every token the broker granted them is released exactly once. |
 //!
 //! A check that cannot apply to a broker (no capacity reported, no waiting, no way to make it
@@ -572,8 +572,6 @@ where
             for _ in 0..n {
                 held.push(self.answered("an acquire", holder.acquire()).await?);
             }
-            // Read before the callers start: a refusal can come as soon as they do.
-            let refused_before = broker.refused();
             let cancels: Vec<CancellationToken> =
                 (0..2).map(|_| CancellationToken::new()).collect();
             let mut calls = Vec::new();
@@ -601,7 +599,9 @@ where
             self.until("the callers to wait with acquires in flight", || {
                 let done = calls.iter().filter(|c| c.is_finished()).count()
                     + usize::from(leaver.is_finished());
-                let (in_flight, refused) = (broker.in_flight(), broker.refused() - refused_before);
+                // Every refusal is the callers': the holder's acquires all answered with a
+                // slot (a refusal would have ended the check).
+                let (in_flight, refused) = (broker.in_flight(), broker.refused());
                 let waiting = other.stats().waiting;
                 last = format!(
                     "{done} ended, {waiting} waiting, {in_flight} acquires in flight, {refused} refused"
@@ -779,7 +779,18 @@ where
         let ran = async {
             let sup = start(&broker).await?;
             let mut lease = self.answered("an acquire", sup.acquire()).await?;
+            self.until("the supervisor to renew the lease", || {
+                let (renewing, unprompted) = broker.renewals();
+                renewing >= 1 || unprompted.is_some()
+            })
+            .await?;
+            if let (_, Some(token)) = broker.renewals() {
+                return Err(format!(
+                    "the renewal of {token} resolved although the broker had lost nothing"
+                ));
+            }
             let token = lease.token().map_err(|e| e.to_string())?;
+            broker.0.log.lock().losing = true;
             lose(&broker.0.broker, token);
             let ended = self
                 .bounded("the lease to end under its holder", lease.lost())
@@ -1427,6 +1438,12 @@ struct Log {
     in_flight: Vec<AcquireRequest>,
     /// Acquires the broker answered with an error (a full queue, every slot held).
     refused: usize,
+    /// Renewals (`keep_alive` futures) polled once without resolving.
+    renewing: usize,
+    /// Set once the check makes the broker lose a lease (`Conformance::lose_with`).
+    losing: bool,
+    /// Renewals that resolved before the check made the broker lose anything.
+    unprompted_losses: Vec<SlotToken>,
     closes: u32,
     outstanding_at_close: Option<usize>,
 }
@@ -1511,6 +1528,13 @@ impl<B> Observed<B> {
         self.0.log.lock().refused
     }
 
+    /// Renewals polled once without resolving, and the first renewal that resolved before the
+    /// check made the broker lose anything.
+    fn renewals(&self) -> (usize, Option<SlotToken>) {
+        let log = self.0.log.lock();
+        (log.renewing, log.unprompted_losses.first().copied())
+    }
+
     fn requests_in_flight(&self) -> Vec<AcquireRequest> {
         self.0.log.lock().in_flight.clone()
     }
@@ -1579,9 +1603,29 @@ impl<B: SlotBroker> SlotBroker for Observed<B> {
     }
 
     fn keep_alive(&self, token: SlotToken) -> impl Future<Output = BrokerError> + Send {
-        Box::pin(self.0.broker.keep_alive(token))
+        let mut renewal = Box::pin(self.0.broker.keep_alive(token));
+        let watched = Arc::clone(&self.0);
+        let mut polled = false;
+        std::future::poll_fn(move |cx| {
+            let answer = renewal.as_mut().poll(cx);
+            let mut log = watched.log.lock();
+            match answer {
+                Poll::Ready(lost) => {
+                    if !log.losing {
+                        log.unprompted_losses.push(token);
+                    }
+                    Poll::Ready(lost)
+                }
+                Poll::Pending => {
+                    if !polled {
+                        polled = true;
+                        log.renewing += 1;
+                    }
+                    Poll::Pending
+                }
+            }
+        })
     }
-
     fn attach(&self, events: BrokerEvents) {
         self.0.broker.attach(events);
     }

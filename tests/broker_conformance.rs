@@ -21,6 +21,10 @@ use leasehold::{AcquireRequest, BrokerError, LocalBroker, SlotBroker, SlotToken}
 
 const SLOTS: u32 = 3;
 
+/// The polls a remote pool's acquire spends on its way: more than the suite's own turns take
+/// to see the acquires in flight, so that it must wait for them to queue.
+const ROUND_TRIP: usize = 50;
+
 /// One promise broken, or none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
@@ -73,20 +77,40 @@ enum Fault {
     /// Not one promise: no acquire is ever granted (each waits for ever). The suite must
     /// report it, not panic.
     NeverGrants,
+    /// Cancel safety: an acquire dropped while it waits cannot take the lock in its `drop`,
+    /// so it records itself as *the* leaver and spawns the clean-up, which takes the leaver
+    /// recorded and removes it from the queue. One record: a second leaver before the first
+    /// clean-up runs overwrites the first, which stays queued, and a slot handed to it is
+    /// lost. Breaks only when acquires leave back to back, as a supervisor drops those nobody
+    /// needs any more.
+    OneLeaverRecorded,
+    /// Lost leases: the renewal reports a loss at once, whether the lease was lost or not.
+    LosesAtOnce,
 }
 
 /// An in-process broker that makes acquires wait (or refuses when every slot is held), renews
-/// its leases, and breaks the one promise its `Fault` names.
+/// its leases, and breaks the one promise its `Fault` names. A clone is the same broker.
+#[derive(Clone)]
 struct Pool {
     fault: Fault,
     queues: bool,
     /// At most this many acquires wait (those handed a slot they have not collected yet
     /// included); more are refused.
     queue_bound: Option<usize>,
+    /// How many polls an acquire spends on its way to the pool before it takes a slot or a
+    /// place in the queue, as a remote broker's request spends a round trip.
+    round_trip: usize,
+    /// Every grant by its request `(origin, id)`, in a coordinator shared by every broker a
+    /// suite makes (as one etcd cluster serves every `EtcdBroker`): a request seen before is a
+    /// retry, answered with its grant.
+    ledger: Option<Arc<Mutex<Ledger>>>,
+    /// Whether leases lapse unless renewed; one that does not renew reports a lost lease the
+    /// moment `keep_alive` is polled, which the supervisor must then never do.
+    renews: bool,
     /// Counts the tokens this broker granted and took back, when a test reads them.
     counts: Option<Arc<Counts>>,
-    state: Mutex<State>,
-    lost: tokio::sync::watch::Sender<HashSet<SlotToken>>,
+    state: Arc<Mutex<State>>,
+    lost: Arc<tokio::sync::watch::Sender<HashSet<SlotToken>>>,
 }
 
 #[derive(Default)]
@@ -106,6 +130,8 @@ struct State {
     requests: HashMap<u64, (u64, u64)>,
     next_waiter: u64,
     closes: u32,
+    /// The leaver the next clean-up removes (`OneLeaverRecorded`).
+    leaver: Option<u64>,
 }
 
 impl Pool {
@@ -120,14 +146,32 @@ impl Pool {
             fault,
             queues,
             queue_bound: None,
+            round_trip: 0,
+            ledger: None,
+            renews: true,
             counts: None,
-            state: Mutex::new(State {
+            state: Arc::new(Mutex::new(State {
                 free: (0..SLOTS).collect(),
                 next_lease: 1,
                 ..State::default()
-            }),
-            lost: tokio::sync::watch::Sender::new(HashSet::new()),
+            })),
+            lost: Arc::new(tokio::sync::watch::Sender::new(HashSet::new())),
         }
+    }
+
+    fn with_ledger(mut self, ledger: Arc<Mutex<Ledger>>) -> Self {
+        self.ledger = Some(ledger);
+        self
+    }
+
+    fn without_renewal(mut self) -> Self {
+        self.renews = false;
+        self
+    }
+
+    fn with_round_trip(mut self, polls: usize) -> Self {
+        self.round_trip = polls;
+        self
     }
 
     fn counting(mut self, counts: Arc<Counts>) -> Self {
@@ -234,8 +278,40 @@ impl Pool {
         self.hand_on(state, token.slot_id());
     }
 
+    /// A waiter leaves: out of the queue, and a slot handed to it goes on.
+    fn leave(&self, state: &mut State, waiter: u64) {
+        state.waiters.retain(|w| *w != waiter);
+        state.wakers.remove(&waiter);
+        state.requests.remove(&waiter);
+        if let Some(token) = state.granted.remove(&waiter)
+            && self.fault != Fault::LeaksGrantInFlight
+        {
+            self.give_back(state, token);
+        }
+        // A leaver that was woken for a free slot passes the wake on (`Barging`).
+        if self.fault == Fault::Barging && !state.free.is_empty() {
+            Pool::wake_head(state);
+        }
+    }
+
     fn unavailable() -> BrokerError {
         BrokerError::unavailable(format!("all {SLOTS} slots are held"))
+    }
+}
+
+/// Grants by request, kept by a coordinator that outlives the brokers over it.
+#[derive(Default)]
+struct Ledger {
+    grants: HashMap<(u64, u64), SlotToken>,
+    /// Requests answered from the record: retries.
+    retries: u64,
+}
+
+impl Ledger {
+    fn retried(&mut self, request: (u64, u64)) -> Option<SlotToken> {
+        let token = self.grants.get(&request).copied()?;
+        self.retries += 1;
+        Some(token)
     }
 }
 
@@ -244,12 +320,16 @@ impl Pool {
 struct Counts {
     grants: AtomicU64,
     taken_back: AtomicU64,
+    /// Renewals polled.
+    renewals: AtomicU64,
 }
 
 /// A waiting acquire.
 struct Acquire<'a> {
     pool: &'a Pool,
     request: (u64, u64),
+    /// Polls left on the way to the pool.
+    on_the_way: usize,
     waiter: Option<u64>,
     done: bool,
 }
@@ -259,6 +339,11 @@ impl Future for Acquire<'_> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let pool = self.pool;
+        if self.on_the_way > 0 {
+            self.on_the_way -= 1;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
         let mut state = pool.state.lock();
         let Some(waiter) = self.waiter else {
             if let Some(token) = pool.take_now(&mut state) {
@@ -322,6 +407,17 @@ impl Drop for Acquire<'_> {
         if self.pool.fault == Fault::LeaverStaysQueued {
             return;
         }
+        if self.pool.fault == Fault::OneLeaverRecorded {
+            self.pool.state.lock().leaver = Some(waiter);
+            let pool = self.pool.clone();
+            tokio::spawn(async move {
+                let leaver = pool.state.lock().leaver.take();
+                if let Some(waiter) = leaver {
+                    pool.leave(&mut pool.state.lock(), waiter);
+                }
+            });
+            return;
+        }
         let pool = self.pool;
         let mut state = pool.state.lock();
         if pool.fault == Fault::MiddleLeaverStays
@@ -331,18 +427,7 @@ impl Drop for Acquire<'_> {
         {
             return;
         }
-        state.waiters.retain(|w| *w != waiter);
-        state.wakers.remove(&waiter);
-        state.requests.remove(&waiter);
-        if let Some(token) = state.granted.remove(&waiter)
-            && pool.fault != Fault::LeaksGrantInFlight
-        {
-            pool.give_back(&mut state, token);
-        }
-        // A leaver that was woken for a free slot passes the wake on (`Barging`).
-        if pool.fault == Fault::Barging && !state.free.is_empty() {
-            Pool::wake_head(&mut state);
-        }
+        pool.leave(&mut state, waiter);
     }
 }
 
@@ -373,13 +458,23 @@ impl SlotBroker for Pool {
                 Ok(token)
             }
             _ => {
-                Acquire {
+                let key = (request.origin(), request.request_id());
+                let retried = self.ledger.as_ref().and_then(|l| l.lock().retried(key));
+                if let Some(token) = retried {
+                    return Ok(token);
+                }
+                let token = Acquire {
                     pool: self,
-                    request: (request.origin(), request.request_id()),
+                    request: key,
+                    on_the_way: self.round_trip,
                     waiter: None,
                     done: false,
                 }
-                .await
+                .await?;
+                if let Some(ledger) = &self.ledger {
+                    ledger.lock().grants.insert(key, token);
+                }
+                Ok(token)
             }
         }
     }
@@ -417,10 +512,16 @@ impl SlotBroker for Pool {
     }
 
     fn renews(&self) -> bool {
-        true
+        self.renews
     }
 
     async fn keep_alive(&self, token: SlotToken) -> BrokerError {
+        if let Some(counts) = &self.counts {
+            counts.renewals.fetch_add(1, Ordering::SeqCst);
+        }
+        if !self.renews || self.fault == Fault::LosesAtOnce {
+            return BrokerError::unavailable(format!("{token} is not renewed"));
+        }
         let mut lost = self.lost.subscribe();
         loop {
             if self.fault != Fault::NeverReportsLoss && lost.borrow_and_update().contains(&token) {
@@ -792,14 +893,19 @@ async fn a_broker_that_keeps_the_waker_of_the_first_poll_fails_the_supervised_ch
 /// With a probe for "this acquire waits in the queue", the suite needs no settle window (an
 /// hour here: a wait on it would fail the run on its step bound).
 async fn suite_with_probe(fault: Fault) -> Report {
-    let report = Conformance::new(move || async move { Pool::new(fault, true) })
+    probed(format!("{fault:?}"), move || Pool::new(fault, true)).await
+}
+
+/// The suite over the brokers `make` builds, with the queue probe and no settle window.
+async fn probed(name: String, make: impl Fn() -> Pool) -> Report {
+    let report = Conformance::new(move || std::future::ready(make()))
         .settle(Duration::from_secs(3600))
         .step(Duration::from_secs(2))
         .waiting_with(|pool: &Pool, request| pool.is_waiting(request))
         .lose_with(|pool: &Pool, token| pool.lose(token), |pool| pool.restore())
         .run()
         .await;
-    println!("{fault:?} (probed):\n{report}");
+    println!("{name} (probed):\n{report}");
     report
 }
 
@@ -861,4 +967,113 @@ async fn a_report_says_each_checks_outcome_and_assert_passed_panics_on_a_failure
             "supervised"
         ]
     );
+}
+
+/// On a current-thread runtime the clean-up a leaver spawns runs before the suite's next
+/// direct leave, every time; the supervisor drops the acquires nobody needs any more in one
+/// turn.
+#[tokio::test]
+async fn a_broker_that_records_one_leaver_at_a_time_fails_the_cancel_safety_check_through_a_supervisor()
+ {
+    fails_only(
+        Fault::OneLeaverRecorded,
+        true,
+        "cancel safety",
+        "after a supervisor's callers gave up with its acquires in flight at the broker",
+    )
+    .await;
+}
+
+/// With the probe, the crowd gives a slot back only once every acquire still in flight waits
+/// in the queue: a broker whose racing acquires are still on their way is given time to
+/// over-grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_queue_probe_a_broker_that_over_grants_when_acquires_race_fails_the_capacity_check()
+{
+    let report = suite_with_probe(Fault::RacyCapacity).await;
+    assert_eq!(report.failed(), ["capacity"], "{report}");
+}
+
+/// A correct broker whose acquires take a round trip before they queue, and whose queue holds
+/// two: with the probe, the suite waits for each acquire a supervisor has in flight until it
+/// queues or answers (here, one is refused at the end of its trip).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_queue_probe_a_correct_remote_broker_with_a_queue_of_two_passes_every_check() {
+    let report = probed("a remote pool with a queue of 2".into(), || {
+        Pool::new(Fault::None, true)
+            .with_round_trip(ROUND_TRIP)
+            .with_queue_bound(2)
+    })
+    .await;
+    report.assert_passed();
+    assert_eq!(skipped(&report), Vec::<&str>::new(), "{report}");
+}
+
+/// With the probe, the suite gives up the supervisor's callers only once its acquires have
+/// reached the broker's queue: before that, a leaver has nothing to leave, and a broker that
+/// loses the second of two back-to-back leavers would pass.
+#[tokio::test]
+async fn with_a_queue_probe_a_remote_broker_that_records_one_leaver_at_a_time_fails_the_cancel_safety_check()
+ {
+    let report = probed("a remote pool that records one leaver".into(), || {
+        Pool::new(Fault::OneLeaverRecorded, true).with_round_trip(ROUND_TRIP)
+    })
+    .await;
+    assert_eq!(report.failed(), ["cancel safety"], "{report}");
+    let failure = report.checks()[5].failure().unwrap_or_default();
+    assert!(
+        failure.contains(
+            "after a supervisor's callers gave up with its acquires in flight at the broker"
+        ),
+        "{failure:?}"
+    );
+}
+
+/// A correct broker behind one coordinator for every broker the suite makes (as one etcd
+/// cluster serves them all), which answers a request it has seen before with its grant: the
+/// suite's own requests must not repeat another part's `(origin, request id)`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_correct_broker_whose_grants_outlive_it_in_a_shared_coordinator_passes_every_check() {
+    let ledger: Arc<Mutex<Ledger>> = Arc::default();
+    let shared = Arc::clone(&ledger);
+    let report = probed("a pool with a shared ledger".into(), move || {
+        Pool::new(Fault::None, true).with_ledger(Arc::clone(&shared))
+    })
+    .await;
+    report.assert_passed();
+    assert_eq!(skipped(&report), Vec::<&str>::new(), "{report}");
+    // The suite never retries: no request was answered from another part's record.
+    let ledger = ledger.lock();
+    assert_eq!(ledger.retries, 0);
+    assert!(ledger.grants.len() > 50, "{}", ledger.grants.len());
+}
+
+/// A correct broker that does not renew: the supervisors the suite starts over it learn that
+/// from the broker, through the suite's observer, and never poll its renewal (which would
+/// report every lease lost at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_correct_broker_that_does_not_renew_passes_every_check_but_lost_leases() {
+    let counts = Arc::new(Counts::default());
+    let made = Arc::clone(&counts);
+    let report = probed("a pool that does not renew".into(), move || {
+        Pool::new(Fault::None, true)
+            .without_renewal()
+            .counting(Arc::clone(&made))
+    })
+    .await;
+    report.assert_passed();
+    assert_eq!(skipped(&report), ["lost leases"], "{report}");
+    assert_eq!(counts.renewals.load(Ordering::SeqCst), 0);
+    assert!(counts.grants.load(Ordering::SeqCst) > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_whose_renewal_reports_a_loss_at_once_fails_the_lost_leases_check() {
+    fails_only(
+        Fault::LosesAtOnce,
+        true,
+        "lost leases",
+        "resolved although the broker had lost nothing",
+    )
+    .await;
 }
