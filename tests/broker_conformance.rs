@@ -566,6 +566,16 @@ async fn suite(fault: Fault, queues: bool) -> Report {
     report
 }
 
+/// Why the check `name` failed ("" if it did not).
+fn failure_of<'a>(report: &'a Report, name: &str) -> &'a str {
+    report
+        .checks()
+        .iter()
+        .find(|c| c.name() == name)
+        .and_then(|c| c.failure())
+        .unwrap_or_default()
+}
+
 fn skipped(report: &Report) -> Vec<&'static str> {
     report
         .checks()
@@ -688,12 +698,7 @@ async fn a_broker_that_never_grants_is_reported_not_panicked_on() {
     assert!(report.failed().contains(&"release"), "{report}");
     // The failure counts what it dropped: eight acquires after 0 to 7 polls, and three after
     // 1, 5 and 20 ms, none of which ever answered.
-    let cancel = report
-        .checks()
-        .iter()
-        .find(|c| c.name() == "cancel safety")
-        .and_then(|c| c.failure())
-        .unwrap_or_default();
+    let cancel = failure_of(&report, "cancel safety");
     assert!(
         cancel.contains("after 11 acquires were dropped before they answered"),
         "{cancel:?}"
@@ -712,12 +717,7 @@ async fn a_correct_refusing_broker_passes_every_check_but_fifo() {
 async fn fails_only(fault: Fault, queues: bool, check: &str, says: &str) {
     let report = suite(fault, queues).await;
     assert_eq!(report.failed(), [check], "{fault:?}:\n{report}");
-    let failure = report
-        .checks()
-        .iter()
-        .find(|c| c.name() == check)
-        .and_then(|c| c.failure())
-        .unwrap_or_default();
+    let failure = failure_of(&report, check);
     assert!(
         failure.contains(says),
         "{fault:?}: {failure:?} does not say {says:?}"
@@ -1024,12 +1024,7 @@ async fn with_a_queue_probe_a_remote_broker_that_records_one_leaver_at_a_time_fa
     })
     .await;
     assert_eq!(report.failed(), ["cancel safety"], "{report}");
-    let failure = report
-        .checks()
-        .iter()
-        .find(|c| c.name() == "cancel safety")
-        .and_then(|c| c.failure())
-        .unwrap_or_default();
+    let failure = failure_of(&report, "cancel safety");
     assert!(
         failure.contains(
             "after a supervisor's callers gave up with its acquires in flight at the broker"
