@@ -1,10 +1,13 @@
 //! The broker conformance suite (`leasehold::conformance`, feature `conformance`) can fail.
 //!
-//! The in-process broker and a correct waiting broker pass it. Then a gallery of brokers, each
-//! breaking exactly one promise of the `SlotBroker` contract, each failing exactly the check for
-//! that promise. Several break their promise only under concurrency (acquires racing, an
-//! acquire dropped at an await point, a waker given by the supervisor's first poll), which is
-//! where a suite that drives one supervisor at a time could not see them.
+//! The in-process broker and correct brokers of several kinds pass it (waiting or refusing, with
+//! a bounded queue, remote ones whose acquires spend a round trip before they queue, one behind
+//! a coordinator shared by every broker the suite makes, one that does not renew). Then a
+//! gallery of brokers, each breaking exactly one promise of the `SlotBroker` contract, each
+//! failing exactly the check for that promise. Several break their promise only under
+//! concurrency (acquires racing, an acquire dropped at an await point, a waker given by the
+//! supervisor's first poll, two waiters leaving back to back as a supervisor drops them), which
+//! is where a suite that drives one supervisor at a time could not see them.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
