@@ -763,7 +763,8 @@ where
         ran.into()
     }
 
-    /// `lost leases`: a lease the broker loses ends under its holder, and is released once.
+    /// `lost leases`: a lease the broker loses ends under its holder, and is released once; its
+    /// renewal does not resolve before the broker was made to lose it.
     async fn lost_leases(&self, seen: &mut Vec<Log>) -> Outcome {
         let broker = self.fresh("a lease lost under its holder").await;
         if !broker.0.broker.renews() {
@@ -784,8 +785,7 @@ where
                 renewing >= 1 || unprompted
             })
             .await?;
-            broker.no_unprompted_loss()?;
-            // A lease already ended: a renewal that resolved since, if that is why.
+            // A lease already ended: a renewal that resolved unprompted, if that is why.
             let token = lease
                 .token()
                 .map_err(|e| broker.no_unprompted_loss().err().unwrap_or(e.to_string()))?;
@@ -796,8 +796,8 @@ where
                 .await;
             restore(&broker.0.broker);
             ended?;
-            // Recorded before the loss was made (`losing` is set first, under the log's lock):
-            // a renewal that resolved a little after the first poll, before the loss.
+            // A renewal that resolved before the loss was made (`losing` is set first, under
+            // the log's lock), whether at its first poll or a little after.
             broker.no_unprompted_loss()?;
             let _ = self.bounded("its release", lease.release()).await?;
             self.answered("shutdown", sup.shutdown()).await?;

@@ -559,13 +559,37 @@ impl SlotBroker for Pool {
 /// The suite over fresh `Pool`s: they take their queue place on the first poll, so no settle
 /// window is needed, and a hang shows within two seconds.
 async fn suite(fault: Fault, queues: bool) -> Report {
-    let report = Conformance::new(move || async move { Pool::new(fault, queues) })
-        .settle(Duration::ZERO)
+    run(
+        format!("{fault:?} (queues: {queues})"),
+        move || Pool::new(fault, queues),
+        Wait::Settled,
+    )
+    .await
+}
+
+/// How the suite learns that an acquire waits at the broker.
+#[derive(Clone, Copy)]
+enum Wait {
+    /// From its first poll (no settle window): a `Pool` takes its queue place there.
+    Settled,
+    /// From the `Pool`'s queue probe, with a settle window of an hour: a wait on the window
+    /// would fail the run on its step bound.
+    Probed,
+}
+
+/// The suite over the brokers `make` builds, with a hang shown within two seconds.
+async fn run(name: String, make: impl Fn() -> Pool, wait: Wait) -> Report {
+    let suite = Conformance::new(move || std::future::ready(make()))
         .step(Duration::from_secs(2))
-        .lose_with(|pool: &Pool, token| pool.lose(token), |pool| pool.restore())
-        .run()
-        .await;
-    println!("{fault:?} (queues: {queues}):\n{report}");
+        .lose_with(|pool: &Pool, token| pool.lose(token), |pool| pool.restore());
+    let suite = match wait {
+        Wait::Settled => suite.settle(Duration::ZERO),
+        Wait::Probed => suite
+            .settle(Duration::from_secs(3600))
+            .waiting_with(|pool: &Pool, request| pool.is_waiting(request)),
+    };
+    let report = suite.run().await;
+    println!("{name}:\n{report}");
     report
 }
 
@@ -609,16 +633,12 @@ async fn a_correct_waiting_broker_passes_every_check_and_none_is_skipped() {
 
 /// A correct broker that lets at most `bound` acquires wait passes every check, none skipped.
 async fn a_correct_broker_with_a_queue_of(bound: usize) {
-    let report =
-        Conformance::new(
-            move || async move { Pool::new(Fault::None, true).with_queue_bound(bound) },
-        )
-        .settle(Duration::ZERO)
-        .step(Duration::from_secs(2))
-        .lose_with(|pool: &Pool, token| pool.lose(token), |pool| pool.restore())
-        .run()
-        .await;
-    println!("{report}");
+    let report = run(
+        format!("a pool with a queue of {bound}"),
+        move || Pool::new(Fault::None, true).with_queue_bound(bound),
+        Wait::Settled,
+    )
+    .await;
     report.assert_passed();
     assert_eq!(skipped(&report), Vec::<&str>::new(), "{report}");
 }
@@ -897,23 +917,14 @@ async fn a_broker_that_keeps_the_waker_of_the_first_poll_fails_the_supervised_ch
     .await;
 }
 
-/// With a probe for "this acquire waits in the queue", the suite needs no settle window (an
-/// hour here: a wait on it would fail the run on its step bound).
+/// The suite with the queue probe, over fresh `Pool`s breaking `fault`.
 async fn suite_with_probe(fault: Fault) -> Report {
     probed(format!("{fault:?}"), move || Pool::new(fault, true)).await
 }
 
-/// The suite over the brokers `make` builds, with the queue probe and no settle window.
+/// The suite with the queue probe, over the brokers `make` builds.
 async fn probed(name: String, make: impl Fn() -> Pool) -> Report {
-    let report = Conformance::new(move || std::future::ready(make()))
-        .settle(Duration::from_secs(3600))
-        .step(Duration::from_secs(2))
-        .waiting_with(|pool: &Pool, request| pool.is_waiting(request))
-        .lose_with(|pool: &Pool, token| pool.lose(token), |pool| pool.restore())
-        .run()
-        .await;
-    println!("{name} (probed):\n{report}");
-    report
+    run(format!("{name} (probed)"), make, Wait::Probed).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

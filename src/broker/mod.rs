@@ -329,7 +329,8 @@ impl AcquireRequest {
 ///   error, and takes nothing from the current holder.
 /// - **Close** (`close`). Closing again answers `Ok` at once (see [`close`](Self::close)).
 /// - **Lost leases** (`lost leases`). For a broker that [`renews`](Self::renews): the
-///   [`keep_alive`](Self::keep_alive) future resolves when the lease is lost.
+///   [`keep_alive`](Self::keep_alive) future resolves when the lease is lost, and not while a
+///   freshly granted lease is held and nothing was lost.
 /// - **Ordinary futures** (`supervised`). Its futures are ordinary futures: each poll registers
 ///   the waker it is given (the supervisor polls an acquire once with a no-op waker before it
 ///   hands the future to a task), and nothing blocks the thread inside a poll.
