@@ -91,6 +91,39 @@ async fn enumerate(
         .map_err(GpuError::CreateFailed)
 }
 
+/// The backends to look at first, and those looked at only if the first fall short: GL last,
+/// in an instance of its own.
+fn passes(backends: wgpu::Backends) -> (wgpu::Backends, wgpu::Backends) {
+    let first = backends.difference(wgpu::Backends::GL);
+    if first.is_empty() {
+        (backends, wgpu::Backends::empty())
+    } else {
+        (first, backends.intersection(wgpu::Backends::GL))
+    }
+}
+
+/// How adapters are preferred (lowest first): hardware before software, then any backend
+/// before GL.
+fn rank(info: &wgpu::AdapterInfo) -> (bool, bool) {
+    (
+        info.device_type == wgpu::DeviceType::Cpu,
+        info.backend == wgpu::Backend::Gl,
+    )
+}
+
+/// Whether a GL adapter could still be among the `own` chosen: fewer than `own` hardware
+/// adapters were found (a GL adapter ranks below every other hardware adapter and above every
+/// software one).
+fn short_of_hardware(found: &[wgpu::Adapter], own: usize) -> bool {
+    hardware(found.iter().map(wgpu::Adapter::get_info)) < own
+}
+
+fn hardware(infos: impl Iterator<Item = wgpu::AdapterInfo>) -> usize {
+    infos
+        .filter(|info| info.device_type != wgpu::DeviceType::Cpu)
+        .count()
+}
+
 /// Keeps the Vulkan loader and its drivers loaded for the rest of the process, with one
 /// instance that is never dropped.
 ///
@@ -135,18 +168,22 @@ impl GpuPool {
         }
         let own = opts.own_devices();
         if own > 0 {
-            let mut adapters: Vec<_> = enumerate(&guard, opts.backends, devices.len())
-                .await?
-                .into_iter()
-                .filter(|a| opts.accepts(&a.get_info()))
-                .collect();
-            adapters.sort_by_key(|a| {
-                let info = a.get_info();
-                (
-                    info.device_type == wgpu::DeviceType::Cpu,
-                    info.backend == wgpu::Backend::Gl,
-                )
-            });
+            // GL in an instance of its own, made only when it could be chosen: a device never
+            // keeps another backend's instance alive, so dropping a Vulkan device never tears
+            // down EGL (on NVIDIA's driver, an EGL teardown beside another thread's
+            // `vkDestroyDevice` hung both).
+            let (first, then) = passes(opts.backends);
+            let acceptable = |found: Vec<wgpu::Adapter>| {
+                found
+                    .into_iter()
+                    .filter(|a| opts.accepts(&a.get_info()))
+                    .collect::<Vec<_>>()
+            };
+            let mut adapters = acceptable(enumerate(&guard, first, devices.len()).await?);
+            if !then.is_empty() && short_of_hardware(&adapters, own) {
+                adapters.extend(acceptable(enumerate(&guard, then, devices.len()).await?));
+            }
+            adapters.sort_by_key(|a| rank(&a.get_info()));
             adapters.truncate(own);
             for adapter in adapters {
                 let dev = device(&devices, adapter.get_info(), false);
@@ -707,6 +744,55 @@ fn least_loaded(busy: &[Vec<bool>], dead: &[bool]) -> Option<Placement> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn info(backend: wgpu::Backend, device_type: wgpu::DeviceType) -> wgpu::AdapterInfo {
+        wgpu::AdapterInfo {
+            name: format!("{backend:?} {device_type:?}"),
+            vendor: 0,
+            device: 0,
+            device_type,
+            device_pci_bus_id: String::new(),
+            driver: String::new(),
+            driver_info: String::new(),
+            backend,
+            subgroup_min_size: 0,
+            subgroup_max_size: 0,
+            transient_saves_memory: None,
+            limit_bucket: None,
+        }
+    }
+
+    #[test]
+    fn gl_is_looked_at_last_in_an_instance_of_its_own() {
+        use wgpu::Backends as B;
+        assert_eq!(passes(B::VULKAN | B::GL), (B::VULKAN, B::GL));
+        assert_eq!(
+            passes(B::DX12 | B::VULKAN | B::GL),
+            (B::DX12 | B::VULKAN, B::GL)
+        );
+        assert_eq!(passes(B::GL), (B::GL, B::empty()), "GL alone: one pass");
+        assert_eq!(passes(B::VULKAN), (B::VULKAN, B::empty()));
+        assert_eq!(passes(B::METAL), (B::METAL, B::empty()));
+    }
+
+    #[test]
+    fn gl_is_looked_at_only_while_it_could_be_chosen() {
+        use wgpu::{Backend, DeviceType};
+        let gpu = || info(Backend::Vulkan, DeviceType::DiscreteGpu);
+        let soft = || info(Backend::Vulkan, DeviceType::Cpu);
+        // Hardware Vulkan for every device wanted: no GL adapter could rank above it.
+        assert_eq!(hardware([gpu()].into_iter()), 1);
+        assert_eq!(hardware([gpu(), soft()].into_iter()), 1);
+        // Only software Vulkan (lavapipe): a hardware GL adapter would rank above it.
+        assert_eq!(hardware([soft()].into_iter()), 0);
+        assert_eq!(hardware(std::iter::empty()), 0);
+        // The ranking the choice sorts by: hardware first, then GL last.
+        let hw_gl = info(Backend::Gl, DeviceType::IntegratedGpu);
+        let sw_gl = info(Backend::Gl, DeviceType::Cpu);
+        let mut all = [sw_gl.clone(), soft(), hw_gl.clone(), gpu()];
+        all.sort_by_key(rank);
+        assert_eq!(all, [gpu(), hw_gl, soft(), sw_gl]);
+    }
 
     fn p(device: usize, sub: usize) -> Option<Placement> {
         Some(Placement { device, sub })

@@ -76,6 +76,54 @@ async fn the_device_runs_on_a_backend_that_wgpu_backend_names() {
     sup.shutdown().await.unwrap();
 }
 
+/// GL gets a wgpu instance of its own, made only when a GL adapter could be chosen: a device on
+/// any other backend never keeps an EGL display alive, so dropping it never tears EGL down. (On
+/// NVIDIA's driver, an EGL teardown on one thread beside a `vkDestroyDevice` on another hung
+/// both, and with them this suite.) Each instance is one `Enumerate` call into the backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gl_gets_an_instance_of_its_own_and_only_when_it_could_be_chosen() {
+    let enumerations = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&enumerations);
+    let opts = GpuOptions::new().backend_hook(move |call, _device, _sub| {
+        if call == BackendCall::Enumerate {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    let backends =
+        wgpu::Backends::from_env().unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::GL);
+    let Some(sup) = start(Supervisor::builder(), opts).await else {
+        return;
+    };
+    let info = sup
+        .run(JobSpec::new("probe").unwrap(), |ctx| async move {
+            Ok::<_, std::io::Error>(ctx.gpu().unwrap().adapter_info().clone())
+        })
+        .await
+        .unwrap();
+    let others = !backends.difference(wgpu::Backends::GL).is_empty();
+    // A hardware adapter on another backend outranks every GL adapter: GL is not looked at.
+    let gl_could_win =
+        info.device_type == wgpu::DeviceType::Cpu || info.backend == wgpu::Backend::Gl;
+    let expected = if backends.contains(wgpu::Backends::GL) && others && gl_could_win {
+        2
+    } else {
+        1
+    };
+    eprintln!(
+        "backends {backends:?}; chose {:?} ({:?}, {:?}); {} instance(s)",
+        info.name,
+        info.device_type,
+        info.backend,
+        enumerations.load(std::sync::atomic::Ordering::SeqCst)
+    );
+    assert_eq!(
+        enumerations.load(std::sync::atomic::Ordering::SeqCst),
+        expected,
+        "one instance per backend pass: GL in its own, and only when it could be chosen"
+    );
+    sup.shutdown().await.unwrap();
+}
+
 /// A cancelled job's body returns at once, while the GPU work it submitted may still run: the
 /// slot (and its scratch) goes to the next job only after that work has completed. The order is
 /// taken from the GPU's own signal (`on_submitted_work_done`, which wgpu runs from the poll that

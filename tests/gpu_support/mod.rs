@@ -147,10 +147,42 @@ pub fn bytes(words: &[u32]) -> Vec<u8> {
 /// A device the test creates itself, as an engine would (for `GpuOptions::adopt`): on the
 /// backends `WGPU_BACKEND` names (Vulkan and GL otherwise), software adapters accepted. `None`
 /// (said loudly, a failure under `LEASEHOLD_REQUIRE_GPU=1`) when there is no adapter.
+///
+/// As leasehold looks, Vulkan first, and GL in an instance of its own only without a Vulkan
+/// adapter: a device on an instance that also holds GL tears EGL down when it is dropped, which
+/// hung beside another thread's `vkDestroyDevice` on NVIDIA's driver.
 pub async fn engine_device() -> Option<(wgpu::Device, wgpu::Queue, wgpu::AdapterInfo)> {
-    let backends =
-        wgpu::Backends::from_env().unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::GL);
-    engine_device_with(backends, wgpu::Limits::default()).await
+    let limits = wgpu::Limits::default();
+    if let Some(named) = wgpu::Backends::from_env() {
+        return engine_device_with(named, limits).await;
+    }
+    match adapter_on(wgpu::Backends::VULKAN).await {
+        Ok(adapter) => Some(device_on(adapter, limits).await),
+        Err(_) => engine_device_with(wgpu::Backends::GL, limits).await,
+    }
+}
+
+async fn adapter_on(backends: wgpu::Backends) -> Result<wgpu::Adapter, wgpu::RequestAdapterError> {
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+    desc.backends = backends;
+    wgpu::Instance::new(desc)
+        .request_adapter(&wgpu::RequestAdapterOptions::default())
+        .await
+}
+
+async fn device_on(
+    adapter: wgpu::Adapter,
+    limits: wgpu::Limits,
+) -> (wgpu::Device, wgpu::Queue, wgpu::AdapterInfo) {
+    let (device, queue) = adapter
+        .request_device(&wgpu::DeviceDescriptor {
+            label: Some("engine"),
+            required_limits: limits,
+            ..Default::default()
+        })
+        .await
+        .expect("the engine's device");
+    (device, queue, adapter.get_info())
 }
 
 /// [`engine_device`] on `backends`, with `limits` (at most the adapter's).
@@ -158,13 +190,7 @@ pub async fn engine_device_with(
     backends: wgpu::Backends,
     limits: wgpu::Limits,
 ) -> Option<(wgpu::Device, wgpu::Queue, wgpu::AdapterInfo)> {
-    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-    desc.backends = backends;
-    let instance = wgpu::Instance::new(desc);
-    let adapter = match instance
-        .request_adapter(&wgpu::RequestAdapterOptions::default())
-        .await
-    {
+    let adapter = match adapter_on(backends).await {
         Ok(adapter) => adapter,
         Err(e) => {
             assert_ne!(
@@ -178,13 +204,5 @@ pub async fn engine_device_with(
             return None;
         }
     };
-    let (device, queue) = adapter
-        .request_device(&wgpu::DeviceDescriptor {
-            label: Some("engine"),
-            required_limits: limits,
-            ..Default::default()
-        })
-        .await
-        .expect("the engine's device");
-    Some((device, queue, adapter.get_info()))
+    Some(device_on(adapter, limits).await)
 }
