@@ -98,12 +98,19 @@ fn fs(@builtin(position) pos: vec4<f32>) -> @location(0) vec4<f32> {
             .build()?;
         let _enter = rt.enter();
 
-        // The engine's device, the one it renders with.
-        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-        desc.backends =
-            wgpu::Backends::from_env().unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::GL);
-        let instance = wgpu::Instance::new(desc);
-        let adapter = match rt.block_on(instance.request_adapter(&Default::default())) {
+        // The engine's device, the one it renders with. Vulkan alone first, and GL in an
+        // instance of its own only without a Vulkan adapter: a device whose instance also holds
+        // GL tears EGL down when it is dropped (docs/gpu.md, "Backends").
+        let adapter_on = |backends| {
+            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+            desc.backends = backends;
+            rt.block_on(wgpu::Instance::new(desc).request_adapter(&Default::default()))
+        };
+        let found = match wgpu::Backends::from_env() {
+            Some(named) => adapter_on(named),
+            None => adapter_on(wgpu::Backends::VULKAN).or_else(|_| adapter_on(wgpu::Backends::GL)),
+        };
+        let adapter = match found {
             Ok(adapter) => adapter,
             Err(e) => {
                 if std::env::var("LEASEHOLD_REQUIRE_GPU").as_deref() == Ok("1") {

@@ -31,6 +31,7 @@
 //! [design]: https://github.com/leasehold-rs/leasehold/blob/main/DESIGN.md
 //! [changelog]: https://github.com/leasehold-rs/leasehold/blob/main/CHANGELOG.md
 //! [benchmarks]: https://github.com/leasehold-rs/leasehold/blob/main/BENCHMARKS.md
+//! [contributing]: https://github.com/leasehold-rs/leasehold/blob/main/CONTRIBUTING.md
 //!
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]

@@ -114,14 +114,11 @@ fn rank(info: &wgpu::AdapterInfo) -> (bool, bool) {
 /// Whether a GL adapter could still be among the `own` chosen: fewer than `own` hardware
 /// adapters were found (a GL adapter ranks below every other hardware adapter and above every
 /// software one).
-fn short_of_hardware(found: &[wgpu::Adapter], own: usize) -> bool {
-    hardware(found.iter().map(wgpu::Adapter::get_info)) < own
-}
-
-fn hardware(infos: impl Iterator<Item = wgpu::AdapterInfo>) -> usize {
-    infos
+fn short_of_hardware(found: impl Iterator<Item = wgpu::AdapterInfo>, own: usize) -> bool {
+    found
         .filter(|info| info.device_type != wgpu::DeviceType::Cpu)
         .count()
+        < own
 }
 
 /// Keeps the Vulkan loader and its drivers loaded for the rest of the process, with one
@@ -180,7 +177,7 @@ impl GpuPool {
                     .collect::<Vec<_>>()
             };
             let mut adapters = acceptable(enumerate(&guard, first, devices.len()).await?);
-            if !then.is_empty() && short_of_hardware(&adapters, own) {
+            if !then.is_empty() && short_of_hardware(adapters.iter().map(|a| a.get_info()), own) {
                 adapters.extend(acceptable(enumerate(&guard, then, devices.len()).await?));
             }
             adapters.sort_by_key(|a| rank(&a.get_info()));
@@ -780,12 +777,14 @@ mod tests {
         use wgpu::{Backend, DeviceType};
         let gpu = || info(Backend::Vulkan, DeviceType::DiscreteGpu);
         let soft = || info(Backend::Vulkan, DeviceType::Cpu);
-        // Hardware Vulkan for every device wanted: no GL adapter could rank above it.
-        assert_eq!(hardware([gpu()].into_iter()), 1);
-        assert_eq!(hardware([gpu(), soft()].into_iter()), 1);
-        // Only software Vulkan (lavapipe): a hardware GL adapter would rank above it.
-        assert_eq!(hardware([soft()].into_iter()), 0);
-        assert_eq!(hardware(std::iter::empty()), 0);
+        // Hardware for every device wanted: no GL adapter could rank above it.
+        assert!(!short_of_hardware([gpu()].into_iter(), 1));
+        assert!(!short_of_hardware([soft(), gpu()].into_iter(), 1));
+        assert!(!short_of_hardware([gpu(), gpu()].into_iter(), 2));
+        // Short of hardware: a hardware GL adapter would rank above software, or fill a place.
+        assert!(short_of_hardware([soft()].into_iter(), 1), "lavapipe alone");
+        assert!(short_of_hardware(std::iter::empty(), 1), "nothing found");
+        assert!(short_of_hardware([gpu(), soft()].into_iter(), 2));
         // The ranking the choice sorts by: hardware first, then GL last.
         let hw_gl = info(Backend::Gl, DeviceType::IntegratedGpu);
         let sw_gl = info(Backend::Gl, DeviceType::Cpu);
