@@ -108,14 +108,23 @@ mod shared {
 
     impl Engine {
         pub fn new() -> Option<Self> {
-            let backends =
-                wgpu::Backends::from_env().unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::GL);
-            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-            desc.backends = backends;
-            let instance = wgpu::Instance::new(desc);
-            let adapter = match futures_executor(
-                instance.request_adapter(&wgpu::RequestAdapterOptions::default()),
-            ) {
+            // Vulkan alone first, GL in an instance of its own only without a Vulkan adapter
+            // (docs/gpu.md, "Backends").
+            let adapter_on = |backends| {
+                let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+                desc.backends = backends;
+                futures_executor(
+                    wgpu::Instance::new(desc)
+                        .request_adapter(&wgpu::RequestAdapterOptions::default()),
+                )
+            };
+            let found = match wgpu::Backends::from_env() {
+                Some(named) => adapter_on(named),
+                None => {
+                    adapter_on(wgpu::Backends::VULKAN).or_else(|_| adapter_on(wgpu::Backends::GL))
+                }
+            };
+            let adapter = match found {
                 Ok(a) => a,
                 Err(e) => {
                     assert_ne!(

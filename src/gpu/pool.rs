@@ -102,13 +102,17 @@ fn passes(backends: wgpu::Backends) -> (wgpu::Backends, wgpu::Backends) {
     }
 }
 
-/// How adapters are preferred (lowest first): hardware before software, then any backend
-/// before GL.
-fn rank(info: &wgpu::AdapterInfo) -> (bool, bool) {
-    (
-        info.device_type == wgpu::DeviceType::Cpu,
-        info.backend == wgpu::Backend::Gl,
-    )
+/// How adapters are preferred (lowest first): hardware before software, then by backend in the
+/// order the platforms prefer them (`platform_backends`: DX12 before Vulkan on Windows, GL
+/// last everywhere). wgpu lists Vulkan before DX12, so the order must be stated here.
+fn rank(info: &wgpu::AdapterInfo) -> (bool, u8) {
+    let backend = match info.backend {
+        wgpu::Backend::Metal | wgpu::Backend::Dx12 => 0,
+        wgpu::Backend::Vulkan => 1,
+        wgpu::Backend::Gl => 3,
+        _ => 2,
+    };
+    (info.device_type == wgpu::DeviceType::Cpu, backend)
 }
 
 /// Whether a GL adapter could still be among the `own` chosen: fewer than `own` hardware
@@ -791,6 +795,11 @@ mod tests {
         let mut all = [sw_gl.clone(), soft(), hw_gl.clone(), gpu()];
         all.sort_by_key(rank);
         assert_eq!(all, [gpu(), hw_gl, soft(), sw_gl]);
+        // On Windows, DX12 before Vulkan (wgpu lists Vulkan first), as `GpuOptions` says.
+        let dx12 = info(Backend::Dx12, DeviceType::DiscreteGpu);
+        let mut windows = [gpu(), dx12.clone()];
+        windows.sort_by_key(rank);
+        assert_eq!(windows, [dx12, gpu()]);
     }
 
     fn p(device: usize, sub: usize) -> Option<Placement> {

@@ -765,9 +765,7 @@ async fn replacing_a_device_that_is_not_lost_lets_the_lease_on_it_finish_there()
         max_bind_groups: 3,
         ..Default::default()
     };
-    let backends =
-        wgpu::Backends::from_env().unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::GL);
-    let Some((d1, q1, _)) = gpu_support::engine_device_with(backends, limits).await else {
+    let Some((d1, q1, _)) = gpu_support::engine_device_limited(limits).await else {
         return;
     };
     sup.replace_device(0, d1.clone(), q1).await.unwrap();
@@ -812,14 +810,11 @@ async fn a_refused_replacement_leaves_no_trace_on_the_device_it_refused() {
     let Some((sup, _d0, _q0)) = adopted(1).await else {
         return;
     };
-    let backends =
-        wgpu::Backends::from_env().unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::GL);
     let small = wgpu::Limits {
         max_buffer_size: 1024,
         ..Default::default()
     };
-    let Some((refused, refused_queue, _)) = gpu_support::engine_device_with(backends, small).await
-    else {
+    let Some((refused, refused_queue, _)) = gpu_support::engine_device_limited(small).await else {
         return;
     };
     let err = sup

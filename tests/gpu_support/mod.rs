@@ -145,14 +145,20 @@ pub fn bytes(words: &[u32]) -> Vec<u8> {
 }
 
 /// A device the test creates itself, as an engine would (for `GpuOptions::adopt`): on the
-/// backends `WGPU_BACKEND` names (Vulkan and GL otherwise), software adapters accepted. `None`
-/// (said loudly, a failure under `LEASEHOLD_REQUIRE_GPU=1`) when there is no adapter.
+/// backends `WGPU_BACKEND` names, software adapters accepted. `None` (said loudly, a failure
+/// under `LEASEHOLD_REQUIRE_GPU=1`) when there is no adapter.
 ///
-/// As leasehold looks, Vulkan first, and GL in an instance of its own only without a Vulkan
-/// adapter: a device on an instance that also holds GL tears EGL down when it is dropped, which
-/// hung beside another thread's `vkDestroyDevice` on NVIDIA's driver.
+/// Without `WGPU_BACKEND`, Vulkan alone first, and GL in an instance of its own only when
+/// Vulkan has no adapter: a device on an instance that also holds GL tears EGL down when it is
+/// dropped, which hung beside another thread's `vkDestroyDevice` on NVIDIA's driver.
 pub async fn engine_device() -> Option<(wgpu::Device, wgpu::Queue, wgpu::AdapterInfo)> {
-    let limits = wgpu::Limits::default();
+    engine_device_limited(wgpu::Limits::default()).await
+}
+
+/// [`engine_device`] with `limits` (at most the adapter's).
+pub async fn engine_device_limited(
+    limits: wgpu::Limits,
+) -> Option<(wgpu::Device, wgpu::Queue, wgpu::AdapterInfo)> {
     if let Some(named) = wgpu::Backends::from_env() {
         return engine_device_with(named, limits).await;
     }
