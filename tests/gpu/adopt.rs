@@ -75,6 +75,34 @@ async fn fill_job(
     .await
 }
 
+/// A supervisor on the engine's device alone makes no wgpu instance of its own: it looks for no
+/// adapter, so it sets up no driver (no EGL display among them) beside the engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_supervisor_on_the_engines_device_alone_makes_no_instance_of_its_own() {
+    let Some((device, queue, info)) = engine_device().await else {
+        return;
+    };
+    let enumerations = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&enumerations);
+    let opts =
+        GpuOptions::new()
+            .adopt(device, queue, info)
+            .backend_hook(move |call, _device, _sub| {
+                if call == BackendCall::Enumerate {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                }
+            });
+    let Some(sup) = start(Supervisor::builder(), opts).await else {
+        return;
+    };
+    assert_eq!(
+        fill_job(&sup, "on-the-engines-device").await.unwrap(),
+        [1, 3, 5, 7]
+    );
+    sup.shutdown().await.unwrap();
+    assert_eq!(enumerations.load(Ordering::SeqCst), 0, "instances made");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_leases_a_sub_slot_of_the_engines_device_and_runs_on_it() {
     let Some((sup, device, _queue)) = adopted(2).await else {

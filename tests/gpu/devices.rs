@@ -123,6 +123,23 @@ async fn gl_gets_an_instance_of_its_own_and_only_when_it_could_be_chosen() {
         "a GL instance was made beside a hardware {:?} adapter",
         info.backend
     );
+    // Beside a software adapter (or none on another backend), GL could be chosen: it was
+    // looked at, in an instance of its own (found adapters or not).
+    let backends =
+        wgpu::Backends::from_env().unwrap_or(wgpu::Backends::VULKAN | wgpu::Backends::GL);
+    let split = backends.contains(wgpu::Backends::GL)
+        && !backends.difference(wgpu::Backends::GL).is_empty();
+    assert!(
+        enumerations <= 1 + usize::from(split),
+        "{enumerations} instances for {backends:?}: one per backend pass at most"
+    );
+    if gl_could_win && split {
+        assert_eq!(
+            enumerations, 2,
+            "GL could be chosen beside {:?} ({:?}): it must be looked at in an instance of its own",
+            info.name, info.device_type
+        );
+    }
     // GL adapters and others, seen from fewer instances than that: they shared one.
     assert!(
         enumerations >= usize::from(others_seen) + usize::from(gl_seen),
