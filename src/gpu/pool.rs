@@ -108,9 +108,8 @@ fn passes(backends: wgpu::Backends) -> (wgpu::Backends, wgpu::Backends) {
 fn rank(info: &wgpu::AdapterInfo) -> (bool, u8) {
     let backend = match info.backend {
         wgpu::Backend::Metal | wgpu::Backend::Dx12 => 0,
-        wgpu::Backend::Vulkan => 1,
-        wgpu::Backend::Gl => 3,
-        _ => 2,
+        wgpu::Backend::Gl => 2,
+        _ => 1,
     };
     (info.device_type == wgpu::DeviceType::Cpu, backend)
 }
