@@ -52,17 +52,21 @@ async fn a_compute_job_writes_a_storage_buffer_that_reads_back_correctly() {
 
 /// `WGPU_BACKEND` picks the backend (CI's GL pass relies on it): the device runs on one of the
 /// backends it names, so a GL pass cannot silently run on Vulkan.
+/// The adapter a job runs on.
+async fn adapter_of_a_job(sup: &Supervisor) -> wgpu::AdapterInfo {
+    sup.run(JobSpec::new("probe").unwrap(), |ctx| async move {
+        Ok::<_, std::io::Error>(ctx.gpu().unwrap().adapter_info().clone())
+    })
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_device_runs_on_a_backend_that_wgpu_backend_names() {
     let Some(sup) = start(Supervisor::builder(), GpuOptions::new()).await else {
         return;
     };
-    let info = sup
-        .run(JobSpec::new("probe").unwrap(), |ctx| async move {
-            Ok::<_, std::io::Error>(ctx.gpu().unwrap().adapter_info().clone())
-        })
-        .await
-        .unwrap();
+    let info = adapter_of_a_job(&sup).await;
     eprintln!(
         "adapter: {:?} ({:?}, {:?}, {:?})",
         info.name, info.device_type, info.backend, info.driver_info
@@ -101,12 +105,7 @@ async fn gl_gets_an_instance_of_its_own_and_only_when_it_could_be_chosen() {
     let Some(sup) = start(Supervisor::builder(), opts).await else {
         return;
     };
-    let info = sup
-        .run(JobSpec::new("probe").unwrap(), |ctx| async move {
-            Ok::<_, std::io::Error>(ctx.gpu().unwrap().adapter_info().clone())
-        })
-        .await
-        .unwrap();
+    let info = adapter_of_a_job(&sup).await;
     let seen = seen.lock().unwrap().clone();
     let enumerations = enumerations.load(Ordering::SeqCst);
     eprintln!(
