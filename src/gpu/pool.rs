@@ -117,7 +117,7 @@ fn rank(info: &wgpu::AdapterInfo) -> (bool, u8) {
 /// Whether a GL adapter could still be among the `own` chosen: fewer than `own` hardware
 /// adapters were found (a GL adapter ranks below every other hardware adapter and above every
 /// software one).
-fn short_of_hardware(found: impl Iterator<Item = wgpu::AdapterInfo>, own: usize) -> bool {
+fn short_of_hardware<'a>(found: impl Iterator<Item = &'a wgpu::AdapterInfo>, own: usize) -> bool {
     found
         .filter(|info| info.device_type != wgpu::DeviceType::Cpu)
         .count()
@@ -173,20 +173,22 @@ impl GpuPool {
             // down EGL (on NVIDIA's driver, an EGL teardown beside another thread's
             // `vkDestroyDevice` hung both).
             let (first, then) = passes(opts.backends);
+            // Each adapter's info read once: the filter, the count and the sort all look at it.
             let acceptable = |found: Vec<wgpu::Adapter>| {
                 found
                     .into_iter()
-                    .filter(|a| opts.accepts(&a.get_info()))
+                    .map(|a| (a.get_info(), a))
+                    .filter(|(info, _)| opts.accepts(info))
                     .collect::<Vec<_>>()
             };
             let mut adapters = acceptable(enumerate(&guard, first, devices.len()).await?);
-            if !then.is_empty() && short_of_hardware(adapters.iter().map(|a| a.get_info()), own) {
+            if !then.is_empty() && short_of_hardware(adapters.iter().map(|(info, _)| info), own) {
                 adapters.extend(acceptable(enumerate(&guard, then, devices.len()).await?));
             }
-            adapters.sort_by_key(|a| rank(&a.get_info()));
+            adapters.sort_by_key(|(info, _)| rank(info));
             adapters.truncate(own);
-            for adapter in adapters {
-                let dev = device(&devices, adapter.get_info(), false);
+            for (info, adapter) in adapters {
+                let dev = device(&devices, info, false);
                 dev.open_on(&adapter).await?;
                 tracing::info!(index = dev.index, adapter = %dev.info.name, backend = ?dev.info.backend, "gpu device ready");
                 devices.push(dev);
@@ -781,13 +783,13 @@ mod tests {
         let gpu = || info(Backend::Vulkan, DeviceType::DiscreteGpu);
         let soft = || info(Backend::Vulkan, DeviceType::Cpu);
         // Hardware for every device wanted: no GL adapter could rank above it.
-        assert!(!short_of_hardware([gpu()].into_iter(), 1));
-        assert!(!short_of_hardware([soft(), gpu()].into_iter(), 1));
-        assert!(!short_of_hardware([gpu(), gpu()].into_iter(), 2));
+        assert!(!short_of_hardware([gpu()].iter(), 1));
+        assert!(!short_of_hardware([soft(), gpu()].iter(), 1));
+        assert!(!short_of_hardware([gpu(), gpu()].iter(), 2));
         // Short of hardware: a hardware GL adapter would rank above software, or fill a place.
-        assert!(short_of_hardware([soft()].into_iter(), 1), "lavapipe alone");
-        assert!(short_of_hardware(std::iter::empty(), 1), "nothing found");
-        assert!(short_of_hardware([gpu(), soft()].into_iter(), 2));
+        assert!(short_of_hardware([soft()].iter(), 1), "lavapipe alone");
+        assert!(short_of_hardware([].iter(), 1), "nothing found");
+        assert!(short_of_hardware([gpu(), soft()].iter(), 2));
         // The ranking the choice sorts by: hardware first, then GL last.
         let hw_gl = info(Backend::Gl, DeviceType::IntegratedGpu);
         let sw_gl = info(Backend::Gl, DeviceType::Cpu);
