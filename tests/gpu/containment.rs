@@ -9,7 +9,7 @@ use crate::common;
 use crate::gpu_support;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{TestBroker, ThreadGate};
@@ -231,6 +231,45 @@ async fn a_backend_panic_while_opening_is_a_start_error() {
         }
         Err(e) => panic!("unexpected start error: {e:?}"),
         Ok(_) => panic!("started although the backend panicked"),
+    }
+}
+
+/// The same at the second look for adapters, GL's in an instance of its own (made where the
+/// first found no hardware adapter: on CI's software drivers with the default backends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_panic_while_looking_at_gl_after_the_others_is_a_start_error() {
+    let enumerations = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&enumerations);
+    let opts = GpuOptions::new().backend_hook(move |call, _device, _sub| {
+        if call == BackendCall::Enumerate && counted.fetch_add(1, Ordering::SeqCst) == 1 {
+            panic!("injected backend panic at the second {call:?}");
+        }
+    });
+    match Supervisor::builder().gpu(opts).start().await {
+        Err(StartError::Gpu(GpuError::CreateFailed(why))) => {
+            assert!(why.contains("panicked"), "{why}");
+            assert_eq!(enumerations.load(Ordering::SeqCst), 2);
+        }
+        // One look only (one backend named, or a hardware adapter found first): no second
+        // call to fault here, which the count shows.
+        Ok(sup) => {
+            assert_eq!(
+                enumerations.load(Ordering::SeqCst),
+                1,
+                "a second look did not panic"
+            );
+            eprintln!("one look for adapters here: the second look is not faulted on this machine");
+            sup.shutdown().await.unwrap();
+        }
+        Err(StartError::Gpu(GpuError::NoAdapter)) => {
+            assert_eq!(
+                enumerations.load(Ordering::SeqCst),
+                1,
+                "a second look did not panic"
+            );
+            eprintln!("one look, no adapter: the second look is not faulted on this machine");
+        }
+        Err(e) => panic!("unexpected start error: {e:?}"),
     }
 }
 
