@@ -34,11 +34,15 @@ use super::{AcquireRequest, BrokerError, SlotBroker, SlotToken};
 /// # }).unwrap();
 /// ```
 pub struct LocalBroker {
-    state: Mutex<LocalState>,
+    state: Mutex<Pool>,
 }
 
-#[cfg_attr(test, derive(Clone, Debug, Hash))]
-struct LocalState {
+/// The pool's state and rules, without a lock: what [`LocalBroker`] guards with its mutex, and
+/// what a supervisor's core owns outright once the pool is given to it (the core grants and
+/// frees its slots in the same step as its own bookkeeping, with no message in between).
+#[cfg_attr(test, derive(Clone))]
+#[derive(Debug)]
+pub(crate) struct Pool {
     capacity: u32,
     free: VecDeque<u32>,
     /// Per slot, the lease id holding it (0: free; lease ids start at 1).
@@ -47,42 +51,37 @@ struct LocalState {
     next_lease_id: u64,
 }
 
-impl LocalBroker {
-    /// A pool of `slots` slots. A pool of zero slots is refused when a supervisor starts on it.
-    pub fn new(slots: u32) -> Self {
+impl Pool {
+    /// A pool of `slots` free slots, numbered `0..slots`.
+    pub(crate) fn new(slots: u32) -> Self {
         Self {
-            state: Mutex::new(LocalState {
-                capacity: slots,
-                free: (0..slots).collect(),
-                holder: vec![0; slots as usize],
-                held: 0,
-                next_lease_id: 1,
-            }),
+            capacity: slots,
+            free: (0..slots).collect(),
+            holder: vec![0; slots as usize],
+            held: 0,
+            next_lease_id: 1,
         }
     }
 
-    /// How many slots are held right now.
-    pub fn held(&self) -> usize {
-        self.state.lock().held
+    /// How many slots are held.
+    pub(crate) fn held(&self) -> usize {
+        self.held
     }
 
+    /// The pool's size.
     pub(crate) fn slots(&self) -> u32 {
-        self.state.lock().capacity
+        self.capacity
     }
 
-    /// Sets the number of slots. Raising it frees the new slots at once; lowering it takes no
-    /// held slot away: `acquire` refuses while `held() >= slots`, and the slots numbered at or
-    /// above `slots` are retired as they are released (the free ones at once). A pool resized
-    /// to 0 grants nothing until it is raised again.
-    pub fn resize(&self, slots: u32) {
-        let mut state = self.state.lock();
-        state.capacity = slots;
+    /// See [`LocalBroker::resize`].
+    pub(crate) fn resize(&mut self, slots: u32) {
+        self.capacity = slots;
         // Slots are never forgotten: a lowered pool still knows who holds its retired slots.
-        let table = state.holder.len().max(slots as usize);
-        state.holder.resize(table, 0);
+        let table = self.holder.len().max(slots as usize);
+        self.holder.resize(table, 0);
         // Free now: the free slots below the new size, in the order they were freed, then those
         // not free before (retired, or new) that nobody holds.
-        let LocalState { free, holder, .. } = &mut *state;
+        let Self { free, holder, .. } = self;
         free.retain(|s| *s < slots);
         let known: std::collections::HashSet<u32> = free.iter().copied().collect();
         for slot in 0..slots {
@@ -92,40 +91,39 @@ impl LocalBroker {
         }
     }
 
-    /// Takes a free slot, at once: what `acquire` does, without a future (the supervisor's
-    /// fast path for its own in-process broker).
-    pub(crate) fn take(&self) -> Result<SlotToken, BrokerError> {
-        let mut state = self.state.lock();
-        let slot = match state.free.pop_front() {
-            Some(slot) if state.held < state.capacity as usize => slot,
+    /// Takes a free slot under a new lease id, or says that none may be taken.
+    #[inline]
+    pub(crate) fn take(&mut self) -> Result<SlotToken, BrokerError> {
+        let slot = match self.free.pop_front() {
+            Some(slot) if self.held < self.capacity as usize => slot,
             other => {
                 if let Some(slot) = other {
-                    state.free.push_front(slot);
+                    self.free.push_front(slot);
                 }
                 return Err(BrokerError::unavailable(format!(
                     "all {} slots are held",
-                    state.capacity
+                    self.capacity
                 )));
             }
         };
-        let lease_id = state.next_lease_id;
-        state.next_lease_id += 1;
-        state.holder[slot as usize] = lease_id;
-        state.held += 1;
+        let lease_id = self.next_lease_id;
+        self.next_lease_id += 1;
+        self.holder[slot as usize] = lease_id;
+        self.held += 1;
         Ok(SlotToken::new(slot, lease_id))
     }
 
-    /// Gives a slot back, at once: what `release` does, without a future.
-    pub(crate) fn give(&self, token: SlotToken) -> Result<(), BrokerError> {
-        let mut state = self.state.lock();
+    /// Gives a slot back; refuses a token not held under exactly that lease id.
+    #[inline]
+    pub(crate) fn give(&mut self, token: SlotToken) -> Result<(), BrokerError> {
         let slot = token.slot_id() as usize;
-        match state.holder.get(slot) {
+        match self.holder.get(slot) {
             Some(&lease) if lease == token.lease_id() && lease != 0 => {
-                state.holder[slot] = 0;
-                state.held -= 1;
+                self.holder[slot] = 0;
+                self.held -= 1;
                 // A slot above a lowered size is retired.
-                if token.slot_id() < state.capacity {
-                    state.free.push_back(token.slot_id());
+                if token.slot_id() < self.capacity {
+                    self.free.push_back(token.slot_id());
                 }
                 Ok(())
             }
@@ -134,24 +132,52 @@ impl LocalBroker {
             ))),
         }
     }
-}
 
-/// A copy of the pool as it is now (the exhaustive exploration of the core forks its world).
-#[cfg(test)]
-impl Clone for LocalBroker {
-    fn clone(&self) -> Self {
-        Self {
-            state: Mutex::new(self.state.lock().clone()),
-        }
+    /// Per slot, the lease id holding it (0: free).
+    #[cfg(test)]
+    pub(crate) fn holders(&self) -> Vec<u64> {
+        self.holder.clone()
     }
 }
 
-#[cfg(test)]
 impl LocalBroker {
-    /// Everything that decides what the pool does next, hashed (free order, holders, next id).
-    pub(crate) fn fingerprint(&self, into: &mut impl std::hash::Hasher) {
-        use std::hash::Hash;
-        self.state.lock().hash(into);
+    /// A pool of `slots` slots. A pool of zero slots is refused when a supervisor starts on it.
+    pub fn new(slots: u32) -> Self {
+        Self {
+            state: Mutex::new(Pool::new(slots)),
+        }
+    }
+
+    /// How many slots are held right now.
+    pub fn held(&self) -> usize {
+        self.state.lock().held()
+    }
+
+    pub(crate) fn slots(&self) -> u32 {
+        self.state.lock().slots()
+    }
+
+    /// Sets the number of slots. Raising it frees the new slots at once; lowering it takes no
+    /// held slot away: `acquire` refuses while `held() >= slots`, and the slots numbered at or
+    /// above `slots` are retired as they are released (the free ones at once). A pool resized
+    /// to 0 grants nothing until it is raised again.
+    pub fn resize(&self, slots: u32) {
+        self.state.lock().resize(slots);
+    }
+
+    /// Takes a free slot, at once: what `acquire` does, without a future.
+    pub(crate) fn take(&self) -> Result<SlotToken, BrokerError> {
+        self.state.lock().take()
+    }
+
+    /// Gives a slot back, at once: what `release` does, without a future.
+    pub(crate) fn give(&self, token: SlotToken) -> Result<(), BrokerError> {
+        self.state.lock().give(token)
+    }
+
+    /// The pool itself, for a supervisor's core to own.
+    pub(crate) fn into_pool(self) -> Pool {
+        self.state.into_inner()
     }
 }
 

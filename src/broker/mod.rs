@@ -202,6 +202,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 pub use local::LocalBroker;
+pub(crate) use local::Pool;
 
 pub(crate) use erased::DynBroker;
 

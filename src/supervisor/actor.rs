@@ -143,6 +143,7 @@ impl Actor for SupervisorActor {
             Arc::clone(&args.config),
             myself.get_cell(),
         );
+        let pool = args.core.pool.is_some();
         Ok(Shell {
             core: Core::new(args.core),
             inbox: args.inbox,
@@ -152,7 +153,7 @@ impl Actor for SupervisorActor {
             kept: Kept::default(),
             jobs,
             answers: Answers::default(),
-            publisher: Publisher::new(args.stats, args.table),
+            publisher: Publisher::new(args.stats, args.table, pool),
             batch_clock: BatchClock::new(),
             end: EndState::new(args.owned_root, args.last_report),
             batch: Vec::new(),
@@ -367,7 +368,7 @@ impl Shell {
                 started,
             } => {
                 let took = self.now().saturating_duration_since(started);
-                self.record_release(took, &result);
+                self.record_release(took);
                 Input::Released { key, result }
             }
             SupMsg::Broker(BrokerEvent::OrphanExpired { lease_id }) => {
@@ -487,11 +488,6 @@ impl Shell {
                 more,
             } => self.deliver(waiter, key, token, more),
             Effect::Refuse { waiter, error } => self.refuse(waiter, error),
-            Effect::ResizePool { slots } => {
-                if let BrokerPort::Local(pool) = &self.brokerage.port {
-                    pool.resize(slots);
-                }
-            }
             Effect::StartRenewal { key, token } => self.brokerage.start_renewal(key, token),
             Effect::StopRenewal { key } => self.brokerage.stop_renewal(key),
             Effect::Cancel { key, holder, lost } => self.cancel(key, holder, lost),
@@ -521,7 +517,7 @@ impl Shell {
                 if let Some(result) = self.brokerage.release(key, token, || clock.now()) {
                     // Answered inline, within this turn: no time passed that the batch clock
                     // could see.
-                    self.record_release(Duration::ZERO, &result);
+                    self.record_release(Duration::ZERO);
                     self.core.apply(Input::Released { key, result });
                 }
             }
@@ -1000,15 +996,12 @@ impl Shell {
         }
     }
 
-    fn record_release(&self, took: Duration, result: &Result<(), CleanupError>) {
+    /// A broker release's time (its count comes from the core's counters, at publication).
+    fn record_release(&self, took: Duration) {
         self.publisher
             .metrics
             .release_ms
             .record(took.as_secs_f64() * 1e3);
-        self.publisher.metrics.release_count.increment(1);
-        if result.is_err() {
-            self.publisher.metrics.release_failed.increment(1);
-        }
     }
 
     /// A cleanup failure with no caller left: the error sink and a tracing error event.

@@ -16,7 +16,7 @@ use super::reports::LastReport;
 use super::state::Parts;
 use super::stats::SharedStats;
 use super::table::LeaseTable;
-use crate::broker::{BrokerEvents, DynBroker, LocalBroker, SlotBroker};
+use crate::broker::{BrokerEvents, DynBroker, LocalBroker, Pool, SlotBroker};
 use crate::error::StartError;
 use crate::hosts::Hosts;
 use crate::process::ProcessPolicy;
@@ -262,14 +262,19 @@ impl SupervisorBuilder {
             (Source::None, Some(n)) => Source::Slots(n),
             (source, _) => source,
         };
-        let broker = match source {
+        // The in-process pool goes to the core, which owns it from here on.
+        let (broker, pool) = match source {
             Source::None => return Err(StartError::NoBroker),
             Source::Slots(0) => return Err(StartError::ZeroCapacity),
-            Source::Slots(n) => BrokerPort::Local(Arc::new(LocalBroker::new(n))),
+            Source::Slots(n) => (BrokerPort::Pool, Some(Pool::new(n))),
             Source::Local(pool) if pool.slots() == 0 => return Err(StartError::ZeroCapacity),
-            Source::Local(pool) => BrokerPort::Local(Arc::new(pool)),
+            Source::Local(pool) => (BrokerPort::Pool, Some(pool.into_pool())),
             Source::Broker(b) if b.capacity() == Some(0) => return Err(StartError::ZeroCapacity),
-            Source::Broker(b) => BrokerPort::Dyn(b),
+            Source::Broker(b) => (BrokerPort::Dyn(b), None),
+        };
+        let broker_capacity = match &broker {
+            BrokerPort::Pool => pool.as_ref().map(Pool::slots),
+            BrokerPort::Dyn(b) => b.capacity(),
         };
         for (name, d) in [
             ("cleanup_timeout", self.cleanup_timeout),
@@ -314,23 +319,20 @@ impl SupervisorBuilder {
             },
         });
         // Only the in-process pool can change its size (`Supervisor::resize`).
-        let resizable = matches!(broker, BrokerPort::Local(_));
+        let resizable = pool.is_some();
         let stats = Arc::new(SharedStats::default());
-        stats.set_capacity(super::core::capacity(broker.capacity(), gpu_capacity));
+        stats.set_capacity(super::core::capacity(broker_capacity, gpu_capacity));
+        let (renews, attach_to) = match &broker {
+            BrokerPort::Pool => (false, None),
+            BrokerPort::Dyn(b) => (b.renews(), Some(Arc::clone(b))),
+        };
         let core = CoreConfig {
-            broker_capacity: broker.capacity(),
-            pool: match &broker {
-                BrokerPort::Local(pool) => Some(pool.slots()),
-                BrokerPort::Dyn(_) => None,
-            },
+            broker_capacity,
+            pool,
             gpu_slots: gpu_capacity,
-            renews: match &broker {
-                BrokerPort::Local(_) => false,
-                BrokerPort::Dyn(b) => b.renews(),
-            },
+            renews,
         };
         let table = Arc::new(LeaseTable::default());
-        let attach_to = broker.as_dyn();
         let origin = {
             use std::hash::{BuildHasher, Hasher};
             let mut h = std::hash::RandomState::new().build_hasher();
@@ -355,13 +357,16 @@ impl SupervisorBuilder {
             .map_err(|e| StartError::Spawn(e.to_string()))?;
         inbox.bind(actor);
         // Before `start` returns, so before any acquire.
-        let events_to = Arc::clone(&inbox);
-        attach_to.attach(
-            BrokerEvents::new(move |event| {
-                let _ = events_to.send(SupMsg::Broker(event));
-            })
-            .with_origin(origin),
-        );
+        // The pool sends no events: only a broker of the user's is attached.
+        if let Some(broker) = attach_to {
+            let events_to = Arc::clone(&inbox);
+            broker.attach(
+                BrokerEvents::new(move |event| {
+                    let _ = events_to.send(SupMsg::Broker(event));
+                })
+                .with_origin(origin),
+            );
+        }
         Ok(Supervisor::from_parts(Parts {
             inbox,
             join,

@@ -143,9 +143,15 @@ pub(crate) struct Metrics {
     /// handed back in the same turn and granted again counts once).
     acquired_counted: u64,
     pub(crate) acquire_ms: metrics::Histogram,
-    pub(crate) release_count: metrics::Counter,
+    release_count: metrics::Counter,
     pub(crate) release_ms: metrics::Histogram,
-    pub(crate) release_failed: metrics::Counter,
+    release_failed: metrics::Counter,
+    /// `Stats::released_total` and `release_failed_total` as last added to the release
+    /// counters, which so count exactly what `Stats` does.
+    released_counted: (u64, u64),
+    /// The supervisor's own pool, released in the core's step with no time passing: each of
+    /// its releases is recorded here, as 0 ms (another broker's, where the shell timed it).
+    pool: bool,
     pub(crate) orphan_expired: metrics::Counter,
     pub(crate) held_too_long: metrics::Counter,
     active: metrics::Gauge,
@@ -154,7 +160,7 @@ pub(crate) struct Metrics {
 }
 
 impl Metrics {
-    pub(crate) fn register() -> Self {
+    pub(crate) fn register(pool: bool) -> Self {
         Self {
             acquire_count: metrics::counter!(metric_names::ACQUIRE_COUNT),
             acquired_counted: 0,
@@ -162,6 +168,8 @@ impl Metrics {
             release_count: metrics::counter!(metric_names::RELEASE_COUNT),
             release_ms: metrics::histogram!(metric_names::RELEASE_DURATION_MS),
             release_failed: metrics::counter!(metric_names::RELEASE_FAILED_COUNT),
+            released_counted: (0, 0),
+            pool,
             orphan_expired: metrics::counter!(metric_names::ORPHAN_EXPIRED_COUNT),
             held_too_long: metrics::counter!(metric_names::HELD_TOO_LONG_COUNT),
             active: metrics::gauge!(metric_names::ACTIVE_COUNT),
@@ -181,6 +189,20 @@ impl Metrics {
             self.acquire_count
                 .increment(acquired - self.acquired_counted);
             self.acquired_counted = acquired;
+        }
+        let c = &figures.counters;
+        let (ok, failed) = self.released_counted;
+        if (c.released_total, c.release_failed_total) != (ok, failed) {
+            let (new_ok, new_failed) = (c.released_total - ok, c.release_failed_total - failed);
+            self.release_count.increment(new_ok + new_failed);
+            if new_failed > 0 {
+                self.release_failed.increment(new_failed);
+            }
+            if self.pool {
+                self.release_ms
+                    .record_many(0.0, (new_ok + new_failed) as usize);
+            }
+            self.released_counted = (c.released_total, c.release_failed_total);
         }
         self.active.set(figures.active as f64);
         self.waiting.set(figures.waiting as f64);

@@ -1,5 +1,6 @@
-//! Where tokens come from and where they go back: the shell's side of the broker. An in-process
-//! broker is called directly; any other broker is called through [`outside`]: built and polled
+//! Where tokens come from and where they go back: the shell's side of the broker. The
+//! supervisor's own pool is not here: the core owns it and takes and gives its slots itself.
+//! Any other broker is called through [`outside`]: built and polled
 //! once in the mailbox under `catch_unwind` and, when it is not ready, finished in a task of its
 //! own that reports back through the inbox (never awaited in the mailbox). Its answers, a panic
 //! included, are inputs to the core, which decides what follows.
@@ -10,35 +11,26 @@ use std::time::{Duration, Instant};
 use rustc_hash::FxHashMap;
 use tokio::task::AbortHandle;
 
-use crate::broker::{AcquireRequest, BrokerError, DynBroker, LocalBroker, SlotToken};
+use crate::broker::{AcquireRequest, BrokerError, DynBroker, SlotToken};
 use crate::error::CleanupError;
 use crate::outside::{self, First, Outcome};
 use crate::supervisor::core::{Input, LeaseKey, RequestId, shrink_map as shrink};
 use crate::supervisor::inbox::Inbox;
 use crate::supervisor::messages::SupMsg;
 
-/// Where tokens come from. The in-process broker is called directly (no boxed future, no
-/// poll); any other broker through its object-safe face.
+/// Where tokens come from: the supervisor's own pool, which the core owns (the shell never
+/// calls it), or any other broker, called through its object-safe face.
 #[derive(Clone)]
 pub(crate) enum BrokerPort {
-    Local(Arc<LocalBroker>),
+    Pool,
     Dyn(Arc<dyn DynBroker>),
 }
 
-impl BrokerPort {
-    pub(crate) fn capacity(&self) -> Option<u32> {
-        match self {
-            Self::Local(b) => Some(b.slots()),
-            Self::Dyn(b) => b.capacity(),
-        }
-    }
-
-    pub(crate) fn as_dyn(&self) -> Arc<dyn DynBroker> {
-        match self {
-            Self::Local(b) => Arc::clone(b) as Arc<dyn DynBroker>,
-            Self::Dyn(b) => Arc::clone(b),
-        }
-    }
+/// What the shell answers when asked to call the pool, which only the core calls: a core
+/// that owns its pool never asks, so this is a defect, answered as a failed call (never a
+/// panic in the supervisor's turn).
+fn not_the_shells() -> BrokerError {
+    BrokerError::invalid_response("the supervisor's pool is the core's: the shell never calls it")
 }
 
 /// The broker and the calls into it that are still running: acquires the core may withdraw,
@@ -82,8 +74,7 @@ impl Brokerage {
         job_id: impl FnOnce() -> Option<Arc<str>>,
     ) -> Option<Result<SlotToken, BrokerError>> {
         match &self.port {
-            // Answers at once (the core asks only while a slot is free).
-            BrokerPort::Local(local) => Some(local.take()),
+            BrokerPort::Pool => Some(Err(not_the_shells())),
             BrokerPort::Dyn(broker) => {
                 let req = AcquireRequest::for_job(request.0, job_id()).with_origin(self.origin);
                 let make = || Arc::clone(broker).acquire_boxed(req);
@@ -130,7 +121,15 @@ impl Brokerage {
     /// Keeps the lease alive while it is held, when the broker needs that. The renewal ends
     /// only when the lease is lost (or the core stops it); a panic in it is a lost lease.
     pub(super) fn start_renewal(&mut self, key: LeaseKey, token: SlotToken) {
-        let broker = self.port.as_dyn();
+        let BrokerPort::Dyn(broker) = &self.port else {
+            // The pool renews nothing, so its core never asks.
+            let reason = not_the_shells().to_string();
+            let _ = self
+                .inbox
+                .send(SupMsg::Input(Input::LeaseLost { key, reason }));
+            return;
+        };
+        let broker = Arc::clone(broker);
         let inbox = Arc::clone(&self.inbox);
         let task = outside::spawn(
             move || broker.keep_alive_boxed(token),
@@ -169,11 +168,7 @@ impl Brokerage {
         started: impl FnOnce() -> Instant,
     ) -> Option<Result<(), CleanupError>> {
         match &self.port {
-            BrokerPort::Local(local) => Some(
-                local
-                    .give(token)
-                    .map_err(|e| CleanupError::broker(token, e)),
-            ),
+            BrokerPort::Pool => Some(Err(CleanupError::broker(token, not_the_shells()))),
             BrokerPort::Dyn(broker) => {
                 let timeout = self.release_timeout;
                 match outside::first_poll(|| Arc::clone(broker).release_boxed(token)) {
@@ -235,11 +230,10 @@ impl Brokerage {
     /// The broker leasehold did not write, taken out to be dropped off the actor's task (the
     /// supervisor has stopped: the port is never called again).
     pub(super) fn take_foreign(&mut self) -> Option<BrokerPort> {
-        if let BrokerPort::Local(_) = &self.port {
+        if let BrokerPort::Pool = &self.port {
             return None;
         }
-        let local = BrokerPort::Local(Arc::new(LocalBroker::new(0)));
-        Some(std::mem::replace(&mut self.port, local))
+        Some(std::mem::replace(&mut self.port, BrokerPort::Pool))
     }
 
     /// Stops every call still running (the supervisor is gone).

@@ -108,11 +108,11 @@ pub(super) struct Publisher {
 }
 
 impl Publisher {
-    pub(super) fn new(stats: Arc<SharedStats>, table: Arc<LeaseTable>) -> Self {
+    pub(super) fn new(stats: Arc<SharedStats>, table: Arc<LeaseTable>, pool: bool) -> Self {
         Self {
             stats,
             published: Published::default(),
-            metrics: Metrics::register(),
+            metrics: Metrics::register(pool),
             table,
             touched: Vec::new(),
         }

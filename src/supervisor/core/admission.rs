@@ -9,7 +9,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::protocol::{Ask, RequestId, WaiterId, Want};
 use super::shrink::{shrink_deque, shrink_map, shrink_set};
-use crate::broker::SlotToken;
+use crate::broker::{Pool, SlotToken};
 use crate::job::{PRIORITY_AGING_GRANTS, Priority};
 
 /// The capacity rule, the one place it is written: the supervisor grants up to the broker's
@@ -270,11 +270,12 @@ impl Gather {
 pub(super) struct Admission {
     /// The capacity in force: the broker's (or the pool's size), capped by the GPU sub-slots.
     pub(super) capacity: Option<usize>,
-    /// The supervisor's own in-process pool's size (its slots are numbered `0..pool`, and
-    /// those at or above it are retired): `None` for any other broker. Only the pool's
-    /// capacity is exact and nobody else takes from it, so only it serves multi-slot leases,
-    /// `try_acquire` and resizing.
-    pub(super) pool: Option<u32>,
+    /// The supervisor's own in-process pool, owned here: its slots are taken and given back
+    /// in the step that grants or ends a lease, with no effect in between. Its slots are
+    /// numbered `0..size`, and those at or above a lowered size are retired. `None` for any
+    /// other broker. Only the pool's capacity is exact and nobody else takes from it, so only
+    /// it serves multi-slot leases, `try_acquire` and resizing.
+    pub(super) pool: Option<Pool>,
     /// GPU sub-slots, which cap the capacity.
     pub(super) gpu_cap: Option<u32>,
     pub(super) queue: WaitQueue,
@@ -292,7 +293,7 @@ pub(super) struct Admission {
 }
 
 impl Admission {
-    pub(super) fn new(capacity: Option<u32>, pool: Option<u32>, gpu_cap: Option<u32>) -> Self {
+    pub(super) fn new(capacity: Option<u32>, pool: Option<Pool>, gpu_cap: Option<u32>) -> Self {
         Self {
             capacity: capacity.map(|c| c as usize),
             pool,
@@ -315,7 +316,9 @@ impl Admission {
     /// Above a lowered pool size: never handed on.
     #[inline]
     pub(super) fn retired(&self, token: SlotToken) -> bool {
-        self.pool.is_some_and(|size| token.slot_id() >= size)
+        self.pool
+            .as_ref()
+            .is_some_and(|pool| token.slot_id() >= pool.slots())
     }
 
     /// Tokens held by waiters being served, and in hand.
@@ -344,7 +347,7 @@ impl Admission {
     /// Slots gathered by a waiter being served that a lowered pool size has retired go back in
     /// hand (a `try_acquire` caller's with its id), to be returned to the broker by `admit`.
     pub(super) fn strip_retired(&mut self) {
-        let Some(size) = self.pool else {
+        let Some(size) = self.pool.as_ref().map(Pool::slots) else {
             return;
         };
         let gathering = self.gather.iter_mut().map(|g| (g, None));

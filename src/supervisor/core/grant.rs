@@ -88,13 +88,25 @@ impl Core {
             },
             tokens: Vec::with_capacity(ask.slots as usize),
         });
+        // Only the pool serves `try_acquire`: its slots are taken here, placed by `admit`.
         for _ in 0..ask.slots {
-            let request = self.admission.next_request();
-            self.admission.bound.insert(request, waiter);
-            self.fx.push(Effect::Acquire {
-                request,
-                for_waiter: None,
-            });
+            self.take_from_pool(Some(waiter));
+        }
+    }
+
+    /// Takes a slot from the supervisor's own pool into hand (for the `try_acquire` caller
+    /// `tried`, or for the queue), in the step that asked: no effect, no input. The pool refuses
+    /// only if the core's count and the pool's disagree; that failure goes where a broker's
+    /// would.
+    fn take_from_pool(&mut self, tried: Option<WaiterId>) {
+        let Some(pool) = self.admission.pool.as_mut() else {
+            return self.fx.illegal(format_args!(
+                "a slot taken from a pool this core does not own"
+            ));
+        };
+        match pool.take() {
+            Ok(token) => self.admission.spare.push((token, tried)),
+            Err(err) => self.acquire_failed(tried, true, err),
         }
     }
 
@@ -164,6 +176,12 @@ impl Core {
             },
             Err(err) => err,
         };
+        self.acquire_failed(tried, queued, failure);
+    }
+
+    /// A failed acquire: its `try_acquire` caller hears it, or else the longest waiter when the
+    /// acquire served the queue.
+    fn acquire_failed(&mut self, tried: Option<WaiterId>, queued: bool, failure: BrokerError) {
         let error = AcquireError::Failed(failure);
         match tried {
             Some(waiter) => {
@@ -186,11 +204,12 @@ impl Core {
         } else if !a.exact() {
             Err(ResizeError::Unsupported)
         } else {
-            a.pool = Some(slots);
+            if let Some(pool) = a.pool.as_mut() {
+                pool.resize(slots);
+            }
             let capacity = capacity(Some(slots), a.gpu_cap).unwrap_or(slots);
             a.capacity = Some(capacity as usize);
             a.strip_retired();
-            self.fx.push(Effect::ResizePool { slots });
             // Waiters that can no longer ever be served hear it now.
             let error = |wanted| AcquireError::SlotCount { wanted, capacity };
             for (waiter, wanted) in self.admission.queue.over(capacity) {
@@ -244,11 +263,17 @@ impl Core {
     /// the next waiter in line (or back, when nobody waits) — then asks the broker for what the
     /// queue still lacks, within the capacity, and drops acquires nobody needs any more.
     pub(super) fn admit(&mut self) {
+        // The pool's slots come into hand at once: placed in the next round.
+        while self.admit_round() {}
+    }
+
+    /// One round of [`Core::admit`]: whether slots were taken from the pool, to be placed.
+    fn admit_round(&mut self) -> bool {
         // The common case (a proof, a grant's own answer): nothing in hand, nothing to ask for.
         if self.admission.spare.is_empty()
             && self.admission.queue_demand() == self.admission.acquiring.len()
         {
-            return;
+            return false;
         }
         let serving = self.ending.is_serving();
         while let Some((token, tried)) = self.admission.next_spare() {
@@ -298,20 +323,22 @@ impl Core {
             }
         }
         if !serving {
-            return;
+            return false;
         }
         let a = &self.admission;
         let (demand, asked) = (a.queue_demand(), a.acquiring.len());
         if demand > asked {
             let n = (demand - asked).min(self.room());
-            // The head's id travels with each request, as a hint (tokens are fungible); the
-            // supervisor's own pool has no use for it. (Only the pool serves multi-slot
-            // waiters, so no other broker has a gathering head.)
-            let for_waiter = if self.admission.exact() {
-                None
-            } else {
-                self.admission.queue.head()
-            };
+            if self.admission.exact() {
+                // The pool answers in this step; nothing is ever in flight from it.
+                for _ in 0..n {
+                    self.take_from_pool(None);
+                }
+                return n > 0;
+            }
+            // The head's id travels with each request, as a hint (tokens are fungible). (Only
+            // the pool serves multi-slot waiters, so no other broker has a gathering head.)
+            let for_waiter = self.admission.queue.head();
             for _ in 0..n {
                 let request = self.admission.next_request();
                 self.admission.acquiring.insert(request);
@@ -320,11 +347,11 @@ impl Core {
                     for_waiter,
                 });
             }
-        } else if asked > demand && !self.admission.exact() {
+        } else if asked > demand {
             // Nobody needs what these would bring: drop the newest (a broker must not keep a
             // queue place for a dropped acquire). An answer already on its way arrives anyway
-            // and is placed like any token in hand. (The pool answers every acquire in the turn
-            // it is asked: there is never one to drop.)
+            // and is placed like any token in hand. (The pool is never asked in flight: there
+            // is never one of its acquires to drop.)
             let mut newest: Vec<RequestId> = self.admission.acquiring.iter().copied().collect();
             newest.sort_unstable_by(|a, b| b.cmp(a));
             for request in newest.into_iter().take(asked - demand) {
@@ -332,6 +359,7 @@ impl Core {
                 self.fx.push(Effect::AbortAcquire { request });
             }
         }
+        false
     }
 
     /// Shutdown: every waiter not served yet hears `SUPERVISOR_STOPPED`, every acquire in

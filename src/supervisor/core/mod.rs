@@ -50,6 +50,8 @@ mod shutdown;
 use std::collections::VecDeque;
 use std::fmt;
 
+use crate::broker::Pool;
+
 pub(crate) use self::protocol::{
     Answer, Ask, ControlId, Effect, Input, LeaseKey, ProcessKey, QuarantineEntry, RecheckFor,
     Rechecked, Reply, RequestId, StopTally, WaiterId, Want, Withdrawal,
@@ -113,14 +115,14 @@ impl Effects {
 }
 
 /// How a core is set up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub(crate) struct CoreConfig {
     /// The broker's capacity (the pool's size), `None` when the broker does not say. The core
     /// grants up to [`capacity`] of it and the GPU sub-slots.
     pub(crate) broker_capacity: Option<u32>,
-    /// The supervisor's own in-process pool's size: its tokens are trusted, and it serves
-    /// multi-slot leases, `try_acquire` and resizing. `None` for any other broker.
-    pub(crate) pool: Option<u32>,
+    /// The supervisor's own in-process pool, which the core then owns: its tokens are trusted,
+    /// and it serves multi-slot leases, `try_acquire` and resizing. `None` for any other broker.
+    pub(crate) pool: Option<Pool>,
     /// The GPU sub-slots, when the supervisor owns GPU devices (close them at shutdown; they
     /// cap the capacity after a resize).
     pub(crate) gpu_slots: Option<u32>,
@@ -147,6 +149,7 @@ pub(crate) struct Core {
 impl Core {
     /// A core as a supervisor starts it.
     pub(crate) fn new(config: CoreConfig) -> Self {
+        let on_pool = config.pool.is_some();
         Self {
             renews: config.renews,
             admission: Admission::new(
@@ -154,7 +157,7 @@ impl Core {
                 config.pool,
                 config.gpu_slots,
             ),
-            book: Book::new(config.pool.is_none()),
+            book: Book::new(!on_pool),
             ending: Ending::new(config.gpu_slots.is_some()),
             rechecks: 0,
             reclaims: Vec::new(),
@@ -179,7 +182,7 @@ impl Core {
     pub(crate) fn pool(slots: u32) -> Self {
         Self::new(CoreConfig {
             broker_capacity: Some(slots),
-            pool: Some(slots),
+            pool: Some(Pool::new(slots)),
             gpu_slots: None,
             renews: false,
         })
@@ -365,6 +368,27 @@ impl Core {
     #[cfg(test)]
     pub(crate) fn counters(&self) -> Counters {
         self.counters
+    }
+
+    /// Slots its pool holds (0 without one).
+    #[cfg(test)]
+    pub(crate) fn pool_held(&self) -> usize {
+        self.admission.pool.as_ref().map_or(0, Pool::held)
+    }
+
+    /// Its pool's size, when it owns one.
+    #[cfg(test)]
+    pub(crate) fn pool_size(&self) -> Option<u32> {
+        self.admission.pool.as_ref().map(Pool::slots)
+    }
+
+    /// Per slot of its pool, the lease id holding it (0: free).
+    #[cfg(test)]
+    pub(crate) fn pool_holders(&self) -> Vec<u64> {
+        self.admission
+            .pool
+            .as_ref()
+            .map_or_else(Vec::new, Pool::holders)
     }
 }
 

@@ -9,6 +9,7 @@ use super::protocol::{Answer, ControlId, Effect, LeaseKey, ProcessKey, Reply, Wa
 use super::record::{
     Caller, Holder, Proof, Proofs, Reason, Release, Removal, Renewal, Replacer, Stop, Why,
 };
+use crate::broker::SlotToken;
 use crate::error::{AcquireError, CleanupError, PrepareError};
 use crate::paths::TempDir;
 
@@ -324,10 +325,13 @@ impl Core {
         }
     }
 
-    /// Starts the broker release of every token of the lease.
+    /// Starts the broker release of every token of the lease. The supervisor's own pool takes
+    /// its slots back in this step, so such a lease ends here (its answer queued); any other
+    /// broker is asked by effect and answers as [`Input::Released`].
     pub(super) fn start_release(&mut self, key: LeaseKey) {
         let fx = &mut self.fx;
-        self.book.edit(key, |r| {
+        let on_pool = self.admission.pool.is_some();
+        let tokens = self.book.edit(key, |r| {
             r.release = Release::Releasing {
                 left: r.slots() as u32,
                 error: None,
@@ -337,10 +341,29 @@ impl Core {
                 r.renewal = Renewal::Off;
                 fx.push(Effect::StopRenewal { key });
             }
+            if on_pool {
+                // No allocation for one slot: `more` is then empty.
+                return Some((r.token, r.more.clone()));
+            }
             for token in r.tokens() {
                 fx.push(Effect::Release { key, token });
             }
+            None
         });
+        if let Some(Some((token, more))) = tokens {
+            for token in std::iter::once(token).chain(more) {
+                self.give_to_pool(key, token);
+            }
+        }
+    }
+
+    /// One token of the lease given back to the supervisor's own pool, answered at once.
+    fn give_to_pool(&mut self, key: LeaseKey, token: SlotToken) {
+        let given = match self.admission.pool.as_mut() {
+            Some(pool) => pool.give(token),
+            None => return,
+        };
+        self.released(key, given.map_err(|e| CleanupError::broker(token, e)));
     }
 
     /// One token's broker release answered. Each slot is counted as its own release answers;

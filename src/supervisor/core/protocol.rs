@@ -270,7 +270,8 @@ pub(crate) struct StopTally {
 #[derive(Debug)]
 pub(crate) enum Effect {
     /// Start a broker acquire (poll it once; otherwise run it in a task that reports
-    /// [`Input::Acquired`]). `for_waiter` is a hint (tokens are fungible).
+    /// [`Input::Acquired`]). `for_waiter` is a hint (tokens are fungible). Never for the
+    /// supervisor's own pool, whose slots the core takes itself.
     Acquire {
         request: RequestId,
         for_waiter: Option<WaiterId>,
@@ -292,10 +293,6 @@ pub(crate) enum Effect {
     Refuse {
         waiter: WaiterId,
         error: AcquireError,
-    },
-    /// Set the in-process pool's size (the resize was valid).
-    ResizePool {
-        slots: u32,
     },
     StartRenewal {
         key: LeaseKey,
@@ -332,6 +329,7 @@ pub(crate) enum Effect {
         dir: TempDir,
     },
     /// Release one token to the broker under the cleanup timeout; report [`Input::Released`].
+    /// Never for the supervisor's own pool, to which the core gives its slots back itself.
     Release {
         key: LeaseKey,
         token: SlotToken,

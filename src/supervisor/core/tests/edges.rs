@@ -645,19 +645,17 @@ fn ask(slots: u32, priority: Priority) -> Ask {
     }
 }
 
-/// Answers every effect at once from the real in-process pool (`LocalBroker`); records what was
+/// Performs every effect of a core on its own pool, as the shell would; records what was
 /// delivered (waiter, key, slots), refused (waiter, code) and dropped (the acquire), in order.
 struct Pool {
-    broker: crate::broker::LocalBroker,
     delivered: Vec<(WaiterId, LeaseKey, usize)>,
     refused: Vec<(WaiterId, &'static str)>,
     aborted: Vec<RequestId>,
 }
 
 impl Pool {
-    fn new(slots: u32) -> Self {
+    fn new(_slots: u32) -> Self {
         Self {
-            broker: crate::broker::LocalBroker::new(slots),
             delivered: Vec::new(),
             refused: Vec::new(),
             aborted: Vec::new(),
@@ -673,12 +671,9 @@ impl Pool {
             }
             for effect in effects {
                 match effect {
-                    Effect::Acquire { request, .. } => {
-                        let result = self.broker.take();
-                        assert!(result.is_ok(), "the core asked past the capacity");
-                        core.apply(Input::Acquired { request, result });
+                    Effect::Acquire { .. } | Effect::Release { .. } => {
+                        panic!("{effect:?}: the core owns its pool and never asks the shell")
                     }
-                    Effect::ResizePool { slots } => self.broker.resize(slots),
                     Effect::Deliver { waiter, key, .. } => {
                         let n = core.lease(key).unwrap().tokens().count();
                         self.delivered.push((waiter, key, n));
@@ -696,13 +691,6 @@ impl Pool {
                             results: Box::default(),
                             leases,
                             purpose,
-                        });
-                    }
-                    Effect::Release { key, token } => {
-                        self.broker.give(token).expect("a held token");
-                        core.apply(Input::Released {
-                            key,
-                            result: Ok(()),
                         });
                     }
                     _ => {}
@@ -1255,15 +1243,21 @@ fn acquires_nobody_needs_any_more_are_dropped_newest_first_and_only_those() {
 }
 
 #[test]
-fn the_in_process_pool_is_asked_without_a_hint_and_never_has_an_acquire_to_drop() {
+fn the_in_process_pool_is_never_asked_by_effect_its_slot_is_granted_in_the_step_that_asked() {
     let mut core = Core::pool(2);
     core.ask_one_slot_each([1], Want::Lease);
     let effects = drain(&mut core);
-    assert_eq!(
-        acquires(&effects).first().map(|a| a.1),
-        Some(None),
+    assert!(
+        matches!(
+            effects.as_slice(),
+            [Effect::Deliver {
+                waiter: WaiterId(1),
+                ..
+            }]
+        ),
         "{effects:?}"
     );
+    assert_eq!(core.pool_held(), 1);
 }
 
 #[test]
@@ -1345,7 +1339,7 @@ fn only_an_explicit_lease_is_released_on_request() {
 }
 
 #[test]
-fn a_lease_of_two_slots_ends_when_both_are_back_with_the_first_failure_as_its_result() {
+fn a_lease_of_two_slots_goes_back_to_the_pool_whole_in_the_step_that_releases_it() {
     let mut core = Core::pool(2);
     core.apply(Input::Enqueue {
         waiter: WaiterId(1),
@@ -1355,52 +1349,31 @@ fn a_lease_of_two_slots_ends_when_both_are_back_with_the_first_failure_as_its_re
         },
     });
     core.settle();
-    let mut key = None;
-    // The pool answers each acquire in the turn it is asked.
-    for _ in 0..4 {
-        for effect in drain(&mut core) {
-            match effect {
-                Effect::Acquire { request, .. } => {
-                    let slot = request.0 as u32 % 2;
-                    core.apply(Input::Acquired {
-                        request,
-                        result: Ok(token(slot, request.0 + 1)),
-                    });
-                }
-                Effect::Deliver { key: k, more, .. } => {
-                    assert_eq!(more.len(), 1);
-                    key = Some(k);
-                }
-                _ => {}
-            }
-        }
-    }
-    let key = key.expect("the lease was delivered");
+    let effects = drain(&mut core);
+    let [Effect::Deliver { key, more, .. }] = effects.as_slice() else {
+        panic!("granted in the step that asked: {effects:?}")
+    };
+    assert_eq!(more.len(), 1);
+    assert_eq!(core.pool_held(), 2);
+    let key = *key;
     core.apply(Input::ReleaseRequested { key });
-    let tokens: Vec<SlotToken> = drain(&mut core)
-        .into_iter()
-        .filter_map(|e| match e {
-            Effect::Release { token, .. } => Some(token),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(tokens.len(), 2);
-    core.apply(Input::Released {
-        key,
-        result: Err(CleanupError::broker(tokens[0], BrokerError::new("first"))),
-    });
-    assert!(drain(&mut core).is_empty(), "one slot is still out");
-    core.apply(Input::Released {
-        key,
-        result: Ok(()),
-    });
     let effects = drain(&mut core);
     assert!(
-        matches!(effects.as_slice(), [Effect::Answer { answer: Answer::Released(Err(e)), .. }, Effect::Forget { .. }] if format!("{e:?}").contains("first")),
+        matches!(
+            effects.as_slice(),
+            [
+                Effect::Answer {
+                    answer: Answer::Released(Ok(())),
+                    ..
+                },
+                Effect::Forget { .. }
+            ]
+        ),
         "{effects:?}"
     );
-    assert_eq!(core.active(), 0);
-    // Nothing more to release.
+    assert_eq!((core.active(), core.pool_held()), (0, 0));
+    assert_eq!(core.counters().released_total, 2, "one release per slot");
+    // Nothing more to release: the lease is gone, and a second request is answered as done.
     core.apply(Input::Released {
         key,
         result: Ok(()),
@@ -1563,40 +1536,26 @@ fn the_callers_waiting_in_every_place_are_counted_and_each_refused_once_at_shutd
     join(&mut core, WaiterId(1), 1, Priority::Normal);
     pool.run(&mut core);
     assert_eq!(pool.delivered.len(), 1);
-    // A `try_acquire` caller whose acquire is not answered yet.
+    // A three-slot waiter: the two slots left are taken and gathered at the head.
+    join(&mut core, WaiterId(3), 3, Priority::Normal);
+    pool.run(&mut core);
+    assert_eq!(pool.delivered.len(), 1, "it gathers");
+    // A `try_acquire` caller now: refused at once (the pool serves it in its own turn or not).
     core.apply(now(2, 1));
-    let [(tried, None)] = acquires(&drain(&mut core))[..] else {
-        panic!("one acquire for the try")
-    };
-    // A two-slot waiter behind it: the one slot left is asked for, answered, and gathered.
-    join(&mut core, WaiterId(3), 2, Priority::Normal);
-    let [(gathering, None)] = acquires(&drain(&mut core))[..] else {
-        panic!("one acquire for the two-slot waiter")
-    };
-    core.apply(Input::Acquired {
-        request: gathering,
-        result: pool.broker.take(),
-    });
-    assert!(drain(&mut core).is_empty(), "it gathers");
+    pool.run(&mut core);
+    assert_eq!(pool.refused, [(WaiterId(2), "LEASE_NO_SLOT_FREE")]);
+    pool.refused.clear();
     // And one queued behind the gathering head.
     join(&mut core, WaiterId(4), 1, Priority::Normal);
-    assert_eq!(
-        core.waiting(),
-        3,
-        "the try, the gathering head and the queue"
-    );
+    assert_eq!(core.waiting(), 2, "the gathering head and the queue");
     core.apply(Input::Shutdown);
     pool.run(&mut core);
     let stopped = AcquireError::Stopped.code();
     assert_eq!(
         pool.refused,
-        [
-            (WaiterId(3), stopped),
-            (WaiterId(2), stopped),
-            (WaiterId(4), stopped)
-        ]
+        [(WaiterId(3), stopped), (WaiterId(4), stopped)]
     );
-    assert_eq!(pool.aborted, [tried], "the try's acquire is dropped");
+    assert!(pool.aborted.is_empty(), "the pool is never asked in flight");
     core.apply(Input::BrokerClosed);
     core.settle();
     let effects = drain(&mut core);
@@ -1610,16 +1569,16 @@ fn the_callers_waiting_in_every_place_are_counted_and_each_refused_once_at_shutd
     else {
         panic!("{effects:?}")
     };
-    assert_eq!((tally.refused_waiters, tally.released_leases), (3, 1));
+    assert_eq!((tally.refused_waiters, tally.released_leases), (2, 1));
     assert!(quarantine.is_empty() && !keep_work_root, "nothing is left");
 }
 
 #[test]
 fn a_try_never_overtakes_a_queued_waiter_and_is_served_when_the_free_slots_just_fit() {
     let mut core = pool_core(2);
-    // The waiter's acquire is not answered, so it is still queued: a slot is free beyond it,
-    // yet the try would overtake it.
-    join(&mut core, WaiterId(1), 1, Priority::Normal);
+    // A two-slot waiter gathers behind a held slot: the try would overtake it.
+    join(&mut core, WaiterId(3), 1, Priority::Normal);
+    join(&mut core, WaiterId(1), 2, Priority::Normal);
     core.apply(now(2, 1));
     let effects = drain(&mut core);
     assert!(

@@ -156,7 +156,6 @@ struct Held {
 #[derive(Clone)]
 struct World {
     core: Core,
-    pool: LocalBroker,
     jobs: Vec<Job>,
     size: u32,
     resized: bool,
@@ -211,11 +210,10 @@ impl World {
         Self {
             core: Core::new(CoreConfig {
                 broker_capacity: Some(SLOTS),
-                pool: Some(SLOTS),
+                pool: Some(pool.into_pool()),
                 gpu_slots: Some(GPU_SUB_SLOTS),
                 renews: false,
             }),
-            pool,
             jobs: Vec::new(),
             size: SLOTS,
             resized: false,
@@ -242,8 +240,8 @@ impl World {
     /// The whole state (the core's, the pool's, the world's), hashed; not the path.
     fn fingerprint(&self) -> u64 {
         let mut h = FxHasher::default();
+        // The core's `Debug` includes its pool (free order, holders, next id).
         let _ = write!(HashWriter(&mut h), "{:?}", self.core);
-        self.pool.fingerprint(&mut h);
         self.jobs.hash(&mut h);
         (
             self.size,
@@ -563,31 +561,85 @@ impl World {
     }
 
     fn input(&mut self, input: Input, turn: &mut Turn) -> Checked {
-        self.core.apply(input);
+        self.apply(input)?;
         self.effects(turn)
+    }
+
+    /// Applies one input to the core, then checks every slot the core gave back to its pool
+    /// in that step, as it was given (the core owns the pool: a release is no effect).
+    fn apply(&mut self, input: Input) -> Checked {
+        let before = self.core.pool_holders();
+        let resize = match &input {
+            Input::Resize { slots, .. } => Some(*slots),
+            _ => None,
+        };
+        self.core.apply(input);
+        let after = self.core.pool_holders();
+        for (slot, lease) in before.iter().enumerate() {
+            if *lease != 0 && after.get(slot) != Some(lease) {
+                self.released(SlotToken::new(slot as u32, *lease))?;
+            }
+        }
+        if let Some(slots) = resize
+            && self.core.pool_size() == Some(slots)
+        {
+            self.size = slots;
+        }
+        Ok(())
+    }
+
+    /// A token back in the pool: the checks of a release.
+    fn released(&mut self, token: SlotToken) -> Checked {
+        // Invariant 5: one release per token.
+        ensure!(
+            self.released.insert((token.slot_id(), token.lease_id())),
+            "{token} released twice"
+        );
+        let generation = self.generation;
+        let Some(h) = self.jobs.iter_mut().find_map(|j| match &mut j.stage {
+            Stage::Holding(h) if h.tokens.contains(&token) => Some(h),
+            _ => None,
+        }) else {
+            // A surplus token, or one a leaver's grant gave back: nobody held it.
+            return Ok(());
+        };
+        let key = h.key;
+        // Invariant 3: a job's slot goes back only after every step of its pipeline.
+        if h.started {
+            ensure!(
+                h.joined && h.ended,
+                "lease {key} released before its worker's end: {h:?}"
+            );
+            ensure!(
+                h.fence == Some(FenceEnd::Done) || h.lost_on.is_some_and(|g| g < generation),
+                "lease {key} released before its GPU fence: {h:?}"
+            );
+            ensure!(
+                !h.asked_dir || h.dir_removed,
+                "lease {key} released before its temp dir was removed: {h:?}"
+            );
+        }
+        ensure!(
+            !h.given_back.contains(&token),
+            "{token} given back twice by lease {key}"
+        );
+        h.given_back.push(token);
+        Ok(())
     }
 
     /// Performs the effects the core asked for, as the shell and the world would.
     fn effects(&mut self, turn: &mut Turn) -> Checked {
         while let Some(effect) = self.core.pop_effect() {
             match effect {
-                Effect::Acquire { request, .. } => {
-                    ensure!(!self.stopping, "an acquire after shutdown");
-                    let taken = self.pool.take();
-                    ensure!(taken.is_ok(), "the core asked the pool past its capacity");
-                    self.core.apply(Input::Acquired {
-                        request,
-                        result: taken,
-                    });
+                Effect::Acquire { .. } | Effect::Release { .. } => {
+                    return Err(format!(
+                        "{effect:?}: the core owns its pool and never asks the shell"
+                    ));
                 }
                 Effect::AbortAcquire { request } => {
                     return Err(format!(
                         "acquire {request} dropped: the pool answers at once"
                     ));
-                }
-                Effect::ResizePool { slots } => {
-                    self.pool.resize(slots);
-                    self.size = slots;
                 }
                 Effect::Deliver {
                     waiter,
@@ -642,44 +694,6 @@ impl World {
                     ensure!(h.removing.is_none(), "two removals at once");
                     h.removing = Some(false);
                 }
-                Effect::Release { key, token } => {
-                    // Invariant 5: one release per token.
-                    ensure!(
-                        self.released.insert((token.slot_id(), token.lease_id())),
-                        "{token} released twice"
-                    );
-                    let generation = self.generation;
-                    if let Some(h) = self.held_mut(key) {
-                        // Invariant 3: a job's slot goes back only after every step of its
-                        // pipeline.
-                        if h.started {
-                            ensure!(
-                                h.joined && h.ended,
-                                "lease {key} released before its worker's end: {h:?}"
-                            );
-                            ensure!(
-                                h.fence == Some(FenceEnd::Done)
-                                    || h.lost_on.is_some_and(|g| g < generation),
-                                "lease {key} released before its GPU fence: {h:?}"
-                            );
-                            ensure!(
-                                !h.asked_dir || h.dir_removed,
-                                "lease {key} released before its temp dir was removed: {h:?}"
-                            );
-                        }
-                        ensure!(
-                            h.tokens.contains(&token),
-                            "{token} released for lease {key}, which never held it"
-                        );
-                        h.given_back.push(token);
-                    }
-                    let given = self.pool.give(token);
-                    ensure!(given.is_ok(), "the pool refused {token}: {given:?}");
-                    self.core.apply(Input::Released {
-                        key,
-                        result: Ok(()),
-                    });
-                }
                 Effect::Answer { key, answer } => {
                     let ok = matches!(
                         answer,
@@ -707,11 +721,11 @@ impl World {
                 } => {
                     // Only process groups are re-checked, and no job here starts one.
                     ensure!(checks.is_empty(), "a re-check of {checks:?}");
-                    self.core.apply(Input::Rechecked {
+                    self.apply(Input::Rechecked {
                         results: Box::default(),
                         leases,
                         purpose,
-                    });
+                    })?;
                 }
                 Effect::Reply { reply, .. } => {
                     if let Reply::Resized(Ok(capacity)) = reply {
@@ -719,8 +733,8 @@ impl World {
                     }
                 }
                 Effect::ArmShutdownTimers => self.timers = true,
-                Effect::CloseGpu => self.core.apply(Input::GpuClosed),
-                Effect::CloseBroker => self.core.apply(Input::BrokerClosed),
+                Effect::CloseGpu => self.apply(Input::GpuClosed)?,
+                Effect::CloseBroker => self.apply(Input::BrokerClosed)?,
                 Effect::Stopped { .. } => {
                     ensure!(!self.stopped, "stopped twice");
                     self.stopped = true;
@@ -797,21 +811,21 @@ impl World {
         match fate {
             Fate::Stays | Fate::StaysWithTwo => {
                 job.stage = Stage::Holding(held(true));
-                self.core.apply(Input::Started {
+                self.apply(Input::Started {
                     key,
                     device: Some(0),
-                });
+                })?;
             }
             Fate::Leaves => {
                 job.stage = Stage::Gone;
-                self.core.apply(Input::Undelivered { key });
+                self.apply(Input::Undelivered { key })?;
             }
             Fate::CannotStart => {
                 job.stage = Stage::Holding(held(false));
-                self.core.apply(Input::NotStarted {
+                self.apply(Input::NotStarted {
                     key,
                     why: PrepareError::NoGpuSlot,
-                });
+                })?;
             }
         }
         Ok(())
@@ -827,11 +841,16 @@ impl World {
                 == c.released_total + c.release_failed_total + (f.active + f.quarantined) as u64,
             "the counts disagree: {f:?}"
         );
+        // The pool never refuses what the core gives back.
+        ensure!(
+            c.release_failed_total == 0,
+            "the pool refused a release: {f:?}"
+        );
         // The pool holds what the core counts (leases, and what a multi-slot head gathered).
         ensure!(
-            self.pool.held() == f.held_slots,
+            self.core.pool_held() == f.held_slots,
             "the pool holds {} slots, the core counts {} ({} active, {} quarantined)",
-            self.pool.held(),
+            self.core.pool_held(),
             f.held_slots,
             f.active,
             f.quarantined
@@ -858,10 +877,10 @@ impl World {
         });
         if !busy {
             ensure!(
-                f.active == 0 && self.pool.held() == f.quarantined,
+                f.active == 0 && self.core.pool_held() == f.quarantined,
                 "every job has ended, yet {} slots are active and the pool holds {} ({} quarantined)",
                 f.active,
-                self.pool.held(),
+                self.core.pool_held(),
                 f.quarantined
             );
         }

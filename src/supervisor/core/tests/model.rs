@@ -411,7 +411,7 @@ impl World {
                         );
                     }
                 }
-                Effect::Reply { .. } | Effect::ResizePool { .. } => {}
+                Effect::Reply { .. } => {}
                 Effect::ArmShutdownTimers => self.timers_armed = true,
                 Effect::CloseGpu => self.input(Input::GpuClosed),
                 Effect::CloseBroker => {

@@ -2,12 +2,12 @@
 //! `try_acquire`, withdrawals, cancel by id, resizes up and down, and callers that leave at the
 //! hand-over — all landing in shared batches, in any order.
 //!
-//! The world's broker is the real [`LocalBroker`] (the pool the supervisor uses), so slot
-//! numbering and retirement are the product's own. The world keeps its own ledger of what each
+//! The pool is the product's own, owned by the core as in the supervisor, so slot numbering and
+//! retirement are the product's own. The world keeps its own ledger of what each
 //! caller holds and checks, at every grant: the capacity in force (slots committed to callers
 //! never pass it), no retired slot handed on, no slot held twice, all-or-none, and the order of
-//! service; after every batch: the accounting identity in slots, the broker's own count of held
-//! slots against the core's, and that no `try_acquire` caller is still waiting.
+//! service; after every batch: the accounting identity in slots, the pool's own count of held
+//! slots against the core's book, and that no `try_acquire` caller is still waiting.
 //!
 //! A batch performs its effects either after each input (as the shell does) or only at its end
 //! (harsher: every effect of the batch meets every input of it). Fixed seeds run every time,
@@ -34,8 +34,9 @@ struct Waiting {
 
 struct PoolWorld {
     core: Core,
-    broker: LocalBroker,
     rng: Rng,
+    /// Resizes asked for, by control: the size a valid one sets, in force from its answer on.
+    resizes: BTreeMap<ControlId, u32>,
     /// The pool's size and the capacity in force, as the world last set them.
     size: u32,
     /// Slot → the lease holding it (the world's ledger).
@@ -67,8 +68,8 @@ impl PoolWorld {
         let size = 1 + rng.below(4) as u32;
         Self {
             core: Core::pool(size),
-            broker: LocalBroker::new(size),
             rng,
+            resizes: BTreeMap::new(),
             size,
             holding: BTreeMap::new(),
             leases: BTreeMap::new(),
@@ -89,21 +90,14 @@ impl PoolWorld {
         while let Some(effect) = self.core.pop_effect() {
             self.trace.push(format!("  -> {effect:?}"));
             match effect {
-                Effect::Acquire { request, .. } => {
-                    // Now and then the broker's call panics before it takes anything (the shell
-                    // catches it and reports a failed acquire).
-                    let result = if self.rng.chance(3) {
-                        Err(BrokerError::panicked("the pool's acquire panicked"))
-                    } else {
-                        let taken = self.broker.take();
-                        ensure!(taken.is_ok(), "the core asked the pool past its capacity");
-                        taken
-                    };
-                    self.input(Input::Acquired { request, result });
+                Effect::Acquire { .. } | Effect::Release { .. } => {
+                    return Err(format!("{effect:?}: the core owns its pool"));
                 }
-                Effect::ResizePool { slots } => {
-                    self.broker.resize(slots);
-                    self.size = slots;
+                Effect::Reply {
+                    control,
+                    reply: Reply::Resized(Ok(_)),
+                } => {
+                    self.size = self.resizes[&control];
                 }
                 Effect::Deliver {
                     waiter,
@@ -156,29 +150,11 @@ impl PoolWorld {
                 Effect::Refuse { waiter, .. } => {
                     self.waiting.remove(&waiter);
                 }
-                Effect::Release { key, token } => {
-                    if self
-                        .leases
-                        .get(&key)
-                        .is_some_and(|s| s.contains(&token.slot_id()))
-                    {
-                        self.holding.remove(&token.slot_id());
-                    }
-                    self.broker.give(token).map_err(|e| {
-                        format!("released {token}, which the pool does not hold: {e}")
-                    })?;
-                    // Now and then the release panics after it took effect (the shell catches
-                    // it: a failed release, the slot given back all the same).
-                    let result = if self.rng.chance(3) {
-                        let e = BrokerError::panicked("the pool's release panicked");
-                        Err(crate::error::CleanupError::broker(token, e))
-                    } else {
-                        Ok(())
-                    };
-                    self.input(Input::Released { key, result });
-                }
                 Effect::Forget { key } => {
-                    self.leases.remove(&key);
+                    // The lease's slots went back to the pool in the step that ended it.
+                    for slot in self.leases.remove(&key).unwrap_or_default() {
+                        self.holding.remove(&slot);
+                    }
                 }
                 Effect::Illegal(what) => return Err(format!("illegal input: {what}")),
                 _ => {}
@@ -268,6 +244,7 @@ impl PoolWorld {
             _ => {
                 let slots = self.rng.below(6) as u32;
                 let control = self.control();
+                self.resizes.insert(control, slots);
                 self.input(Input::Resize { control, slots });
             }
         }
@@ -295,10 +272,10 @@ impl PoolWorld {
             "the accounting identity broke: {f:?}"
         );
         ensure!(
-            f.held_slots == self.broker.held(),
+            f.held_slots == self.core.pool_held(),
             "the core counts {} slots held, the pool {}",
             f.held_slots,
-            self.broker.held()
+            self.core.pool_held()
         );
         ensure!(
             f.leases == self.leases.len(),
@@ -339,6 +316,7 @@ impl PoolWorld {
         // Everything back: release every lease, and those granted meanwhile. Waiters no
         // capacity could serve (more slots than the pool has) are withdrawn.
         let control = self.control();
+        self.resizes.insert(control, 3);
         self.input(Input::Resize { control, slots: 3 });
         for _ in 0..1000 {
             self.perform()?;
@@ -359,9 +337,9 @@ impl PoolWorld {
         // Invariant 4: conservation.
         let f = self.core.figures();
         ensure!(
-            f.held_slots == 0 && self.broker.held() == 0 && f.waiting == 0,
+            f.held_slots == 0 && self.core.pool_held() == 0 && f.waiting == 0,
             "not everything came back: {f:?}, the pool holds {}",
-            self.broker.held()
+            self.core.pool_held()
         );
         Ok(())
     }
