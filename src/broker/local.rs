@@ -10,10 +10,14 @@ use super::{AcquireRequest, BrokerError, SlotBroker, SlotToken};
 /// An in-process broker with a fixed number of slots, numbered `0..n`.
 ///
 /// Lease ids start at 1 and increase strictly, so they serve as fencing tokens. Freed slots are
-/// reused in the order they were freed. `acquire` never waits: the supervisor asks only when it
-/// knows a slot is free (the broker reports its capacity), so an exhausted pool answers
+/// reused in the order they were freed. `acquire` never waits: an exhausted pool answers
 /// [`BrokerErrorKind::Unavailable`](crate::BrokerErrorKind::Unavailable). `release` refuses a token
 /// that is not held under exactly that lease id.
+///
+/// A `LocalBroker` given to a supervisor ([`SupervisorBuilder::broker`](crate::SupervisorBuilder::broker))
+/// becomes its own pool, as with [`slots`](crate::SupervisorBuilder::slots): the supervisor takes
+/// it over, slots held and free order included, and grants and frees its slots in the same step
+/// as its own bookkeeping, with no broker call in between.
 ///
 /// The pool can be resized while it is in use ([`Supervisor::resize`](crate::Supervisor::resize)):
 /// new slots are numbered on from the highest ever had; when the pool shrinks, no held slot is

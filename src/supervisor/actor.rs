@@ -5,9 +5,9 @@
 //! handles, the process evidence to re-check, job ids) and decides nothing: it never reads the
 //! core's state to choose what to do (`tests/behaviour/architecture.rs` checks that no file of
 //! the shell does). Its turn awaits nothing: every call into code leasehold did not write goes
-//! through `crate::outside` (a broker future gets one inline poll under `catch_unwind`, the
-//! in-process broker is called directly, and otherwise it runs in a caught, bounded task that
-//! reports back by message); temp dirs are made by the worker and removed by a task of their own
+//! through `crate::outside` (a broker future gets one inline poll under `catch_unwind`, and
+//! otherwise it runs in a caught, bounded task that reports back by message; the in-process pool
+//! is not called here at all: the core owns it); temp dirs are made by the worker and removed by a task of their own
 //! when the core asks; GPU fences run in the driver and the devices are closed on a thread of
 //! their own; a job's driver task spawns its worker.
 //!
@@ -132,6 +132,8 @@ impl Actor for SupervisorActor {
         if let Some(threshold) = args.config.held_warning {
             spawn_held_ticker(Arc::clone(&args.inbox), threshold);
         }
+        // The in-process pool's releases happen in the core: their metrics come from its counts.
+        let pool = matches!(args.broker, BrokerPort::Pool);
         let brokerage = Brokerage::new(
             args.broker,
             args.origin,
@@ -143,7 +145,6 @@ impl Actor for SupervisorActor {
             Arc::clone(&args.config),
             myself.get_cell(),
         );
-        let pool = args.core.pool.is_some();
         Ok(Shell {
             core: Core::new(args.core),
             inbox: args.inbox,

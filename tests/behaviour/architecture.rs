@@ -243,7 +243,8 @@ fn body_of(file: &str, name: &str) -> String {
 #[test]
 fn the_grant_and_the_workers_start_have_no_test_switch() {
     for (file, name) in [
-        ("src/supervisor/core/grant.rs", "admit"),
+        ("src/supervisor/core/grant.rs", "admit_round"),
+        ("src/supervisor/core/grant.rs", "take_from_pool"),
         ("src/worker/actor.rs", "pre_start"),
     ] {
         let body = body_of(file, name);

@@ -67,6 +67,40 @@ impl Seen {
     }
 }
 
+/// On the in-process pool, which the supervisor's core frees in the step that ends a lease
+/// (no broker call), each release is still counted and timed (at 0 ms), and is already in the
+/// metrics when the awaited `release` returns, as in `Stats`.
+#[test]
+fn the_pools_releases_are_counted_and_timed_and_visible_when_release_returns() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let rt = current_thread_runtime();
+    let mut seen = Seen::default();
+    metrics::with_local_recorder(&recorder, || {
+        rt.block_on(async {
+            let sup = Supervisor::builder().slots(2).start().await.unwrap();
+            for round in 1..=3u64 {
+                let mut two = sup.acquire_many(2).await.unwrap();
+                two.release().await.unwrap();
+                seen.take(&snapshotter);
+                let stats = sup.stats();
+                assert_eq!(stats.released_total, 2 * round);
+                assert_eq!(
+                    seen.counters.get(metric_names::RELEASE_COUNT),
+                    Some(&(2 * round)),
+                    "after round {round}: {seen:?}"
+                );
+                let times = &seen.histograms[metric_names::RELEASE_DURATION_MS];
+                assert_eq!(times.len() as u64, 2 * round, "{times:?}");
+                assert!(times.iter().all(|t| *t == 0.0), "{times:?}");
+            }
+            let failed = seen.counters.get(metric_names::RELEASE_FAILED_COUNT);
+            assert_eq!(failed.copied().unwrap_or(0), 0);
+            sup.shutdown().await.unwrap();
+        })
+    });
+}
+
 /// Six grants: two jobs, a lease whose broker release fails, a job whose slot is quarantined, a
 /// held lease with one job waiting behind it. Five broker releases (the quarantined slot is never
 /// released), one of them failed.

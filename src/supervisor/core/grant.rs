@@ -78,7 +78,7 @@ impl Core {
         if !ask.now_only {
             return self.admission.queue.push(waiter, ask);
         }
-        // Served in this turn: its own acquires (the pool answers them at once).
+        // Served in this step: its slots taken from the pool, placed by `admit`.
         self.admission.tries.push(Gather {
             served: Served {
                 waiter,

@@ -1770,3 +1770,36 @@ fn a_core_dropped_without_a_shutdown_keeps_the_work_root_only_while_it_holds_a_l
     drain(&mut core);
     assert!(!core.abandon().keep_work_root);
 }
+
+#[test]
+fn a_slot_freed_on_the_pool_goes_to_the_next_waiter_in_the_same_step_under_a_new_lease_id() {
+    let mut core = Core::pool(1);
+    core.ask_one_slot_each([1, 2], Want::Lease);
+    let effects = drain(&mut core);
+    let [Effect::Deliver { key, token, .. }] = effects.as_slice() else {
+        panic!("one grant, one waiter queued: {effects:?}")
+    };
+    let (first, old) = (*key, *token);
+    assert_eq!(core.waiting(), 1);
+    core.apply(Input::ReleaseRequested { key: first });
+    let effects = drain(&mut core);
+    let [
+        Effect::Answer {
+            key: answered,
+            answer: Answer::Released(Ok(())),
+        },
+        Effect::Forget { key: forgotten },
+        Effect::Deliver {
+            waiter: WaiterId(2),
+            token: new,
+            ..
+        },
+    ] = effects.as_slice()
+    else {
+        panic!("answered, forgotten and handed on in one step: {effects:?}")
+    };
+    assert_eq!((*answered, *forgotten), (first, first));
+    assert_eq!(new.slot_id(), old.slot_id());
+    assert!(new.lease_id() > old.lease_id(), "{new} after {old}");
+    assert_eq!((core.waiting(), core.pool_held(), core.active()), (0, 1, 1));
+}
