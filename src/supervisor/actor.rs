@@ -56,7 +56,7 @@ use ending::EndState;
 use jobs::{JobStart, Jobs};
 use rooms::{
     Answers, BATCH_KEEP, BatchClock, ControlReply, Explicit, Grant, Kept, Outgoing, Publisher,
-    Since, Waiter,
+    Replies, Since, Waiter,
 };
 
 pub(crate) struct SupervisorActor;
@@ -593,7 +593,7 @@ impl Shell {
                     key,
                     Explicit {
                         cell: Arc::clone(&cell),
-                        replies: Vec::new(),
+                        replies: Replies::new(),
                         holder: holder.map(|h| *h),
                     },
                 );
@@ -730,7 +730,7 @@ impl Shell {
                 })
             }
             (ControlReply::Waiters(tx), Reply::Waiters(entries)) => {
-                let (now, epoch) = (self.now(), self.batch_clock.epoch);
+                let now = self.batch_clock.now_nanos();
                 let list: Vec<WaiterInfo> = entries
                     .iter()
                     .map(|e| {
@@ -743,7 +743,7 @@ impl Shell {
                             priority: e.priority,
                             slots: e.slots,
                             gathered: e.gathered,
-                            waited: waiter.map_or(Duration::ZERO, |w| w.since.waited(now, epoch)),
+                            waited: waiter.map_or(Duration::ZERO, |w| w.since.waited(now)),
                         }
                     })
                     .collect();
@@ -980,8 +980,7 @@ impl Shell {
         let waited_ms = if since.is_this_batch() {
             0.0
         } else {
-            let (now, epoch) = (self.now(), self.batch_clock.epoch);
-            since.waited(now, epoch).as_secs_f64() * 1e3
+            since.waited(self.batch_clock.now_nanos()).as_secs_f64() * 1e3
         };
         // The count itself is published with `Stats::acquired_total` (one definition).
         self.publisher.metrics.acquire_ms.record(waited_ms);
@@ -1036,15 +1035,15 @@ mod since_tests {
 
     #[test]
     fn a_waiters_join_time_measures_its_wait_from_the_batch_it_joined_in() {
-        let epoch = Instant::now();
-        let joined = Since::at(epoch + Duration::from_millis(5), epoch);
-        let now = epoch + Duration::from_millis(7);
-        assert_eq!(joined.waited(now, epoch), Duration::from_millis(2));
+        let ms = |n: u64| n * 1_000_000;
+        let joined = Since::at(ms(5));
+        assert_eq!(joined.waited(ms(7)), Duration::from_millis(2));
         // Joined at the epoch itself: still a time, not "this batch".
-        assert_eq!(
-            Since::at(epoch, epoch).waited(now, epoch),
-            Duration::from_millis(7)
-        );
-        assert_eq!(Since::THIS_BATCH.waited(now, epoch), Duration::ZERO);
+        assert_eq!(Since::at(0).waited(ms(7)), Duration::from_millis(7));
+        assert_eq!(Since::THIS_BATCH.waited(ms(7)), Duration::ZERO);
+        // A clock read before the join (never, with one monotonic clock): no wait, not a panic.
+        assert_eq!(joined.waited(ms(3)), Duration::ZERO);
+        // Past what 64 bits of nanoseconds hold: still a time.
+        assert!(!Since::at(u64::MAX).is_this_batch());
     }
 }

@@ -133,6 +133,8 @@ impl Publisher {
             return;
         }
         let mut touched = mem::take(&mut self.touched);
+        // The clock is read once per publication, and only for a new row.
+        let mut now = None;
         for key in touched.drain(..) {
             let lease = core.view(key);
             let extra = Extra {
@@ -140,8 +142,9 @@ impl Publisher {
                 holder: &|| kept.explicit.get(&key).and_then(|e| e.holder),
                 pid: &|p| kept.pids.get(&p).copied(),
             };
-            self.table
-                .update(key, lease, extra, tokio::time::Instant::now);
+            self.table.update(key, lease, extra, || {
+                *now.get_or_insert_with(tokio::time::Instant::now)
+            });
         }
         self.touched = touched;
     }
@@ -181,6 +184,9 @@ impl Publisher {
 /// join times of the waiters that came in the batch.
 pub(super) struct BatchClock {
     pub(super) now: Option<Instant>,
+    /// `now` as nanoseconds past `epoch`, worked out once per batch: a wait is then one
+    /// subtraction of integers.
+    nanos: Option<u64>,
     /// What waiters' join times are counted from (see [`Since`]).
     pub(super) epoch: Instant,
     /// Waiters that joined in this batch (stamped when it ends, if they still wait).
@@ -191,6 +197,7 @@ impl BatchClock {
     pub(super) fn new() -> Self {
         Self {
             now: None,
+            nanos: None,
             epoch: Instant::now(),
             fresh: Vec::new(),
         }
@@ -201,6 +208,17 @@ impl BatchClock {
         *self.now.get_or_insert_with(Instant::now)
     }
 
+    /// The batch's time as nanoseconds past the epoch (what [`Since`] counts in).
+    pub(super) fn now_nanos(&mut self) -> u64 {
+        if let Some(nanos) = self.nanos {
+            return nanos;
+        }
+        let elapsed = self.now().saturating_duration_since(self.epoch).as_nanos();
+        let nanos = u64::try_from(elapsed).unwrap_or(u64::MAX - 1);
+        self.nanos = Some(nanos);
+        nanos
+    }
+
     /// A batch of messages has been handled: waiters that joined in it and still wait get its
     /// time (read only now, and only if there are any).
     pub(super) fn end_batch(&mut self, waiters: &mut FxHashMap<WaiterId, Waiter>) {
@@ -208,7 +226,7 @@ impl BatchClock {
             let mut fresh = mem::take(&mut self.fresh);
             // Only callers still waiting are in `waiters`.
             if !waiters.is_empty() {
-                let since = Since::at(self.now(), self.epoch);
+                let since = Since::at(self.now_nanos());
                 for waiter in &fresh {
                     if let Some(w) = waiters.get_mut(waiter) {
                         w.since = since;
@@ -219,6 +237,7 @@ impl BatchClock {
             self.fresh = fresh;
         }
         self.now = None;
+        self.nanos = None;
     }
 }
 
@@ -242,16 +261,17 @@ impl Since {
         self.0 == 0
     }
 
-    pub(super) fn at(time: Instant, epoch: Instant) -> Self {
-        let nanos = time.saturating_duration_since(epoch).as_nanos();
-        Self(u64::try_from(nanos).unwrap_or(u64::MAX - 1) + 1)
+    /// Joined at `nanos` past the shell's epoch.
+    pub(super) fn at(nanos: u64) -> Self {
+        Self(nanos.min(u64::MAX - 1) + 1)
     }
 
-    /// How long before `now` the waiter joined (zero within its batch).
-    pub(super) fn waited(self, now: Instant, epoch: Instant) -> Duration {
+    /// How long before `now` (nanoseconds past the epoch) the waiter joined (zero within its
+    /// batch).
+    pub(super) fn waited(self, now: u64) -> Duration {
         match self.0 {
             0 => Duration::ZERO,
-            n => now.saturating_duration_since(epoch + Duration::from_nanos(n - 1)),
+            n => Duration::from_nanos(now.saturating_sub(n - 1)),
         }
     }
 }
@@ -275,7 +295,7 @@ pub(super) enum Outgoing {
     },
     /// The `release` calls of an explicit lease (none for a dropped one).
     Release {
-        replies: Vec<ReleaseReply>,
+        replies: Replies,
         result: Result<(), CleanupError>,
     },
     /// A caller that gets no slot.
@@ -288,11 +308,14 @@ pub(super) enum Outgoing {
 }
 
 /// What the shell keeps for an explicit lease.
+/// The `release` calls waiting on one explicit lease: one inline, more on the heap.
+pub(super) type Replies = smallvec::SmallVec<[ReleaseReply; 1]>;
+
 pub(super) struct Explicit {
     /// Shared with the `Lease`: revoked by shutdown, or lost.
     pub(super) cell: Arc<LeaseCell>,
     /// `release` calls waiting for the broker's answer (usually one).
-    pub(super) replies: Vec<ReleaseReply>,
+    pub(super) replies: Replies,
     /// The actor a lease desk lease is tied to.
     pub(super) holder: Option<ActorId>,
 }

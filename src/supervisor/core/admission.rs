@@ -65,7 +65,7 @@ pub(super) struct WaitQueue {
     multi: FxHashMap<WaiterId, u32>,
     /// Slots wanted by the live waiters, all together.
     wanted: usize,
-    /// Waiters served so far: the clock of the aging rule.
+    /// Waiters served from the queue so far: the clock of the aging rule.
     pub(super) served: u64,
 }
 

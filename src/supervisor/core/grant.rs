@@ -76,6 +76,9 @@ impl Core {
             return self.fx.push(Effect::Refuse { waiter, error });
         }
         if !ask.now_only {
+            if ask.slots == 1 && self.grant_at_once(waiter, ask) {
+                return;
+            }
             return self.admission.queue.push(waiter, ask);
         }
         // Served in this step: its slots taken from the pool, placed by `admit`.
@@ -108,6 +111,49 @@ impl Core {
             Ok(token) => self.admission.spare.push((token, tried)),
             Err(err) => self.acquire_failed(tried, true, err),
         }
+    }
+
+    /// The short path: a caller asking for one slot of the pool while nobody waits, nothing is
+    /// in hand and there is room is served in this step, without passing through the queue.
+    /// What it keeps: FIFO (nobody is ahead), the capacity and retirement checks (the same
+    /// [`Core::placeable`] as `admit`'s), the record and its tally (the same `deliver`). The
+    /// aging clock counts waiters served from the queue: with nobody queued, no deadline is
+    /// measured against it, so this grant leaves it as it is. Whether it served the caller; if not, the
+    /// caller is queued as any other, and a slot already taken is in hand for `admit`.
+    fn grant_at_once(&mut self, waiter: WaiterId, ask: Ask) -> bool {
+        let a = &self.admission;
+        let alone = a.queue.len() == 0 && a.gather.is_none() && a.tries.is_empty();
+        if !(alone && a.spare.is_empty() && self.room() >= 1) {
+            return false;
+        }
+        let Some(Ok(token)) = self.admission.pool.as_mut().map(|p| p.take()) else {
+            // Not the pool, or it refused: the queue's path asks again and handles the failure.
+            return false;
+        };
+        if !self.placeable(token) {
+            self.admission.spare.push((token, None));
+            return false;
+        }
+        let served = Served {
+            waiter,
+            want: ask.want,
+            slots: 1,
+            priority: ask.priority,
+        };
+        self.deliver(served, token, Box::default());
+        true
+    }
+
+    /// Whether `token`, out of hand, may go to a caller: the supervisor serves, the slots
+    /// committed to callers stay within the capacity in force, and the slot is not retired
+    /// (above a lowered pool size).
+    #[inline]
+    fn placeable(&self, token: SlotToken) -> bool {
+        let over = self
+            .admission
+            .capacity
+            .is_some_and(|cap| self.committed() + 1 > cap);
+        self.ending.is_serving() && !over && !self.admission.retired(token)
     }
 
     /// A waiter leaves without a slot (cancelled, timed out, refused): from the queue, from the
@@ -278,12 +324,7 @@ impl Core {
         let serving = self.ending.is_serving();
         while let Some((token, tried)) = self.admission.next_spare() {
             // `committed` no longer counts this token: it is out of hand.
-            let over = self
-                .admission
-                .capacity
-                .is_some_and(|cap| self.committed() + 1 > cap);
-            let retired = self.admission.retired(token);
-            if !serving || over || retired {
+            if !self.placeable(token) {
                 if let Some(waiter) = tried {
                     self.withdraw(waiter, AcquireError::NoSlotFree);
                 }

@@ -1803,3 +1803,50 @@ fn a_slot_freed_on_the_pool_goes_to_the_next_waiter_in_the_same_step_under_a_new
     assert!(new.lease_id() > old.lease_id(), "{new} after {old}");
     assert_eq!((core.waiting(), core.pool_held(), core.active()), (0, 1, 1));
 }
+
+#[test]
+fn a_caller_alone_is_served_at_once_only_within_the_capacity_in_force_and_never_past_a_waiter() {
+    use crate::supervisor::core::CoreConfig;
+    // A pool of 3 capped at 2 by the GPU sub-slots: the third caller waits, slots free or not.
+    let mut core = Core::new(CoreConfig {
+        broker_capacity: Some(3),
+        pool: Some(crate::broker::Pool::new(3)),
+        gpu_slots: Some(2),
+        renews: false,
+    });
+    core.ask_one_slot_each([1, 2, 3], Want::Lease);
+    let effects = drain(&mut core);
+    let delivered: Vec<WaiterId> = effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Deliver { waiter, .. } => Some(*waiter),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(delivered, [WaiterId(1), WaiterId(2)], "{effects:?}");
+    assert_eq!((core.waiting(), core.pool_held()), (1, 2));
+    // No slot was taken beyond the capacity only to go back (a surplus counts as a grant).
+    assert_eq!(core.counters().acquired_total, 2);
+    // A fourth caller queues behind the third.
+    core.ask_one_slot_each([4], Want::Lease);
+    assert_eq!(core.waiting(), 2);
+    assert!(drain(&mut core).is_empty());
+    // A slot freed goes to the third, then the fourth: in the order they came.
+    let first = match &effects[0] {
+        Effect::Deliver { key, .. } => *key,
+        other => panic!("{other:?}"),
+    };
+    core.apply(Input::ReleaseRequested { key: first });
+    let effects = drain(&mut core);
+    assert!(
+        effects.iter().any(|e| matches!(
+            e,
+            Effect::Deliver {
+                waiter: WaiterId(3),
+                ..
+            }
+        )),
+        "{effects:?}"
+    );
+    assert_eq!(core.waiting(), 1);
+}
