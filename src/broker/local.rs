@@ -16,8 +16,10 @@ use super::{AcquireRequest, BrokerError, SlotBroker, SlotToken};
 ///
 /// A `LocalBroker` given to a supervisor ([`SupervisorBuilder::broker`](crate::SupervisorBuilder::broker))
 /// becomes its own pool, as with [`slots`](crate::SupervisorBuilder::slots): the supervisor takes
-/// it over, slots held and free order included, and grants and frees its slots in the same step
-/// as its own bookkeeping, with no broker call in between.
+/// it over as it is, and grants and frees its slots in the same step as its own bookkeeping, with
+/// no broker call in between. A slot taken from it before then stays held for good (nobody can
+/// give it back once the supervisor owns the pool) and counts against the capacity: give the
+/// supervisor a pool with every slot free.
 ///
 /// The pool can be resized while it is in use ([`Supervisor::resize`](crate::Supervisor::resize)):
 /// new slots are numbered on from the highest ever had; when the pool shrinks, no held slot is

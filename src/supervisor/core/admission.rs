@@ -250,7 +250,8 @@ pub(super) struct Served {
 }
 
 /// A waiter being served that gathers its tokens (a multi-slot request at the head of the
-/// queue, or a `try_acquire` caller whose tokens are on their way).
+/// queue, or a `try_acquire` caller whose tokens, taken from the pool in its step, are being
+/// placed).
 #[cfg_attr(test, derive(Clone))]
 #[derive(Debug)]
 pub(super) struct Gather {
@@ -281,12 +282,11 @@ pub(super) struct Admission {
     pub(super) queue: WaitQueue,
     /// The multi-slot waiter at the head, gathering its tokens.
     pub(super) gather: Option<Gather>,
-    /// `try_acquire` callers admitted in their turn, their tokens on the way.
+    /// `try_acquire` callers admitted in this step, their tokens being placed (empty between
+    /// steps: only the pool serves them, and it answers at once).
     pub(super) tries: Vec<Gather>,
-    /// Broker acquires in flight for the queue.
+    /// Broker acquires in flight for the queue (never the pool's: it answers at once).
     pub(super) acquiring: FxHashSet<RequestId>,
-    /// Broker acquires in flight for one `try_acquire` caller.
-    pub(super) bound: FxHashMap<RequestId, WaiterId>,
     next_request: RequestId,
     /// Tokens in hand, not yet placed (with the `try_acquire` caller they were asked for).
     pub(super) spare: Vec<(SlotToken, Option<WaiterId>)>,
@@ -302,7 +302,6 @@ impl Admission {
             gather: None,
             tries: Vec::new(),
             acquiring: FxHashSet::default(),
-            bound: FxHashMap::default(),
             next_request: RequestId(1),
             spare: Vec::new(),
         }
@@ -385,15 +384,11 @@ impl Admission {
     /// tests).
     #[cfg(test)]
     pub(super) fn retained(&self) -> (usize, usize) {
-        (
-            self.queue.retained(),
-            self.acquiring.capacity() + self.bound.capacity(),
-        )
+        (self.queue.retained(), self.acquiring.capacity())
     }
 
     pub(super) fn shrink(&mut self) {
         self.queue.shrink();
         shrink_set(&mut self.acquiring);
-        shrink_map(&mut self.bound);
     }
 }

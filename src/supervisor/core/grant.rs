@@ -21,6 +21,10 @@ use crate::job::Priority;
 
 use super::admission::{Gather, Served, capacity};
 
+/// Rounds of [`Core::admit`] before it reports a defect: two settle every step of a sound core
+/// (the pool's slots taken, then placed); the rest is margin.
+const ADMIT_ROUNDS: usize = 8;
+
 impl Core {
     /// Slots held or on their way: every lease's tokens not yet released, the gathering
     /// waiters', those in hand.
@@ -42,9 +46,7 @@ impl Core {
     #[inline]
     fn room(&self) -> usize {
         match self.admission.capacity {
-            Some(cap) => cap.saturating_sub(
-                self.held_slots() + self.admission.acquiring.len() + self.admission.bound.len(),
-            ),
+            Some(cap) => cap.saturating_sub(self.held_slots() + self.admission.acquiring.len()),
             None => usize::MAX,
         }
     }
@@ -167,17 +169,6 @@ impl Core {
         }
         if let Some(i) = a.tries.iter().position(|t| t.served.waiter == waiter) {
             let tried = a.tries.swap_remove(i);
-            // Its acquires still in flight now serve the queue (or are dropped by `admit`).
-            let orphaned: Vec<RequestId> = a
-                .bound
-                .iter()
-                .filter(|(_, w)| **w == waiter)
-                .map(|(r, _)| *r)
-                .collect();
-            for request in orphaned {
-                a.bound.remove(&request);
-                a.acquiring.insert(request);
-            }
             a.spare.extend(tried.tokens.into_iter().map(|t| (t, None)));
             self.fx.push(Effect::Refuse { waiter, error });
             return true;
@@ -206,12 +197,13 @@ impl Core {
     }
 
     pub(super) fn acquired(&mut self, request: RequestId, result: Result<SlotToken, BrokerError>) {
+        // Only another broker's acquires come back as inputs: none is for a `try_acquire`
+        // caller, which only the pool serves.
         let queued = self.admission.acquiring.remove(&request);
-        let tried = self.admission.bound.remove(&request);
         let failure = match result {
             Ok(token) => match self.book.check_token(token) {
                 Ok(()) => {
-                    self.admission.spare.push((token, tried));
+                    self.admission.spare.push((token, None));
                     return;
                 }
                 Err(refused) => {
@@ -222,7 +214,7 @@ impl Core {
             },
             Err(err) => err,
         };
-        self.acquire_failed(tried, queued, failure);
+        self.acquire_failed(None, queued, failure);
     }
 
     /// A failed acquire: its `try_acquire` caller hears it, or else the longest waiter when the
@@ -309,8 +301,17 @@ impl Core {
     /// the next waiter in line (or back, when nobody waits) — then asks the broker for what the
     /// queue still lacks, within the capacity, and drops acquires nobody needs any more.
     pub(super) fn admit(&mut self) {
-        // The pool's slots come into hand at once: placed in the next round.
-        while self.admit_round() {}
+        // The pool's slots come into hand at once: placed in the next round. A round takes what
+        // the queue lacks within the room left, so one more round settles it; a core that
+        // kept taking would be a defect, reported rather than spinning in the supervisor's turn.
+        for _ in 0..ADMIT_ROUNDS {
+            if !self.admit_round() {
+                return;
+            }
+        }
+        self.fx.illegal(format_args!(
+            "admission did not settle in {ADMIT_ROUNDS} rounds"
+        ));
     }
 
     /// One round of [`Core::admit`]: whether slots were taken from the pool, to be placed.
@@ -423,7 +424,6 @@ impl Core {
             });
         }
         let mut requests: Vec<RequestId> = self.admission.acquiring.drain().collect();
-        requests.extend(self.admission.bound.drain().map(|(r, _)| r));
         requests.sort_unstable();
         for request in requests {
             self.fx.push(Effect::AbortAcquire { request });

@@ -73,6 +73,16 @@ impl Core {
                 .illegal(format_args!("re-checks that were not asked for"));
         };
         self.rechecks = left;
+        // A reclaim's leases, with their tokens, as they are before the results apply: a lease
+        // its re-check frees may end in this very step (the pool takes its slots back at once),
+        // and is then reclaimed, not forgotten.
+        let reclaiming: Option<Vec<(LeaseKey, Vec<crate::broker::SlotToken>)>> =
+            matches!(purpose, RecheckFor::Reclaim(_)).then(|| {
+                leases
+                    .iter()
+                    .filter_map(|key| self.book.get(*key).map(|r| (*key, r.tokens().collect())))
+                    .collect()
+            });
         for Rechecked {
             key,
             proof,
@@ -111,15 +121,11 @@ impl Core {
                 self.advance(*key);
             }
         }
-        let RecheckFor::Reclaim(control) = purpose else {
+        let (RecheckFor::Reclaim(control), Some(leases)) = (purpose, reclaiming) else {
             return;
         };
         // A temp dir being removed is part of the re-check: the reply waits for every removal
         // in flight (one retried just above included) that is not already reported late.
-        let leases = leases
-            .iter()
-            .filter_map(|key| self.book.get(*key).map(|r| (*key, r.tokens().collect())))
-            .collect();
         self.reclaims.push(PendingReclaim { control, leases });
         self.answer_reclaims();
     }

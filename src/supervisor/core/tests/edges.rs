@@ -1850,3 +1850,44 @@ fn a_caller_alone_is_served_at_once_only_within_the_capacity_in_force_and_never_
     );
     assert_eq!(core.waiting(), 1);
 }
+
+#[test]
+fn a_reclaim_on_the_pool_reports_a_slot_its_recheck_freed_in_the_same_step() {
+    let mut core = Core::pool(1);
+    core.ask_one_slot_each([1], Want::Job);
+    core.settle();
+    let key = match drain(&mut core).as_slice() {
+        [Effect::Deliver { key, .. }] => *key,
+        other => panic!("{other:?}"),
+    };
+    core.apply(Input::Started { key, device: None });
+    core.apply(Input::ProcessStarted {
+        key,
+        process: ProcessKey(7),
+    });
+    // No temp dir: once the body and its tasks are done, only the process group is owed.
+    core.apply(Input::Ended {
+        key,
+        proofs: Proofs::JOINED.with(Proofs::TASKS),
+        dir: None,
+    });
+    core.apply(Input::Unproven {
+        key,
+        proof: Proof::Process(ProcessKey(7)),
+        detail: "escaped".into(),
+    });
+    drain(&mut core);
+    assert_eq!(core.quarantined(), 1);
+    core.apply(Input::Reclaim {
+        control: ControlId(1),
+    });
+    let asked = drain(&mut core);
+    let effects = answer_rechecks(&mut core, asked, |_, _| true);
+    assert_eq!(core.pool_held(), 0, "released: {effects:?}");
+    assert!(
+        effects.iter().any(|e| matches!(e,
+            Effect::Reply { reply: Reply::Reclaimed { reclaimed, still }, .. }
+                if reclaimed.len() == 1 && still.is_empty())),
+        "{effects:?}"
+    );
+}

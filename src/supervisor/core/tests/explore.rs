@@ -575,6 +575,12 @@ impl World {
         };
         self.core.apply(input);
         let after = self.core.pool_holders();
+        // Nothing is taken from the pool once the shutdown has begun.
+        let held = |h: &[u64]| h.iter().filter(|l| **l != 0).count();
+        ensure!(
+            !self.stopping || held(&after) <= held(&before),
+            "a slot taken from the pool after shutdown: {before:?} -> {after:?}"
+        );
         for (slot, lease) in before.iter().enumerate() {
             if *lease != 0 && after.get(slot) != Some(lease) {
                 self.released(SlotToken::new(slot as u32, *lease))?;
@@ -651,7 +657,13 @@ impl World {
                         std::iter::once(token).chain(more.iter().copied()).collect();
                     self.deliver(waiter, key, tokens)?;
                 }
-                Effect::Refuse { waiter, .. } => {
+                Effect::Refuse { waiter, error } => {
+                    // Only the pool's own refusal fails an acquire here: the core asked it for
+                    // a slot it did not have.
+                    ensure!(
+                        !matches!(error, AcquireError::Failed(_)),
+                        "{waiter} refused by the pool: {error}"
+                    );
                     let job = self
                         .jobs
                         .iter_mut()

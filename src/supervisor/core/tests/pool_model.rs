@@ -147,7 +147,13 @@ impl PoolWorld {
                         self.leases.insert(key, slots);
                     }
                 }
-                Effect::Refuse { waiter, .. } => {
+                Effect::Refuse { waiter, error } => {
+                    // Only the pool's own refusal fails an acquire here: the core asked it for
+                    // a slot it did not have.
+                    ensure!(
+                        !matches!(error, AcquireError::Failed(_)),
+                        "{waiter} refused by the pool: {error}"
+                    );
                     self.waiting.remove(&waiter);
                 }
                 Effect::Forget { key } => {
@@ -270,6 +276,10 @@ impl PoolWorld {
             c.acquired_total
                 == c.released_total + c.release_failed_total + (f.active + f.quarantined) as u64,
             "the accounting identity broke: {f:?}"
+        );
+        ensure!(
+            c.release_failed_total == 0,
+            "the pool refused a slot given back: {f:?}"
         );
         ensure!(
             f.held_slots == self.core.pool_held(),
