@@ -219,6 +219,18 @@ mod tests {
     }
 
     #[test]
+    fn held_counts_the_slots_taken_and_not_given_back() {
+        let pool = LocalBroker::new(3);
+        assert_eq!(pool.held(), 0);
+        let t: Vec<SlotToken> = (0..2).map(|_| pool.take().unwrap()).collect();
+        assert_eq!(pool.held(), 2);
+        pool.give(t[1]).unwrap();
+        assert_eq!(pool.held(), 1);
+        assert!(pool.give(t[1]).is_err(), "given back twice");
+        assert_eq!(pool.held(), 1);
+    }
+
+    #[test]
     fn a_lowered_pool_never_grants_a_free_slot_above_its_size() {
         let pool = LocalBroker::new(4);
         pool.resize(2);

@@ -1258,6 +1258,22 @@ fn the_in_process_pool_is_never_asked_by_effect_its_slot_is_granted_in_the_step_
         "{effects:?}"
     );
     assert_eq!(core.pool_held(), 1);
+    // Alone, with room: served without passing through the queue (whose aging clock counts
+    // every waiter it serves).
+    assert_eq!(core.served(), 0);
+    core.ask_one_slot_each([2], Want::Lease);
+    let effects = drain(&mut core);
+    assert!(
+        matches!(
+            effects.as_slice(),
+            [Effect::Deliver {
+                waiter: WaiterId(2),
+                ..
+            }]
+        ),
+        "{effects:?}"
+    );
+    assert_eq!((core.served(), core.pool_held()), (0, 2));
 }
 
 #[test]
