@@ -85,6 +85,15 @@ fn ended_job(core: &mut Core, groups: &[ProcessKey]) -> LeaseKey {
     key
 }
 
+/// Asks for a reclaim (control 1) and answers its re-checks: the effects that follow.
+fn reclaim(core: &mut Core, clean: impl Fn(LeaseKey, Proof) -> bool) -> Vec<Effect> {
+    core.apply(Input::Reclaim {
+        control: ControlId(1),
+    });
+    let asked = drain(core);
+    answer_rechecks(core, asked, clean)
+}
+
 /// Answers the re-checks among `effects` (a proof passes when `proven` says so) and returns the
 /// other effects, followed by those the answers led to.
 fn answer_rechecks(
@@ -209,11 +218,7 @@ fn a_temp_dir_removal_that_fails_quarantines_the_slot_and_a_reclaim_retries_it()
         "{early:?}"
     );
     assert_eq!(core.quarantined(), 1);
-    core.apply(Input::Reclaim {
-        control: ControlId(1),
-    });
-    let asked = drain(&mut core);
-    let effects = answer_rechecks(&mut core, asked, |_, _| false);
+    let effects = reclaim(&mut core, |_, _| false);
     assert!(
         effects
             .iter()
@@ -1713,11 +1718,7 @@ fn a_reclaim_does_not_wait_for_a_temp_dir_removal_already_late() {
     });
     drain(&mut core);
     assert_eq!(core.quarantined(), 1);
-    core.apply(Input::Reclaim {
-        control: ControlId(1),
-    });
-    let asked = drain(&mut core);
-    let effects = answer_rechecks(&mut core, asked, |_, _| true);
+    let effects = reclaim(&mut core, |_, _| true);
     assert!(
         effects.iter().any(|e| matches!(e,
             Effect::Reply { reply: Reply::Reclaimed { reclaimed, still }, .. }
@@ -1894,11 +1895,7 @@ fn a_reclaim_on_the_pool_reports_a_slot_its_recheck_freed_in_the_same_step() {
     });
     drain(&mut core);
     assert_eq!(core.quarantined(), 1);
-    core.apply(Input::Reclaim {
-        control: ControlId(1),
-    });
-    let asked = drain(&mut core);
-    let effects = answer_rechecks(&mut core, asked, |_, _| true);
+    let effects = reclaim(&mut core, |_, _| true);
     assert_eq!(core.pool_held(), 0, "released: {effects:?}");
     assert!(
         effects.iter().any(|e| matches!(e,
