@@ -195,9 +195,7 @@ impl Metrics {
         if (c.released_total, c.release_failed_total) != (ok, failed) {
             let (new_ok, new_failed) = (c.released_total - ok, c.release_failed_total - failed);
             self.release_count.increment(new_ok + new_failed);
-            if new_failed > 0 {
-                self.release_failed.increment(new_failed);
-            }
+            self.release_failed.increment(new_failed);
             if self.pool {
                 self.release_ms
                     .record_many(0.0, (new_ok + new_failed) as usize);
