@@ -328,3 +328,49 @@ pub(super) enum ControlReply {
     Waiters(oneshot::Sender<Vec<WaiterInfo>>),
     Reclaim(oneshot::Sender<ReclaimReport>),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::supervisor::core::WaiterId;
+    use crate::supervisor::messages::KeptSpan;
+
+    fn waiter() -> Waiter {
+        let (reply, _) = oneshot::channel();
+        Waiter {
+            kind: WaiterKind::Lease {
+                reply,
+                span: KeptSpan::new(tracing::Span::none()),
+                holder: None,
+            },
+            since: Since::THIS_BATCH,
+        }
+    }
+
+    #[test]
+    fn a_batch_stamps_its_waiters_with_its_one_clock_read_and_the_next_batch_reads_again() {
+        let ms = Duration::from_millis;
+        let mut clock = BatchClock::new();
+        let epoch = clock.epoch;
+        let (w, gone) = (WaiterId(1), WaiterId(2));
+        let mut waiters = FxHashMap::default();
+        waiters.insert(w, waiter());
+        // Both joined in this batch; `gone` was served within it (no longer waiting).
+        clock.fresh.extend([w, gone]);
+        clock.now = Some(epoch + ms(5));
+        assert_eq!(clock.now_nanos(), 5_000_000);
+        clock.end_batch(&mut waiters);
+        assert!(clock.fresh.is_empty());
+        let since = waiters[&w].since;
+        assert!(!since.is_this_batch(), "stamped with its batch's time");
+        // The next batch reads the clock anew: its waits are measured from the stamp.
+        assert_eq!(clock.now, None);
+        clock.now = Some(epoch + ms(12));
+        assert_eq!(since.waited(clock.now_nanos()), ms(7));
+        // And a batch that read no clock stamps nobody with a stale one.
+        clock.end_batch(&mut waiters);
+        assert_eq!(clock.now, None);
+        clock.now = Some(epoch + ms(20));
+        assert_eq!(clock.now_nanos(), 20_000_000);
+    }
+}
