@@ -193,12 +193,12 @@ impl Metrics {
         let c = &figures.counters;
         let (ok, failed) = self.released_counted;
         if (c.released_total, c.release_failed_total) != (ok, failed) {
-            let (new_ok, new_failed) = (c.released_total - ok, c.release_failed_total - failed);
-            self.release_count.increment(new_ok + new_failed);
+            let new_failed = c.release_failed_total - failed;
+            let released = c.released_total - ok + new_failed;
+            self.release_count.increment(released);
             self.release_failed.increment(new_failed);
             if self.pool {
-                self.release_ms
-                    .record_many(0.0, (new_ok + new_failed) as usize);
+                self.release_ms.record_many(0.0, released as usize);
             }
             self.released_counted = (c.released_total, c.release_failed_total);
         }

@@ -214,7 +214,8 @@ impl BatchClock {
             return nanos;
         }
         let elapsed = self.now().saturating_duration_since(self.epoch).as_nanos();
-        let nanos = u64::try_from(elapsed).unwrap_or(u64::MAX - 1);
+        // Past 584 years: as far as 64 bits go (`Since::at` keeps it a time).
+        let nanos = u64::try_from(elapsed).unwrap_or(u64::MAX);
         self.nanos = Some(nanos);
         nanos
     }
