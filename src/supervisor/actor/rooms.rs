@@ -332,9 +332,14 @@ pub(super) enum ControlReply {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::time::Duration;
+
+    use rustc_hash::FxHashMap;
+    use tokio::sync::oneshot;
+
+    use crate::supervisor::actor::rooms::{BatchClock, Since, Waiter};
     use crate::supervisor::core::WaiterId;
-    use crate::supervisor::messages::KeptSpan;
+    use crate::supervisor::messages::{KeptSpan, WaiterKind};
 
     fn waiter() -> Waiter {
         let (reply, _) = oneshot::channel();
