@@ -14,9 +14,9 @@ use super::{AcquireRequest, BrokerError, SlotBroker, SlotToken};
 /// [`BrokerErrorKind::Unavailable`](crate::BrokerErrorKind::Unavailable). `release` refuses a token
 /// that is not held under exactly that lease id.
 ///
-/// A `LocalBroker` given to a supervisor ([`SupervisorBuilder::broker`](crate::SupervisorBuilder::broker))
-/// becomes its own pool, as with [`slots`](crate::SupervisorBuilder::slots): the supervisor takes
-/// it over as it is, and grants and frees its slots in the same step as its own bookkeeping, with
+/// A `LocalBroker` given to a supervisor
+/// ([`SupervisorBuilder::broker`](crate::SupervisorBuilder::broker)) becomes its own pool, as
+/// with [`slots`](crate::SupervisorBuilder::slots): the supervisor takes it over as it is, and grants and frees its slots in the same step as its own bookkeeping, with
 /// no broker call in between. A slot taken from it before then stays held for good (nobody can
 /// give it back once the supervisor owns the pool) and counts against the capacity: give the
 /// supervisor a pool with every slot free.

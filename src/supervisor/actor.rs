@@ -7,9 +7,9 @@
 //! the shell does). Its turn awaits nothing: every call into code leasehold did not write goes
 //! through `crate::outside` (a broker future gets one inline poll under `catch_unwind`, and
 //! otherwise it runs in a caught, bounded task that reports back by message; the in-process pool
-//! is not called here at all: the core owns it); temp dirs are made by the worker and removed by a task of their own
-//! when the core asks; GPU fences run in the driver and the devices are closed on a thread of
-//! their own; a job's driver task spawns its worker.
+//! is not called here at all: the core owns it); temp dirs are made by the worker and removed
+//! by a task of their own when the core asks; GPU fences run in the driver and the devices are
+//! closed on a thread of their own; a job's driver task spawns its worker.
 //!
 //! This file is the shell itself: the actor's handlers, each message turned into an input, and
 //! the dispatch of each effect to the room that performs it. The rooms own their state and

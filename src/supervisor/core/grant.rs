@@ -120,8 +120,8 @@ impl Core {
     /// What it keeps: FIFO (nobody is ahead), the capacity and retirement checks (the same
     /// [`Core::placeable`] as `admit`'s), the record and its tally (the same `deliver`). The
     /// aging clock counts waiters served from the queue: with nobody queued, no deadline is
-    /// measured against it, so this grant leaves it as it is. Whether it served the caller; if not, the
-    /// caller is queued as any other, and a slot already taken is in hand for `admit`.
+    /// measured against it, so this grant leaves it as it is. Whether it served the caller; if
+    /// not, the caller is queued as any other, and a slot already taken is in hand for `admit`.
     fn grant_at_once(&mut self, waiter: WaiterId, ask: Ask) -> bool {
         let a = &self.admission;
         let alone = a.queue.len() == 0 && a.gather.is_none() && a.tries.is_empty();

@@ -359,10 +359,13 @@ impl Core {
 
     /// One token of the lease given back to the supervisor's own pool, answered at once.
     fn give_to_pool(&mut self, key: LeaseKey, token: SlotToken) {
-        let given = match self.admission.pool.as_mut() {
-            Some(pool) => pool.give(token),
-            None => return,
+        let Some(pool) = self.admission.pool.as_mut() else {
+            // As `take_from_pool`: a defect, reported, never a panic in the supervisor's turn.
+            return self.fx.illegal(format_args!(
+                "{token} of lease {key} given back to a pool this core does not own"
+            ));
         };
+        let given = pool.give(token);
         self.released(key, given.map_err(|e| CleanupError::broker(token, e)));
     }
 
