@@ -313,15 +313,19 @@ impl Shell {
                         WaiterKind::Job(_) => Want::Job,
                     }
                 );
-                self.kept.waiters.insert(
+                self.kept.arrive(
                     waiter,
                     Waiter {
                         kind,
                         since: Since::THIS_BATCH,
                     },
                 );
-                self.batch_clock.fresh.push(waiter);
-                Input::Enqueue { waiter, ask }
+                self.apply(Input::Enqueue { waiter, ask });
+                // Still waiting: stamped with the batch's time when it ends.
+                if let Some(waiter) = self.kept.settle_arrival() {
+                    self.batch_clock.fresh.push(waiter);
+                }
+                return;
             }
             SupMsg::Control(control) => self.control_input(control),
             SupMsg::HeldTick => {
@@ -471,7 +475,7 @@ impl Shell {
                 let kept = &self.kept;
                 let job_id = || {
                     for_waiter
-                        .and_then(|w| kept.waiters.get(&w))
+                        .and_then(|w| kept.waiter(w))
                         .and_then(|w| match &w.kind {
                             WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
                             WaiterKind::Lease { .. } => None,
@@ -574,7 +578,7 @@ impl Shell {
         token: SlotToken,
         more: Box<[SlotToken]>,
     ) {
-        let Some(Waiter { kind, since }) = self.kept.waiters.remove(&waiter) else {
+        let Some(Waiter { kind, since }) = self.kept.take_waiter(waiter) else {
             tracing::error!(%waiter, "a grant for a waiter the shell does not know");
             return self.core.apply(Input::Undelivered { key });
         };
@@ -626,7 +630,7 @@ impl Shell {
 
     /// A caller that gets no slot hears why with this turn's other answers (see [`Outgoing`]).
     fn refuse(&mut self, waiter: WaiterId, error: AcquireError) {
-        let Some(Waiter { kind, .. }) = self.kept.waiters.remove(&waiter) else {
+        let Some(Waiter { kind, .. }) = self.kept.take_waiter(waiter) else {
             return;
         };
         let span = match &kind {
@@ -734,7 +738,7 @@ impl Shell {
                 let list: Vec<WaiterInfo> = entries
                     .iter()
                     .map(|e| {
-                        let waiter = self.kept.waiters.get(&e.waiter);
+                        let waiter = self.kept.waiter(e.waiter);
                         WaiterInfo {
                             job_id: waiter.and_then(|w| match &w.kind {
                                 WaiterKind::Job(job) => Some(Arc::clone(&job.job_id)),
@@ -803,7 +807,9 @@ impl Shell {
         }
         self.brokerage.abort_all();
         // Waiters still queued hear SUPERVISOR_STOPPED when their reply senders drop (with
-        // their jobs' closures, off this task).
+        // their jobs' closures, off this task): also one whose request was being applied when
+        // the turn was cut short.
+        self.kept.settle_arrival();
         if !self.kept.waiters.is_empty() {
             let waiters = self.kept.waiters.drain().map(|(_, w)| w);
             drops.push(("the jobs still queued", ending::each(waiters)));
@@ -837,21 +843,13 @@ impl Shell {
     pub(super) fn send_answers(&mut self) -> bool {
         let mut undelivered = false;
         // Grants first: the next waiter has its slot before the job that freed it is answered.
-        let mut grants = mem::take(&mut self.answers.grants);
-        for Grant { key, reply, lease } in grants.drain(..) {
-            // Each answer wakes its caller: counted here, where it is sent, so that the
-            // caller's future carries nothing for it.
-            crate::counters::poll();
-            if let Err(Ok(lease)) = reply.send(Ok(lease)) {
-                // The caller left before the hand-over: nobody saw it. Its tokens go back in
-                // hand (to the next waiter), in another pass of the turn.
-                lease.defuse();
-                self.kept.explicit.remove(&key);
-                self.core.apply(Input::Undelivered { key });
-                undelivered = true;
-            }
+        // (A turn usually has answers of one kind only: the other list is not walked.)
+        if !self.answers.grants.is_empty() {
+            undelivered = self.send_grants();
         }
-        self.answers.grants = grants;
+        if self.answers.outbox.is_empty() {
+            return undelivered;
+        }
         // Taken and put back: the vector keeps its capacity (no allocation per answer).
         let mut outbox = mem::take(&mut self.answers.outbox);
         for answer in outbox.drain(..) {
@@ -898,8 +896,36 @@ impl Shell {
         undelivered
     }
 
+    /// Hands over the explicit leases granted in this turn; whether a caller had left (its
+    /// lease went back to the core).
+    fn send_grants(&mut self) -> bool {
+        let mut undelivered = false;
+        let mut grants = mem::take(&mut self.answers.grants);
+        for Grant { key, reply, lease } in grants.drain(..) {
+            // Each answer wakes its caller: counted here, where it is sent, so that the
+            // caller's future carries nothing for it.
+            crate::counters::poll();
+            if let Err(Ok(lease)) = reply.send(Ok(lease)) {
+                // The caller left before the hand-over: nobody saw it. Its tokens go back in
+                // hand (to the next waiter), in another pass of the turn.
+                lease.defuse();
+                self.kept.explicit.remove(&key);
+                self.core.apply(Input::Undelivered { key });
+                undelivered = true;
+            }
+        }
+        self.answers.grants = grants;
+        undelivered
+    }
+
     fn forget(&mut self, key: LeaseKey) {
-        if let Some(job) = self.jobs.running.remove(&key) {
+        // A map is looked in only when it holds something: an explicit lease's end skips the
+        // jobs' map when no job runs, and a job's end the explicit leases'.
+        let job = match self.jobs.running.is_empty() {
+            true => None,
+            false => self.jobs.running.remove(&key),
+        };
+        if let Some(job) = job {
             #[cfg(feature = "gpu")]
             if let (Some(gpu), Some(p)) = (&self.config.hosts.gpu, job.placement) {
                 // Every proof is in (the fence among them): the sub-slot may serve again.
@@ -907,7 +933,9 @@ impl Shell {
             }
             drop(job);
         }
-        self.kept.explicit.remove(&key);
+        if !self.kept.explicit.is_empty() {
+            self.kept.explicit.remove(&key);
+        }
         self.brokerage.stop_renewal(key);
         if !self.kept.evidence.is_empty() {
             self.kept.evidence.retain(|(k, _), _| *k != key);

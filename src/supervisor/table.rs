@@ -227,19 +227,28 @@ impl LeaseTable {
         match self.rows.entry(key) {
             Entry::Occupied(mut row) => row.get_mut().refresh(lease, extra.pid),
             Entry::Vacant(slot) => {
+                let kind = match lease.holder {
+                    Holder::Job => LeaseKind::Job,
+                    _ => LeaseKind::Explicit,
+                };
+                // Each look-up only where it can find something: a job's id, an explicit
+                // lease's holder.
                 let mut row = Row {
-                    job_id: (extra.job_id)(),
-                    priority: lease.priority,
-                    kind: match lease.holder {
-                        Holder::Job => LeaseKind::Job,
-                        _ => LeaseKind::Explicit,
+                    job_id: match kind {
+                        LeaseKind::Job => (extra.job_id)(),
+                        LeaseKind::Explicit => None,
                     },
+                    priority: lease.priority,
+                    kind,
                     phase: LeasePhase::Running,
                     token: lease.token,
                     more: lease.more.clone(),
                     waiting_for: Vec::new(),
                     device: None,
-                    holder: (extra.holder)(),
+                    holder: match kind {
+                        LeaseKind::Job => None,
+                        LeaseKind::Explicit => (extra.holder)(),
+                    },
                     granted_at: now(),
                     warned: false,
                 };

@@ -152,6 +152,10 @@ impl Brokerage {
 
     /// Stops a lease's renewal.
     pub(super) fn stop_renewal(&mut self, key: LeaseKey) {
+        // The pool's leases are never renewed: no look-up in an empty map on their release.
+        if self.renewals.is_empty() {
+            return;
+        }
         if let Some(task) = self.renewals.remove(&key) {
             task.abort();
         }

@@ -30,7 +30,14 @@ pub(super) const BATCH_KEEP: usize = 64;
 /// re-check and the pids to show.
 #[derive(Default)]
 pub(super) struct Kept {
+    /// The callers waiting for a grant, by id (see [`arriving`](Self::arriving) for the one
+    /// whose request is being applied).
     pub(super) waiters: FxHashMap<WaiterId, Waiter>,
+    /// The caller whose request is being applied, until its effects are performed: one served
+    /// at once (the common case when slots are free) never enters `waiters`. Only
+    /// [`Kept::arrive`], [`Kept::take_waiter`], [`Kept::waiter`] and [`Kept::settle_arrival`]
+    /// touch it; it is empty between messages.
+    arriving: Option<(WaiterId, Waiter)>,
     pub(super) explicit: FxHashMap<LeaseKey, Explicit>,
     pub(super) evidence: FxHashMap<(LeaseKey, ProcessKey), Box<dyn Evidence>>,
     /// Leader pid of each process group a live job started, by process key.
@@ -41,6 +48,37 @@ impl Kept {
     /// How many callers and explicit leases it holds.
     pub(super) fn load(&self) -> usize {
         self.waiters.len() + self.explicit.len()
+    }
+
+    /// Keeps a caller whose request is about to be applied (see [`arriving`](Self::arriving)).
+    pub(super) fn arrive(&mut self, waiter: WaiterId, kept: Waiter) {
+        debug_assert!(self.arriving.is_none(), "one request is applied at a time");
+        self.settle_arrival();
+        self.arriving = Some((waiter, kept));
+    }
+
+    /// The request has been applied and its effects performed: a caller not served yet joins
+    /// the others. Whether one did.
+    pub(super) fn settle_arrival(&mut self) -> Option<WaiterId> {
+        let (waiter, kept) = self.arriving.take()?;
+        self.waiters.insert(waiter, kept);
+        Some(waiter)
+    }
+
+    /// Takes a waiting caller out (it is served or refused).
+    pub(super) fn take_waiter(&mut self, waiter: WaiterId) -> Option<Waiter> {
+        match &self.arriving {
+            Some((id, _)) if *id == waiter => self.arriving.take().map(|(_, kept)| kept),
+            _ => self.waiters.remove(&waiter),
+        }
+    }
+
+    /// A waiting caller.
+    pub(super) fn waiter(&self, waiter: WaiterId) -> Option<&Waiter> {
+        match &self.arriving {
+            Some((id, kept)) if *id == waiter => Some(kept),
+            _ => self.waiters.get(&waiter),
+        }
     }
 
     pub(super) fn shrink(&mut self) {

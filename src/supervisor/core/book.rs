@@ -168,7 +168,13 @@ impl Book {
     /// Moves the keys of the leases touched since the last call into `into` (sorted, once
     /// each).
     pub(crate) fn take_touched(&mut self, into: &mut Vec<LeaseKey>) {
-        into.append(&mut self.touched);
+        if into.is_empty() {
+            // The usual case (the shell hands back an emptied vector): the two vectors trade
+            // places, and no key is copied.
+            std::mem::swap(into, &mut self.touched);
+        } else {
+            into.append(&mut self.touched);
+        }
         if into.len() > 1 {
             into.sort_unstable();
             into.dedup();
@@ -240,6 +246,9 @@ impl Book {
         shrink_map(&mut self.records);
         shrink_map(&mut self.by_slot);
         shrink_map(&mut self.by_lease_id);
+        // It trades places with the shell's vector (see `take_touched`): either may have held a
+        // flood's keys.
+        self.touched.shrink_to(64);
     }
 }
 
