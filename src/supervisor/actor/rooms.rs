@@ -45,15 +45,17 @@ pub(super) struct Kept {
 }
 
 impl Kept {
-    /// How many callers and explicit leases it holds.
+    /// How many callers and explicit leases it holds (read between messages, when no caller
+    /// is arriving).
     pub(super) fn load(&self) -> usize {
         self.waiters.len() + self.explicit.len()
     }
 
     /// Keeps a caller whose request is about to be applied (see [`arriving`](Self::arriving)).
+    /// One request is applied at a time, and [`settle_arrival`](Self::settle_arrival) follows
+    /// each: the slot is empty here.
     pub(super) fn arrive(&mut self, waiter: WaiterId, kept: Waiter) {
         debug_assert!(self.arriving.is_none(), "one request is applied at a time");
-        self.settle_arrival();
         self.arriving = Some((waiter, kept));
     }
 
@@ -141,7 +143,8 @@ pub(super) struct Publisher {
     pub(super) metrics: Metrics,
     /// The live lease table (this actor is its only writer).
     pub(super) table: Arc<LeaseTable>,
-    /// Leases whose row is brought up to date at the next publication (kept for its capacity).
+    /// Leases whose row is brought up to date at the next publication (kept for its capacity,
+    /// which it trades with the core's list at each publication).
     pub(super) touched: Vec<LeaseKey>,
 }
 
@@ -375,7 +378,7 @@ mod tests {
     use rustc_hash::FxHashMap;
     use tokio::sync::oneshot;
 
-    use crate::supervisor::actor::rooms::{BatchClock, Since, Waiter};
+    use crate::supervisor::actor::rooms::{BatchClock, Kept, Since, Waiter};
     use crate::supervisor::core::WaiterId;
     use crate::supervisor::messages::{KeptSpan, WaiterKind};
 
@@ -389,6 +392,28 @@ mod tests {
             },
             since: Since::THIS_BATCH,
         }
+    }
+
+    #[test]
+    fn a_caller_served_while_arriving_never_enters_the_map_and_one_still_waiting_does() {
+        let mut kept = Kept::default();
+        let (served, waiting) = (WaiterId(1), WaiterId(2));
+        // Served within its own request's effects: found there, and gone after.
+        kept.arrive(served, waiter());
+        assert!(kept.waiter(served).is_some());
+        assert!(kept.take_waiter(served).is_some());
+        assert_eq!(kept.settle_arrival(), None);
+        assert!(kept.waiters.is_empty());
+        // Still waiting once its effects are performed: it joins the map, and is found there.
+        kept.arrive(waiting, waiter());
+        assert!(kept.waiter(served).is_none());
+        assert_eq!(kept.settle_arrival(), Some(waiting));
+        assert!(kept.waiters.contains_key(&waiting));
+        assert!(kept.waiter(waiting).is_some());
+        assert_eq!(kept.settle_arrival(), None);
+        assert!(kept.take_waiter(waiting).is_some());
+        assert!(kept.take_waiter(waiting).is_none());
+        assert_eq!(kept.load(), 0);
     }
 
     #[test]

@@ -247,7 +247,7 @@ impl Book {
         shrink_map(&mut self.by_slot);
         shrink_map(&mut self.by_lease_id);
         // It trades places with the shell's vector (see `take_touched`): either may have held a
-        // flood's keys.
+        // flood's keys. (As many as the shell keeps of its own turn vectors.)
         self.touched.shrink_to(64);
     }
 }
