@@ -301,6 +301,11 @@ impl Shell {
     fn publish(&mut self) {
         self.publisher
             .publish(&mut self.core, &self.kept, &self.jobs);
+        #[cfg(test)]
+        self.publisher.stats.shell_entries.store(
+            (self.kept.load() + self.jobs.running.len() + self.brokerage.renewing()) as u64,
+            Ordering::Relaxed,
+        );
     }
 
     fn on_message(&mut self, msg: SupMsg) {

@@ -11,6 +11,8 @@ mod handle;
 pub(crate) mod inbox;
 mod job_handle;
 #[cfg(test)]
+mod keep_tests;
+#[cfg(test)]
 mod link_tests;
 pub(crate) mod messages;
 mod reporter;

@@ -72,6 +72,10 @@ pub(crate) struct SharedStats {
     /// Supervision events the actor received (tests: a worker sends none).
     #[cfg(test)]
     pub(crate) supervision_events: AtomicU64,
+    /// What the shell keeps per caller and per lease (waiters, explicit leases, running jobs,
+    /// renewals), as of the last publication (tests: nothing is left once all have ended).
+    #[cfg(test)]
+    pub(crate) shell_entries: AtomicU64,
 }
 
 /// What the actor last stored into [`SharedStats`] (owned by the actor, their only writer), so

@@ -897,3 +897,94 @@ async fn a_broker_that_needs_no_renewal_is_never_asked_to_keep_a_lease_alive() {
     assert_eq!(broker.keep_alives.load(Ordering::SeqCst), 0);
     assert_eq!(broker.pool.held(), 0);
 }
+
+/// A broker whose leases lapse unless renewed: each renewal runs until the supervisor drops it,
+/// and says so when it is dropped.
+struct Renewing {
+    pool: LocalBroker,
+    /// Renewals asked for, and renewals dropped.
+    started: AtomicU64,
+    dropped: Arc<tokio::sync::Notify>,
+    ended: Arc<AtomicU64>,
+}
+
+/// Dropped with its renewal's future.
+struct RenewalEnds {
+    ended: Arc<AtomicU64>,
+    dropped: Arc<tokio::sync::Notify>,
+}
+
+impl Drop for RenewalEnds {
+    fn drop(&mut self) {
+        self.ended.fetch_add(1, Ordering::SeqCst);
+        self.dropped.notify_one();
+    }
+}
+
+impl SlotBroker for Renewing {
+    async fn acquire(&self, request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+        self.pool.acquire(request).await
+    }
+
+    async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
+        self.pool.release(token).await
+    }
+
+    fn renews(&self) -> bool {
+        true
+    }
+
+    fn keep_alive(&self, _token: SlotToken) -> impl Future<Output = BrokerError> + Send {
+        self.started.fetch_add(1, Ordering::SeqCst);
+        let ends = RenewalEnds {
+            ended: Arc::clone(&self.ended),
+            dropped: Arc::clone(&self.dropped),
+        };
+        async move {
+            let _ends = ends;
+            std::future::pending().await
+        }
+    }
+}
+
+/// A lease's renewal ends with the lease: once a `release` or a `run` has answered, the
+/// renewal it started is stopped (its future dropped), before the supervisor's shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leases_renewal_is_stopped_when_the_lease_ends() {
+    let broker = Arc::new(Renewing {
+        pool: LocalBroker::new(2),
+        started: AtomicU64::new(0),
+        dropped: Arc::new(tokio::sync::Notify::new()),
+        ended: Arc::new(AtomicU64::new(0)),
+    });
+    let sup = Supervisor::builder()
+        .broker(Arc::clone(&broker))
+        .start()
+        .await
+        .unwrap();
+    let ended = |n: u64| {
+        let broker = Arc::clone(&broker);
+        async move {
+            while broker.ended.load(Ordering::SeqCst) < n {
+                broker.dropped.notified().await;
+            }
+        }
+    };
+    // An explicit lease, with another held beside it (the renewals' map is not empty when the
+    // first ends).
+    let mut held = sup.acquire().await.unwrap();
+    let mut lease = sup.acquire().await.unwrap();
+    lease.release().await.unwrap();
+    guarded("the released lease's renewal to stop", ended(1)).await;
+    sup.run(JobSpec::new("renewed").unwrap(), |_ctx| async {
+        Ok::<_, Infallible>(())
+    })
+    .await
+    .unwrap();
+    guarded("the job's renewal to stop", ended(2)).await;
+    held.release().await.unwrap();
+    guarded("the last renewal to stop", ended(3)).await;
+    assert_eq!(broker.started.load(Ordering::SeqCst), 3);
+    sup.shutdown().await.unwrap();
+    assert_eq!(broker.pool.held(), 0);
+}

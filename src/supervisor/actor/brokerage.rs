@@ -151,6 +151,12 @@ impl Brokerage {
     }
 
     /// Stops a lease's renewal.
+    /// How many leases are being renewed (tests).
+    #[cfg(test)]
+    pub(super) fn renewing(&self) -> usize {
+        self.renewals.len()
+    }
+
     pub(super) fn stop_renewal(&mut self, key: LeaseKey) {
         // The pool's leases are never renewed: no look-up in an empty map on their release.
         if self.renewals.is_empty() {
