@@ -899,25 +899,38 @@ async fn a_broker_that_needs_no_renewal_is_never_asked_to_keep_a_lease_alive() {
 }
 
 /// A broker whose leases lapse unless renewed: each renewal runs until the supervisor drops it,
-/// and says so when it is dropped.
+/// and says when it starts and when it is dropped.
 struct Renewing {
     pool: LocalBroker,
-    /// Renewals asked for, and renewals dropped.
-    started: AtomicU64,
-    dropped: Arc<tokio::sync::Notify>,
+    started: Arc<AtomicU64>,
     ended: Arc<AtomicU64>,
+    /// Rung at each start and each drop.
+    changed: Arc<tokio::sync::Notify>,
+}
+
+impl Renewing {
+    /// Waits until `count` reaches `n` (rung by each renewal's start and drop).
+    async fn reaches(&self, count: &AtomicU64, n: u64) {
+        loop {
+            let changed = self.changed.notified();
+            if count.load(Ordering::SeqCst) >= n {
+                return;
+            }
+            changed.await;
+        }
+    }
 }
 
 /// Dropped with its renewal's future.
 struct RenewalEnds {
     ended: Arc<AtomicU64>,
-    dropped: Arc<tokio::sync::Notify>,
+    changed: Arc<tokio::sync::Notify>,
 }
 
 impl Drop for RenewalEnds {
     fn drop(&mut self) {
         self.ended.fetch_add(1, Ordering::SeqCst);
-        self.dropped.notify_one();
+        self.changed.notify_waiters();
     }
 }
 
@@ -935,11 +948,12 @@ impl SlotBroker for Renewing {
     }
 
     fn keep_alive(&self, _token: SlotToken) -> impl Future<Output = BrokerError> + Send {
-        self.started.fetch_add(1, Ordering::SeqCst);
         let ends = RenewalEnds {
             ended: Arc::clone(&self.ended),
-            dropped: Arc::clone(&self.dropped),
+            changed: Arc::clone(&self.changed),
         };
+        self.started.fetch_add(1, Ordering::SeqCst);
+        self.changed.notify_waiters();
         async move {
             let _ends = ends;
             std::future::pending().await
@@ -948,43 +962,47 @@ impl SlotBroker for Renewing {
 }
 
 /// A lease's renewal ends with the lease: once a `release` or a `run` has answered, the
-/// renewal it started is stopped (its future dropped), before the supervisor's shutdown.
+/// renewal it started is stopped (its future dropped), before the supervisor's shutdown. Each
+/// lease ends only once its renewal has started (a renewal aborted before its first poll
+/// never calls `keep_alive`, and there would be nothing to see dropped).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leases_renewal_is_stopped_when_the_lease_ends() {
     let broker = Arc::new(Renewing {
         pool: LocalBroker::new(2),
-        started: AtomicU64::new(0),
-        dropped: Arc::new(tokio::sync::Notify::new()),
+        started: Arc::new(AtomicU64::new(0)),
         ended: Arc::new(AtomicU64::new(0)),
+        changed: Arc::new(tokio::sync::Notify::new()),
     });
     let sup = Supervisor::builder()
         .broker(Arc::clone(&broker))
         .start()
         .await
         .unwrap();
-    let ended = |n: u64| {
-        let broker = Arc::clone(&broker);
-        async move {
-            while broker.ended.load(Ordering::SeqCst) < n {
-                broker.dropped.notified().await;
-            }
-        }
-    };
+    let b = &broker;
     // An explicit lease, with another held beside it (the renewals' map is not empty when the
-    // first ends).
+    // second ends).
     let mut held = sup.acquire().await.unwrap();
+    guarded("the first renewal to start", b.reaches(&b.started, 1)).await;
     let mut lease = sup.acquire().await.unwrap();
+    guarded("the second renewal to start", b.reaches(&b.started, 2)).await;
     lease.release().await.unwrap();
-    guarded("the released lease's renewal to stop", ended(1)).await;
-    sup.run(JobSpec::new("renewed").unwrap(), |_ctx| async {
+    guarded(
+        "the released lease's renewal to stop",
+        b.reaches(&b.ended, 1),
+    )
+    .await;
+    let job_broker = Arc::clone(&broker);
+    sup.run(JobSpec::new("renewed").unwrap(), move |_ctx| async move {
+        let b = &job_broker;
+        guarded("the job's renewal to start", b.reaches(&b.started, 3)).await;
         Ok::<_, Infallible>(())
     })
     .await
     .unwrap();
-    guarded("the job's renewal to stop", ended(2)).await;
+    guarded("the job's renewal to stop", b.reaches(&b.ended, 2)).await;
     held.release().await.unwrap();
-    guarded("the last renewal to stop", ended(3)).await;
-    assert_eq!(broker.started.load(Ordering::SeqCst), 3);
+    guarded("the last renewal to stop", b.reaches(&b.ended, 3)).await;
+    assert_eq!(b.started.load(Ordering::SeqCst), 3);
     sup.shutdown().await.unwrap();
     assert_eq!(broker.pool.held(), 0);
 }
