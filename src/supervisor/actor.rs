@@ -56,7 +56,7 @@ use ending::EndState;
 use jobs::{JobStart, Jobs};
 use rooms::{
     Answers, BATCH_KEEP, BatchClock, ControlReply, Explicit, Grant, Kept, Outgoing, Publisher,
-    Replies, Since, Waiter,
+    Replies, Since, Waiter, take_from,
 };
 
 pub(crate) struct SupervisorActor;
@@ -924,13 +924,7 @@ impl Shell {
     }
 
     fn forget(&mut self, key: LeaseKey) {
-        // A map is looked in only when it holds something: an explicit lease's end skips the
-        // jobs' map when no job runs, and a job's end the explicit leases'.
-        let job = match self.jobs.running.is_empty() {
-            true => None,
-            false => self.jobs.running.remove(&key),
-        };
-        if let Some(job) = job {
+        if let Some(job) = take_from(&mut self.jobs.running, &key) {
             #[cfg(feature = "gpu")]
             if let (Some(gpu), Some(p)) = (&self.config.hosts.gpu, job.placement) {
                 // Every proof is in (the fence among them): the sub-slot may serve again.
@@ -938,9 +932,7 @@ impl Shell {
             }
             drop(job);
         }
-        if !self.kept.explicit.is_empty() {
-            self.kept.explicit.remove(&key);
-        }
+        take_from(&mut self.kept.explicit, &key);
         self.brokerage.stop_renewal(key);
         if !self.kept.evidence.is_empty() {
             self.kept.evidence.retain(|(k, _), _| *k != key);

@@ -18,6 +18,8 @@ use crate::supervisor::core::{Input, LeaseKey, RequestId, shrink_map as shrink};
 use crate::supervisor::inbox::Inbox;
 use crate::supervisor::messages::SupMsg;
 
+use super::rooms::take_from;
+
 /// Where tokens come from: the supervisor's own pool, which the core owns (the shell never
 /// calls it), or any other broker, called through its object-safe face.
 #[derive(Clone)]
@@ -150,19 +152,15 @@ impl Brokerage {
         self.renewals.insert(key, task);
     }
 
-    /// Stops a lease's renewal.
     /// How many leases are being renewed (tests).
     #[cfg(test)]
     pub(super) fn renewing(&self) -> usize {
         self.renewals.len()
     }
 
+    /// Stops a lease's renewal.
     pub(super) fn stop_renewal(&mut self, key: LeaseKey) {
-        // The pool's leases are never renewed: no look-up in an empty map on their release.
-        if self.renewals.is_empty() {
-            return;
-        }
-        if let Some(task) = self.renewals.remove(&key) {
+        if let Some(task) = take_from(&mut self.renewals, &key) {
             task.abort();
         }
     }

@@ -21,6 +21,19 @@ use crate::supervisor::reports::{QuarantinedSlot, ReclaimReport, ShutdownReport,
 use crate::supervisor::stats::{Metrics, Published, SharedStats};
 use crate::supervisor::table::{Extra, LeaseTable};
 
+/// Takes `key` out of `map`, looking only when the map holds something: a lease's end clears
+/// its entry from several maps, most of them empty on the hot path (no job runs beside an
+/// explicit lease, the pool renews nothing).
+pub(super) fn take_from<K: Eq + std::hash::Hash, V>(
+    map: &mut FxHashMap<K, V>,
+    key: &K,
+) -> Option<V> {
+    if map.is_empty() {
+        return None;
+    }
+    map.remove(key)
+}
+
 /// The most slots the turn's vectors (the batch, the answers, the touched rows) keep between
 /// drains.
 pub(super) const BATCH_KEEP: usize = 64;
