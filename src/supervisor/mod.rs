@@ -19,6 +19,8 @@ mod reporter;
 mod reports;
 #[cfg(test)]
 mod sim_tests;
+#[cfg(all(test, feature = "gpu"))]
+mod turn_drop_tests;
 mod state;
 mod stats;
 mod table;

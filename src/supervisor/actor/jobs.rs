@@ -167,6 +167,9 @@ impl Jobs {
             Some(gpu) => match gpu.place() {
                 Some(p) => Some(p),
                 None => {
+                    // The body never runs: it is the user's value, dropped off the turn like
+                    // every closure that never ran (invariant 9).
+                    crate::outside::dispose_off_turn(body);
                     return self.not_started(key, job_id, shared, reply, PrepareError::NoGpuSlot);
                 }
             },
