@@ -613,12 +613,22 @@ impl Shell {
                 self.answers.grants.push(Grant { key, reply, lease });
             }
             WaiterKind::Job(job) => {
-                // A grant racing with the caller's cancellation: the caller has left.
-                if job.shared.cancel.is_cancelled() || job.reply.is_closed() {
-                    let PendingJob { reply, body, .. } = *job;
-                    let _ = reply.send(RunOutcome::NotGranted(Box::new(AcquireError::Cancelled)));
-                    // The job's closure is the user's: never dropped in the supervisor's turn.
-                    outside::dispose_off_turn(body);
+                // A grant racing with the caller's cancellation (the caller has left), or
+                // reaching a job past its acquire timeout that nobody withdrew (its caller does
+                // not watch the clock): refused, answered with the turn's other answers, and
+                // the slot goes on.
+                let refused = if job.shared.cancel.is_cancelled() || job.reply.is_closed() {
+                    Some(AcquireError::Cancelled)
+                } else {
+                    job.deadline
+                        .filter(|(when, _)| tokio::time::Instant::now() >= *when)
+                        .map(|(_, after)| AcquireError::TimedOut { after })
+                };
+                if let Some(error) = refused {
+                    self.answers.outbox.push(Outgoing::Refused {
+                        kind: WaiterKind::Job(job),
+                        error,
+                    });
                     return self.core.apply(Input::Undelivered { key });
                 }
                 self.record_grant(job.span.get(), since, token, 1 + more.len());

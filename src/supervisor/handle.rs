@@ -460,12 +460,17 @@ impl Supervisor {
         );
         let waiter = self.next_waiter();
         let (tx, rx) = oneshot::channel();
+        let deadline = self
+            .inner
+            .acquire_timeout
+            .map(|t| tokio::time::Instant::now() + t);
         let pending = PendingJob {
             job_id: Arc::from(job_id),
             shared: Arc::clone(&shared),
             body: boxed,
             reply: tx,
             span: KeptSpan::new(span),
+            deadline: deadline.zip(self.inner.acquire_timeout),
         };
         let msg = SupMsg::Acquire {
             waiter,
@@ -490,10 +495,7 @@ impl Supervisor {
             shared,
             body: body_rx,
             cancel,
-            deadline: self
-                .inner
-                .acquire_timeout
-                .map(|t| tokio::time::Instant::now() + t),
+            deadline,
         })
     }
 
@@ -807,7 +809,9 @@ impl Supervisor {
     /// # Errors
     ///
     /// The job's [`JobError`] when the actor never started: no slot (an acquire code, or
-    /// `SUPERVISOR_STOPPED`), or its arguments closure or `pre_start` failed
+    /// `SUPERVISOR_STOPPED`; `LEASE_ACQUIRE_TIMEOUT` once the acquire timeout passes, and
+    /// `LEASE_ACQUIRE_CANCELLED` once the job's token is cancelled, while the future waits),
+    /// or its arguments closure or `pre_start` failed
     /// (`LEASE_BODY_FAILED`, or `LEASE_BODY_PANICKED` for a panic, with
     /// [`ActorJobError::StartFailed`]), returned after its slot has gone through the pipeline.
     ///
@@ -878,7 +882,16 @@ impl Supervisor {
             crate::actor_job::host(actor, args, started_tx, grace, ctx)
         });
         async move {
-            match started_rx.await {
+            // Nobody polls the handle while the actor is awaited: a cancellation or the acquire
+            // timeout withdraws the job here, and the start is still awaited (a grant that won
+            // the race is never lost; a job refused drops its closure, and `started_tx` with it).
+            let mut started_rx = started_rx;
+            let started = tokio::select! {
+                biased;
+                started = &mut started_rx => started,
+                () = handle.withdraw_when_due() => started_rx.await,
+            };
+            match started {
                 Ok(actor) => Ok((actor, handle)),
                 // The actor never started: the job's result says why, after its pipeline.
                 Err(_) => match handle.join().await {

@@ -142,7 +142,8 @@ impl<T, E> JobHandle<T, E> {
 
     /// Lets the job run to its end even though the handle is dropped (its result is then
     /// discarded; a cleanup failure goes to the error sink). The supervisor stays up until the
-    /// job has ended.
+    /// job has ended. A job still waiting for a slot leaves the queue at its acquire timeout,
+    /// or when its token is cancelled, as an awaited one does.
     pub fn detach(mut self)
     where
         T: Send + 'static,
@@ -155,6 +156,29 @@ impl<T, E> JobHandle<T, E> {
             // An answer already read: dropping the handle reports a cleanup failure in it.
             ready => *state = ready,
         }
+    }
+
+    /// Resolves once the job should leave the queue (cancelled, or past its acquire timeout),
+    /// having asked the supervisor to take it out (ignored if it was granted meanwhile);
+    /// never, once its answer is in. For a caller that awaits something other than the handle
+    /// (`spawn_job` awaits its actor's start).
+    pub(crate) async fn withdraw_when_due(&self) {
+        let deadline = match &*self.state.lock() {
+            State::Waiting(job) => job.deadline,
+            _ => None,
+        };
+        let timeout = async {
+            match deadline {
+                Some(deadline) => tokio::time::sleep_until(deadline).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = timeout => {}
+            () = self.cancel.cancelled() => {}
+        }
+        let mut state = self.state.lock();
+        self.look(&mut state);
     }
 
     /// Waits for the result (for async code that holds a handle).

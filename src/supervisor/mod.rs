@@ -19,11 +19,11 @@ mod reporter;
 mod reports;
 #[cfg(test)]
 mod sim_tests;
-#[cfg(all(test, feature = "gpu"))]
-mod turn_drop_tests;
 mod state;
 mod stats;
 mod table;
+#[cfg(all(test, feature = "gpu"))]
+mod turn_drop_tests;
 mod waiting;
 
 pub use builder::SupervisorBuilder;

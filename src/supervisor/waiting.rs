@@ -81,9 +81,10 @@ impl<T, E> Submitted<T, E> {
     }
 
     /// Lets the job run to its end with nobody holding it: a task (on the supervisor's
-    /// runtime) keeps the supervisor up until the answer comes, and reports a cleanup failure
-    /// in it.
-    pub(crate) fn detach(self, job_id: String)
+    /// runtime) keeps the supervisor up until the answer comes, withdraws the job from the
+    /// queue when it is cancelled or its acquire timeout passes (as [`wait`](Self::wait)
+    /// does), and reports a cleanup failure in the answer.
+    pub(crate) fn detach(mut self, job_id: String)
     where
         T: Send + 'static,
         E: Send + 'static,
@@ -91,12 +92,11 @@ impl<T, E> Submitted<T, E> {
         let runtime = self.sup.runtime.clone();
         crate::counters::task();
         drop(runtime.spawn(async move {
-            let Self { sup, answer, .. } = self;
             if let Ok(RunOutcome::Finished {
                 cleanup: Err(err), ..
-            }) = answer.await
+            }) = self.wait().await
             {
-                sup.sink.report(Some(job_id), err);
+                self.sup.sink.report(Some(job_id), err);
             }
         }));
     }

@@ -424,6 +424,52 @@ impl Actor for Quick {
     }
 }
 
+/// `spawn_job` awaits its actor's start, not its handle: the acquire timeout must still end
+/// the wait (and take the job out of the queue) when no slot comes in time.
+#[tokio::test(start_paused = true)]
+async fn spawn_job_ends_with_lease_acquire_timeout_when_no_slot_comes_in_time() {
+    let log = EventLog::default();
+    let broker = TestBroker::new(1);
+    let timeout = Duration::from_secs(2);
+    let sup = Supervisor::builder()
+        .broker(broker.clone())
+        .acquire_timeout(timeout)
+        .start()
+        .await
+        .unwrap();
+    let mut holder = sup.acquire().await.unwrap();
+    let t0 = tokio::time::Instant::now();
+    let spawned = tokio::time::timeout(
+        timeout * 10,
+        sup.spawn_job(
+            JobSpec::new("late").unwrap(),
+            Quick { log: log.clone() },
+            |_ctx| "late".to_owned(),
+        ),
+    )
+    .await
+    .expect("spawn_job ends at its acquire timeout");
+    let err = spawned.unwrap_err();
+    assert_eq!(err.code(), codes::LEASE_ACQUIRE_TIMEOUT, "{err:?}");
+    let waited = t0.elapsed();
+    assert!(
+        waited >= timeout && waited < timeout * 2,
+        "waited {waited:?}"
+    );
+    assert_eq!(sup.stats().waiting, 0, "the job left the queue");
+    // The slot freed now goes to the next caller, never to the job that timed out.
+    holder.release().await.unwrap();
+    let mut next = sup.acquire().await.unwrap();
+    next.release().await.unwrap();
+    assert!(
+        log.events().is_empty(),
+        "the actor never started: {:?}",
+        log.events()
+    );
+    broker.assert_quiescent(sup.stats());
+    sup.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn actor_jobs_and_closure_jobs_share_one_fifo_queue() {
     let log = EventLog::default();

@@ -505,6 +505,88 @@ async fn acquire_timeout_ends_both_acquire_and_run_with_lease_acquire_timeout_an
     broker.assert_quiescent(sup.stats());
 }
 
+/// A detached job's wait is nobody's to watch: the supervisor's side still takes it out of the
+/// queue at its acquire timeout, and it never runs.
+#[tokio::test(start_paused = true)]
+async fn a_detached_job_leaves_the_queue_at_its_acquire_timeout() {
+    let broker = TestBroker::new(1);
+    let timeout = Duration::from_secs(2);
+    let sup = Supervisor::builder()
+        .broker(broker.clone())
+        .acquire_timeout(timeout)
+        .start()
+        .await
+        .unwrap();
+    let mut holder = sup.acquire().await.unwrap();
+    let ran = Arc::new(AtomicBool::new(false));
+    let ran2 = Arc::clone(&ran);
+    sup.submit(JobSpec::new("detached").unwrap(), move |_ctx| async move {
+        ran2.store(true, Ordering::SeqCst);
+        Ok::<_, std::io::Error>(())
+    })
+    .detach();
+    until("the detached job waits", || sup.stats().waiting == 1).await;
+    // The paused clock moves past the timeout (no real time passes).
+    tokio::time::sleep(timeout + Duration::from_millis(1)).await;
+    until("the detached job leaves the queue", || {
+        sup.stats().waiting == 0
+    })
+    .await;
+    holder.release().await.unwrap();
+    let mut next = sup.acquire().await.unwrap();
+    next.release().await.unwrap();
+    assert!(!ran.load(Ordering::SeqCst), "the job ran after its timeout");
+    assert_eq!(
+        sup.stats().acquired_total,
+        2,
+        "the holder and the next caller only"
+    );
+    broker.assert_quiescent(sup.stats());
+    sup.shutdown().await.unwrap();
+}
+
+/// A handle nobody polls while its job waits: the supervisor refuses the job when it would grant
+/// it past its acquire timeout, the slot goes on, and the handle reads `LEASE_ACQUIRE_TIMEOUT`.
+#[tokio::test(start_paused = true)]
+async fn a_job_whose_handle_is_not_polled_is_refused_at_its_grant_past_its_acquire_timeout() {
+    let broker = TestBroker::new(1);
+    let timeout = Duration::from_secs(2);
+    let sup = Supervisor::builder()
+        .broker(broker.clone())
+        .acquire_timeout(timeout)
+        .start()
+        .await
+        .unwrap();
+    let mut holder = sup.acquire().await.unwrap();
+    let ran = Arc::new(AtomicBool::new(false));
+    let ran2 = Arc::clone(&ran);
+    let mut handle = sup.submit(JobSpec::new("unpolled").unwrap(), move |_ctx| async move {
+        ran2.store(true, Ordering::SeqCst);
+        // Were it granted, it would keep the slot.
+        std::future::pending::<()>().await;
+        Ok::<_, std::io::Error>(())
+    });
+    tokio::time::sleep(timeout + Duration::from_millis(1)).await;
+    // Released: the grant reaches the job, past its timeout, and is refused in that turn.
+    holder.release().await.unwrap();
+    let mut next = sup.acquire().await.unwrap();
+    assert!(!ran.load(Ordering::SeqCst), "the job ran after its timeout");
+    let err = loop {
+        if let Some(result) = handle.try_take() {
+            break result.unwrap_err();
+        }
+        tokio::task::yield_now().await;
+    };
+    assert_eq!(err.code(), "LEASE_ACQUIRE_TIMEOUT", "{err:?}");
+    assert!(
+        matches!(err.acquire_error(), Some(AcquireError::TimedOut { after }) if *after == timeout),
+        "{err:?}"
+    );
+    next.release().await.unwrap();
+    broker.assert_quiescent(sup.stats());
+    sup.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn a_job_cancelled_before_run_acquires_nothing_and_ends_lease_acquire_cancelled() {
     let broker = TestBroker::new(1);

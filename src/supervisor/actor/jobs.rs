@@ -157,6 +157,7 @@ impl Jobs {
             body,
             reply,
             span,
+            ..
         } = *job;
         let span = span.into_span();
         span.record("slot_id", token.slot_id());
