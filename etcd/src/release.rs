@@ -76,8 +76,26 @@ impl Drop for ReleaseGuard {
 
 impl Inner {
     /// Gives `token` back (see [`SlotBroker::release`](leasehold::SlotBroker::release)).
+    ///
+    /// From the moment the token leaves `held` until its give-back has ended (or been handed
+    /// to [`settle_in_background`](Self::settle_in_background)), its request is marked as
+    /// settling: an acquire that reuses the request id is refused (`ETCD_REQUEST_SETTLING`)
+    /// instead of finding in etcd the grant being given back, and handing it out again.
     pub(super) async fn release(self: &Arc<Self>, token: SlotToken) -> Result<(), BrokerError> {
-        let entry = self.held.lock().remove(&token);
+        // Marked settling before the token leaves `held`, under its lock (`held`, then
+        // `settling_requests`): an acquire of the same request finds the token or the mark,
+        // never neither. Dropped last, after `guard` (declared later) has handed over to a
+        // background settle, which marks the request itself first.
+        let (entry, _settling_request) = {
+            let mut held = self.held.lock();
+            match held.get(&token).map(|e| e.rk) {
+                Some(rk) => {
+                    let request = SettlingRequest::new(self, rk);
+                    (held.remove(&token), Some(request))
+                }
+                None => (None, None),
+            }
+        };
         let Some(entry) = entry else {
             if self.forgotten.lock().contains(&token) {
                 // Given back by the broker after a TTL nobody kept it alive.

@@ -223,30 +223,35 @@ impl Inner {
     /// Gives back a token that has not been kept alive for one TTL since `since` (unless it was
     /// claimed or released meanwhile).
     async fn expire_unclaimed(self: &Arc<Self>, token: SlotToken, since: Instant) {
-        let entry = {
+        // The request is marked settling under the lock that takes the token away (`held`,
+        // then `settling_requests`, as in `release`): an acquire of it finds the token or the
+        // mark, never neither.
+        let (entry, _request) = {
             let mut held = self.held.lock();
             match held.get_mut(&token) {
                 Some(entry) if entry.claim == (Claim::Unclaimed { since, ever: true }) => {
                     // The supervisor may still hold it (its job winding down after a loss):
                     // the slot goes back to the pool, the index stays off limits here.
                     entry.claim = Claim::Expired;
-                    entry.clone()
+                    let entry = entry.clone();
+                    let request = SettlingRequest::new(self, entry.rk);
+                    (entry, request)
                 }
                 Some(entry) if entry.claim == (Claim::Unclaimed { since, ever: false }) => {
                     // Never claimed: the grant reached nobody (the supervisor had stopped).
                     let entry = entry.clone();
+                    let request = SettlingRequest::new(self, entry.rk);
                     held.remove(&token);
                     let mut forgotten = self.forgotten.lock();
                     if forgotten.len() >= 1024 {
                         forgotten.pop_front();
                     }
                     forgotten.push_back(token);
-                    entry
+                    (entry, request)
                 }
                 _ => return,
             }
         };
-        let _request = SettlingRequest::new(self, entry.rk);
         let _settling = Settling::new(self);
         self.releases
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
@@ -439,7 +444,8 @@ impl Drop for Settling {
 }
 
 /// Marks request `rk` as having a release settling while it lives (see
-/// [`Inner::settles`]).
+/// [`Inner::settles`]): a release in the foreground (taken before its token leaves `held`), a
+/// release settled in the background, and a token given back after a ttl nobody kept it alive.
 pub(super) struct SettlingRequest {
     inner: Arc<Inner>,
     rk: u64,

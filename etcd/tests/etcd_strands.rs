@@ -3,8 +3,8 @@
 //! pool still serves: a watch etcd cancels (asked by the client, and on its own after a
 //! compaction passed the slot watch of a stopped process), a create etcd refuses, a cleanup
 //! that meets an outage longer than any bound, a queue place that still holds a key, a grant of a slot index whose earlier token here
-//! is not released, an acquire that reuses the request id of a release still settling, and a
-//! key among the slot keys that is not a slot key.
+//! is not released, an acquire that reuses the request id of a release still settling (or
+//! still in flight), and a key among the slot keys that is not a slot key.
 //!
 //! Needs an etcd binary (`cargo test -p leasehold-etcd`); without the binary each test says
 //! SKIPPED, and with `LEASEHOLD_REQUIRE_ETCD=1` it fails instead.
@@ -629,6 +629,89 @@ async fn an_acquire_that_reuses_the_request_id_of_a_release_still_settling_is_re
     .await;
     assert!(slot_keys(&mut c, "settling").await.is_empty());
     let again = broker.acquire(request(5)).await.unwrap();
+    assert!(again.lease_id() > token.lease_id());
+    broker.release(again).await.unwrap();
+}
+
+/// Polls `release` once, with the test's own context: its token has left the broker's `held`,
+/// and its give-back is on its way (it cannot end: etcd is out of reach).
+async fn poll_once(
+    release: &mut std::pin::Pin<Box<impl Future<Output = Result<(), leasehold::BrokerError>>>>,
+) {
+    let polled = std::future::poll_fn(|cx| std::task::Poll::Ready(release.as_mut().poll(cx))).await;
+    assert!(
+        polled.is_pending(),
+        "the release waits for etcd: {polled:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_that_reuses_the_request_id_of_a_release_in_flight_is_refused_at_once() {
+    let Some(bin) = etcd_binary("an_acquire_reusing_a_released_request_id_in_flight") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let mut c = client(&etcd).await;
+    let proxy = Proxy::start(etcd.client_port());
+    let broker = EtcdBroker::connect(
+        config(&proxy.endpoint(), "inflight", 1).retry_for(Duration::from_secs(20)),
+    )
+    .await
+    .unwrap();
+    let token = broker.acquire(request(7)).await.unwrap();
+    proxy.blackhole();
+    let mut release = Box::pin(broker.release(token));
+    poll_once(&mut release).await;
+
+    // The same request again while its release is in flight: refused without a word to etcd
+    // (which would still say the request holds the slot under the token being released).
+    let refused = tokio::time::timeout(Duration::from_secs(3), broker.acquire(request(7)))
+        .await
+        .expect("refused at once, without waiting on etcd")
+        .unwrap_err();
+    assert_eq!(refused.code(), Some("ETCD_REQUEST_SETTLING"), "{refused}");
+
+    proxy.heal();
+    release.await.unwrap();
+    assert!(slot_keys(&mut c, "inflight").await.is_empty());
+    let again = broker.acquire(request(7)).await.unwrap();
+    assert!(again.lease_id() > token.lease_id());
+    broker.release(again).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_that_reuses_the_request_id_of_a_release_in_flight_never_gets_the_released_token()
+ {
+    let Some(bin) = etcd_binary("an_acquire_never_gets_a_token_in_release") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let mut c = client(&etcd).await;
+    let proxy = Proxy::start(etcd.client_port());
+    let broker = EtcdBroker::connect(
+        config(&proxy.endpoint(), "inflight2", 1).retry_for(Duration::from_secs(20)),
+    )
+    .await
+    .unwrap();
+    let token = broker.acquire(request(8)).await.unwrap();
+    // The release's transaction is lost on the way (the proxy heals by closing the
+    // connection it was sent on): etcd still says the request holds the slot under `token`.
+    proxy.blackhole();
+    let mut release = Box::pin(broker.release(token));
+    poll_once(&mut release).await;
+    proxy.heal();
+
+    let reused = tokio::time::timeout(Duration::from_secs(10), broker.acquire(request(8)))
+        .await
+        .expect("the acquire ends");
+    match reused {
+        Ok(t) => panic!("{t} handed out while its release ({token}) is in flight"),
+        Err(e) => assert_eq!(e.code(), Some("ETCD_REQUEST_SETTLING"), "{e}"),
+    }
+
+    release.await.unwrap();
+    assert!(slot_keys(&mut c, "inflight2").await.is_empty());
+    let again = broker.acquire(request(8)).await.unwrap();
     assert!(again.lease_id() > token.lease_id());
     broker.release(again).await.unwrap();
 }
