@@ -8,7 +8,8 @@
 //!   nothing changed; the same cancel with the token cancelling the job.
 //! - Every action acts on exactly what the user confirmed: a lane's cancel armed for one job
 //!   never cancels the job the slot passes to, and the server refuses a lease that is no longer
-//!   the job's; every action asks to confirm first; a control the page hides is not shown.
+//!   the job's; every action asks to confirm first; a double-click only arms (a separate click
+//!   or key, once the button is ready, confirms); a control the page hides is not shown.
 //! - Answers and details show beside the click; the history is paged and the page stays short
 //!   with a thousand job ends.
 //! - The queue never lists a job that the same frame shows holding a slot.
@@ -34,6 +35,9 @@ use std::time::Duration;
 use chromiumoxide::browser::{Browser, BrowserConfig};
 use chromiumoxide::cdp::browser_protocol::emulation::{
     MediaFeature, SetDeviceMetricsOverrideParams, SetEmulatedMediaParams,
+};
+use chromiumoxide::cdp::browser_protocol::input::{
+    DispatchMouseEventParams, DispatchMouseEventType, MouseButton,
 };
 use chromiumoxide::cdp::browser_protocol::page::CaptureScreenshotFormat;
 use chromiumoxide::handler::viewport::Viewport;
@@ -234,7 +238,8 @@ async fn clear(page: &Page, selector: &str) {
     .await;
 }
 
-/// The first click on a button that asks to confirm: it arms, its text asking `question`.
+/// The first click on a button that asks to confirm: it arms, its text asking `question`; then
+/// waits until it is ready to take the confirming click (see [`ready`]).
 async fn arm(page: &Page, selector: &str, question: &str) {
     click(page, selector).await;
     wait_for(
@@ -246,6 +251,74 @@ async fn arm(page: &Page, selector: &str, question: &str) {
         ),
     )
     .await;
+    ready(page, selector).await;
+}
+
+/// Waits until an armed button takes a confirming click: a click sooner after arming (the rest
+/// of a double-click) only leaves it asking. The page says so with `data-ready`, set by a timer.
+async fn ready(page: &Page, selector: &str) {
+    wait_for(
+        page,
+        &format!("`{selector}` armed and ready to confirm"),
+        &format!(
+            "document.querySelector('{selector}').dataset.armed === 'true' && \
+             document.querySelector('{selector}').dataset.ready === 'true'"
+        ),
+    )
+    .await;
+}
+
+/// Records, from now on, every click the element `selector` hears (in the capture phase, before
+/// the page's handlers): its `detail` (the browser's click count; 0 from a key) and whether the
+/// button was ready to confirm then. Read with [`heard`].
+async fn listen_clicks(page: &Page, selector: &str) {
+    js::<bool>(
+        page,
+        &format!(
+            "(() => {{ const sel = {selector:?}; window.__heard = []; \
+             if (window.__hear) document.removeEventListener('click', window.__hear, true); \
+             window.__hear = (e) => {{ const b = document.querySelector(sel); \
+               if (b && b.contains(e.target)) window.__heard.push([e.detail, b.dataset.ready === 'true']); }}; \
+             document.addEventListener('click', window.__hear, true); return true; }})()"
+        ),
+    )
+    .await;
+}
+
+async fn heard(page: &Page) -> Vec<(i64, bool)> {
+    js(page, "window.__heard").await
+}
+
+/// A real double-click at the element's centre (scrolled into view): the mouse pressed and
+/// released twice, with the browser's click count 1, then 2, as a user's double-click sends.
+async fn double_click(page: &Page, selector: &str) {
+    let point = page
+        .find_element(selector)
+        .await
+        .unwrap_or_else(|e| panic!("no `{selector}`: {e}"))
+        .scroll_into_view()
+        .await
+        .unwrap()
+        .clickable_point()
+        .await
+        .unwrap();
+    page.move_mouse(point).await.unwrap();
+    for count in [1, 2] {
+        for kind in [
+            DispatchMouseEventType::MousePressed,
+            DispatchMouseEventType::MouseReleased,
+        ] {
+            let event = DispatchMouseEventParams::builder()
+                .r#type(kind)
+                .x(point.x)
+                .y(point.y)
+                .button(MouseButton::Left)
+                .click_count(count)
+                .build()
+                .unwrap();
+            page.execute(event).await.unwrap();
+        }
+    }
 }
 
 /// Clicks a button that asks to confirm first: the first click arms it (its text asks), the
@@ -1092,6 +1165,7 @@ async fn a_confirmed_cancel_acts_on_the_lease_confirmed_and_never_on_the_slots_n
 
     // A page that does not know yet (paused: it still shows the second holder, armed) sends
     // the job and lease the user confirmed; the server refuses, since that lease has ended.
+    ready(&page, ".lane[data-slot=\"0\"] .lane-cancel").await;
     click(&page, "#pause").await;
     second.open();
     second.join().await.unwrap();
@@ -1155,6 +1229,126 @@ async fn a_confirmed_cancel_acts_on_the_lease_confirmed_and_never_on_the_slots_n
         ),
     )
     .await;
+
+    chrome.close().await;
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
+}
+
+/// A double-click on a lane's Cancel only arms it. The report: the second click of a
+/// double-click was taken as the confirmation, and the job was cancelled about 100 ms later,
+/// before the question could be read. A confirming click must be a separate one (not the rest of
+/// a multi-click: `detail` > 1) that comes once the button is ready (half a second after arming,
+/// `data-ready`); then a click confirms, and so does the keyboard (Enter: a click of `detail` 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_double_click_on_cancel_only_arms_it_and_a_later_click_or_key_confirms() {
+    let Some(exe) = chromium_or_skip() else {
+        return;
+    };
+    let _one = ONE_BROWSER.lock().await;
+    let sup = Supervisor::builder().slots(2).start().await.unwrap();
+    let console = Console::builder(sup.clone())
+        .actions(ActionsToken::new(TOKEN).unwrap())
+        .start()
+        .await
+        .unwrap();
+    let mut clicked = Gated::submit(&sup, "double-clicked");
+    let (clicked_token, clicked_lease) = clicked.started().await;
+    let mut keyed = Gated::submit(&sup, "keyed");
+    let (keyed_token, keyed_lease) = keyed.started().await;
+    let chrome = Chrome::launch(&exe, 1280, 1000).await;
+    let page = chrome.open(&console).await;
+    js::<bool>(&page, COUNT_POSTS).await;
+    type_into(&page, "#token", TOKEN).await;
+    let button = |job: &str| format!(".lane[data-job=\"{job}\"] .lane-cancel");
+    let state = |job: &str| {
+        format!(
+            "(() => {{ const b = document.querySelector('{}'); \
+             return [b.textContent, b.dataset.armed === 'true']; }})()",
+            button(job)
+        )
+    };
+    wait_for(
+        &page,
+        "both lanes with their cancel buttons",
+        &format!(
+            "!{}?.querySelector('.lane-cancel').hidden && !{}?.querySelector('.lane-cancel').hidden",
+            lane("double-clicked"),
+            lane("keyed")
+        ),
+    )
+    .await;
+
+    // ---- a double-click: armed, asking; nothing sent, the job runs ------------------------------
+    listen_clicks(&page, &button("double-clicked")).await;
+    double_click(&page, &button("double-clicked")).await;
+    let clicks: Vec<i64> = heard(&page).await.into_iter().map(|(d, _)| d).collect();
+    assert_eq!(
+        clicks,
+        [1, 2],
+        "the button heard both clicks of the double-click"
+    );
+    // Well past when the double-click's second click would have acted (at once: its cancel
+    // reached the supervisor about 100 ms later).
+    frames_later(&page, 8).await;
+    let sent = posts(&page).await;
+    assert!(
+        sent.is_empty() && !clicked_token.is_cancelled(),
+        "a double-click cancelled double-clicked, a job the user never confirmed (posts: {sent:?})"
+    );
+    assert_eq!(sup.stats().active, 2);
+    let (text, armed): (String, bool) = js(&page, &state("double-clicked")).await;
+    assert!(armed, "the double-click left the button unarmed: {text}");
+    assert_eq!(
+        text,
+        format!("Confirm: cancel double-clicked (lease {clicked_lease})?")
+    );
+    screenshot(&page, "console-double-click-armed.png").await;
+
+    // ---- a separate click once the button is ready: cancelled ----------------------------------
+    ready(&page, &button("double-clicked")).await;
+    click(&page, &button("double-clicked")).await;
+    let result = clicked.join().await;
+    assert_eq!(result.unwrap_err().code(), "LEASE_BODY_CANCELLED");
+    assert_eq!(posts(&page).await.len(), 1);
+
+    // ---- the keyboard: Enter arms; Enter again at once only asks; Enter once ready confirms --
+    listen_clicks(&page, &button("keyed")).await;
+    let key_button = page.find_element(button("keyed")).await.unwrap();
+    key_button.focus().await.unwrap();
+    key_button.press_key("Enter").await.unwrap();
+    key_button.press_key("Enter").await.unwrap();
+    let keys = heard(&page).await;
+    assert_eq!(
+        keys.iter().map(|(d, _)| *d).collect::<Vec<_>>(),
+        [0, 0],
+        "Enter on the focused button: two clicks of detail 0"
+    );
+    frames_later(&page, 2).await;
+    // The second Enter came before the button was ready (its state then, as the page saw it):
+    // it only left the button asking. (On a machine stalled past the half second between the
+    // two keys, it would rightly confirm: nothing to check then.)
+    if !keys[1].1 {
+        let (text, armed): (String, bool) = js(&page, &state("keyed")).await;
+        assert!(
+            armed && posts(&page).await.len() == 1 && !keyed_token.is_cancelled(),
+            "an Enter before the button was ready confirmed the cancel of keyed ({text})"
+        );
+        assert_eq!(
+            text,
+            format!("Confirm: cancel keyed (lease {keyed_lease})?")
+        );
+        ready(&page, &button("keyed")).await;
+        key_button.press_key("Enter").await.unwrap();
+    } else {
+        let _ = writeln!(
+            std::io::stderr(),
+            "the second Enter came after the button was ready: the early Enter went unchecked"
+        );
+    }
+    let result = keyed.join().await;
+    assert_eq!(result.unwrap_err().code(), "LEASE_BODY_CANCELLED");
+    assert_eq!(posts(&page).await.len(), 2);
 
     chrome.close().await;
     console.shutdown().await.unwrap();

@@ -4,10 +4,10 @@
 //
 // Every action names what it acts on: the first click arms its button with a question that
 // says exactly what (a job and its lease, the quarantined slots, the capacity from and to),
-// the second click sends that, and nothing else; an armed button whose target changes (its
-// lane passed to another job, another slot quarantined) disarms. The server refuses an action
-// whose target has changed since (CONSOLE_TARGET_CHANGED). Each answer shows next to the
-// button that asked.
+// a second, separate click (not the rest of a double-click, and half a second or more later)
+// sends that, and nothing else; an armed button whose target changes (its lane passed to
+// another job, another slot quarantined) disarms. The server refuses an action whose target
+// has changed since (CONSOLE_TARGET_CHANGED). Each answer shows next to the button that asked.
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
@@ -85,11 +85,18 @@ function renderStats(stats) {
 
 // Long enough to read the question; the target is checked at every frame meanwhile.
 const ARM_MS = 10000;
+// How long after arming a click starts to confirm: the second click of a double-click, or a
+// click this soon, cannot have read the question. Then `data-ready` is set.
+const SETTLE_MS = 500;
 
 // A first click arms the button for ARM_MS with a question that names `target` (a string that
-// identifies exactly what the action acts on); the second click, on the same target, acts.
-function confirmThen(button, target, question, action) {
+// identifies exactly what the action acts on); a later, separate click on the same target acts.
+// `event` is the click: the rest of a multi-click (`detail` > 1; a key gives 0) neither arms nor
+// acts, and a click before the button is ready leaves it armed, asking.
+function confirmThen(button, target, question, action, event) {
+  if (event.detail > 1) return;
   if (button.dataset.armed === "true" && button.dataset.target === target) {
+    if (button.dataset.ready !== "true") return;
     disarm(button);
     action();
     return;
@@ -100,13 +107,16 @@ function confirmThen(button, target, question, action) {
   button.dataset.label = button.textContent;
   button.textContent = question;
   button.armTimer = setTimeout(() => disarm(button), ARM_MS);
+  button.readyTimer = setTimeout(() => { button.dataset.ready = "true"; }, SETTLE_MS);
 }
 
 function disarm(button) {
   clearTimeout(button.armTimer);
+  clearTimeout(button.readyTimer);
   if (button.dataset.armed === "true" && button.dataset.label) button.textContent = button.dataset.label;
   button.dataset.armed = "false";
   delete button.dataset.target;
+  delete button.dataset.ready;
 }
 
 // Disarms a button armed for another target than `target` (what it would act on now).
@@ -220,7 +230,7 @@ function laneFor(slot) {
   button.hidden = true;
   const out = el("output", "action-result lane-result");
   out.setAttribute("aria-live", "polite");
-  button.addEventListener("click", () => {
+  button.addEventListener("click", (event) => {
     // The job and lease the lane shows at this click: the confirmation names them, and the
     // second click sends them, whatever the lane shows by then (a lane that changes hands
     // disarms its button first: see renderLanes).
@@ -228,7 +238,7 @@ function laneFor(slot) {
     const lease = Number(lane.dataset.lease);
     if (!job || !Number.isFinite(lease)) return;
     confirmThen(button, `${job}#${lease}`, `Confirm: cancel ${job} (lease ${lease})?`,
-      () => cancel({ job, lease }, out));
+      () => cancel({ job, lease }, out), event);
   });
   lane.querySelector(".lane-actions").append(button);
   lane.append(out);
@@ -570,34 +580,34 @@ function resizeTarget() {
 function wireActions() {
   const cancelBtn = $("#cancel-btn");
   const cancelOut = $("#cancel-result");
-  cancelBtn.addEventListener("click", () => {
+  cancelBtn.addEventListener("click", (event) => {
     const job = $("#cancel-job").value.trim();
     if (!job) { disarm(cancelBtn); answer(cancelOut, "cancel: type a job id first", { ok: false }); return; }
     const target = typedTarget(job);
-    confirmThen(cancelBtn, target.key, target.question, () => cancel(target, cancelOut));
+    confirmThen(cancelBtn, target.key, target.question, () => cancel(target, cancelOut), event);
   });
   $("#cancel-job").addEventListener("input", () => disarm(cancelBtn));
 
   const reclaimBtn = $("#reclaim-btn");
-  reclaimBtn.addEventListener("click", () => {
+  reclaimBtn.addEventListener("click", (event) => {
     const rows = lastFrame ? lastFrame.quarantined : [];
     if (!rows.length) return;
     const target = reclaimTarget(rows);
     confirmThen(reclaimBtn, target.key, target.question, () =>
       act("reclaim", { lease_ids: target.ids }, $("#reclaim-result"),
         (r) => `${r.reclaimed.length} reclaimed, ${r.still_quarantined.length} still quarantined` +
-          r.still_quarantined.map((q) => ` · slot ${q.slot}: ${q.reason}`).join("")));
+          r.still_quarantined.map((q) => ` · slot ${q.slot}: ${q.reason}`).join("")), event);
   });
 
   const resizeBtn = $("#resize-btn");
   const resizeOut = $("#resize-result");
-  resizeBtn.addEventListener("click", () => {
+  resizeBtn.addEventListener("click", (event) => {
     const target = resizeTarget();
     if (target.why) { disarm(resizeBtn); answer(resizeOut, "resize: " + target.why, { ok: false }); return; }
     const body = { slots: target.n };
     if (target.from !== null) body.from = target.from;
     confirmThen(resizeBtn, target.key, target.question, () =>
-      act("resize", body, resizeOut, (r) => `capacity ${r.capacity}`));
+      act("resize", body, resizeOut, (r) => `capacity ${r.capacity}`), event);
   });
   $("#resize-slots").addEventListener("input", () => disarm(resizeBtn));
 }
