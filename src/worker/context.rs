@@ -246,11 +246,12 @@ impl WorkerContext {
     /// When called outside a tokio runtime.
     pub fn spawn_process(&self, spec: ProcessSpec) -> Result<JobProcess, ProcessError> {
         let inner = &*self.inner;
-        if inner.shared.is_closed() {
+        // Counted as a tracked task until the keeper is: the lease cannot close meanwhile.
+        let Some(_admitted) = inner.shared.admit(&inner.tracker) else {
             return Err(ProcessError::Spawn(std::io::Error::other(
                 "the job's lease has ended: nothing more may start under it",
             )));
-        }
+        };
         let dir = self
             .try_temp_dir()
             .map_err(|err| ProcessError::Spawn(std::io::Error::other(err)))?;
@@ -312,8 +313,13 @@ impl WorkerContext {
     }
 
     /// Spawns a tracked sibling task in the job's span. The slot waits for it, even after
-    /// cancellation; only a shutdown aborts it, once the cancel grace has passed. A panic in it is recorded for the job's result (`LEASE_BODY_PANICKED` unless
-    /// something of higher priority happened) and still reaches the returned handle.
+    /// cancellation; only a shutdown aborts it, once the cancel grace has passed. A panic in it
+    /// is recorded for the job's result (`LEASE_BODY_PANICKED` unless something of higher
+    /// priority happened) and still reaches the returned handle.
+    ///
+    /// A context kept past its job (every task of the job has ended, and its slot may serve
+    /// another lease) starts nothing: `fut` is dropped unpolled, and the handle resolves to a
+    /// cancelled [`JoinError`](tokio::task::JoinError).
     ///
     /// # Panics
     ///
@@ -323,6 +329,10 @@ impl WorkerContext {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
+        // Counted as a tracked task until the task is: the lease cannot close meanwhile.
+        let Some(_admitted) = self.inner.shared.admit(&self.inner.tracker) else {
+            return refused(fut);
+        };
         let shared = Arc::clone(&self.inner.shared);
         let fut = fut.instrument(self.inner.span.clone());
         let handle = self.inner.tracker.spawn(async move {
@@ -341,7 +351,9 @@ impl WorkerContext {
     }
 
     /// Runs a blocking closure on tokio's blocking pool, tracked like [`spawn`](Self::spawn):
-    /// the temp dir and the slot wait for it to return, whatever happened to the body.
+    /// the temp dir and the slot wait for it to return, whatever happened to the body. A
+    /// context kept past its job runs nothing: `f` is dropped uncalled, and the handle resolves
+    /// to a cancelled [`JoinError`](tokio::task::JoinError).
     ///
     /// # Panics
     ///
@@ -351,6 +363,9 @@ impl WorkerContext {
         F: FnOnce() -> R + Send + 'static,
         R: Send + 'static,
     {
+        let Some(_admitted) = self.inner.shared.admit(&self.inner.tracker) else {
+            return refused(f);
+        };
         let shared = Arc::clone(&self.inner.shared);
         let span = self.inner.span.clone();
         self.inner.tracker.spawn_blocking(move || {
@@ -364,6 +379,20 @@ impl WorkerContext {
             }
         })
     }
+}
+
+/// The handle of a start refused because the job's lease has ended: a task that drops `value`
+/// (the caller's future or closure, never run) and is aborted at once, so that the handle
+/// resolves to a cancelled `JoinError`.
+fn refused<V: Send + 'static, R: Send + 'static>(value: V) -> JoinHandle<R> {
+    tracing::warn!("a worker context kept past its job was asked to start work: refused");
+    crate::counters::task();
+    let handle = tokio::spawn(async move {
+        drop(value);
+        std::future::pending::<R>().await
+    });
+    handle.abort();
+    handle
 }
 
 impl fmt::Debug for WorkerContext {

@@ -4,11 +4,12 @@ use std::any::Any;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering, fence};
 
 use parking_lot::Mutex;
 use tokio::task::AbortHandle;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::{TaskTracker, task_tracker::TaskTrackerToken};
 
 use crate::error::PrepareError;
 use crate::hosts::TempDirHost;
@@ -205,9 +206,10 @@ impl JobShared {
         self.read(|r| r.delivery_unknown.take())
     }
 
-    // Relaxed is enough for the stage: `started` is read after the worker has been joined (a
+    // Relaxed is enough for `started`: it is read after the worker has been joined (a
     // happens-before edge through the supervisor's messages), or, when the supervisor died,
-    // only as a hint; `closed` is a best-effort refusal for a context kept past its job.
+    // only as a hint. The close is ordered against a start by the fences of `close_if_idle`
+    // and `admit`.
     pub(crate) fn mark_started(&self) {
         self.stage.store(STARTED, Ordering::Relaxed);
     }
@@ -216,9 +218,27 @@ impl JobShared {
         self.stage.load(Ordering::Relaxed) != QUEUED
     }
 
-    /// Every tracked task has ended: nothing more may start under the lease.
-    pub(crate) fn close(&self) {
+    /// Closes the lease to new work once `tracker` (the job's tracked tasks) is empty, and says
+    /// whether it still is after the close: `false` when a start through a context kept past
+    /// the job got in first, which the caller waits for before it tries again.
+    ///
+    /// Paired with [`admit`](Self::admit): the close is stored before the tracker is read, and
+    /// a start counts itself in the tracker before it reads the close, each with a `SeqCst`
+    /// fence between. So of a close and a start that race, either the start sees the close
+    /// (and starts nothing), or the close sees the start (and is waited out).
+    pub(crate) fn close_if_idle(&self, tracker: &TaskTracker) -> bool {
         self.stage.store(CLOSED, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        tracker.is_empty()
+    }
+
+    /// Admits a start under the lease (a tracked task, a blocking closure, a process): a token
+    /// that counts as a tracked task until the start is tracked itself, or `None` once the
+    /// lease is closed to new work (see [`close_if_idle`](Self::close_if_idle)).
+    pub(crate) fn admit(&self, tracker: &TaskTracker) -> Option<TaskTrackerToken> {
+        let token = tracker.token();
+        fence(Ordering::SeqCst);
+        (!self.is_closed()).then_some(token)
     }
 
     pub(crate) fn is_closed(&self) -> bool {

@@ -341,3 +341,40 @@ async fn an_unremovable_temp_dir_quarantines_the_slot_and_says_so() {
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.quarantined, 1);
 }
+
+/// A context kept past its job (here returned by the body) starts nothing once the job has
+/// ended: its slot already serves another lease, and nobody would wait for the work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_context_kept_past_its_job_starts_no_task_and_no_blocking_closure() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let broker = TestBroker::new(1);
+    let sup = common::supervise(&broker).await;
+    let kept: leasehold::WorkerContext = sup
+        .run(JobSpec::new("kept").unwrap(), |ctx| async move {
+            Ok::<_, std::io::Error>(ctx)
+        })
+        .await
+        .unwrap();
+    // The slot serves someone else now.
+    let mut other = sup.acquire().await.unwrap();
+    let ran = Arc::new(AtomicBool::new(false));
+    let task = {
+        let ran = Arc::clone(&ran);
+        kept.spawn(async move { ran.store(true, Ordering::SeqCst) })
+    };
+    let err = task.await.unwrap_err();
+    assert!(err.is_cancelled(), "{err:?}");
+    let closure = {
+        let ran = Arc::clone(&ran);
+        kept.spawn_blocking(move || ran.store(true, Ordering::SeqCst))
+    };
+    let err = closure.await.unwrap_err();
+    assert!(err.is_cancelled(), "{err:?}");
+    assert!(
+        !ran.load(Ordering::SeqCst),
+        "work started under a lease that had ended"
+    );
+    other.release().await.unwrap();
+    broker.assert_quiescent(sup.stats());
+    sup.shutdown().await.unwrap();
+}

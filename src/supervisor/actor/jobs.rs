@@ -294,8 +294,9 @@ impl Jobs {
         let gpu = self.config.hosts.gpu.clone().zip(job.placement);
         #[cfg(not(feature = "gpu"))]
         let gpu: Option<()> = None;
-        if tracker.is_empty() && gpu.is_none() {
-            job.shared.close();
+        // Closed to new work only with no task left; a start that got in meanwhile (a context
+        // kept past the job) is waited for by the driver, like any task still running.
+        if tracker.is_empty() && gpu.is_none() && job.shared.close_if_idle(&tracker) {
             return Some(Input::Ended {
                 key,
                 proofs: Proofs::JOINED.with(Proofs::TASKS),
@@ -535,7 +536,10 @@ impl Driver {
             }
             tracker.wait().await;
         }
-        self.shared.close();
+        // Closed to new work; a start that got in before the close is waited out too.
+        while !self.shared.close_if_idle(&tracker) {
+            tracker.wait().await;
+        }
         proofs = proofs.with(Proofs::TASKS);
         #[cfg(feature = "gpu")]
         if let Some((gpu, placement)) = &self.gpu {
