@@ -82,7 +82,7 @@ use crate::job::InvalidJob;
 /// | `LEASE_GPU_DEVICE_LOST` | `CleanupError` (kind `GpuDeviceLost`), `JobError::Cleanup`; `GpuError::DeviceLost` (third table) | the lease's GPU device was lost: `JobError::Cleanup`, or `cleanup_error()` under `LEASE_BODY_AND_CLEANUP_FAILED`; the slot is quarantined until the device is re-created |
 /// | `LEASE_BODY_AND_CLEANUP_FAILED` | `JobError::BodyAndCleanup` | both failed; `body_error()` and `cleanup_error()` both return `Some` |
 /// | `SUPERVISOR_STOPPED` | `AcquireError`, `CleanupError`, `ResizeError`, `ShutdownError`, `SupervisorStopped` | the supervisor has shut down (or its runtime is gone); nothing was acquired. The control calls (`cancel`, `quarantined`, `reclaim_quarantined`, `waiters`, `lease_desk`) answer it as `SupervisorStopped` |
-/// | `SUPERVISOR_START_FAILED` | `StartError` | `start()` refused the configuration (no slots, zero capacity, a zero duration, unusable work root, no runtime) or (`StartError::Gpu`) could not open the GPU devices |
+/// | `SUPERVISOR_START_FAILED` | `StartError` | `start()` refused the configuration (no slots, zero capacity, a zero duration, unusable work root, no runtime), the broker's `attach` panicked (`StartError::BrokerAttach`), or (`StartError::Gpu`) could not open the GPU devices |
 /// | `LEASE_SLOT_COUNT_INVALID` | `AcquireError`, `ResizeError` | a multi-slot request asked for 0 slots or for more than the capacity (also when a `resize` lowers the capacity below a request still waiting), or `resize(0)`; nothing was acquired |
 /// | `LEASE_NO_SLOT_FREE` | `AcquireError` | `try_acquire` found every slot held, or callers waiting ahead; nothing was acquired or queued |
 /// | `LEASE_BROKER_UNSUPPORTED` | `AcquireError`, `ResizeError` | a multi-slot lease, `try_acquire` or `resize` on a broker other than the supervisor's in-process pool (`EtcdBroker`, a custom broker); nothing was asked of the broker |
@@ -757,6 +757,9 @@ pub enum StartError {
     },
     /// The supervisor actor could not be spawned (no tokio runtime, or ractor refused).
     Spawn(String),
+    /// The broker's [`attach`](crate::SlotBroker::attach) panicked (the panic's message): the
+    /// supervisor it was attached to has been stopped, and the broker is dropped with it.
+    BrokerAttach(String),
     /// The GPU devices could not be opened.
     #[cfg(feature = "gpu")]
     Gpu(crate::gpu::GpuError),
@@ -777,6 +780,7 @@ impl fmt::Display for StartError {
             Self::ZeroDuration(what) => write!(f, "{what} must be positive"),
             Self::WorkRoot { path, .. } => write!(f, "unusable work root {}", path.display()),
             Self::Spawn(msg) => write!(f, "could not spawn the supervisor actor: {msg}"),
+            Self::BrokerAttach(msg) => write!(f, "the broker's attach panicked: {msg}"),
             #[cfg(feature = "gpu")]
             Self::Gpu(_) => f.write_str("could not open the gpu devices"),
         }

@@ -355,17 +355,23 @@ impl SupervisorBuilder {
         let (actor, join) = Actor::spawn(None, SupervisorActor, args)
             .await
             .map_err(|e| StartError::Spawn(e.to_string()))?;
-        inbox.bind(actor);
+        inbox.bind(actor.clone());
         // Before `start` returns, so before any acquire.
         // The pool sends no events: only a broker of the user's is attached.
         if let Some(broker) = attach_to {
             let events_to = Arc::clone(&inbox);
-            broker.attach(
-                BrokerEvents::new(move |event| {
-                    let _ = events_to.send(SupMsg::Broker(event));
-                })
-                .with_origin(origin),
-            );
+            let events = BrokerEvents::new(move |event| {
+                let _ = events_to.send(SupMsg::Broker(event));
+            })
+            .with_origin(origin);
+            // The broker's code: a panic stops the supervisor just spawned (nobody holds it
+            // yet), which drops the broker off its turn, and `start` says why.
+            if let Err(panic) = crate::outside::call(|| broker.attach(events)) {
+                drop(broker);
+                actor.stop(Some("the broker's attach panicked".to_owned()));
+                let _ = join.await;
+                return Err(StartError::BrokerAttach(panic));
+            }
         }
         Ok(Supervisor::from_parts(Parts {
             inbox,

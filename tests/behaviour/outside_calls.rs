@@ -1006,3 +1006,46 @@ async fn a_leases_renewal_is_stopped_when_the_lease_ends() {
     sup.shutdown().await.unwrap();
     assert_eq!(broker.pool.held(), 0);
 }
+
+/// A broker whose `attach` panics, and which says when it is dropped.
+struct PanicsOnAttach(Arc<std::sync::atomic::AtomicBool>);
+
+impl SlotBroker for PanicsOnAttach {
+    async fn acquire(&self, _request: AcquireRequest) -> Result<SlotToken, BrokerError> {
+        Err(BrokerError::new("never asked"))
+    }
+    async fn release(&self, _token: SlotToken) -> Result<(), BrokerError> {
+        Ok(())
+    }
+    fn attach(&self, _events: leasehold::BrokerEvents) {
+        panic!("attach refused");
+    }
+}
+
+impl Drop for PanicsOnAttach {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// `attach` is the broker's code too: its panic fails `start` with `SUPERVISOR_START_FAILED`
+/// instead of unwinding into the caller, and the supervisor already spawned is stopped, the
+/// broker dropped with it (before, both were left running with no handle to stop them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_whose_attach_panics_fails_start_and_leaves_no_supervisor_behind() {
+    let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let started = Supervisor::builder()
+        .broker(PanicsOnAttach(Arc::clone(&dropped)))
+        .start()
+        .await;
+    let err = started.expect_err("start failed");
+    assert_eq!(err.code(), "SUPERVISOR_START_FAILED");
+    assert!(
+        matches!(&err, leasehold::StartError::BrokerAttach(m) if m.contains("attach refused")),
+        "{err:?}"
+    );
+    until("the stopped supervisor drops the broker", || {
+        dropped.load(Ordering::SeqCst)
+    })
+    .await;
+}
