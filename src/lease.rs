@@ -85,6 +85,8 @@ pub(crate) struct LeaseCell {
     notify: Notify,
 }
 
+/// No bit set: the lease holds its slot. The two bits are independent: a lease lost at the
+/// broker is still released on its holder's behalf by a shutdown, and both are then set.
 const HELD: u8 = 0;
 /// Released on the holder's behalf (shutdown).
 const REVOKED: u8 = 1;
@@ -102,17 +104,18 @@ impl LeaseCell {
     /// The lease no longer holds its slot: released by shutdown, or lost at the broker.
     pub(crate) fn revoke(&self, lost: bool) {
         // Release: the holder that sees the new state also sees everything before it.
-        let _ = self.ended.compare_exchange(
-            HELD,
-            if lost { LOST } else { REVOKED },
-            Ordering::Release,
-            Ordering::Relaxed,
-        );
+        self.ended
+            .fetch_or(if lost { LOST } else { REVOKED }, Ordering::Release);
         self.notify.notify_waiters();
     }
 
     fn get(&self) -> u8 {
         self.ended.load(Ordering::Acquire)
+    }
+
+    /// A shutdown released the lease on its holder's behalf (lost at the broker before, or not).
+    fn revoked(&self) -> bool {
+        self.get() & REVOKED != 0
     }
 
     /// The lease has ended under its holder (revoked or lost).
@@ -235,7 +238,7 @@ impl Lease {
 
     /// Whether release has begun (by this holder, or by a shutdown on its behalf).
     pub fn is_released(&self) -> bool {
-        self.state != State::Held || self.cell.get() == REVOKED
+        self.state != State::Held || self.cell.revoked()
     }
 
     /// Gives the slot back and waits for the broker's answer, bounded by the supervisor's
@@ -260,7 +263,7 @@ impl Lease {
         self.state = State::Releasing;
         let (tx, rx) = oneshot::channel();
         let result = if !self.home.give_back(self.key, Some(tx)) {
-            if self.cell.get() == REVOKED {
+            if self.cell.revoked() {
                 Ok(())
             } else {
                 Err(CleanupError::stopped(Some(self.token)))
@@ -269,7 +272,7 @@ impl Lease {
             match rx.await {
                 Ok(result) => result,
                 // The supervisor finished a shutdown that had released this lease.
-                Err(_) if self.cell.get() == REVOKED => Ok(()),
+                Err(_) if self.cell.revoked() => Ok(()),
                 Err(_) => Err(CleanupError::stopped(Some(self.token))),
             }
         };
@@ -282,7 +285,7 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if self.state != State::Held || self.cell.get() == REVOKED {
+        if self.state != State::Held || self.cell.revoked() {
             return;
         }
         if !self.home.give_back(self.key, None) {

@@ -252,3 +252,56 @@ async fn a_lease_released_by_shutdown_refuses_use_and_its_lost_signal_resolves()
     assert_eq!(broker.release_calls(), 1);
     broker.assert_quiescent(sup.stats());
 }
+
+/// A broker that renews its leases, and reports one lost when told (its TTL lapsed).
+struct Losing {
+    pool: leasehold::LocalBroker,
+    lose: Arc<tokio::sync::Notify>,
+}
+
+impl leasehold::SlotBroker for Losing {
+    async fn acquire(
+        &self,
+        request: leasehold::AcquireRequest,
+    ) -> Result<leasehold::SlotToken, leasehold::BrokerError> {
+        self.pool.acquire(request).await
+    }
+    async fn release(&self, token: leasehold::SlotToken) -> Result<(), leasehold::BrokerError> {
+        self.pool.release(token).await
+    }
+    fn capacity(&self) -> Option<u32> {
+        self.pool.capacity()
+    }
+    fn renews(&self) -> bool {
+        true
+    }
+    async fn keep_alive(&self, _token: leasehold::SlotToken) -> leasehold::BrokerError {
+        self.lose.notified().await;
+        leasehold::BrokerError::new("its ttl lapsed")
+    }
+}
+
+/// A lease lost at the broker, then released on its holder's behalf by a shutdown: its own
+/// release afterwards is a no-op, as for any lease a shutdown released (before, it stayed only
+/// "lost", and its release answered `SUPERVISOR_STOPPED`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_lease_that_shutdown_released_is_released_without_error_afterwards() {
+    let lose = Arc::new(tokio::sync::Notify::new());
+    let sup = Supervisor::builder()
+        .broker(Losing {
+            pool: leasehold::LocalBroker::new(1),
+            lose: Arc::clone(&lose),
+        })
+        .start()
+        .await
+        .unwrap();
+    let mut lease = sup.acquire().await.unwrap();
+    lose.notify_one();
+    tokio::time::timeout(Duration::from_secs(60), lease.lost())
+        .await
+        .expect("the loss never reached the lease");
+    let report = sup.shutdown().await.unwrap();
+    assert_eq!(report.released_leases, 1, "{report:?}");
+    assert!(lease.is_lost() && lease.is_released());
+    lease.release().await.unwrap();
+}
