@@ -177,7 +177,9 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// How many event streams may be open at once (one per browser tab); one more is refused with
 /// `CONSOLE_TOO_MANY_STREAMS` (429). The page is never locked out by it: a refused stream makes
-/// it poll `/api/snapshot` once a second and try the stream again every few seconds.
+/// it poll `/api/snapshot` once a second and try the stream again every few seconds. A stream
+/// whose client stops reading is closed by [`ConsoleBuilder::write_timeout`], which frees its
+/// place.
 pub const MAX_STREAMS: usize = 16;
 
 /// How many connections the console serves at once unless
@@ -190,6 +192,11 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
 /// connection may stay idle) unless [`ConsoleBuilder::header_read_timeout`] says otherwise:
 /// then hyper closes the connection.
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a write to a client's connection may make no progress (the client has stopped
+/// reading, and the socket's buffers are full) unless [`ConsoleBuilder::write_timeout`] says
+/// otherwise: then the connection is closed.
+pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The shortest actions token accepted, in bytes.
 pub const MIN_TOKEN_LEN: usize = 16;
@@ -219,6 +226,7 @@ impl Console {
             limits: server::Limits {
                 max_connections: DEFAULT_MAX_CONNECTIONS,
                 header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+                write_timeout: DEFAULT_WRITE_TIMEOUT,
             },
             history: DEFAULT_HISTORY,
         }
@@ -327,9 +335,22 @@ impl ConsoleBuilder {
 
     /// Closes a connection whose client has not sent a request's headers within `timeout`
     /// (default [`DEFAULT_HEADER_READ_TIMEOUT`]), and a kept-alive connection idle that long:
-    /// a slow or silent client holds a connection no longer than this.
+    /// a client slow or silent in sending a request's headers holds a connection no longer
+    /// than this. It bounds reading the headers only (an action's body has [`BODY_TIMEOUT`]);
+    /// a client that stops reading the answer is bounded by [`write_timeout`](Self::write_timeout).
     pub fn header_read_timeout(mut self, timeout: Duration) -> Self {
         self.limits.header_read_timeout = timeout;
+        self
+    }
+
+    /// Closes a connection when a write to it has made no progress for `timeout` (default
+    /// [`DEFAULT_WRITE_TIMEOUT`]): a client that stops reading an event stream or a large
+    /// answer holds its connection (and its event stream's place) no longer than this after
+    /// the socket's buffers have filled. Any progress restarts the bound, so a slow reader is
+    /// served however long the answer; a connection with nothing to write is not bounded by it
+    /// (an open event stream writes ten frames a second).
+    pub fn write_timeout(mut self, timeout: Duration) -> Self {
+        self.limits.write_timeout = timeout;
         self
     }
 
@@ -518,7 +539,9 @@ impl ConsoleHandle {
     /// Stops the console: stops accepting connections, ends every event stream, lets requests
     /// in progress finish, and waits for its tasks. A request still in progress
     /// [`SHUTDOWN_GRACE`] later (a client that stalls mid-request) is not waited for: its
-    /// connection ends when that client goes away.
+    /// connection ends when that client goes away or a timeout closes it
+    /// ([`ConsoleBuilder::header_read_timeout`], [`BODY_TIMEOUT`],
+    /// [`ConsoleBuilder::write_timeout`]).
     ///
     /// # Errors
     ///

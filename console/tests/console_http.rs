@@ -1390,6 +1390,118 @@ async fn a_flood_of_slow_clients_is_closed_by_the_console_and_costs_jobs_no_file
     drop(limit);
 }
 
+/// Sends `GET path` from a socket with a small receive buffer, reads the answer's head (so the
+/// console has begun to answer) and no more: the status, and the socket, never read again.
+async fn stop_reading_after_the_head(addr: SocketAddr, path: &str) -> (u16, TcpStream) {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    // Both before connecting: the window the console may fill stays small, and so does the
+    // send buffer Linux gives the console's socket, which it sizes from the segment size the
+    // client announces (on loopback, 64 KiB segments would give it megabytes to fill).
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.set_tcp_mss(536).unwrap();
+    socket.set_nonblocking(true).unwrap();
+    let socket = tokio::net::TcpSocket::from_std_stream(socket.into());
+    let mut stream = socket.connect(addr).await.unwrap();
+    let raw = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    stream.write_all(raw.as_bytes()).await.unwrap();
+    let mut head = Vec::new();
+    tokio::time::timeout(WAIT, async {
+        while !head.ends_with(b"\r\n\r\n") {
+            head.push(stream.read_u8().await.unwrap());
+        }
+    })
+    .await
+    .expect("the console answered within the bound");
+    let (status, _) = parse_head(std::str::from_utf8(&head).unwrap());
+    (status, stream)
+}
+
+/// Fills the history with a thousand job ends, each with a long job id and a long note.
+fn long_job_ends(console: &ConsoleHandle) {
+    let outcomes = console.outcomes();
+    let ok: Result<(), leasehold::JobError<String>> = Ok(());
+    for i in 0..1000 {
+        let note = leasehold_console::JobNote::new().note("x".repeat(300));
+        outcomes.record_with(&format!("bake-{i:04}-{}", "y".repeat(200)), &ok, note);
+    }
+}
+
+/// Clients that open the event stream and then stop reading: once their sockets' buffers are
+/// full, the console's writes make no progress, and it closes them after the write timeout,
+/// which frees their stream places (and their connections): a new stream is accepted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_streams_whose_clients_stopped_reading_are_closed_and_free_their_places() {
+    let sup = Supervisor::builder().slots(1).start().await.unwrap();
+    let console = Console::builder(sup.clone())
+        .max_connections(MAX_STREAMS + 4)
+        .write_timeout(Duration::from_millis(300))
+        .start()
+        .await
+        .unwrap();
+    let addr = console.local_addr();
+    // Frames of several KB (the newest job ends, with long ids and notes): ten a second fill
+    // a socket's buffers within a second or two.
+    long_job_ends(&console);
+    // Every stream place is taken by a client that reads no more.
+    let mut stalled = Vec::with_capacity(MAX_STREAMS);
+    for _ in 0..MAX_STREAMS {
+        let (status, stream) = stop_reading_after_the_head(addr, "/api/events").await;
+        assert_eq!(status, 200);
+        stalled.push(stream);
+    }
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match Events::open(addr).await {
+            Ok(mut events) => {
+                events.next().await;
+                break;
+            }
+            Err(reply) => {
+                assert_eq!(reply.refused(429), "CONSOLE_TOO_MANY_STREAMS");
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "clients that stopped reading still hold every stream place"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    for stream in stalled {
+        assert!(
+            closed_within(stream, WAIT).await,
+            "an event stream whose client stopped reading was left open"
+        );
+    }
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
+}
+
+/// A large answer to a client that stops reading holds the console's only connection until
+/// the write timeout: then it is closed, and the snapshot is served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_answer_to_a_client_that_stopped_reading_frees_its_connection() {
+    let sup = Supervisor::builder().slots(1).start().await.unwrap();
+    let console = Console::builder(sup.clone())
+        .max_connections(1)
+        .write_timeout(Duration::from_millis(300))
+        .start()
+        .await
+        .unwrap();
+    let addr = console.local_addr();
+    // 500 rows of long job ends: an answer far larger than the socket's buffers.
+    long_job_ends(&console);
+    let (status, stalled) = stop_reading_after_the_head(addr, "/api/history?limit=500").await;
+    assert_eq!(status, 200);
+    snapshot_answers(addr).await;
+    assert!(
+        closed_within(stalled, WAIT).await,
+        "a large answer whose client stopped reading was left open"
+    );
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
+}
+
 /// The process's soft limit on open file descriptors, lowered for a test and put back after.
 struct FdLimit(rustix::process::Rlimit);
 
