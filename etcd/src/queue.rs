@@ -331,10 +331,21 @@ impl Inner {
         )
     }
 
-    /// Why a waiter's marker (or its grant's slot key) is gone: its session expired (etcd says
-    /// so), or someone deleted its records.
+    /// Why a waiter's marker (or its grant's slot key) is gone: its session expired, or someone
+    /// deleted its records. Only etcd's word ends the session: a time-to-live of zero or less
+    /// (etcd's answer for a lease it does not know), "lease not found", or the keeper having
+    /// heard the same. When etcd does not answer (the question is retried on any member until
+    /// `retry_for`, like every bounded call), the wait ends `ETCD_UNAVAILABLE` and the session
+    /// is kept: it may well live, with what the broker holds under it, which its keeper renews
+    /// and `close` must still revoke.
     async fn gone(self: &Arc<Self>, ticket: &Ticket) -> EtcdError {
         let id = ticket.session.id;
+        // The tests cut etcd off when they see this, to make the question go unanswered.
+        tracing::debug!(
+            request = format_args!("{:016x}", ticket.rk),
+            session = format_args!("{id:016x}"),
+            "a waiter's place is gone: etcd is asked whether its session lives"
+        );
         let ttl = self
             .endpoints
             .call(
@@ -351,11 +362,24 @@ impl Inner {
                     ticket.rk
                 ),
             ),
-            _ => {
-                self.forget_session(&ticket.session);
-                ticket.session.expired_error("waiting in the queue")
-            }
+            Ok(_) | Err(Fail::NotFound) => self.confirmed_expiry(ticket),
+            Err(_) if ticket.session.is_expired() => self.confirmed_expiry(ticket),
+            Err(Fail::Ambiguous(why)) => EtcdError::new(
+                EtcdErrorKind::Unavailable,
+                format!(
+                    "waiting in the queue: the place of request {:016x} is gone, and etcd did not \
+                     say within {:?} whether session {id:016x} lives: {why}",
+                    ticket.rk, self.retry_for
+                ),
+            ),
+            Err(Fail::Fatal(e)) => e,
         }
+    }
+
+    /// A waiter's session is gone, as etcd said: the next acquire grants a new one.
+    fn confirmed_expiry(&self, ticket: &Ticket) -> EtcdError {
+        self.forget_session(&ticket.session);
+        ticket.session.expired_error("waiting in the queue")
     }
 
     /// Reads the waiter's marker, its queue key and how many slots are held (and, `closer`, its

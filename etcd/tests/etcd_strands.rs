@@ -4,7 +4,9 @@
 //! compaction passed the slot watch of a stopped process), a create etcd refuses, a cleanup
 //! that meets an outage longer than any bound, a queue place that still holds a key, a grant of a slot index whose earlier token here
 //! is not released, an acquire that reuses the request id of a release still settling (or
-//! still in flight), and a key among the slot keys that is not a slot key.
+//! still in flight), a key among the slot keys that is not a slot key, and a waiter whose place
+//! is gone while etcd does not answer whether its session lives (the session is kept, and
+//! revoked at close).
 //!
 //! Needs an etcd binary (`cargo test -p leasehold-etcd`); without the binary each test says
 //! SKIPPED, and with `LEASEHOLD_REQUIRE_ETCD=1` it fails instead.
@@ -759,4 +761,126 @@ async fn a_stray_key_among_the_slot_keys_does_not_count_as_a_held_slot() {
     let keys = slot_keys(&mut c, "bak").await;
     assert_eq!(keys.len(), 1, "only the stray key is left: {keys:?}");
     assert!(keys[0].0.ends_with(".bak"));
+}
+
+/// A tracing subscriber that runs `then` when the broker logs that a waiter whose place is gone
+/// asks etcd whether its session lives (just before it asks), and counts how often.
+struct OnSessionCheck {
+    then: Box<dyn Fn() + Send + Sync>,
+    seen: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl tracing::Subscriber for OnSessionCheck {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.0 = format!("{value:?}");
+                }
+            }
+        }
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        let Message(text) = message;
+        if text.contains("etcd is asked whether its session lives") {
+            self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            (self.then)();
+        }
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_place_is_gone_while_etcd_does_not_answer_keeps_its_session() {
+    use tracing::instrument::WithSubscriber;
+    let Some(bin) = etcd_binary("a_waiter_whose_place_is_gone_while_etcd_does_not_answer") else {
+        return;
+    };
+    let etcd = Etcd::start(&bin);
+    let mut c = client(&etcd).await;
+    let proxy = Arc::new(Proxy::start(etcd.client_port()));
+    // A TTL well past the outage below (the session lives through it), a short bound on calls.
+    let waiter = Arc::new(
+        EtcdBroker::connect(
+            config(&proxy.endpoint(), "blip", 2)
+                .ttl(Duration::from_secs(10))
+                .retry_for(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap(),
+    );
+    let holder = connect(&etcd, "blip", 2).await;
+    // The waiter's broker holds a slot under its session, the other broker the other one.
+    let mine = waiter.acquire(request(1)).await.unwrap();
+    let keep_mine = keep(&waiter, mine);
+    let theirs = holder.acquire(request(9)).await.unwrap();
+    let keep_theirs = keep(&holder, theirs);
+    let session = waiter.session_lease().expect("a session");
+
+    // A waiter, cut off from etcd the moment it asks whether its session lives.
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let cut = {
+        let proxy = Arc::clone(&proxy);
+        tracing::Dispatch::new(OnSessionCheck {
+            then: Box::new(move || proxy.blackhole()),
+            seen: Arc::clone(&seen),
+        })
+    };
+    let waiting = {
+        let waiter = Arc::clone(&waiter);
+        tokio::spawn(async move { waiter.acquire(request(2)).await }.with_subscriber(cut))
+    };
+    let place = wait_queued(&c, &waiter, &request(2)).await;
+    wait_until(
+        Duration::from_secs(10),
+        "the waiter watches its marker (and the slot watch is in place)",
+        || {
+            let n = waiter.watch_count();
+            async move { n == 2 }
+        },
+    )
+    .await;
+
+    // Someone deletes its place, then the other broker's release frees its slot: the waiter
+    // looks, finds its place gone, and asks etcd about its session while etcd is cut off.
+    c.delete(place.as_str(), None).await.unwrap();
+    keep_theirs.abort();
+    holder.release(theirs).await.unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(15), waiting)
+        .await
+        .expect("the wait ends")
+        .unwrap()
+        .expect_err("its place is gone");
+    assert_eq!(seen.load(std::sync::atomic::Ordering::SeqCst), 1, "{err}");
+    proxy.heal();
+    let kept = waiter.session_lease();
+
+    // Closing revokes the session etcd never said was gone: nothing is left under it.
+    keep_mine.abort();
+    waiter.close().await.unwrap();
+    let left: Vec<String> = c
+        .get("leasehold/blip/", Some(GetOptions::new().with_prefix()))
+        .await
+        .unwrap()
+        .kvs()
+        .iter()
+        .filter(|kv| kv.lease() == session)
+        .map(|kv| kv.key_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        (err.code(), kept, left),
+        (Some("ETCD_UNAVAILABLE"), Some(session), Vec::new()),
+        "an unanswered question is not an expiry: the wait ends unavailable (not \
+         ETCD_SESSION_EXPIRED), the session is kept, and close revokes it: {err}"
+    );
 }
