@@ -883,8 +883,9 @@ impl Supervisor {
         });
         async move {
             // Nobody polls the handle while the actor is awaited: a cancellation or the acquire
-            // timeout withdraws the job here, and the start is still awaited (a grant that won
-            // the race is never lost; a job refused drops its closure, and `started_tx` with it).
+            // timeout withdraws the job here, and the start is still awaited (a grant made before
+            // the deadline that won the race is never lost; a job refused drops its closure, and
+            // `started_tx` with it).
             let mut started_rx = started_rx;
             let started = tokio::select! {
                 biased;

@@ -63,7 +63,8 @@ impl<T, E> Submitted<T, E> {
     }
 
     /// Waits for the answer: a cancellation or the acquire timeout withdraws the job, and the
-    /// wait goes on (a grant that won the race is never lost).
+    /// wait goes on (a grant made before the deadline that won the race is never lost; the
+    /// supervisor refuses a job it would grant once its deadline has passed).
     pub(crate) async fn wait(&mut self) -> Result<RunOutcome, ()> {
         let timeout = self
             .deadline
@@ -213,7 +214,8 @@ impl Drop for WaitGuard<'_> {
 
 /// Waits for the supervisor's answer. Cancellation and the acquire timeout do not abandon the
 /// wait: they ask the supervisor to withdraw the waiter and keep listening, so a grant that won
-/// the race is never lost (for a job, the answer is then the job's own result).
+/// the race is never lost (for a job, the answer is then the job's own result; a job reached by
+/// a grant only after its deadline is refused by the supervisor, `LEASE_ACQUIRE_TIMEOUT`).
 pub(super) async fn await_reply<T>(
     inbox: &Inbox,
     waiter: WaiterId,

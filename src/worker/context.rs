@@ -319,7 +319,7 @@ impl WorkerContext {
     ///
     /// A context kept past its job (every task of the job has ended, and its slot may serve
     /// another lease) starts nothing: `fut` is dropped unpolled, and the handle resolves to a
-    /// cancelled [`JoinError`](tokio::task::JoinError).
+    /// cancelled [`JoinError`](tokio::task::JoinError) (a panic one if `fut`'s `Drop` panics).
     ///
     /// # Panics
     ///
@@ -353,7 +353,8 @@ impl WorkerContext {
     /// Runs a blocking closure on tokio's blocking pool, tracked like [`spawn`](Self::spawn):
     /// the temp dir and the slot wait for it to return, whatever happened to the body. A
     /// context kept past its job runs nothing: `f` is dropped uncalled, and the handle resolves
-    /// to a cancelled [`JoinError`](tokio::task::JoinError).
+    /// to a cancelled [`JoinError`](tokio::task::JoinError) (a panic one if `f`'s `Drop`
+    /// panics).
     ///
     /// # Panics
     ///
@@ -383,7 +384,7 @@ impl WorkerContext {
 
 /// The handle of a start refused because the job's lease has ended: a task that drops `value`
 /// (the caller's future or closure, never run) and is aborted at once, so that the handle
-/// resolves to a cancelled `JoinError`.
+/// resolves to an error: cancelled (or a panic, if `value`'s own `Drop` panicked).
 fn refused<V: Send + 'static, R: Send + 'static>(value: V) -> JoinHandle<R> {
     tracing::warn!("a worker context kept past its job was asked to start work: refused");
     crate::counters::task();

@@ -806,6 +806,10 @@ async fn every_error_display_is_lowercase_without_a_trailing_full_stop() {
         &StartError::ZeroDuration("cleanup_timeout"),
     );
     push("StartError::Spawn", &StartError::Spawn("no runtime".into()));
+    push(
+        "StartError::BrokerAttach",
+        &StartError::BrokerAttach("attach refused".into()),
+    );
     push("StartError::WorkRoot", &p.start_work_root);
     push(
         "JobError::Invalid",

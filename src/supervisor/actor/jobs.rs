@@ -520,25 +520,35 @@ impl Driver {
         let key = self.reporter.key;
         let tracker = self.tracker;
         let mut proofs = Proofs::JOINED;
-        if !tracker.is_empty() {
-            // Tell the supervisor the body has ended; the tasks are waited for.
-            self.reporter.proven_so_far(&mut proofs);
-            if let Some(after) = self.drain_timeout
-                && tokio::time::timeout(after, tracker.wait()).await.is_err()
-            {
-                self.reporter.input(Input::Late {
-                    key,
-                    proof: Proof::TasksJoined,
-                    detail: format!(
-                        "tasks spawned through the worker context were still running {after:?} after the worker ended"
-                    ),
-                });
+        let (mut announced, mut late) = (false, false);
+        // Until the job is closed to new work with no task left: a start that got in just
+        // before the close (a context kept past the job) is waited for like the others, under
+        // the same bound.
+        loop {
+            if !tracker.is_empty() {
+                if !announced {
+                    // Tell the supervisor the body has ended; the tasks are waited for.
+                    self.reporter.proven_so_far(&mut proofs);
+                    announced = true;
+                }
+                if !late
+                    && let Some(after) = self.drain_timeout
+                    && tokio::time::timeout(after, tracker.wait()).await.is_err()
+                {
+                    late = true;
+                    self.reporter.input(Input::Late {
+                        key,
+                        proof: Proof::TasksJoined,
+                        detail: format!(
+                            "tasks spawned through the worker context were still running {after:?} after the worker ended"
+                        ),
+                    });
+                }
+                tracker.wait().await;
             }
-            tracker.wait().await;
-        }
-        // Closed to new work; a start that got in before the close is waited out too.
-        while !self.shared.close_if_idle(&tracker) {
-            tracker.wait().await;
+            if self.shared.close_if_idle(&tracker) {
+                break;
+            }
         }
         proofs = proofs.with(Proofs::TASKS);
         #[cfg(feature = "gpu")]
