@@ -70,6 +70,9 @@ pub mod codes {
     /// [`ConsoleError::Server`](super::ConsoleError::Server): the HTTP server stopped with an
     /// I/O error.
     pub const CONSOLE_SERVER_FAILED: &str = "CONSOLE_SERVER_FAILED";
+    /// [`ConsoleError::ZeroTimeout`](super::ConsoleError::ZeroTimeout): a timeout of the
+    /// console's limits set to zero.
+    pub const CONSOLE_LIMIT_INVALID: &str = "CONSOLE_LIMIT_INVALID";
 }
 
 /// What went wrong starting, configuring or stopping a console.
@@ -109,11 +112,20 @@ pub enum ConsoleError {
         /// Why.
         source: io::Error,
     },
+    /// A timeout of the console's limits ([`header_read_timeout`](super::ConsoleBuilder::header_read_timeout),
+    /// [`write_timeout`](super::ConsoleBuilder::write_timeout)) was zero, which would close
+    /// every connection at once; refused by [`start`](super::ConsoleBuilder::start). Code
+    /// `CONSOLE_LIMIT_INVALID`.
+    ZeroTimeout {
+        /// The setting's name.
+        what: &'static str,
+    },
 }
 
 impl ConsoleError {
     /// The stable code: `CONSOLE_BIND_FAILED`, `CONSOLE_TOKEN_INVALID`,
-    /// `CONSOLE_LABEL_INVALID`, `CONSOLE_RANDOM_FAILED` or `CONSOLE_SERVER_FAILED`.
+    /// `CONSOLE_LABEL_INVALID`, `CONSOLE_RANDOM_FAILED`, `CONSOLE_SERVER_FAILED` or
+    /// `CONSOLE_LIMIT_INVALID`.
     pub fn code(&self) -> &'static str {
         match self {
             Self::Bind { .. } => codes::CONSOLE_BIND_FAILED,
@@ -121,6 +133,7 @@ impl ConsoleError {
             Self::InvalidLabel { .. } => codes::CONSOLE_LABEL_INVALID,
             Self::Random { .. } => codes::CONSOLE_RANDOM_FAILED,
             Self::Server { .. } => codes::CONSOLE_SERVER_FAILED,
+            Self::ZeroTimeout { .. } => codes::CONSOLE_LIMIT_INVALID,
         }
     }
 }
@@ -133,6 +146,7 @@ impl fmt::Display for ConsoleError {
             Self::InvalidLabel { why } => write!(f, "invalid job label: {why}"),
             Self::Random { message } => write!(f, "no secure random bytes: {message}"),
             Self::Server { .. } => f.write_str("the console's HTTP server failed"),
+            Self::ZeroTimeout { what } => write!(f, "the console's {what} must be positive"),
         }
     }
 }
@@ -141,7 +155,10 @@ impl std::error::Error for ConsoleError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Bind { source, .. } | Self::Server { source } => Some(source),
-            Self::InvalidToken { .. } | Self::InvalidLabel { .. } | Self::Random { .. } => None,
+            Self::InvalidToken { .. }
+            | Self::InvalidLabel { .. }
+            | Self::Random { .. }
+            | Self::ZeroTimeout { .. } => None,
         }
     }
 }

@@ -338,6 +338,8 @@ impl ConsoleBuilder {
     /// a client slow or silent in sending a request's headers holds a connection no longer
     /// than this. It bounds reading the headers only (an action's body has [`BODY_TIMEOUT`]);
     /// a client that stops reading the answer is bounded by [`write_timeout`](Self::write_timeout).
+    /// Zero is refused by [`start`](Self::start) (`CONSOLE_LIMIT_INVALID`): it would close
+    /// every connection before its request is read.
     pub fn header_read_timeout(mut self, timeout: Duration) -> Self {
         self.limits.header_read_timeout = timeout;
         self
@@ -349,6 +351,9 @@ impl ConsoleBuilder {
     /// the socket's buffers have filled. Any progress restarts the bound, so a slow reader is
     /// served however long the answer; a connection with nothing to write is not bounded by it
     /// (an open event stream writes ten frames a second).
+    /// Zero is refused by [`start`](Self::start) (`CONSOLE_LIMIT_INVALID`): it would close a
+    /// connection whenever a write cannot complete at once (the socket's buffer full for a
+    /// moment), however fast its client reads.
     pub fn write_timeout(mut self, timeout: Duration) -> Self {
         self.limits.write_timeout = timeout;
         self
@@ -390,7 +395,9 @@ impl ConsoleBuilder {
     ///
     /// # Errors
     ///
-    /// [`ConsoleError::Bind`] (`CONSOLE_BIND_FAILED`) when the address cannot be bound.
+    /// [`ConsoleError::Bind`] (`CONSOLE_BIND_FAILED`) when the address cannot be bound;
+    /// [`ConsoleError::ZeroTimeout`] (`CONSOLE_LIMIT_INVALID`) when a timeout of the limits is
+    /// zero (nothing is bound then).
     ///
     /// # Cancel safety
     ///
@@ -422,6 +429,14 @@ impl ConsoleBuilder {
             limits,
             history,
         } = self;
+        for (what, timeout) in [
+            ("header_read_timeout", limits.header_read_timeout),
+            ("write_timeout", limits.write_timeout),
+        ] {
+            if timeout.is_zero() {
+                return Err(ConsoleError::ZeroTimeout { what });
+            }
+        }
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|source| ConsoleError::Bind { addr, source })?;

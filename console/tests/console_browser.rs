@@ -8,8 +8,9 @@
 //!   nothing changed; the same cancel with the token cancelling the job.
 //! - Every action acts on exactly what the user confirmed: a lane's cancel armed for one job
 //!   never cancels the job the slot passes to, and the server refuses a lease that is no longer
-//!   the job's; every action asks to confirm first; a double-click only arms (a separate click
-//!   or key, once the button is ready, confirms); a control the page hides is not shown.
+//!   the job's; every action asks to confirm first; a double-click, or Enter held down (its
+//!   auto-repeats), only arms (a separate click or key press, once the button is ready,
+//!   confirms); a control the page hides is not shown.
 //! - Answers and details show beside the click; the history is paged and the page stays short
 //!   with a thousand job ends.
 //! - The queue never lists a job that the same frame shows holding a slot.
@@ -37,7 +38,8 @@ use chromiumoxide::cdp::browser_protocol::emulation::{
     MediaFeature, SetDeviceMetricsOverrideParams, SetEmulatedMediaParams,
 };
 use chromiumoxide::cdp::browser_protocol::input::{
-    DispatchMouseEventParams, DispatchMouseEventType, MouseButton,
+    DispatchKeyEventParams, DispatchKeyEventType, DispatchMouseEventParams, DispatchMouseEventType,
+    MouseButton,
 };
 use chromiumoxide::cdp::browser_protocol::page::CaptureScreenshotFormat;
 use chromiumoxide::handler::viewport::Viewport;
@@ -319,6 +321,32 @@ async fn double_click(page: &Page, selector: &str) {
             page.execute(event).await.unwrap();
         }
     }
+}
+
+/// Enter on the focused element, as a keyboard sends it: pressed (with its text, so that a
+/// focused button hears a click of `detail` 0), pressed again while held (`repeat`: the
+/// keyboard's auto-repeat, which clicks the button again), or released.
+#[derive(Clone, Copy, PartialEq)]
+enum Enter {
+    Down,
+    Repeat,
+    Up,
+}
+
+async fn enter(page: &Page, what: Enter) {
+    let event = DispatchKeyEventParams::builder()
+        .key("Enter")
+        .code("Enter")
+        .windows_virtual_key_code(13)
+        .native_virtual_key_code(13);
+    let event = match what {
+        Enter::Down | Enter::Repeat => event
+            .r#type(DispatchKeyEventType::KeyDown)
+            .text("\r")
+            .auto_repeat(what == Enter::Repeat),
+        Enter::Up => event.r#type(DispatchKeyEventType::KeyUp),
+    };
+    page.execute(event.build().unwrap()).await.unwrap();
 }
 
 /// Clicks a button that asks to confirm first: the first click arms it (its text asks), the
@@ -1349,6 +1377,93 @@ async fn a_double_click_on_cancel_only_arms_it_and_a_later_click_or_key_confirms
     let result = keyed.join().await;
     assert_eq!(result.unwrap_err().code(), "LEASE_BODY_CANCELLED");
     assert_eq!(posts(&page).await.len(), 2);
+
+    chrome.close().await;
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
+}
+
+/// Enter held down on a focused cancel: its first keydown arms the button, and the keyboard's
+/// auto-repeat sends keydowns (each a click of the button) for as long as it is held, past the
+/// moment the button is ready: none of them confirms (one held press is not a second one).
+/// A fresh press of Enter, once the key was released, confirms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holding_enter_on_a_cancel_only_arms_it_and_a_fresh_press_confirms() {
+    let Some(exe) = chromium_or_skip() else {
+        return;
+    };
+    let _one = ONE_BROWSER.lock().await;
+    let sup = Supervisor::builder().slots(1).start().await.unwrap();
+    let console = Console::builder(sup.clone())
+        .actions(ActionsToken::new(TOKEN).unwrap())
+        .start()
+        .await
+        .unwrap();
+    let mut held = Gated::submit(&sup, "held");
+    let (held_token, held_lease) = held.started().await;
+    let chrome = Chrome::launch(&exe, 1280, 1000).await;
+    let page = chrome.open(&console).await;
+    js::<bool>(&page, COUNT_POSTS).await;
+    type_into(&page, "#token", TOKEN).await;
+    let button = ".lane[data-job=\"held\"] .lane-cancel";
+    let question = format!("Confirm: cancel held (lease {held_lease})?");
+    wait_for(
+        &page,
+        "the lane's cancel button",
+        &format!("!{}?.querySelector('.lane-cancel').hidden", lane("held")),
+    )
+    .await;
+    listen_clicks(&page, button).await;
+    page.find_element(button)
+        .await
+        .unwrap()
+        .focus()
+        .await
+        .unwrap();
+
+    // ---- Enter pressed and held: it arms; its repeats, before and after ready, do not confirm --
+    enter(&page, Enter::Down).await;
+    enter(&page, Enter::Repeat).await;
+    enter(&page, Enter::Repeat).await;
+    ready(&page, button).await;
+    for _ in 0..3 {
+        enter(&page, Enter::Repeat).await;
+    }
+    let keys = heard(&page).await;
+    assert!(
+        keys.len() == 6 && keys.iter().all(|(d, _)| *d == 0),
+        "the press and its five repeats: six clicks of detail 0 (heard {keys:?})"
+    );
+    assert!(
+        keys[3].1,
+        "the repeats after `ready` reached a ready button (heard {keys:?})"
+    );
+    frames_later(&page, 8).await;
+    let sent = posts(&page).await;
+    assert!(
+        sent.is_empty() && !held_token.is_cancelled(),
+        "holding Enter cancelled held, a job the user never confirmed (posts: {sent:?})"
+    );
+    assert_eq!(sup.stats().active, 1);
+    let (text, armed): (String, bool) = js(
+        &page,
+        &format!(
+            "(() => {{ const b = document.querySelector('{button}'); \
+             return [b.textContent, b.dataset.armed === 'true']; }})()"
+        ),
+    )
+    .await;
+    assert!(armed, "the held Enter left the button unarmed: {text}");
+    assert_eq!(text, question);
+    enter(&page, Enter::Up).await;
+
+    // ---- released, then pressed again: that press confirms ------------------------------------
+    ready(&page, button).await;
+    enter(&page, Enter::Down).await;
+    enter(&page, Enter::Up).await;
+    let result = held.join().await;
+    assert_eq!(result.unwrap_err().code(), "LEASE_BODY_CANCELLED");
+    assert_eq!(posts(&page).await.len(), 1);
 
     chrome.close().await;
     console.shutdown().await.unwrap();

@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use leasehold::{CancellationToken, JobHandle, JobSpec, LeasePhase, Supervisor};
 use leasehold_console::{
-    ActionsToken, BODY_TIMEOUT, Console, ConsoleHandle, MAX_ACTION_BODY, MAX_STREAMS,
+    ActionsToken, BODY_TIMEOUT, Console, ConsoleBuilder, ConsoleHandle, MAX_ACTION_BODY,
+    MAX_STREAMS,
 };
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -1312,6 +1313,40 @@ async fn closed_within(mut stream: TcpStream, bound: Duration) -> bool {
     })
     .await
     .is_ok()
+}
+
+/// A zero header-read or write timeout is refused at the builder's call, with a panic that
+/// names the setting: zero would close every connection (headers) or every connection whose
+/// write has to wait a moment (writes). The shortest positive ones are taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_header_read_or_write_timeout_is_refused() {
+    type Set = fn(ConsoleBuilder, Duration) -> ConsoleBuilder;
+    let sup = Supervisor::builder().slots(1).start().await.unwrap();
+    for (name, set) in [
+        (
+            "header_read_timeout",
+            ConsoleBuilder::header_read_timeout as Set,
+        ),
+        ("write_timeout", ConsoleBuilder::write_timeout as Set),
+    ] {
+        let err = set(Console::builder(sup.clone()), Duration::ZERO)
+            .start()
+            .await
+            .expect_err(&format!("a zero {name} was taken"));
+        assert_eq!(err.code(), "CONSOLE_LIMIT_INVALID", "{name}: {err}");
+        assert_eq!(
+            err.to_string(),
+            format!("the console's {name} must be positive")
+        );
+    }
+    let console = Console::builder(sup.clone())
+        .header_read_timeout(Duration::from_nanos(1))
+        .write_timeout(Duration::from_nanos(1))
+        .start()
+        .await
+        .unwrap();
+    console.shutdown().await.unwrap();
+    sup.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

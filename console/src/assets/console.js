@@ -4,9 +4,9 @@
 //
 // Every action names what it acts on: the first click arms its button with a question that
 // says exactly what (a job and its lease, the quarantined slots, the capacity from and to),
-// a second, separate click (not the rest of a double-click, and half a second or more later)
-// sends that, and nothing else; an armed button whose target changes (its lane passed to
-// another job, another slot quarantined) disarms. The server refuses an action whose target
+// a second, separate click (not the rest of a double-click or of a held key, and half a second
+// or more later) sends that, and nothing else; an armed button whose target changes (its lane
+// passed to another job, another slot quarantined) disarms. The server refuses an action whose target
 // has changed since (CONSOLE_TARGET_CHANGED). Each answer shows next to the button that asked.
 "use strict";
 
@@ -89,12 +89,20 @@ const ARM_MS = 10000;
 // click this soon, cannot have read the question. Then `data-ready` is set.
 const SETTLE_MS = 500;
 
+// Whether the key down now is held (auto-repeating): each repeat of Enter on a button clicks
+// it again, and one held press must not arm and then, once ready, confirm.
+let keyHeld = false;
+window.addEventListener("keydown", (event) => { keyHeld = event.repeat; }, true);
+window.addEventListener("keyup", () => { keyHeld = false; }, true);
+window.addEventListener("blur", () => { keyHeld = false; });
+
 // A first click arms the button for ARM_MS with a question that names `target` (a string that
 // identifies exactly what the action acts on); a later, separate click on the same target acts.
-// `event` is the click: the rest of a multi-click (`detail` > 1; a key gives 0) neither arms nor
-// acts, and a click before the button is ready leaves it armed, asking.
+// `event` is the click: the rest of a multi-click (`detail` > 1; a key gives 0) or of a held key
+// (a click of `detail` 0 from an auto-repeated key press) neither arms nor acts, and a click
+// before the button is ready leaves it armed, asking.
 function confirmThen(button, target, question, action, event) {
-  if (event.detail > 1) return;
+  if (event.detail > 1 || (event.detail === 0 && keyHeld)) return;
   if (button.dataset.armed === "true" && button.dataset.target === target) {
     if (button.dataset.ready !== "true") return;
     disarm(button);
