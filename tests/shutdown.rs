@@ -300,6 +300,10 @@ async fn a_lost_lease_that_shutdown_released_is_released_without_error_afterward
     tokio::time::timeout(Duration::from_secs(60), lease.lost())
         .await
         .expect("the loss never reached the lease");
+    assert!(
+        lease.is_lost() && !lease.is_released(),
+        "lost, and not released yet: its holder still owes the release"
+    );
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.released_leases, 1, "{report:?}");
     assert!(lease.is_lost() && lease.is_released());
