@@ -429,15 +429,8 @@ impl Actor for Quick {
 #[tokio::test(start_paused = true)]
 async fn spawn_job_ends_with_lease_acquire_timeout_when_no_slot_comes_in_time() {
     let log = EventLog::default();
-    let broker = TestBroker::new(1);
     let timeout = Duration::from_secs(2);
-    let sup = Supervisor::builder()
-        .broker(broker.clone())
-        .acquire_timeout(timeout)
-        .start()
-        .await
-        .unwrap();
-    let mut holder = sup.acquire().await.unwrap();
+    let (broker, sup, mut holder) = common::one_slot_held_under_acquire_timeout(timeout).await;
     let t0 = tokio::time::Instant::now();
     let spawned = tokio::time::timeout(
         timeout * 10,

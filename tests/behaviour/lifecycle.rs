@@ -454,15 +454,8 @@ fn a_supervisor_whose_multi_thread_runtime_is_gone_answers_errors_and_never_hang
 
 #[tokio::test(start_paused = true)]
 async fn acquire_timeout_ends_both_acquire_and_run_with_lease_acquire_timeout_and_leaks_nothing() {
-    let broker = TestBroker::new(1);
     let timeout = Duration::from_secs(2);
-    let sup = Supervisor::builder()
-        .broker(broker.clone())
-        .acquire_timeout(timeout)
-        .start()
-        .await
-        .unwrap();
-    let mut holder = sup.acquire().await.unwrap();
+    let (broker, sup, mut holder) = common::one_slot_held_under_acquire_timeout(timeout).await;
 
     let t0 = tokio::time::Instant::now();
     let err = sup.acquire().await.unwrap_err();
@@ -509,15 +502,8 @@ async fn acquire_timeout_ends_both_acquire_and_run_with_lease_acquire_timeout_an
 /// queue at its acquire timeout, and it never runs.
 #[tokio::test(start_paused = true)]
 async fn a_detached_job_leaves_the_queue_at_its_acquire_timeout() {
-    let broker = TestBroker::new(1);
     let timeout = Duration::from_secs(2);
-    let sup = Supervisor::builder()
-        .broker(broker.clone())
-        .acquire_timeout(timeout)
-        .start()
-        .await
-        .unwrap();
-    let mut holder = sup.acquire().await.unwrap();
+    let (broker, sup, mut holder) = common::one_slot_held_under_acquire_timeout(timeout).await;
     let ran = Arc::new(AtomicBool::new(false));
     let ran2 = Arc::clone(&ran);
     sup.submit(JobSpec::new("detached").unwrap(), move |_ctx| async move {
@@ -549,15 +535,8 @@ async fn a_detached_job_leaves_the_queue_at_its_acquire_timeout() {
 /// it past its acquire timeout, the slot goes on, and the handle reads `LEASE_ACQUIRE_TIMEOUT`.
 #[tokio::test(start_paused = true)]
 async fn a_job_whose_handle_is_not_polled_is_refused_at_its_grant_past_its_acquire_timeout() {
-    let broker = TestBroker::new(1);
     let timeout = Duration::from_secs(2);
-    let sup = Supervisor::builder()
-        .broker(broker.clone())
-        .acquire_timeout(timeout)
-        .start()
-        .await
-        .unwrap();
-    let mut holder = sup.acquire().await.unwrap();
+    let (broker, sup, mut holder) = common::one_slot_held_under_acquire_timeout(timeout).await;
     let ran = Arc::new(AtomicBool::new(false));
     let ran2 = Arc::clone(&ran);
     let mut handle = sup.submit(JobSpec::new("unpolled").unwrap(), move |_ctx| async move {

@@ -409,6 +409,22 @@ pub async fn until(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// A supervisor on a one-slot `TestBroker` with `timeout` as its acquire timeout, and the
+/// slot held: whoever asks next waits, and times out unless it is released.
+pub async fn one_slot_held_under_acquire_timeout(
+    timeout: std::time::Duration,
+) -> (TestBroker, leasehold::Supervisor, leasehold::Lease) {
+    let broker = TestBroker::new(1);
+    let sup = leasehold::Supervisor::builder()
+        .broker(broker.clone())
+        .acquire_timeout(timeout)
+        .start()
+        .await
+        .unwrap();
+    let holder = sup.acquire().await.unwrap();
+    (broker, sup, holder)
+}
+
 /// A supervisor on `broker`, everything else by default.
 pub async fn supervise(broker: &TestBroker) -> leasehold::Supervisor {
     leasehold::Supervisor::builder()
