@@ -1096,16 +1096,21 @@ async fn the_page_polls_while_the_stream_cap_is_full_and_says_when_it_is_disconn
     sup.shutdown().await.unwrap();
 }
 
-/// What a lane's cancel button is armed for: its text, and whether it is armed.
-async fn lane_button(page: &Page, slot: u32) -> (String, bool) {
+/// What the button `selector` is armed for: its text, and whether it is armed.
+async fn button_state(page: &Page, selector: &str) -> (String, bool) {
     js(
         page,
         &format!(
-            "(() => {{ const b = document.querySelector('.lane[data-slot=\"{slot}\"] .lane-cancel'); \
+            "(() => {{ const b = document.querySelector('{selector}'); \
              return [b.textContent, b.dataset.armed === 'true']; }})()"
         ),
     )
     .await
+}
+
+/// What a lane's cancel button is armed for: its text, and whether it is armed.
+async fn lane_button(page: &Page, slot: u32) -> (String, bool) {
+    button_state(page, &format!(".lane[data-slot=\"{slot}\"] .lane-cancel")).await
 }
 
 /// A confirmed cancel acts on exactly the job and lease the user confirmed. The scene of the
@@ -1263,6 +1268,123 @@ async fn a_confirmed_cancel_acts_on_the_lease_confirmed_and_never_on_the_slots_n
     sup.shutdown().await.unwrap();
 }
 
+/// A lane's cancel button, for the job `job`.
+fn cancel_button(job: &str) -> String {
+    format!(".lane[data-job=\"{job}\"] .lane-cancel")
+}
+
+/// A job of a [`CancelScene`]: running, with its id, its cancellation token and its lease.
+struct Running {
+    id: &'static str,
+    job: Gated,
+    token: CancellationToken,
+    lease: u64,
+}
+
+impl Running {
+    /// The question its lane's cancel button asks once armed.
+    fn question(&self) -> String {
+        format!("Confirm: cancel {} (lease {})?", self.id, self.lease)
+    }
+}
+
+/// The scene of a cancel test: a supervisor with a slot for each of its jobs, a console whose
+/// actions take [`TOKEN`], and its page in a 1280 × 1000 browser, counting its POSTs
+/// ([`COUNT_POSTS`]), with the token typed in and every job's cancel button shown. Holds the
+/// one-browser lock until [`CancelScene::close`].
+struct CancelScene {
+    sup: Supervisor,
+    /// How many jobs it started (one a slot).
+    jobs: usize,
+    console: ConsoleHandle,
+    chrome: Chrome,
+    page: Page,
+    _one: tokio::sync::MutexGuard<'static, ()>,
+}
+
+/// Sets up a [`CancelScene`] with a [`Gated`] job running for each of `ids` (submitted in that
+/// order, each once the last has started); `None` where the browser test is skipped.
+async fn cancel_scene<const N: usize>(
+    ids: [&'static str; N],
+) -> Option<(CancelScene, [Running; N])> {
+    let exe = chromium_or_skip()?;
+    let one = ONE_BROWSER.lock().await;
+    let slots = u32::try_from(N).unwrap();
+    let sup = Supervisor::builder().slots(slots).start().await.unwrap();
+    let console = Console::builder(sup.clone())
+        .actions(ActionsToken::new(TOKEN).unwrap())
+        .start()
+        .await
+        .unwrap();
+    let mut jobs = Vec::with_capacity(N);
+    for id in ids {
+        let mut job = Gated::submit(&sup, id);
+        let (token, lease) = job.started().await;
+        jobs.push(Running {
+            id,
+            job,
+            token,
+            lease,
+        });
+    }
+    let chrome = Chrome::launch(&exe, 1280, 1000).await;
+    let page = chrome.open(&console).await;
+    js::<bool>(&page, COUNT_POSTS).await;
+    type_into(&page, "#token", TOKEN).await;
+    let shown: Vec<String> = ids
+        .iter()
+        .map(|id| format!("!{}?.querySelector('.lane-cancel').hidden", lane(id)))
+        .collect();
+    wait_for(
+        &page,
+        &format!("the lanes of {ids:?} with their cancel buttons"),
+        &shown.join(" && "),
+    )
+    .await;
+    let jobs = jobs.try_into().unwrap_or_else(|_| unreachable!("{N} jobs"));
+    Some((
+        CancelScene {
+            sup,
+            jobs: N,
+            console,
+            chrome,
+            page,
+            _one: one,
+        },
+        jobs,
+    ))
+}
+
+impl CancelScene {
+    /// What `by` did to `job`'s cancel button only armed it: nothing sent, `job` (and every job
+    /// of the scene) still running, the button armed and asking its question.
+    async fn only_armed(&self, job: &Running, by: &str) {
+        let sent = posts(&self.page).await;
+        assert!(
+            sent.is_empty() && !job.token.is_cancelled(),
+            "{by} cancelled {}, a job the user never confirmed (posts: {sent:?})",
+            job.id
+        );
+        assert_eq!(self.sup.stats().active, self.jobs);
+        let (text, armed) = button_state(&self.page, &cancel_button(job.id)).await;
+        assert!(armed, "{by} left the button unarmed: {text}");
+        assert_eq!(text, job.question());
+    }
+
+    /// `job` ends `LEASE_BODY_CANCELLED`, and the page has sent `sent` POSTs by then.
+    async fn ended_cancelled(&self, job: Running, sent: usize) {
+        let result = job.job.join().await;
+        assert_eq!(result.unwrap_err().code(), "LEASE_BODY_CANCELLED");
+        assert_eq!(posts(&self.page).await.len(), sent);
+    }
+
+    async fn close(self) {
+        self.chrome.close().await;
+        self.console.shutdown().await.unwrap();
+        self.sup.shutdown().await.unwrap();
+    }
+}
+
 /// A double-click on a lane's Cancel only arms it. The report: the second click of a
 /// double-click was taken as the confirmation, and the job was cancelled about 100 ms later,
 /// before the question could be read. A confirming click must be a separate one (not the rest of
@@ -1270,47 +1392,16 @@ async fn a_confirmed_cancel_acts_on_the_lease_confirmed_and_never_on_the_slots_n
 /// `data-ready`); then a click confirms, and so does the keyboard (Enter: a click of `detail` 0).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_double_click_on_cancel_only_arms_it_and_a_later_click_or_key_confirms() {
-    let Some(exe) = chromium_or_skip() else {
+    let Some((scene, [clicked, keyed])) = cancel_scene(["double-clicked", "keyed"]).await else {
         return;
     };
-    let _one = ONE_BROWSER.lock().await;
-    let sup = Supervisor::builder().slots(2).start().await.unwrap();
-    let console = Console::builder(sup.clone())
-        .actions(ActionsToken::new(TOKEN).unwrap())
-        .start()
-        .await
-        .unwrap();
-    let mut clicked = Gated::submit(&sup, "double-clicked");
-    let (clicked_token, clicked_lease) = clicked.started().await;
-    let mut keyed = Gated::submit(&sup, "keyed");
-    let (keyed_token, keyed_lease) = keyed.started().await;
-    let chrome = Chrome::launch(&exe, 1280, 1000).await;
-    let page = chrome.open(&console).await;
-    js::<bool>(&page, COUNT_POSTS).await;
-    type_into(&page, "#token", TOKEN).await;
-    let button = |job: &str| format!(".lane[data-job=\"{job}\"] .lane-cancel");
-    let state = |job: &str| {
-        format!(
-            "(() => {{ const b = document.querySelector('{}'); \
-             return [b.textContent, b.dataset.armed === 'true']; }})()",
-            button(job)
-        )
-    };
-    wait_for(
-        &page,
-        "both lanes with their cancel buttons",
-        &format!(
-            "!{}?.querySelector('.lane-cancel').hidden && !{}?.querySelector('.lane-cancel').hidden",
-            lane("double-clicked"),
-            lane("keyed")
-        ),
-    )
-    .await;
+    let page = &scene.page;
 
     // ---- a double-click: armed, asking; nothing sent, the job runs ------------------------------
-    listen_clicks(&page, &button("double-clicked")).await;
-    double_click(&page, &button("double-clicked")).await;
-    let clicks: Vec<i64> = heard(&page).await.into_iter().map(|(d, _)| d).collect();
+    let button = cancel_button(clicked.id);
+    listen_clicks(page, &button).await;
+    double_click(page, &button).await;
+    let clicks: Vec<i64> = heard(page).await.into_iter().map(|(d, _)| d).collect();
     assert_eq!(
         clicks,
         [1, 2],
@@ -1318,55 +1409,40 @@ async fn a_double_click_on_cancel_only_arms_it_and_a_later_click_or_key_confirms
     );
     // Well past when the double-click's second click would have acted (at once: its cancel
     // reached the supervisor about 100 ms later).
-    frames_later(&page, 8).await;
-    let sent = posts(&page).await;
-    assert!(
-        sent.is_empty() && !clicked_token.is_cancelled(),
-        "a double-click cancelled double-clicked, a job the user never confirmed (posts: {sent:?})"
-    );
-    assert_eq!(sup.stats().active, 2);
-    let (text, armed): (String, bool) = js(&page, &state("double-clicked")).await;
-    assert!(armed, "the double-click left the button unarmed: {text}");
-    assert_eq!(
-        text,
-        format!("Confirm: cancel double-clicked (lease {clicked_lease})?")
-    );
-    screenshot(&page, "console-double-click-armed.png").await;
+    frames_later(page, 8).await;
+    scene.only_armed(&clicked, "a double-click").await;
+    screenshot(page, "console-double-click-armed.png").await;
 
     // ---- a separate click once the button is ready: cancelled ----------------------------------
-    ready(&page, &button("double-clicked")).await;
-    click(&page, &button("double-clicked")).await;
-    let result = clicked.join().await;
-    assert_eq!(result.unwrap_err().code(), "LEASE_BODY_CANCELLED");
-    assert_eq!(posts(&page).await.len(), 1);
+    ready(page, &button).await;
+    click(page, &button).await;
+    scene.ended_cancelled(clicked, 1).await;
 
     // ---- the keyboard: Enter arms; Enter again at once only asks; Enter once ready confirms --
-    listen_clicks(&page, &button("keyed")).await;
-    let key_button = page.find_element(button("keyed")).await.unwrap();
+    let button = cancel_button(keyed.id);
+    listen_clicks(page, &button).await;
+    let key_button = page.find_element(&button).await.unwrap();
     key_button.focus().await.unwrap();
     key_button.press_key("Enter").await.unwrap();
     key_button.press_key("Enter").await.unwrap();
-    let keys = heard(&page).await;
+    let keys = heard(page).await;
     assert_eq!(
         keys.iter().map(|(d, _)| *d).collect::<Vec<_>>(),
         [0, 0],
         "Enter on the focused button: two clicks of detail 0"
     );
-    frames_later(&page, 2).await;
+    frames_later(page, 2).await;
     // The second Enter came before the button was ready (its state then, as the page saw it):
     // it only left the button asking. (On a machine stalled past the half second between the
     // two keys, it would rightly confirm: nothing to check then.)
     if !keys[1].1 {
-        let (text, armed): (String, bool) = js(&page, &state("keyed")).await;
+        let (text, armed) = button_state(page, &button).await;
         assert!(
-            armed && posts(&page).await.len() == 1 && !keyed_token.is_cancelled(),
+            armed && posts(page).await.len() == 1 && !keyed.token.is_cancelled(),
             "an Enter before the button was ready confirmed the cancel of keyed ({text})"
         );
-        assert_eq!(
-            text,
-            format!("Confirm: cancel keyed (lease {keyed_lease})?")
-        );
-        ready(&page, &button("keyed")).await;
+        assert_eq!(text, keyed.question());
+        ready(page, &button).await;
         key_button.press_key("Enter").await.unwrap();
     } else {
         let _ = writeln!(
@@ -1374,13 +1450,9 @@ async fn a_double_click_on_cancel_only_arms_it_and_a_later_click_or_key_confirms
             "the second Enter came after the button was ready: the early Enter went unchecked"
         );
     }
-    let result = keyed.join().await;
-    assert_eq!(result.unwrap_err().code(), "LEASE_BODY_CANCELLED");
-    assert_eq!(posts(&page).await.len(), 2);
+    scene.ended_cancelled(keyed, 2).await;
 
-    chrome.close().await;
-    console.shutdown().await.unwrap();
-    sup.shutdown().await.unwrap();
+    scene.close().await;
 }
 
 /// Enter held down on a focused cancel: its first keydown arms the button, and the keyboard's
@@ -1389,32 +1461,13 @@ async fn a_double_click_on_cancel_only_arms_it_and_a_later_click_or_key_confirms
 /// A fresh press of Enter, once the key was released, confirms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holding_enter_on_a_cancel_only_arms_it_and_a_fresh_press_confirms() {
-    let Some(exe) = chromium_or_skip() else {
+    let Some((scene, [held])) = cancel_scene(["held"]).await else {
         return;
     };
-    let _one = ONE_BROWSER.lock().await;
-    let sup = Supervisor::builder().slots(1).start().await.unwrap();
-    let console = Console::builder(sup.clone())
-        .actions(ActionsToken::new(TOKEN).unwrap())
-        .start()
-        .await
-        .unwrap();
-    let mut held = Gated::submit(&sup, "held");
-    let (held_token, held_lease) = held.started().await;
-    let chrome = Chrome::launch(&exe, 1280, 1000).await;
-    let page = chrome.open(&console).await;
-    js::<bool>(&page, COUNT_POSTS).await;
-    type_into(&page, "#token", TOKEN).await;
-    let button = ".lane[data-job=\"held\"] .lane-cancel";
-    let question = format!("Confirm: cancel held (lease {held_lease})?");
-    wait_for(
-        &page,
-        "the lane's cancel button",
-        &format!("!{}?.querySelector('.lane-cancel').hidden", lane("held")),
-    )
-    .await;
-    listen_clicks(&page, button).await;
-    page.find_element(button)
+    let page = &scene.page;
+    let button = cancel_button(held.id);
+    listen_clicks(page, &button).await;
+    page.find_element(&button)
         .await
         .unwrap()
         .focus()
@@ -1422,14 +1475,14 @@ async fn holding_enter_on_a_cancel_only_arms_it_and_a_fresh_press_confirms() {
         .unwrap();
 
     // ---- Enter pressed and held: it arms; its repeats, before and after ready, do not confirm --
-    enter(&page, Enter::Down).await;
-    enter(&page, Enter::Repeat).await;
-    enter(&page, Enter::Repeat).await;
-    ready(&page, button).await;
+    enter(page, Enter::Down).await;
+    enter(page, Enter::Repeat).await;
+    enter(page, Enter::Repeat).await;
+    ready(page, &button).await;
     for _ in 0..3 {
-        enter(&page, Enter::Repeat).await;
+        enter(page, Enter::Repeat).await;
     }
-    let keys = heard(&page).await;
+    let keys = heard(page).await;
     assert!(
         keys.len() == 6 && keys.iter().all(|(d, _)| *d == 0),
         "the press and its five repeats: six clicks of detail 0 (heard {keys:?})"
@@ -1438,36 +1491,17 @@ async fn holding_enter_on_a_cancel_only_arms_it_and_a_fresh_press_confirms() {
         keys[3].1,
         "the repeats after `ready` reached a ready button (heard {keys:?})"
     );
-    frames_later(&page, 8).await;
-    let sent = posts(&page).await;
-    assert!(
-        sent.is_empty() && !held_token.is_cancelled(),
-        "holding Enter cancelled held, a job the user never confirmed (posts: {sent:?})"
-    );
-    assert_eq!(sup.stats().active, 1);
-    let (text, armed): (String, bool) = js(
-        &page,
-        &format!(
-            "(() => {{ const b = document.querySelector('{button}'); \
-             return [b.textContent, b.dataset.armed === 'true']; }})()"
-        ),
-    )
-    .await;
-    assert!(armed, "the held Enter left the button unarmed: {text}");
-    assert_eq!(text, question);
-    enter(&page, Enter::Up).await;
+    frames_later(page, 8).await;
+    scene.only_armed(&held, "holding Enter").await;
+    enter(page, Enter::Up).await;
 
     // ---- released, then pressed again: that press confirms ------------------------------------
-    ready(&page, button).await;
-    enter(&page, Enter::Down).await;
-    enter(&page, Enter::Up).await;
-    let result = held.join().await;
-    assert_eq!(result.unwrap_err().code(), "LEASE_BODY_CANCELLED");
-    assert_eq!(posts(&page).await.len(), 1);
+    ready(page, &button).await;
+    enter(page, Enter::Down).await;
+    enter(page, Enter::Up).await;
+    scene.ended_cancelled(held, 1).await;
 
-    chrome.close().await;
-    console.shutdown().await.unwrap();
-    sup.shutdown().await.unwrap();
+    scene.close().await;
 }
 
 /// Every action asks to confirm first (Reclaim and Resize acted on the first click), and a

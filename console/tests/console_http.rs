@@ -1462,22 +1462,30 @@ fn long_job_ends(console: &ConsoleHandle) {
     }
 }
 
+/// A console for clients that stop reading: at most `max_connections` connections, a write
+/// timeout of 300 ms, and a history of [`long_job_ends`], so that its answers and frames soon
+/// outgrow a socket's buffers.
+async fn console_for_stalled_readers(sup: &Supervisor, max_connections: usize) -> ConsoleHandle {
+    let console = Console::builder(sup.clone())
+        .max_connections(max_connections)
+        .write_timeout(Duration::from_millis(300))
+        .start()
+        .await
+        .unwrap();
+    long_job_ends(&console);
+    console
+}
+
 /// Clients that open the event stream and then stop reading: once their sockets' buffers are
 /// full, the console's writes make no progress, and it closes them after the write timeout,
 /// which frees their stream places (and their connections): a new stream is accepted again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_streams_whose_clients_stopped_reading_are_closed_and_free_their_places() {
     let sup = Supervisor::builder().slots(1).start().await.unwrap();
-    let console = Console::builder(sup.clone())
-        .max_connections(MAX_STREAMS + 4)
-        .write_timeout(Duration::from_millis(300))
-        .start()
-        .await
-        .unwrap();
-    let addr = console.local_addr();
     // Frames of several KB (the newest job ends, with long ids and notes): ten a second fill
     // a socket's buffers within a second or two.
-    long_job_ends(&console);
+    let console = console_for_stalled_readers(&sup, MAX_STREAMS + 4).await;
+    let addr = console.local_addr();
     // Every stream place is taken by a client that reads no more.
     let mut stalled = Vec::with_capacity(MAX_STREAMS);
     for _ in 0..MAX_STREAMS {
@@ -1517,15 +1525,9 @@ async fn event_streams_whose_clients_stopped_reading_are_closed_and_free_their_p
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_answer_to_a_client_that_stopped_reading_frees_its_connection() {
     let sup = Supervisor::builder().slots(1).start().await.unwrap();
-    let console = Console::builder(sup.clone())
-        .max_connections(1)
-        .write_timeout(Duration::from_millis(300))
-        .start()
-        .await
-        .unwrap();
-    let addr = console.local_addr();
     // 500 rows of long job ends: an answer far larger than the socket's buffers.
-    long_job_ends(&console);
+    let console = console_for_stalled_readers(&sup, 1).await;
+    let addr = console.local_addr();
     let (status, stalled) = stop_reading_after_the_head(addr, "/api/history?limit=500").await;
     assert_eq!(status, 200);
     snapshot_answers(addr).await;
