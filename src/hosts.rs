@@ -112,7 +112,7 @@ mod gpu {
 
     use futures_util::future::BoxFuture;
 
-    use crate::gpu::{FenceFailure, GpuError, GpuPool, JobGpu, Placement};
+    use crate::gpu::{FenceFailure, GpuError, GpuPool, JobGpu, LostDevice, Placement};
 
     /// How a lease's GPU fence ended.
     pub(crate) enum Fence {
@@ -210,9 +210,16 @@ mod gpu {
                         detail: format!(
                             "gpu work submitted under the lease had not completed {after:?} after the worker ended"
                         ),
+                        // A late end is a proof only if the work completed.
                         rest: Box::pin(async move {
-                            still_waiting.await;
-                            Fence::Done
+                            match still_waiting.await {
+                                Ok(()) => Fence::Done,
+                                Err(LostDevice { device, reason }) => Fence::Lost {
+                                    device,
+                                    generation,
+                                    reason,
+                                },
+                            }
                         }),
                     },
                     Err(FenceFailure::Lost { device, reason }) => Fence::Lost {

@@ -47,4 +47,4 @@ pub use error::GpuError;
 pub use handles::SlotScratch;
 pub use job::JobGpu;
 pub use options::{FencePolicy, GpuOptions, ScratchPolicy};
-pub(crate) use pool::{FenceFailure, GpuPool, Placement};
+pub(crate) use pool::{FenceFailure, GpuPool, LostDevice, Placement};

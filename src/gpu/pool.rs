@@ -25,13 +25,20 @@ pub(crate) struct Unclosed {
     pub(crate) reason: String,
 }
 
+/// A device lost under a fence: its index, and why.
+pub(crate) struct LostDevice {
+    pub(crate) device: usize,
+    pub(crate) reason: String,
+}
+
 /// How a lease's GPU fence ended badly.
 pub(crate) enum FenceFailure {
     /// The work did not complete within the bound: the slot is quarantined until the wait,
-    /// which goes on, ends.
+    /// which goes on, ends; `still_waiting` says how (the work completed, or the device was
+    /// lost meanwhile: a late end is no proof by itself).
     Timeout {
         after: Duration,
-        still_waiting: futures_util::future::BoxFuture<'static, ()>,
+        still_waiting: futures_util::future::BoxFuture<'static, Result<(), LostDevice>>,
     },
     /// The device was lost (or its backend panicked): the slot is quarantined until the device
     /// is replaced.
@@ -479,26 +486,30 @@ impl GpuPool {
             }
             (result, inner)
         });
-        let joined = match tokio::time::timeout(self.opts.fence_timeout, &mut wait).await {
-            Ok(joined) => joined,
-            Err(_) => {
-                return Err(FenceFailure::Timeout {
-                    after: self.opts.fence_timeout,
-                    still_waiting: Box::pin(async move {
-                        let _ = wait.await;
-                    }),
-                });
-            }
-        };
         let device = gpu.device_index();
-        let (result, inner) = joined.map_err(|e| FenceFailure::Lost {
-            device,
-            reason: e.to_string(),
-        })?;
-        if let Some(l) = lost(&inner) {
-            return Err(l);
+        // What the wait proved, on time or late: the work completed, unless the wait failed
+        // (a loss, a backend panic) or the device was lost meanwhile.
+        let outcome = move |joined: Result<
+            (Result<(), String>, Arc<JobGpuInner>),
+            tokio::task::JoinError,
+        >| {
+            let (result, inner) = joined.map_err(|e| LostDevice {
+                device,
+                reason: e.to_string(),
+            })?;
+            if let Some(reason) = inner.generation.loss() {
+                return Err(LostDevice { device, reason });
+            }
+            result.map_err(|reason| LostDevice { device, reason })
+        };
+        match tokio::time::timeout(self.opts.fence_timeout, &mut wait).await {
+            Ok(joined) => outcome(joined)
+                .map_err(|LostDevice { device, reason }| FenceFailure::Lost { device, reason }),
+            Err(_) => Err(FenceFailure::Timeout {
+                after: self.opts.fence_timeout,
+                still_waiting: Box::pin(async move { outcome(wait.await) }),
+            }),
         }
-        result.map_err(|reason| FenceFailure::Lost { device, reason })
     }
 
     /// Waits at most `bound` for the remaining GPU work of every device leasehold opened (unless

@@ -305,3 +305,60 @@ async fn shutdown_does_not_wait_without_end_for_a_device_that_never_drains() {
     assert!(sup.gpu_device(0).is_none());
     assert_eq!(sup.gpu_devices()[0].state, GpuDeviceState::Closed);
 }
+
+/// A fence that runs past its bound and then fails (a driver's reset; here a backend panic in
+/// the wait, once the slot is quarantined as late) is a device loss, never a proof: the slot
+/// stays quarantined until the device is re-created, and only then serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_fence_that_fails_is_a_device_loss_not_a_proof() {
+    let armed = Arc::new(AtomicBool::new(false));
+    let go = ThreadGate::default();
+    let hook = {
+        let (armed, go) = (Arc::clone(&armed), go.clone());
+        move |call, _device, _sub| {
+            if call == BackendCall::FenceWait && armed.swap(false, Ordering::SeqCst) {
+                go.wait();
+                panic!("injected: the device was reset while a late fence waited");
+            }
+        }
+    };
+    let opts = GpuOptions::new()
+        .fence_timeout(Duration::from_millis(100))
+        .recreate_policy(5, Duration::from_millis(10))
+        .backend_hook(hook);
+    let Some(sup) = start(Supervisor::builder(), opts).await else {
+        return;
+    };
+    armed.store(true, Ordering::SeqCst);
+    let job = tokio::spawn({
+        let sup = sup.clone();
+        async move {
+            sup.run(JobSpec::new("late").unwrap(), |ctx| async move {
+                let gpu = ctx.gpu().unwrap().clone();
+                gpu.submit([dispatch(&gpu, "fill", 1)]);
+                Ok::<_, std::io::Error>(())
+            })
+            .await
+        }
+    });
+    common::until("the late fence quarantines the slot", || {
+        sup.stats().quarantined == 1
+    })
+    .await;
+    // The job was answered at the fence's bound: its cleanup is unconfirmed.
+    let err = job.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), "LEASE_CLEANUP_UNCONFIRMED", "{err}");
+    go.open();
+    // The quarantine ends only once the device has been re-created: the failed wait proved
+    // nothing (before, it counted as the proof, and freed the slot on the lost device).
+    common::until("the quarantine ends", || sup.stats().quarantined == 0).await;
+    assert_eq!(
+        sup.gpu_device_generation(0),
+        Some(2),
+        "the slot was freed before its device was re-created: {:?}",
+        sup.gpu_devices()
+    );
+    assert_eq!(fill_job(&sup, "after").await, [1, 3, 5, 7]);
+    let report = sup.shutdown().await.unwrap();
+    assert_eq!(report.quarantined, 0);
+}
