@@ -95,7 +95,7 @@ use crate::job::InvalidJob;
 ///
 /// | code | type | when |
 /// |---|---|---|
-/// | `LEASE_RELEASED` | `LeaseReleased` from `Lease::slot_id()`, `lease_id()`, `token()`, `tokens()` | the lease's release has begun (or it was lost): its token may already be someone else's |
+/// | `LEASE_RELEASED` | `LeaseReleased` from `Lease::slot_id()`, `lease_id()`, `token()`, `tokens()`; `GpuError::LeaseEnded` from a `JobGpu` kept past its lease | the lease's release has begun (or it was lost): its token may already be someone else's |
 /// | `JOB_PATH_REFUSED` | `PathRefused` (`PathRefused::CODE`) from `ctx.path(..)`; `ProcessError::Path` from `ctx.spawn_process(..)` | the path is absolute, has a `..` component, is empty, goes through a symlink that leaves the temp dir or dangles, or cannot be inspected (`PathRefused::reason()`); nothing was read, written or run |
 /// | `PROCESS_SPAWN_FAILED` | `ProcessError::Spawn` from `ctx.spawn_process(..)` | the program could not be started (on Windows: never started, job processes need Unix process groups) |
 /// | `PROCESS_WAIT_FAILED` | `ProcessError::Wait` from `JobProcess::wait()` | the child's exit status could not be read |

@@ -16,15 +16,20 @@ pub enum GpuError {
     /// device, a device leasehold opened itself (it re-creates those), no GPU, or a
     /// supervisor that has closed its devices (`GPU_REPLACE_REFUSED`). Nothing was installed.
     ReplaceRefused(String),
+    /// A [`JobGpu`](crate::JobGpu) kept past its lease: the lease's GPU work has been fenced,
+    /// and its sub-slot and scratch may already serve another lease, so nothing more is
+    /// submitted or handed out through it (`LEASE_RELEASED`).
+    LeaseEnded,
 }
 
 impl GpuError {
-    /// `GPU_UNAVAILABLE`, `LEASE_GPU_DEVICE_LOST` or `GPU_REPLACE_REFUSED`.
+    /// `GPU_UNAVAILABLE`, `LEASE_GPU_DEVICE_LOST`, `GPU_REPLACE_REFUSED` or `LEASE_RELEASED`.
     pub fn code(&self) -> &'static str {
         match self {
             Self::NoAdapter | Self::CreateFailed(_) => "GPU_UNAVAILABLE",
             Self::DeviceLost(_) => "LEASE_GPU_DEVICE_LOST",
             Self::ReplaceRefused(_) => "GPU_REPLACE_REFUSED",
+            Self::LeaseEnded => "LEASE_RELEASED",
         }
     }
 }
@@ -36,6 +41,9 @@ impl fmt::Display for GpuError {
             Self::CreateFailed(m) => write!(f, "gpu device creation failed: {m}"),
             Self::DeviceLost(m) => write!(f, "gpu device lost: {m}"),
             Self::ReplaceRefused(m) => write!(f, "gpu device replacement refused: {m}"),
+            Self::LeaseEnded => f.write_str(
+                "the lease of this gpu handle has ended: its sub-slot may serve another lease",
+            ),
         }
     }
 }

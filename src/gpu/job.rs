@@ -39,8 +39,9 @@ pub(super) struct JobGpuInner {
     queue_taken: AtomicBool,
     /// A count the job reads back; it publishes nothing else (`Relaxed`).
     submissions: AtomicU64,
-    /// The latest submission made through the context.
-    pub(super) last: Mutex<Option<wgpu::SubmissionIndex>>,
+    /// The latest submission made through the context, and whether the lease's fence has
+    /// begun (then nothing more is submitted or handed out: see [`JobGpuInner::end`]).
+    last: Mutex<Last>,
     pub(super) owner: Arc<GpuDevice>,
 }
 
@@ -55,7 +56,28 @@ impl std::fmt::Debug for JobGpuInner {
     }
 }
 
+/// See [`JobGpuInner::last`].
+#[derive(Default)]
+struct Last {
+    index: Option<wgpu::SubmissionIndex>,
+    ended: bool,
+}
+
 impl JobGpuInner {
+    /// The lease's fence begins: from now on a clone kept past the job submits nothing and
+    /// gets no scratch ([`GpuError::LeaseEnded`]). The latest submission made before, which
+    /// the fence waits for: a submission holds the same lock while it is made, so none can
+    /// slip in between.
+    pub(super) fn end(&self) -> Option<wgpu::SubmissionIndex> {
+        let mut last = self.last.lock();
+        last.ended = true;
+        last.index.clone()
+    }
+
+    fn ended(&self) -> bool {
+        self.last.lock().ended
+    }
+
     pub(super) fn new(
         owner: Arc<GpuDevice>,
         sub: usize,
@@ -71,7 +93,7 @@ impl JobGpuInner {
             taken: OnceLock::new(),
             queue_taken: AtomicBool::new(false),
             submissions: AtomicU64::new(0),
-            last: Mutex::new(None),
+            last: Mutex::new(Last::default()),
             owner,
         }
     }
@@ -162,8 +184,9 @@ impl JobGpu {
     /// If the GPU backend panicked in the clear, or the scratch could neither be cleared nor
     /// replaced by new buffers: the device is marked lost first (the lease then ends with
     /// `LEASE_GPU_DEVICE_LOST`), and the panic continues into the job (it is never handed
-    /// scratch that may hold another lease's data). [`try_scratch`](Self::try_scratch) returns
-    /// it as an error instead.
+    /// scratch that may hold another lease's data). Also on a clone kept past its lease
+    /// ([`GpuError::LeaseEnded`]). [`try_scratch`](Self::try_scratch) returns it as an error
+    /// instead.
     pub fn scratch(&self) -> &SlotScratch {
         match self.try_scratch() {
             Ok(scratch) => scratch,
@@ -177,8 +200,12 @@ impl JobGpu {
     /// # Errors
     ///
     /// [`GpuError::DeviceLost`] when the backend panicked in the clear, or the scratch could
-    /// neither be cleared nor replaced.
+    /// neither be cleared nor replaced. [`GpuError::LeaseEnded`] (`LEASE_RELEASED`) on a clone
+    /// kept past its lease: the sub-slot's scratch may already be another lease's.
     pub fn try_scratch(&self) -> Result<&SlotScratch, GpuError> {
+        if self.inner.ended() {
+            return Err(GpuError::LeaseEnded);
+        }
         self.inner
             .taken
             .get_or_init(|| self.inner.take_scratch())
@@ -193,7 +220,8 @@ impl JobGpu {
     ///
     /// If the GPU backend panics in the submission: the device is marked lost first (the lease
     /// then ends with `LEASE_GPU_DEVICE_LOST` and the device is re-created), and the panic
-    /// continues into the job. [`try_submit`](Self::try_submit) returns it as an error instead.
+    /// continues into the job. Also on a clone kept past its lease ([`GpuError::LeaseEnded`]).
+    /// [`try_submit`](Self::try_submit) returns it as an error instead.
     pub fn submit<I: IntoIterator<Item = wgpu::CommandBuffer>>(
         &self,
         buffers: I,
@@ -210,11 +238,19 @@ impl JobGpu {
     /// # Errors
     ///
     /// [`GpuError::DeviceLost`] when the backend panicked in the submission.
+    /// [`GpuError::LeaseEnded`] (`LEASE_RELEASED`) on a clone kept past its lease: its fence
+    /// has begun, and nothing submitted after it would be waited for.
     pub fn try_submit<I: IntoIterator<Item = wgpu::CommandBuffer>>(
         &self,
         buffers: I,
     ) -> Result<wgpu::SubmissionIndex, GpuError> {
         let inner = &self.inner;
+        // Held while the submission is made: the fence's start (`end`) comes before it, and
+        // refuses it, or after it, and waits for it.
+        let mut last = inner.last.lock();
+        if last.ended {
+            return Err(GpuError::LeaseEnded);
+        }
         let submitted = inner.owner.guard.run(
             BackendCall::Submit,
             inner.device_index(),
@@ -224,7 +260,7 @@ impl JobGpu {
         match submitted {
             Ok(index) => {
                 inner.submissions.fetch_add(1, Ordering::Relaxed);
-                *inner.last.lock() = Some(index.clone());
+                last.index = Some(index.clone());
                 Ok(index)
             }
             Err(message) => {

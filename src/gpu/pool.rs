@@ -466,6 +466,9 @@ impl GpuPool {
     /// is a loss of the device.
     pub(crate) async fn fence(&self, gpu: &JobGpu) -> Result<(), FenceFailure> {
         let inner = Arc::clone(&gpu.inner);
+        // The lease's GPU use ends here, whatever follows: a clone kept past the job submits
+        // nothing more and gets no scratch, and the latest submission before is waited for.
+        let last = inner.end();
         let lost = |inner: &JobGpuInner| {
             inner.generation.loss().map(|reason| FenceFailure::Lost {
                 device: inner.device_index(),
@@ -475,7 +478,7 @@ impl GpuPool {
         if let Some(l) = lost(&inner) {
             return Err(l);
         }
-        let Some(wait) = FenceWait::of(&inner, self.opts.fence_policy) else {
+        let Some(wait) = FenceWait::of(&inner, self.opts.fence_policy, last) else {
             return Ok(());
         };
         crate::counters::task();
@@ -675,12 +678,16 @@ enum FenceWait {
 impl FenceWait {
     /// `None`: the lease has no GPU work to wait for. Read after the worker and every task it
     /// spawned have ended (their joins order the job's calls before these reads).
-    fn of(inner: &JobGpuInner, policy: FencePolicy) -> Option<Self> {
+    fn of(
+        inner: &JobGpuInner,
+        policy: FencePolicy,
+        last: Option<wgpu::SubmissionIndex>,
+    ) -> Option<Self> {
         if policy == FencePolicy::Queue && inner.queue_taken() {
             // It may have submitted on the queue directly, or left writes pending.
             return Some(Self::Queue);
         }
-        inner.last.lock().clone().map(Self::Recorded)
+        last.map(Self::Recorded)
     }
 }
 

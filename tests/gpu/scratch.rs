@@ -284,3 +284,50 @@ async fn the_scratch_is_cleared_when_a_lease_takes_it_and_only_then() {
     );
     sup.shutdown().await.unwrap();
 }
+
+/// A `JobGpu` kept past its lease (returned by the body here) submits nothing and hands out no
+/// scratch once the lease's fence has begun: the sub-slot and its scratch serve the next lease,
+/// and work submitted through the kept handle would be nobody's to wait for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_gpu_kept_past_its_lease_submits_nothing_and_gets_no_scratch() {
+    for fence in [FencePolicy::Queue, FencePolicy::Recorded] {
+        let opts = GpuOptions::new().fence_policy(fence);
+        let Some(sup) = start(Supervisor::builder(), opts).await else {
+            return;
+        };
+        let kept = sup
+            .run(JobSpec::new("keeps").unwrap(), |ctx| async move {
+                let gpu = ctx.gpu().unwrap().clone();
+                // Used during the lease, as a job would.
+                let _ = gpu.scratch();
+                gpu.submit([dispatch(&gpu, "fill", 1)]);
+                Ok::<_, std::io::Error>(gpu)
+            })
+            .await
+            .unwrap();
+        let submitted = kept.try_submit(std::iter::empty());
+        let err = submitted.expect_err("a submission through a handle kept past its lease");
+        assert_eq!(err.code(), "LEASE_RELEASED", "{fence:?}: {err}");
+        let err = kept.try_scratch().map(|_| ()).unwrap_err();
+        assert_eq!(err.code(), "LEASE_RELEASED", "{fence:?}: {err}");
+        // The next lease on the same sub-slot works as ever.
+        let words = sup
+            .run(JobSpec::new("next").unwrap(), |ctx| async move {
+                let gpu = ctx.gpu().unwrap().clone();
+                let words = ctx
+                    .spawn_blocking(move || {
+                        gpu.submit([dispatch(&gpu, "fill", 1)]);
+                        read_back(&gpu, 4)
+                    })
+                    .await
+                    .unwrap();
+                Ok::<_, std::io::Error>(words)
+            })
+            .await
+            .unwrap();
+        assert_eq!(words, [1, 3, 5, 7], "{fence:?}");
+        drop(kept);
+        let report = sup.shutdown().await.unwrap();
+        assert_eq!(report.quarantined, 0, "{fence:?}");
+    }
+}
