@@ -23,10 +23,10 @@
 //! | `capacity` | "A broker whose `capacity()` is `Some(n)` never has more than `n` tokens granted and not yet released, however many acquires are in flight at once, from one supervisor or several." |
 //! | `no double grant` | "A broker never grants a slot that is still held, and never hands out a lease id that a live token carries." |
 //! | `fencing` | "Each grant of a slot carries a lease id greater than every lease id that slot was granted under before." |
-//! | `release` | "A release of a token the broker granted answers `Ok`, and the slot can be granted again." |
+//! | `release` | "A release of a token the broker granted answers `Ok`, and the slot can be granted again." With a capacity reported, also after tokens are released out of order, directly and by supervisors' jobs: a slot released while others are held is taken again, and every slot is taken again at the end. |
 //! | `fifo` | "A broker that makes acquires wait while every slot is held serves them in the order they arrived." Three wait, one after another; a newcomer asks as the first slot comes back, and must not overtake them (a broker whose queue is full may refuse it). A broker that lets a newcomer take a slot freed for a waiter is caught when the newcomer's first poll comes before the woken waiter runs: always on a current-thread runtime. (Skipped for a broker that refuses when every slot is held.) |
 //! | `cancel safety` | "An acquire dropped at any await point — before it answers, while it waits, or as a slot is being handed to it — takes nothing: a slot it had taken goes back, or to the next waiter." |
-//! | `bad tokens` | "A release of a token the broker did not grant, of one already released, or of a stale one (its slot now has a newer holder) is refused with an error, and takes nothing from the current holder." |
+//! | `bad tokens` | "A release of a token the broker did not grant, of one already released, or of a stale one (its slot now has a newer holder) is refused with an error, and takes nothing from the current holder." Among them, a live slot under a wrong lease id and a live lease id under another held slot; the tokens they mimic still release, each once. |
 //! | `close` | "Closing again answers `Ok` at once." Also the supervisor's side: its shutdown closes the broker once, after its last release. |
 //! | `lost leases` | (a broker that [`renews`](SlotBroker::renews), with [`Conformance::lose_with`]) "The future resolves only when the lease is lost, or may lapse before it can be renewed again": the lease then ends under its holder, and is still released once. A renewal that resolves before the check made the broker lose anything (moments after the grant, with its lease fresh) fails. |
 //! | `supervised` | "Its futures are ordinary futures: each poll registers the waker it is given." Jobs run through two supervisors sharing the broker all end, and every token the broker granted them is released exactly once. |
@@ -183,19 +183,19 @@ where
     pub async fn run(&self) -> Report {
         let mut seen = Vec::new();
         let crowd = self.crowd(&mut seen).await;
-        let churn = self.churn(&mut seen).await;
+        let (churn, churn_leak) = self.churn(&mut seen).await;
         let release = self.release(&mut seen).await;
         let fifo = self.fifo(&mut seen).await;
         let cancel = self.cancel_safety(&mut seen).await;
         let bad = self.bad_tokens(&mut seen).await;
         let close = self.close(&mut seen).await;
         let lost = self.lost_leases(&mut seen).await;
-        let supervised = self.supervised(&mut seen).await;
+        let (supervised, supervised_leak) = self.supervised(&mut seen).await;
         let checks = vec![
             Check::new(CAPACITY, crowd.and(|| judge_capacity(&seen))),
             Check::new(NO_DOUBLE_GRANT, churn.and(|| judge_double_grants(&seen))),
             Check::new(FENCING, judge_fencing(&seen)),
-            Check::new(RELEASE, release),
+            Check::new(RELEASE, release.and(|| churn_leak).and(|| supervised_leak)),
             Check::new(FIFO, fifo),
             Check::new(CANCEL_SAFETY, cancel),
             Check::new(BAD_TOKENS, bad),
@@ -266,11 +266,15 @@ where
 
     /// `no double grant` and `fencing`: slots released in an order other than the one they
     /// were taken in, each taken again while the others are held; then jobs through a
-    /// supervisor. Both are judged over every part of the run.
-    async fn churn(&self, seen: &mut Vec<Log>) -> Outcome {
+    /// supervisor. Both are judged over every part of the run. With a capacity, also
+    /// `release` (the second outcome): each slot released out of order is taken again while
+    /// the others are held, and every slot is taken again at the end.
+    async fn churn(&self, seen: &mut Vec<Log>) -> (Outcome, Outcome) {
         let broker = self.fresh("tokens released out of order").await;
-        let n = broker.capacity().unwrap_or(1).clamp(1, 16);
+        let capacity = broker.capacity();
+        let n = capacity.unwrap_or(1).clamp(1, 16);
         let direct = self.direct(&broker);
+        let mut leak = Ok(());
         let ran = async {
             let mut held = direct.take(n).await?;
             for round in 0..2 * n as usize {
@@ -281,8 +285,22 @@ where
                 let at = (round * 7 + held.len() / 2) % held.len();
                 let token = held.remove(at);
                 let _ = self.bounded("a release", direct.release(token)).await?;
-                if let Ok(Ok(token)) = tokio::time::timeout(self.step, direct.acquire()).await {
-                    held.push(token);
+                match tokio::time::timeout(self.step, direct.acquire()).await {
+                    Ok(Ok(token)) => held.push(token),
+                    // With fewer tokens held than the capacity, a slot is free: the one just
+                    // released, unless the broker lost it.
+                    outcome if capacity.is_some() && leak.is_ok() => {
+                        let why = match outcome {
+                            Ok(Err(e)) => e.to_string(),
+                            _ => format!("no answer within {:?}", self.step),
+                        };
+                        leak = Err(format!(
+                            "{}: after {token} was released out of order, with {} of {n} slots held, no slot could be taken: {why}",
+                            broker.0.log.lock().part,
+                            held.len()
+                        ));
+                    }
+                    _ => {}
                 }
             }
             for token in held {
@@ -295,12 +313,45 @@ where
             for job in jobs {
                 let _ = self.bounded("a job", job).await?;
             }
+            if capacity.is_some() && leak.is_ok() {
+                leak = self.taken_again(&broker, &direct, n).await?;
+            }
             self.answered("shutdown", sup.shutdown()).await?;
             Ok(())
         };
         let ran: Result<(), String> = ran.await;
         seen.push(broker.log());
-        ran.into()
+        (ran.into(), leak.into())
+    }
+
+    /// Once every release made so far has answered, every slot is taken again (and given back
+    /// in the order taken): `Err` names the leak. The outer `Err` is a step that hung.
+    async fn taken_again(
+        &self,
+        broker: &Observed<B>,
+        direct: &Direct<B>,
+        n: u32,
+    ) -> Result<Result<(), String>, String> {
+        self.until("the releases to answer", || {
+            let log = broker.0.log.lock();
+            log.releasing == 0 && (log.outstanding.is_empty() || !log.double_grants.is_empty())
+        })
+        .await?;
+        // A double grant is not released (that could free the live holder's slot): the
+        // double grant is the failure, judged on its own.
+        if !broker.0.log.lock().double_grants.is_empty() {
+            return Ok(Ok(()));
+        }
+        match direct.take(n).await {
+            Ok(again) => {
+                direct.release_all(again).await;
+                Ok(Ok(()))
+            }
+            Err(e) => Ok(Err(format!(
+                "{}: after tokens were released out of order, every slot back: {e}",
+                broker.0.log.lock().part
+            ))),
+        }
     }
 
     /// `release`: every slot taken, given back, and taken again.
@@ -657,8 +708,9 @@ where
     }
 
     /// `bad tokens`: a foreign token, a token released twice, a stale token whose slot has a
-    /// newer holder, a live slot under the wrong lease id; none may be accepted, and none may
-    /// free a slot.
+    /// newer holder, a live slot under the wrong lease id, a live lease id under another held
+    /// slot; none may be accepted, and none may free a slot: the tokens they mimic still
+    /// release, each once.
     async fn bad_tokens(&self, seen: &mut Vec<Log>) -> Outcome {
         let broker = self.fresh("releases of bad tokens").await;
         let n = broker.capacity().unwrap_or(1).clamp(1, 16);
@@ -674,12 +726,16 @@ where
                 .await?;
             refused(format!("{foreign} (never granted)"), answer)?;
             let first = direct.take(1).await?[0];
-            let _ = self.bounded("a release", direct.release(first)).await?;
+            // A broker whose every release answers an error fails `release`, not this check.
+            let releases_answer_ok = self
+                .bounded("a release", direct.release(first))
+                .await?
+                .is_ok();
             let answer = self
                 .bounded("a second release", direct.probe(first))
                 .await?;
             refused(format!("{first} (a second time)"), answer)?;
-            let held = direct.take(n).await?;
+            let mut held = direct.take(n).await?;
             let mut outcome = Ok(());
             if let Some(holder) = held.iter().find(|t| t.slot_id() == first.slot_id()) {
                 let answer = self.bounded("a stale release", direct.probe(first)).await?;
@@ -695,6 +751,24 @@ where
                     .bounded("a release under a wrong lease id", direct.probe(wrong))
                     .await?;
                 outcome = refused(format!("{wrong} (its slot is held as {live})"), answer);
+            }
+            // A live lease id under another held slot: a broker that checks a release by its
+            // lease id alone would free the lease's own slot.
+            let crossed = (held.len() >= 2).then(|| (held[0], held[1]));
+            if outcome.is_ok()
+                && let Some((lease, slot)) = crossed
+            {
+                let wrong = SlotToken::new(slot.slot_id(), lease.lease_id());
+                let answer = self
+                    .bounded(
+                        "a release of a live lease id under another slot",
+                        direct.probe(wrong),
+                    )
+                    .await?;
+                outcome = refused(
+                    format!("{wrong} (its lease id is held as {lease}, its slot as {slot})"),
+                    answer,
+                );
             }
             if outcome.is_ok() && broker.capacity().is_some() {
                 // Every slot is still held: nothing may be granted now.
@@ -713,6 +787,32 @@ where
                         }
                     }
                 }
+            }
+            if outcome.is_ok()
+                && let Some((lease, slot)) = crossed
+            {
+                // The real tokens still release, each exactly once.
+                let mut rest = held.clone();
+                rest.retain(|t| *t != lease && *t != slot);
+                for token in [lease, slot] {
+                    let answer = self.bounded("a release", direct.release(token)).await?;
+                    if let Err(e) = answer
+                        && releases_answer_ok
+                    {
+                        outcome = Err(format!(
+                            "after bad tokens were refused, the release of {token}, which it granted, failed: {e}"
+                        ));
+                        break;
+                    }
+                    let again = self
+                        .bounded("a second release", direct.probe(token))
+                        .await?;
+                    if let Err(e) = refused(format!("{token} (a second time)"), again) {
+                        outcome = Err(e);
+                        break;
+                    }
+                }
+                held = rest;
             }
             direct.release_all(held).await;
             let _ = self.bounded("close", broker.close()).await?;
@@ -811,8 +911,10 @@ where
     /// `supervised`: jobs through two supervisors sharing the broker (more jobs than slots in
     /// each, so acquires wait at the broker when it queues) all end, and every token the broker
     /// granted them is released once.
-    async fn supervised(&self, seen: &mut Vec<Log>) -> Outcome {
+    async fn supervised(&self, seen: &mut Vec<Log>) -> (Outcome, Outcome) {
         let broker = self.fresh("jobs through two supervisors").await;
+        let capacity = broker.capacity();
+        let mut leak = Ok(());
         let n = broker.capacity().unwrap_or(4).clamp(1, 16);
         let ran = async {
             let sups = [start(&broker).await?, start(&broker).await?];
@@ -843,6 +945,10 @@ where
             for job in jobs {
                 let _ = self.bounded("a job", job).await?;
             }
+            // The jobs gave their slots back in whatever order they ended.
+            if capacity.is_some() {
+                leak = self.taken_again(&broker, &direct, n).await?;
+            }
             for sup in &sups {
                 self.answered("shutdown", sup.shutdown()).await?;
             }
@@ -850,7 +956,7 @@ where
         };
         let ran: Result<(), String> = ran.await;
         seen.push(broker.log());
-        ran.into()
+        (ran.into(), leak.into())
     }
 
     /// [`Self::bounded`] for a call that answers with a `Result`: its error too becomes the
@@ -1436,6 +1542,8 @@ struct Log {
     releases: HashMap<SlotToken, u32>,
     /// Releases of tokens never granted.
     strangers: Vec<SlotToken>,
+    /// Releases asked of the broker and not yet answered (or dropped).
+    releasing: usize,
     /// Acquires started and not yet answered (or dropped), by request.
     in_flight: Vec<AcquireRequest>,
     /// Acquires the broker answered with an error (a full queue, every slot held).
@@ -1563,6 +1671,15 @@ fn random_origin() -> u64 {
     RandomState::new().hash_one(std::time::SystemTime::now()) | 1
 }
 
+/// Counts a release as answered when it answers or is dropped.
+struct Releasing<'a>(&'a Mutex<Log>);
+
+impl Drop for Releasing<'_> {
+    fn drop(&mut self) {
+        self.0.lock().releasing -= 1;
+    }
+}
+
 /// Takes an acquire out of the in-flight list when it answers or is dropped.
 struct InFlight<'a> {
     log: &'a Mutex<Log>,
@@ -1602,7 +1719,12 @@ impl<B: SlotBroker> SlotBroker for Observed<B> {
     async fn release(&self, token: SlotToken) -> Result<(), BrokerError> {
         // Counted as given back before the broker is asked: once asked, it may hand the slot
         // on before its answer reaches the caller.
-        self.0.log.lock().released(token);
+        {
+            let mut log = self.0.log.lock();
+            log.released(token);
+            log.releasing += 1;
+        }
+        let _releasing = Releasing(&self.0.log);
         Box::pin(self.0.broker.release(token)).await
     }
 

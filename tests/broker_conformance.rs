@@ -65,6 +65,13 @@ enum Fault {
     /// Bad tokens: checks a release by its slot only, so a stale token frees the slot's new
     /// holder.
     ReleasesBySlot,
+    /// Bad tokens: checks a release by its lease id only, so a live lease id under another
+    /// slot frees the lease's own slot.
+    ReleasesByLease,
+    /// Release: a released token that is not the oldest still held leaves the holder, but its
+    /// slot never goes back to the free list (the release answers `Ok`). Breaks only when
+    /// tokens are released out of order, and shows only when every slot is wanted again.
+    LeaksOutOfOrder,
     /// Close: every close fails.
     CloseFails,
     /// Close: a second close fails.
@@ -273,9 +280,13 @@ impl Pool {
         {
             counts.taken_back.fetch_add(1, Ordering::SeqCst);
         }
+        let oldest = state.held.iter().map(|t| t.lease_id()).min();
         state.held.remove(&token);
         if state.holder.get(&token.slot_id()) == Some(&token.lease_id()) {
             state.holder.remove(&token.slot_id());
+        }
+        if self.fault == Fault::LeaksOutOfOrder && oldest != Some(token.lease_id()) {
+            return;
         }
         self.hand_on(state, token.slot_id());
     }
@@ -491,6 +502,7 @@ impl SlotBroker for Pool {
         let known = match self.fault {
             Fault::AcceptsAnyRelease => true,
             Fault::ReleasesBySlot => state.holder.contains_key(&token.slot_id()),
+            Fault::ReleasesByLease => state.held.iter().any(|t| t.lease_id() == token.lease_id()),
             _ => state.held.contains(&token),
         };
         if !known {
@@ -503,6 +515,11 @@ impl SlotBroker for Pool {
                 let lease = state.holder[&token.slot_id()];
                 SlotToken::new(token.slot_id(), lease)
             }
+            Fault::ReleasesByLease => *state
+                .held
+                .iter()
+                .find(|t| t.lease_id() == token.lease_id())
+                .expect("known"),
             _ => token,
         };
         if state.held.contains(&token) {
@@ -672,16 +689,17 @@ async fn the_suite_grants_as_many_leases_as_its_docs_say_and_gives_back_all_it_t
     .await;
     report.assert_passed();
     // The second broker the suite makes is the churn's: its 3 slots taken, each of the
-    // 2 × 3 rounds takes one again, then 4 × 3 jobs through a supervisor.
+    // 2 × 3 rounds takes one again, then 4 × 3 jobs through a supervisor, then every slot
+    // taken again.
     let counters = counters.lock();
     // (A waiting broker: the fifo check leaves its newcomer waiting when it is done, which
     // the suite must drop, not leave to take a slot it never gives back.)
     let churn = counters[1].grants.load(Ordering::SeqCst);
-    assert_eq!(churn, 3 + 2 * 3 + 4 * 3);
+    assert_eq!(churn, 3 + 2 * 3 + 4 * 3 + 3);
     // The last is the supervised check's: two supervisors, each with twice as many jobs as
-    // there are slots.
+    // there are slots, then every slot taken again.
     let supervised = counters.last().unwrap().grants.load(Ordering::SeqCst);
-    assert_eq!(supervised, 2 * 2 * 3);
+    assert_eq!(supervised, 2 * 2 * 3 + 3);
     // Every broker it made has every slot back when the suite is done with it.
     for (i, counts) in counters.iter().enumerate() {
         let grants = counts.grants.load(Ordering::SeqCst);
@@ -869,6 +887,17 @@ async fn a_broker_that_takes_a_stale_token_from_the_slots_new_holder_fails_the_b
         true,
         "bad tokens",
         "(stale: its slot is held again as slot 0 lease 4) was accepted",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_takes_a_live_lease_id_under_another_slot_fails_the_bad_tokens_check() {
+    fails_only(
+        Fault::ReleasesByLease,
+        true,
+        "bad tokens",
+        "slot 2 lease 2 (its lease id is held as slot 1 lease 2, its slot as slot 2 lease 3) was accepted",
     )
     .await;
 }
@@ -1092,6 +1121,17 @@ async fn a_broker_whose_renewal_reports_a_loss_at_once_fails_the_lost_leases_che
         true,
         "lost leases",
         "resolved although the broker had lost nothing",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_broker_that_leaks_slots_released_out_of_order_fails_the_release_check() {
+    fails_only(
+        Fault::LeaksOutOfOrder,
+        false,
+        "release",
+        "after slot 1 lease 2 was released out of order, with 2 of 3 slots held, no slot could be taken",
     )
     .await;
 }
