@@ -14,17 +14,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use common::{EventLog, TestBroker};
-use gpu_support::{dispatch, engine_device, pattern, read_back, start};
+use gpu_support::{dispatch, engine_device, fill_and_read, fill_job, pattern, read_back, start};
 use leasehold::{
     BackendCall, GpuDeviceState, GpuOptions, JobSpec, ScratchPolicy, Supervisor, wgpu,
 };
 use tokio::sync::oneshot;
-
-/// One `fill` dispatch through the lease, and the first 4 words read back: `[1, 3, 5, 7]`.
-fn fill_and_read(gpu: &leasehold::JobGpu) -> Vec<u32> {
-    gpu.submit([dispatch(gpu, "fill", 1)]);
-    read_back(gpu, 4)
-}
 
 /// A held job's task: its `run` result.
 type Held = tokio::task::JoinHandle<Result<(), leasehold::JobError<std::io::Error>>>;
@@ -57,22 +51,6 @@ async fn adopted(slots: u32) -> Option<(Supervisor, wgpu::Device, wgpu::Queue)> 
         .slots_per_device(slots);
     let sup = start(Supervisor::builder(), opts).await?;
     Some((sup, device, queue))
-}
-
-/// A job that fills the first 4 words of its scratch on the GPU and reads them back.
-async fn fill_job(
-    sup: &Supervisor,
-    id: &str,
-) -> Result<Vec<u32>, leasehold::JobError<std::io::Error>> {
-    sup.run(JobSpec::new(id).unwrap(), |ctx| async move {
-        let gpu = ctx.gpu().expect("a gpu slot").clone();
-        let words = ctx
-            .spawn_blocking(move || fill_and_read(&gpu))
-            .await
-            .unwrap();
-        Ok::<_, std::io::Error>(words)
-    })
-    .await
 }
 
 /// A supervisor on the engine's device alone makes no wgpu instance of its own: it looks for no

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{TestBroker, ThreadGate};
-use gpu_support::{dispatch, read_back, start};
+use gpu_support::{dispatch, fill_and_read, fill_job, start};
 use leasehold::{
     BackendCall, GpuDeviceState, GpuError, GpuOptions, JobSpec, StartError, Supervisor,
 };
@@ -32,21 +32,13 @@ fn panic_once_at(
     }
 }
 
-/// A job that dispatches `fill` and reads it back: the device works.
-async fn fill_job(sup: &Supervisor, id: &str) -> Vec<u32> {
-    fill_job_holding(sup, id, Arc::new(Barrier::new(1))).await
-}
-
 /// [`fill_job`], which first waits at `barrier` while holding its slot.
 async fn fill_job_holding(sup: &Supervisor, id: &str, barrier: Arc<Barrier>) -> Vec<u32> {
     sup.run(JobSpec::new(id).unwrap(), |ctx| async move {
         barrier.wait().await;
         let gpu = ctx.gpu().unwrap().clone();
         let words = ctx
-            .spawn_blocking(move || {
-                gpu.submit([dispatch(&gpu, "fill", 1)]);
-                read_back(&gpu, 4)
-            })
+            .spawn_blocking(move || fill_and_read(&gpu))
             .await
             .unwrap();
         Ok::<_, std::io::Error>(words)
@@ -116,7 +108,7 @@ async fn a_backend_panic_in_a_submission_fails_the_lease_with_device_lost() {
     let seen = seen_rx.await.unwrap().unwrap_err();
     assert!(matches!(seen, GpuError::DeviceLost(_)), "{seen:?}");
     assert_eq!(err.code(), "LEASE_GPU_DEVICE_LOST", "{err}");
-    assert_eq!(fill_job(&sup, "after").await, [1, 3, 5, 7]);
+    assert_eq!(fill_job(&sup, "after").await.unwrap(), [1, 3, 5, 7]);
     assert_eq!(sup.gpu_device_generation(0), Some(2));
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.quarantined, 0);
@@ -148,7 +140,7 @@ async fn a_backend_panic_while_a_job_gpu_is_dropped_is_contained() {
         !armed.load(Ordering::SeqCst),
         "the drop never reached the backend hook"
     );
-    assert_eq!(fill_job(&sup, "after").await, [1, 3, 5, 7]);
+    assert_eq!(fill_job(&sup, "after").await.unwrap(), [1, 3, 5, 7]);
     assert_eq!(sup.gpu_device_generation(0), Some(2));
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.quarantined, 0);
@@ -295,7 +287,7 @@ async fn shutdown_does_not_wait_without_end_for_a_device_that_never_drains() {
     let Some(sup) = start(Supervisor::builder(), opts).await else {
         return;
     };
-    assert_eq!(fill_job(&sup, "work").await, [1, 3, 5, 7]);
+    assert_eq!(fill_job(&sup, "work").await.unwrap(), [1, 3, 5, 7]);
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.quarantined, 0);
     let unclosed: Vec<Option<usize>> = report.unclosed_devices.iter().map(|u| u.device).collect();
@@ -358,7 +350,7 @@ async fn a_late_fence_that_fails_is_a_device_loss_not_a_proof() {
         "the slot was freed before its device was re-created: {:?}",
         sup.gpu_devices()
     );
-    assert_eq!(fill_job(&sup, "after").await, [1, 3, 5, 7]);
+    assert_eq!(fill_job(&sup, "after").await.unwrap(), [1, 3, 5, 7]);
     let report = sup.shutdown().await.unwrap();
     assert_eq!(report.quarantined, 0);
 }

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{EventLog, Plan, TestBroker};
-use gpu_support::{dispatch, read_back, start};
+use gpu_support::{dispatch, fill_job, read_back, start};
 use leasehold::{
     BackendCall, CancellationToken, FencePolicy, GpuOptions, JobSpec, Supervisor, wgpu,
 };
@@ -326,20 +326,7 @@ async fn an_injected_device_loss_fails_the_lease_cleanly_and_the_device_comes_ba
     // A job waits for the slot while the device is lost: it must not be stranded.
     let waiter = {
         let sup = sup.clone();
-        tokio::spawn(async move {
-            sup.run(JobSpec::new("after").unwrap(), |ctx| async move {
-                let gpu = ctx.gpu().unwrap().clone();
-                let words = ctx
-                    .spawn_blocking(move || {
-                        gpu.submit([dispatch(&gpu, "fill", 1)]);
-                        read_back(&gpu, 4)
-                    })
-                    .await
-                    .unwrap();
-                Ok::<_, std::io::Error>(words)
-            })
-            .await
-        })
+        tokio::spawn(async move { fill_job(&sup, "after").await })
     };
     // The device is lost (here: destroyed), and noticed (wgpu runs its lost callback in the
     // poll that sees it), before the lease ends.

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use common::EventLog;
-use gpu_support::{bytes, dispatch, map_readback, pattern, read_back, start};
+use gpu_support::{bytes, dispatch, fill_job, map_readback, pattern, read_back, start};
 use leasehold::{BackendCall, FencePolicy, GpuOptions, JobSpec, ScratchPolicy, Supervisor, wgpu};
 
 const WORDS: u64 = 64;
@@ -311,20 +311,7 @@ async fn a_job_gpu_kept_past_its_lease_submits_nothing_and_gets_no_scratch() {
         let err = kept.try_scratch().map(|_| ()).unwrap_err();
         assert_eq!(err.code(), "LEASE_RELEASED", "{fence:?}: {err}");
         // The next lease on the same sub-slot works as ever.
-        let words = sup
-            .run(JobSpec::new("next").unwrap(), |ctx| async move {
-                let gpu = ctx.gpu().unwrap().clone();
-                let words = ctx
-                    .spawn_blocking(move || {
-                        gpu.submit([dispatch(&gpu, "fill", 1)]);
-                        read_back(&gpu, 4)
-                    })
-                    .await
-                    .unwrap();
-                Ok::<_, std::io::Error>(words)
-            })
-            .await
-            .unwrap();
+        let words = fill_job(&sup, "next").await.unwrap();
         assert_eq!(words, [1, 3, 5, 7], "{fence:?}");
         drop(kept);
         let report = sup.shutdown().await.unwrap();

@@ -8,7 +8,10 @@
 use std::io::Write;
 use std::sync::Once;
 
-use leasehold::{GpuError, GpuOptions, JobGpu, StartError, Supervisor, SupervisorBuilder, wgpu};
+use leasehold::{
+    GpuError, GpuOptions, JobError, JobGpu, JobSpec, StartError, Supervisor, SupervisorBuilder,
+    wgpu,
+};
 
 pub const SHADER: &str = r#"
 @group(0) @binding(0) var<storage, read_write> data: array<u32>;
@@ -133,6 +136,27 @@ pub fn read_back(gpu: &JobGpu, n: u64) -> Vec<u32> {
     encoder.copy_buffer_to_buffer(&scratch.storage, 0, &scratch.readback, 0, n * 4);
     gpu.submit([encoder.finish()]);
     map_readback(gpu, n)
+}
+
+/// Dispatches `fill` and reads the first 4 words of the scratch back (`[1, 3, 5, 7]` on a
+/// working device).
+pub fn fill_and_read(gpu: &JobGpu) -> Vec<u32> {
+    gpu.submit([dispatch(gpu, "fill", 1)]);
+    read_back(gpu, 4)
+}
+
+/// A job that fills the first 4 words of its scratch on the GPU and reads them back, off the
+/// async runtime (the read back blocks).
+pub async fn fill_job(sup: &Supervisor, id: &str) -> Result<Vec<u32>, JobError<std::io::Error>> {
+    sup.run(JobSpec::new(id).unwrap(), |ctx| async move {
+        let gpu = ctx.gpu().expect("a gpu slot").clone();
+        let words = ctx
+            .spawn_blocking(move || fill_and_read(&gpu))
+            .await
+            .unwrap();
+        Ok::<_, std::io::Error>(words)
+    })
+    .await
 }
 
 /// The `n`-word pattern a job writes to show what the next lease can see.
