@@ -131,6 +131,18 @@ mod gpu {
         },
     }
 
+    impl Fence {
+        /// The device `lost` under the lease, on its `generation`.
+        fn lost(lost: LostDevice, generation: u64) -> Self {
+            let LostDevice { device, reason } = lost;
+            Self::Lost {
+                device,
+                generation,
+                reason,
+            }
+        }
+    }
+
     /// The supervisor's GPU devices, as its pipeline uses them.
     pub(crate) trait GpuHost: Send + Sync + 'static {
         /// How many GPU sub-slots there are.
@@ -214,19 +226,11 @@ mod gpu {
                         rest: Box::pin(async move {
                             match still_waiting.await {
                                 Ok(()) => Fence::Done,
-                                Err(LostDevice { device, reason }) => Fence::Lost {
-                                    device,
-                                    generation,
-                                    reason,
-                                },
+                                Err(lost) => Fence::lost(lost, generation),
                             }
                         }),
                     },
-                    Err(FenceFailure::Lost { device, reason }) => Fence::Lost {
-                        device,
-                        generation,
-                        reason,
-                    },
+                    Err(FenceFailure::Lost(lost)) => Fence::lost(lost, generation),
                 }
             })
         }

@@ -42,7 +42,7 @@ pub(crate) enum FenceFailure {
     },
     /// The device was lost (or its backend panicked): the slot is quarantined until the device
     /// is replaced.
-    Lost { device: usize, reason: String },
+    Lost(LostDevice),
 }
 
 /// Called (off the mailbox) when a lost device has been replaced, or given up.
@@ -469,14 +469,9 @@ impl GpuPool {
         // The lease's GPU use ends here, whatever follows: a clone kept past the job submits
         // nothing more and gets no scratch, and the latest submission before is waited for.
         let last = inner.end();
-        let lost = |inner: &JobGpuInner| {
-            inner.generation.loss().map(|reason| FenceFailure::Lost {
-                device: inner.device_index(),
-                reason,
-            })
-        };
-        if let Some(l) = lost(&inner) {
-            return Err(l);
+        let device = gpu.device_index();
+        if let Some(reason) = inner.generation.loss() {
+            return Err(FenceFailure::Lost(LostDevice { device, reason }));
         }
         let Some(wait) = FenceWait::of(&inner, self.opts.fence_policy, last) else {
             return Ok(());
@@ -489,7 +484,6 @@ impl GpuPool {
             }
             (result, inner)
         });
-        let device = gpu.device_index();
         // What the wait proved, on time or late: the work completed, unless the wait failed
         // (a loss, a backend panic) or the device was lost meanwhile.
         let outcome = move |joined: Result<
@@ -506,8 +500,7 @@ impl GpuPool {
             result.map_err(|reason| LostDevice { device, reason })
         };
         match tokio::time::timeout(self.opts.fence_timeout, &mut wait).await {
-            Ok(joined) => outcome(joined)
-                .map_err(|LostDevice { device, reason }| FenceFailure::Lost { device, reason }),
+            Ok(joined) => outcome(joined).map_err(FenceFailure::Lost),
             Err(_) => Err(FenceFailure::Timeout {
                 after: self.opts.fence_timeout,
                 still_waiting: Box::pin(async move { outcome(wait.await) }),
