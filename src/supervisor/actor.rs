@@ -621,8 +621,10 @@ impl Shell {
                     Some(AcquireError::Cancelled)
                 } else {
                     job.deadline
-                        .filter(|(when, _)| tokio::time::Instant::now() >= *when)
-                        .map(|(_, after)| AcquireError::TimedOut { after })
+                        .filter(|when| tokio::time::Instant::now() >= *when)
+                        .map(|_| AcquireError::TimedOut {
+                            after: self.config.acquire_timeout.unwrap_or_default(),
+                        })
                 };
                 if let Some(error) = refused {
                     self.answers.outbox.push(Outgoing::Refused {

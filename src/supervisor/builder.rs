@@ -312,6 +312,7 @@ impl SupervisorBuilder {
             sink: sink.clone(),
             hosts,
             held_warning: self.held_warning,
+            acquire_timeout: self.acquire_timeout,
             process_policy: ProcessPolicy {
                 grace: self.process_grace,
                 proof_bound: self.process_proof_bound,

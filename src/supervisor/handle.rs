@@ -470,7 +470,7 @@ impl Supervisor {
             body: boxed,
             reply: tx,
             span: KeptSpan::new(span),
-            deadline: deadline.zip(self.inner.acquire_timeout),
+            deadline,
         };
         let msg = SupMsg::Acquire {
             waiter,

@@ -158,10 +158,10 @@ pub(crate) struct PendingJob {
     pub(crate) body: BoxedBody,
     pub(crate) reply: oneshot::Sender<RunOutcome>,
     pub(crate) span: KeptSpan,
-    /// When the job stops waiting for a slot, and the acquire timeout that set it: a job
-    /// whose caller does not watch the clock (a detached or unpolled handle, `spawn_job`) is
-    /// refused at its grant once this has passed.
-    pub(crate) deadline: Option<(tokio::time::Instant, std::time::Duration)>,
+    /// When the job stops waiting for a slot (the acquire timeout): a job whose caller does not
+    /// watch the clock (a detached or unpolled handle, `spawn_job`) is refused at its grant
+    /// once this has passed.
+    pub(crate) deadline: Option<tokio::time::Instant>,
 }
 
 /// What `run` hears back.

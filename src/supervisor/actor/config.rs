@@ -20,4 +20,6 @@ pub(crate) struct Config {
     pub(crate) hosts: Hosts,
     /// Warn once about a lease held at least this long.
     pub(crate) held_warning: Option<Duration>,
+    /// The acquire timeout: a job a grant reaches past its deadline is refused with it.
+    pub(crate) acquire_timeout: Option<Duration>,
 }
